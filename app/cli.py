@@ -1,0 +1,122 @@
+"""The `miniapp` command: argument parsing and the one-line error policy.
+
+Every user-fixable problem (bad model file, bad flag value, missing input) is a MiniappError:
+it prints one line naming the cause and exits with code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from importlib.metadata import PackageNotFoundError, version
+
+from miniapp.engine.errors import MiniappError
+from miniapp.engine.runtimes import BACKENDS
+
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+def _version() -> str:
+    try:
+        return version("miniapp")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def _add_model_args(parser: argparse.ArgumentParser, ctx_default: int | None) -> None:
+    parser.add_argument(
+        "--model", help="GGUF path or bundled model name (default: smollm2-135m-instruct)"
+    )
+    parser.add_argument("--backend", choices=BACKENDS, default="torch")
+    parser.add_argument("--threads", type=_positive_int, help="CPU threads (default: all)")
+    parser.add_argument(
+        "--ctx", type=_positive_int, default=ctx_default, help="context size in tokens"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="miniapp", description="Local, offline inference on GGUF models."
+    )
+    parser.add_argument("--version", action="version", version=f"miniapp {_version()}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log engine details")
+    sub = parser.add_subparsers(dest="command")
+
+    chat = sub.add_parser("chat", help="chat in the terminal")
+    _add_model_args(chat, ctx_default=4096)
+    chat.add_argument("--max-tokens", type=_positive_int, default=512)
+    chat.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    chat.add_argument("--top-k", type=int, default=40)
+    chat.add_argument("--top-p", type=float, default=0.95)
+    chat.add_argument("--min-p", type=float, default=0.05)
+    chat.add_argument("--repeat-penalty", type=float, default=1.0)
+    chat.add_argument("--seed", type=int)
+    chat.add_argument("--system", help="system prompt")
+    chat.add_argument("--stats", action="store_true", help="print speed after every answer")
+
+    evaluate = sub.add_parser("eval", help="evaluate a model")
+    eval_sub = evaluate.add_subparsers(dest="eval_command", required=True)
+    ppl = eval_sub.add_parser("ppl", help="perplexity over a text file (llama.cpp's method)")
+    ppl.add_argument("file", help="UTF-8 text file")
+    _add_model_args(ppl, ctx_default=512)
+    ppl.add_argument("--json", action="store_true", help="print one JSON object")
+
+    bench = sub.add_parser("bench", help="our engine vs llama.cpp, side by side")
+    _add_model_args(bench, ctx_default=None)
+    bench.set_defaults(backend=None)
+    prompt = bench.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt-tokens", type=_positive_int, default=128)
+    prompt.add_argument("--prompt-file", help="use this text file's tokens as the prompt")
+    bench.add_argument("--tokens", type=_positive_int, default=128, help="tokens to generate")
+    bench.add_argument("--repeat", type=_positive_int, default=3, help="runs; medians reported")
+    bench.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(name)s: %(message)s",
+    )
+    try:
+        return _dispatch(args)
+    except MiniappError as exc:
+        print(f"miniapp: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    command = args.command or "chat"
+    if command == "chat":
+        from .chat import run_chat
+
+        if args.command is None:  # bare `miniapp`: chat with defaults
+            args = build_parser().parse_args(["chat"])
+        return run_chat(args)
+    if command == "eval":
+        from .evaluate import run_ppl
+
+        return run_ppl(args)
+    if command == "bench":
+        from .bench import run_bench
+
+        return run_bench(args)
+    raise AssertionError(command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""Chat templates from the GGUF (`tokenizer.chat_template`), rendered in jinja2's sandbox.
+
+Templates are code from a downloaded file, so they run in an immutable sandbox with only the
+helpers Hugging Face templates expect (raise_exception, strftime_now, tojson).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from dataclasses import dataclass
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from .errors import MiniappError
+
+# What llama.cpp falls back to when a file carries no template.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+class TemplateError(MiniappError):
+    """The model's chat template failed to render."""
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str  # "system" | "user" | "assistant"
+    content: str
+
+
+class ChatTemplate:
+    def __init__(self, source: str | None, bos_text: str = "", eos_text: str = ""):
+        self.source = source or CHATML_TEMPLATE
+        self.is_fallback = not source
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        try:
+            self._template = env.from_string(self.source)
+        except jinja2.TemplateError as exc:
+            raise TemplateError(f"the model's chat template does not parse: {exc}") from exc
+        self.bos_text, self.eos_text = bos_text, eos_text
+
+    def render(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
+        try:
+            return self._template.render(
+                messages=[{"role": m.role, "content": m.content} for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_text,
+                eos_token=self.eos_text,
+            )
+        except jinja2.TemplateError as exc:
+            raise TemplateError(f"the model's chat template failed: {exc}") from exc
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+def _tojson(value, indent=None, ensure_ascii=False, **_ignored) -> str:
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii)

@@ -1,0 +1,122 @@
+"""The generation loop shared by every runtime: text decoding, stops, limits, stats, events."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from .errors import ContextFullError
+from .events import FinishReason, Finished, GenerationEvent, GenerationStats, TextDelta
+from .runtimes.base import Runtime
+from .sampling import SamplingParams
+from .tokenizer import IncrementalDecoder
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    max_tokens: int = 512
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    ignore_end_of_turn: bool = False  # benchmarks generate a fixed number of tokens
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text, holding back any tail that might start one."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = tuple(s for s in stops if s)
+        self._pending = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Returns (text safe to show, whether a stop string was hit)."""
+        self._pending += text
+        for stop in self.stops:
+            at = self._pending.find(stop)
+            if at >= 0:
+                safe, self._pending = self._pending[:at], ""
+                return safe, True
+        hold = self._longest_partial_stop()
+        cut = len(self._pending) - hold
+        safe, self._pending = self._pending[:cut], self._pending[cut:]
+        return safe, False
+
+    def flush(self) -> str:
+        text, self._pending = self._pending, ""
+        return text
+
+    def _longest_partial_stop(self) -> int:
+        best = 0
+        for stop in self.stops:
+            for n in range(min(len(stop) - 1, len(self._pending)), best, -1):
+                if self._pending.endswith(stop[:n]):
+                    best = n
+                    break
+        return best
+
+
+def generate(
+    runtime: Runtime,
+    prompt: Sequence[int],
+    request: GenerationRequest,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> Iterator[GenerationEvent]:
+    """Stream an answer to `prompt` as TextDelta events, then one Finished event."""
+    if not prompt:
+        raise ValueError("empty prompt")
+    if len(prompt) >= runtime.n_ctx:
+        raise ContextFullError(
+            f"prompt of {len(prompt)} tokens does not fit the context of {runtime.n_ctx}; "
+            "raise --ctx or start a new chat"
+        )
+    start = time.perf_counter()
+    cached = runtime.reusable_prefix(prompt)
+    decoder = IncrementalDecoder(runtime.tokenizer)
+    stops = StopMatcher(request.stop)
+    eog = frozenset() if request.ignore_end_of_turn else runtime.tokenizer.eog_ids
+    reason = FinishReason.MAX_TOKENS
+    generated = 0
+    first_at = last_at = start
+    tokens = runtime.generate_tokens(prompt, request.sampling)
+    try:
+        for token in tokens:
+            last_at = time.perf_counter()
+            generated += 1
+            if generated == 1:
+                first_at = last_at
+            if token in eog:
+                reason = FinishReason.END_OF_TURN
+                break
+            text, hit = stops.push(decoder.push(token))
+            if text:
+                yield TextDelta(text)
+            if hit:
+                reason = FinishReason.STOP_STRING
+                break
+            if generated >= request.max_tokens:
+                break
+            if should_stop():
+                reason = FinishReason.CANCELLED
+                break
+            if len(prompt) + generated >= runtime.n_ctx:
+                reason = FinishReason.CONTEXT_FULL
+                break
+    finally:
+        tokens.close()
+    if reason != FinishReason.STOP_STRING:
+        tail = stops.push(decoder.flush())[0] + stops.flush()
+        if tail:
+            yield TextDelta(tail)
+    evaluated = len(prompt) - cached
+    ttft = first_at - start
+    decode_time = last_at - first_at
+    stats = GenerationStats(
+        backend=runtime.backend,
+        prompt_tokens=len(prompt),
+        cached_prompt_tokens=cached,
+        generated_tokens=generated,
+        ttft_s=ttft,
+        prefill_tok_s=evaluated / ttft if ttft > 0 else 0.0,
+        decode_tok_s=(generated - 1) / decode_time if generated > 1 and decode_time > 0 else 0.0,
+    )
+    yield Finished(reason, stats)

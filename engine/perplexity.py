@@ -1,0 +1,71 @@
+"""Perplexity as llama.cpp's perplexity tool computes it, for either runtime.
+
+The text is split into non-overlapping chunks of n_ctx tokens; each chunk is evaluated from a
+fresh context and only its second half is scored, so every scored token sees at least
+n_ctx/2 tokens of context. With a BOS-adding vocabulary, each chunk's first token is BOS.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from .errors import InputFileError
+from .runtimes.base import Runtime
+
+
+@dataclass(frozen=True)
+class PerplexityResult:
+    ppl: float
+    tokens: int  # tokens scored
+    text_tokens: int
+    chunks: int
+    ctx: int
+    backend: str
+    model: str
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def perplexity(runtime: Runtime, text: str, n_ctx: int) -> PerplexityResult:
+    start = time.perf_counter()
+    tokenizer = runtime.tokenizer
+    tokens = tokenizer.encode(text, parse_special=False)
+    n_chunks = len(tokens) // n_ctx
+    if n_chunks == 0:
+        raise InputFileError(
+            f"text has {len(tokens)} tokens; perplexity needs at least --ctx ({n_ctx})"
+        )
+    first = n_ctx // 2
+    nll_sum, scored = 0.0, 0
+    for chunk_index in range(n_chunks):
+        chunk = tokens[chunk_index * n_ctx : (chunk_index + 1) * n_ctx]
+        if tokenizer.add_bos:
+            chunk[0] = tokenizer.bos_id
+        logits = runtime.logits(chunk)
+        targets = np.asarray(chunk[first + 1 :])
+        nll_sum += float(-token_log_probs(logits[first:-1], targets).sum())
+        scored += len(targets)
+    return PerplexityResult(
+        ppl=math.exp(nll_sum / scored),
+        tokens=scored,
+        text_tokens=len(tokens),
+        chunks=n_chunks,
+        ctx=n_ctx,
+        backend=runtime.backend,
+        model=str(runtime.model_path),
+        seconds=time.perf_counter() - start,
+    )
+
+
+def token_log_probs(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """log softmax(logits)[i, targets[i]], computed stably in float64."""
+    logits = logits.astype(np.float64)
+    peak = logits.max(axis=-1, keepdims=True)
+    log_norm = np.log(np.exp(logits - peak).sum(axis=-1)) + peak[:, 0]
+    return logits[np.arange(len(targets)), targets] - log_norm

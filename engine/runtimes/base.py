@@ -1,0 +1,60 @@
+"""The interface both runtimes (our torch engine, llama.cpp) implement."""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ..sampling import SamplingParams
+from ..tokenizer import Tokenizer
+
+DEFAULT_CTX = 4096
+
+
+def default_threads() -> int:
+    """One thread per CPU this process may run on: decode is memory-bound, so more won't help."""
+    return max(1, len(os.sched_getaffinity(0)))
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class Runtime(ABC):
+    backend: str
+    model_path: Path
+    tokenizer: Tokenizer
+    n_ctx: int
+    chat_template: str | None  # the GGUF's own template source, if it has one
+
+    @abstractmethod
+    def reusable_prefix(self, prompt: Sequence[int]) -> int:
+        """How many leading prompt tokens are already in the cache from the previous call."""
+
+    @abstractmethod
+    def generate_tokens(self, prompt: Sequence[int], params: SamplingParams) -> Iterator[int]:
+        """Evaluate `prompt` (reusing the cached prefix) and yield sampled tokens until closed.
+
+        The consumer decides when to stop (end-of-turn, max tokens, Ctrl-C); the cache stays
+        consistent whenever the generator is closed or interrupted.
+        """
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Forget the cached context (the next prompt is evaluated from scratch)."""
+
+    @abstractmethod
+    def logits(self, tokens: Sequence[int]) -> np.ndarray:
+        """fp32 [len(tokens), vocab] from a fresh context (no reuse), for evaluation."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release native resources early."""

@@ -1,0 +1,77 @@
+"""llama.cpp through llama-cpp-python: our correctness oracle and speed yardstick."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ModelFileError
+from ..gguf_file import GGUFFile
+from ..llamacpp_lib import Llama
+from ..sampling import SamplingParams
+from ..tokenizer import Tokenizer
+from .base import DEFAULT_CTX, Runtime, common_prefix, default_threads
+
+
+class LlamaCppRuntime(Runtime):
+    backend = "llamacpp"
+
+    def __init__(
+        self,
+        model_path: Path | str,
+        n_ctx: int = DEFAULT_CTX,
+        threads: int | None = None,
+        logits_all: bool = False,
+    ):
+        self.model_path = Path(model_path)
+        # Our own reader first: it names the problem in a bad file more clearly than llama.cpp.
+        gguf = GGUFFile(self.model_path)
+        self.chat_template = gguf.metadata.get("tokenizer.chat_template")
+        threads = threads or default_threads()
+        try:
+            self._llm = Llama(
+                str(self.model_path),
+                n_ctx=n_ctx,
+                n_batch=min(n_ctx, 512),
+                n_threads=threads,
+                n_threads_batch=threads,
+                logits_all=logits_all,
+                verbose=False,
+            )
+        except ValueError as exc:
+            raise ModelFileError(self.model_path, f"llama.cpp could not load it ({exc})") from exc
+        self.tokenizer = Tokenizer(self.model_path, llama=self._llm)
+        self.n_ctx = n_ctx
+        self._logits_all = logits_all
+
+    def reusable_prefix(self, prompt: Sequence[int]) -> int:
+        cached = self._llm.input_ids[: self._llm.n_tokens].tolist()
+        return min(common_prefix(cached, prompt), len(prompt) - 1)
+
+    def generate_tokens(self, prompt: Sequence[int], params: SamplingParams) -> Iterator[int]:
+        seed = params.seed if params.seed is not None else random.randrange(2**31)
+        self._llm.set_seed(seed)
+        yield from self._llm.generate(
+            list(prompt),
+            temp=max(params.temperature, 0.0),
+            top_k=params.top_k,
+            top_p=params.top_p,
+            min_p=params.min_p,
+            repeat_penalty=params.repeat_penalty,
+        )
+
+    def reset(self) -> None:
+        self._llm.reset()
+
+    def logits(self, tokens: Sequence[int]) -> np.ndarray:
+        if not self._logits_all:
+            raise RuntimeError("open the llamacpp runtime with logits_all=True to read logits")
+        self._llm.reset()
+        self._llm.eval(list(tokens))
+        return np.array(self._llm.scores[: len(tokens)], dtype=np.float32)
+
+    def close(self) -> None:
+        self._llm.close()

@@ -1,0 +1,23 @@
+"""Sampling settings, shared by both backends (no torch import: llama.cpp-only processes use it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.8  # <= 0 means greedy
+    top_k: int = 40  # <= 0 disables
+    top_p: float = 0.95  # >= 1 disables
+    min_p: float = 0.05  # <= 0 disables
+    repeat_penalty: float = 1.0  # 1 disables
+    repeat_last_n: int = 64
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+
+GREEDY = SamplingParams(temperature=0.0)

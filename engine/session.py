@@ -1,0 +1,97 @@
+"""A chat: message history, the model's template, and generation with prefix reuse.
+
+Each turn renders the whole conversation; the runtime reuses the cached prefix, so only the
+new tokens are evaluated. When the conversation outgrows the context, whole old turns are
+dropped (the system prompt stays).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from .errors import ContextFullError
+from .chat_template import ChatTemplate, Message
+from .events import Finished, GenerationEvent, GenerationStats, TextDelta
+from .generation import GenerationRequest, generate
+from .runtimes.base import Runtime
+
+
+class ChatSession:
+    def __init__(
+        self,
+        runtime: Runtime,
+        system_prompt: str | None = None,
+        request: GenerationRequest | None = None,
+    ):
+        self.runtime = runtime
+        tokenizer = runtime.tokenizer
+        self.template = ChatTemplate(runtime.chat_template, tokenizer.bos_text, tokenizer.eos_text)
+        self.system_prompt = system_prompt
+        self.request = request or GenerationRequest()
+        self.messages: list[Message] = []
+        self.last_stats: GenerationStats | None = None
+        self.dropped_turns = 0
+
+    def reset(self) -> None:
+        self.messages.clear()
+        self.last_stats = None
+        self.dropped_turns = 0
+
+    def send(
+        self,
+        text: str,
+        request: GenerationRequest | None = None,
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> Iterator[GenerationEvent]:
+        """Add a user message and stream the answer; the answer (even a partial one) is kept."""
+        request = request or self.request
+        self.messages.append(Message("user", text))
+        try:
+            prompt = self._fit_prompt(reserve=min(request.max_tokens, self.runtime.n_ctx // 4))
+        except ContextFullError:
+            self.messages.pop()
+            raise
+        answer: list[str] = []
+        try:
+            for event in generate(self.runtime, prompt, request, should_stop):
+                if isinstance(event, TextDelta):
+                    answer.append(event.text)
+                elif isinstance(event, Finished):
+                    self.last_stats = event.stats
+                yield event
+        finally:
+            self.messages.append(Message("assistant", "".join(answer)))
+
+    def prompt_tokens(self, messages: list[Message]) -> list[int]:
+        text = self.template.render(self._with_system(messages))
+        tokenizer = self.runtime.tokenizer
+        # Templates often write the BOS token themselves; never add a second one.
+        add_bos = tokenizer.add_bos and not (tokenizer.bos_text and text.startswith(tokenizer.bos_text))
+        return tokenizer.encode(text, add_bos=add_bos, parse_special=True)
+
+    def _with_system(self, messages: list[Message]) -> list[Message]:
+        if self.system_prompt:
+            return [Message("system", self.system_prompt), *messages]
+        return list(messages)
+
+    def _fit_prompt(self, reserve: int) -> list[int]:
+        """Tokens of the conversation, dropping the oldest whole turns until it fits."""
+        while True:
+            tokens = self.prompt_tokens(self.messages)
+            if len(tokens) + reserve <= self.runtime.n_ctx:
+                return tokens
+            if len(self.messages) <= 1:
+                if len(tokens) < self.runtime.n_ctx:
+                    return tokens  # fits, with less room to answer
+                raise ContextFullError(
+                    f"message of {len(tokens)} tokens does not fit the context of "
+                    f"{self.runtime.n_ctx}; raise --ctx"
+                )
+            self._drop_oldest_turn()
+
+    def _drop_oldest_turn(self) -> None:
+        """Remove the first user message and the answers that followed it."""
+        del self.messages[0]
+        while self.messages and self.messages[0].role != "user":
+            del self.messages[0]
+        self.dropped_turns += 1
