@@ -15,9 +15,12 @@ from pathlib import Path
 
 from miniapp.assets import sample_texts
 from miniapp.engine.errors import MiniappError
+from miniapp.engine.gguf_file import GGUFFile
 from miniapp.engine.model_store import resolve_model
+from miniapp.engine.models import check_supported
 from miniapp.engine.tokenizer import Tokenizer
 
+from .bench_worker import EXIT_USAGE
 from .evaluate import read_text
 
 BACKENDS = ("torch", "llamacpp")
@@ -39,7 +42,8 @@ def bench_prompt(tokenizer: Tokenizer, n_tokens: int | None, prompt_file: str | 
 
 def run_bench(args: argparse.Namespace) -> int:
     model = resolve_model(args.model)
-    tokenizer = Tokenizer(model)  # also validates the file before any subprocess starts
+    check_supported(GGUFFile(model))  # report a bad file before any subprocess starts
+    tokenizer = Tokenizer(model)
     prompt = bench_prompt(tokenizer, args.prompt_tokens, args.prompt_file)
     needed = len(prompt) + args.tokens + 16
     ctx = args.ctx or -(-needed // CTX_ROUNDING) * CTX_ROUNDING
@@ -50,7 +54,7 @@ def run_bench(args: argparse.Namespace) -> int:
         prompt_path = Path(tmp) / "prompt.json"
         prompt_path.write_text(json.dumps(prompt))
         for backend in BACKENDS:
-            if not args.json:
+            if not args.json and sys.stderr.isatty():
                 print(f"running {backend}...", file=sys.stderr, flush=True)
             results[backend] = _run_worker(backend, model, prompt_path, ctx, args)
     ratio = results["torch"]["decode_tok_s"] / max(results["llamacpp"]["decode_tok_s"], 1e-9)
@@ -71,8 +75,10 @@ def _run_worker(backend: str, model: Path, prompt_path: Path, ctx: int, args) ->
     if args.threads:
         command += ["--threads", str(args.threads)]
     done = subprocess.run(command, capture_output=True, text=True)
+    last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+    if done.returncode == EXIT_USAGE:  # the worker's own one-line error
+        raise MiniappError(last)
     if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         raise MiniappError(f"{backend} benchmark failed: {last}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 

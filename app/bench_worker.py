@@ -8,6 +8,9 @@ import sys
 from pathlib import Path
 
 from miniapp.engine.benchmark import measure
+from miniapp.engine.errors import MiniappError
+
+EXIT_USAGE = 2
 
 
 def main() -> int:
@@ -21,9 +24,13 @@ def main() -> int:
     parser.add_argument("--threads", type=int)
     args = parser.parse_args()
     prompt = json.loads(args.prompt.read_text())
-    result = measure(
-        args.backend, args.model, prompt, args.tokens, args.threads, args.ctx, args.runs
-    )
+    try:
+        result = measure(
+            args.backend, args.model, prompt, args.tokens, args.threads, args.ctx, args.runs
+        )
+    except MiniappError as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_USAGE
     print(json.dumps(result.to_dict()))
     return 0
 

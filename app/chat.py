@@ -14,13 +14,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TextIO
 
-from miniapp.engine.events import FinishReason, Finished, TextDelta
+from miniapp.engine.errors import MiniappError
+from miniapp.engine.events import Finished, FinishReason, TextDelta
 from miniapp.engine.generation import GenerationRequest
 from miniapp.engine.model_store import resolve_model
 from miniapp.engine.runtimes import open_runtime
 from miniapp.engine.sampling import SamplingParams
 from miniapp.engine.session import ChatSession
-from miniapp.engine.errors import MiniappError
 
 PROMPT = ">>> "
 HELP = """commands:
@@ -115,9 +115,7 @@ def _command(session: ChatSession, text: str) -> str | None:
     return None
 
 
-def _stream_answer(
-    session: ChatSession, text: str, cancel: threading.Event, out: TextIO
-) -> None:
+def _stream_answer(session: ChatSession, text: str, cancel: threading.Event, out: TextIO) -> None:
     finish = None
     for event in session.send(text, should_stop=cancel.is_set):
         if isinstance(event, TextDelta):

@@ -27,7 +27,10 @@ def read_text(path_arg: str) -> str:
 def run_ppl(args: argparse.Namespace) -> int:
     text = read_text(args.file)
     runtime = open_runtime(
-        args.backend, resolve_model(args.model), n_ctx=args.ctx, threads=args.threads,
+        args.backend,
+        resolve_model(args.model),
+        n_ctx=args.ctx,
+        threads=args.threads,
         logits_all=True,
     )
     result = perplexity(runtime, text, args.ctx)

@@ -6,5 +6,8 @@ from importlib.resources import files
 def sample_texts() -> list[str]:
     """Our own English prose samples, in a stable order."""
     folder = files(__name__) / "text"
-    return [p.read_text(encoding="utf-8") for p in sorted(folder.iterdir(), key=lambda p: p.name)
-            if p.name.endswith(".txt")]
+    return [
+        p.read_text(encoding="utf-8")
+        for p in sorted(folder.iterdir(), key=lambda p: p.name)
+        if p.name.endswith(".txt")
+    ]

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 
-class FinishReason(str, Enum):
+class FinishReason(StrEnum):
     END_OF_TURN = "end_of_turn"  # the model emitted an end-of-generation token
     STOP_STRING = "stop_string"
     MAX_TOKENS = "max_tokens"

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from .errors import ContextFullError
-from .events import FinishReason, Finished, GenerationEvent, GenerationStats, TextDelta
+from .events import Finished, FinishReason, GenerationEvent, GenerationStats, TextDelta
 from .runtimes.base import Runtime
 from .sampling import SamplingParams
 from .tokenizer import IncrementalDecoder

@@ -90,7 +90,9 @@ class GGUFFile:
         """uint8 [rows, row_bytes] sharing the memory map (read-only: never write to it)."""
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # torch warns on read-only buffers
-            flat = torch.frombuffer(self._map, dtype=torch.uint8, count=info.nbytes, offset=info.offset)
+            flat = torch.frombuffer(
+                self._map, dtype=torch.uint8, count=info.nbytes, offset=info.offset
+            )
         return flat.view(info.rows, -1)
 
     def release(self) -> None:

@@ -106,9 +106,9 @@ class _Int4Packer:
 
 
 class DenseLinear(nn.Module):
-    """y = x @ W.T for weights stored unquantized (F32/F16/BF16); returns bf16 like Int4Linear.
+    """y = x @ W.T for weights stored unquantized, kept in their stored dtype (F32/F16/BF16).
 
-    F32 weights compute in fp32; half-precision ones in bf16, which CPUs handle far faster.
+    Computes and returns fp32, so float models keep llama.cpp's precision.
     """
 
     def __init__(self, weight: torch.Tensor):
@@ -117,7 +117,7 @@ class DenseLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.to(self.weight.dtype), self.weight).to(COMPUTE_DTYPE)
+        return F.linear(x.float(), self.weight.float())
 
 
 RawWeight = tuple[torch.Tensor, GGMLQuantizationType]  # uint8 rows [n, row_bytes], type
@@ -135,13 +135,18 @@ def linear_from_raw(parts: list[RawWeight], n_cols: int) -> nn.Module:
         for raw, ggml_type in parts:
             for start in range(0, raw.shape[0], _PACK_CHUNK_ROWS):
                 rows = raw[start : start + _PACK_CHUNK_ROWS]
-                packer.add(q8_0_to_int4_pair(rows) if pair else int4_groups_from_raw(rows, ggml_type))
+                packer.add(
+                    q8_0_to_int4_pair(rows) if pair else int4_groups_from_raw(rows, ggml_type)
+                )
         out_features = packer.rows
         packed, scales_zeros = packer.finish()
         return Int4Linear(packed, scales_zeros, out_features, input_copies=2 if pair else 1)
     if types <= FLOAT_TYPES:
+        stored = {Q.F16: torch.float16, Q.BF16: torch.bfloat16}.get(
+            next(iter(types)), torch.float32
+        )
         weight = torch.cat([dequantize_rows(raw, t, n_cols) for raw, t in parts])
-        return DenseLinear(weight if types == {Q.F32} else weight.to(COMPUTE_DTYPE))
+        return DenseLinear(weight.to(stored if len(types) == 1 else torch.float32))
     # Mixed 4-bit and 8-bit parts: separate kernels, outputs concatenated.
     return _ConcatLinear([linear_from_raw([part], n_cols) for part in parts])
 

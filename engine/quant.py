@@ -128,7 +128,9 @@ def q8_0_to_int4_pair(raw: torch.Tensor) -> Int4Groups:
     return Int4Groups(codes, scale, zero)
 
 
-def dequantize_rows(raw: torch.Tensor, ggml_type: GGMLQuantizationType, n_cols: int) -> torch.Tensor:
+def dequantize_rows(
+    raw: torch.Tensor, ggml_type: GGMLQuantizationType, n_cols: int
+) -> torch.Tensor:
     """Reference dequantizer: raw rows uint8 [rows, row_bytes] -> float32 [rows, n_cols]."""
     rows = raw.shape[0]
     if ggml_type == Q.F32:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from .errors import ContextFullError
 from .chat_template import ChatTemplate, Message
+from .errors import ContextFullError
 from .events import Finished, GenerationEvent, GenerationStats, TextDelta
 from .generation import GenerationRequest, generate
 from .runtimes.base import Runtime
@@ -66,7 +66,9 @@ class ChatSession:
         text = self.template.render(self._with_system(messages))
         tokenizer = self.runtime.tokenizer
         # Templates often write the BOS token themselves; never add a second one.
-        add_bos = tokenizer.add_bos and not (tokenizer.bos_text and text.startswith(tokenizer.bos_text))
+        add_bos = tokenizer.add_bos and not (
+            tokenizer.bos_text and text.startswith(tokenizer.bos_text)
+        )
         return tokenizer.encode(text, add_bos=add_bos, parse_special=True)
 
     def _with_system(self, messages: list[Message]) -> list[Message]:

@@ -20,11 +20,11 @@ class Tokenizer:
         if llama is None:
             try:
                 llama = Llama(str(self.path), vocab_only=True, verbose=False)
-            except Exception as exc:  # llama.cpp reports all load failures as ValueError
-                raise ModelFileError(self.path, f"llama.cpp could not read its vocabulary ({exc})")
+            except ValueError as exc:  # llama-cpp-python reports load failures as ValueError
+                reason = f"llama.cpp could not read its vocabulary ({exc})"
+                raise ModelFileError(self.path, reason) from exc
         self._llama = llama
-        vocab = llama_cpp.llama_model_get_vocab(llama.model)
-        self._vocab = vocab
+        self._vocab = vocab = llama_cpp.llama_model_get_vocab(llama.model)
         self._piece_cache: dict[tuple[int, bool], bytes] = {}
         self.n_vocab = llama.n_vocab()
         self.bos_id = llama.token_bos()
@@ -36,7 +36,9 @@ class Tokenizer:
         self.bos_text = self.token_text(self.bos_id) if self.bos_id >= 0 else ""
         self.eos_text = self.token_text(self.eos_id) if self.eos_id >= 0 else ""
 
-    def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
+    def encode(
+        self, text: str, add_bos: bool | None = None, parse_special: bool = True
+    ) -> list[int]:
         """Token ids for `text`. BOS follows the model's own setting unless told otherwise."""
         if add_bos is None:
             add_bos = self.add_bos

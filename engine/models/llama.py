@@ -16,7 +16,7 @@ from ..cache import KVCache
 from ..errors import ContextFullError, ModelFileError, UnsupportedModelError
 from ..gguf_file import GGUFFile
 from ..layers import BlockEmbedding, RMSNorm, Rope, apply_rope, linear_from_raw
-from ..quant import LINEAR_TYPES, dequantize_rows
+from ..quant import dequantize_rows
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,9 @@ class LlamaConfig:
         head_dim = int(gguf.arch_value("attention.key_length", dim // n_heads))
         rope_dim = int(gguf.arch_value("rope.dimension_count", head_dim))
         if rope_dim != head_dim:
-            raise UnsupportedModelError(gguf.path, "partial rotary embeddings are not supported yet")
+            raise UnsupportedModelError(
+                gguf.path, "partial rotary embeddings are not supported yet"
+            )
         scaling = gguf.arch_value("rope.scaling.type", "none")
         if scaling not in ("none", None):
             raise UnsupportedModelError(gguf.path, f"RoPE scaling '{scaling}' is not supported yet")
@@ -153,7 +155,6 @@ class LlamaModel(nn.Module):
     @classmethod
     def from_gguf(cls, gguf: GGUFFile, max_positions: int) -> LlamaModel:
         config = LlamaConfig.from_gguf(gguf)
-        check_tensor_types(gguf)
         weights = _WeightReader(gguf)
         layers = []
         for i in range(config.n_layers):
@@ -178,16 +179,6 @@ class LlamaModel(nn.Module):
         return cls(config, embed, layers, norm, output, max_positions)
 
 
-def check_tensor_types(gguf: GGUFFile) -> None:
-    for info in gguf.tensors.values():
-        if info.ggml_type not in LINEAR_TYPES:
-            raise UnsupportedModelError(
-                gguf.path,
-                f"tensor {info.name} has type {info.ggml_type.name}, "
-                "which the torch engine does not support yet",
-            )
-
-
 class _WeightReader:
     """Turns named GGUF tensors into modules, releasing each tensor's mapped pages once
     repacked, so the file and its repacked copy are never both resident."""
@@ -197,7 +188,9 @@ class _WeightReader:
 
     def linear(self, names: list[str]) -> nn.Module:
         infos = [self.gguf.tensor(n) for n in names]
-        module = linear_from_raw([(self.gguf.raw(i), i.ggml_type) for i in infos], infos[0].shape[-1])
+        module = linear_from_raw(
+            [(self.gguf.raw(i), i.ggml_type) for i in infos], infos[0].shape[-1]
+        )
         self.gguf.release()
         return module
 

@@ -1,0 +1,42 @@
+"""Shared fixtures. Tests use the real bundled model and real llama.cpp; nothing downloads."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from miniapp.engine.model_store import resolve_model  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def default_model() -> Path:
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def torch_runtime(default_model):
+    from miniapp.engine.runtimes.torch_runtime import TorchRuntime
+
+    return TorchRuntime(default_model, n_ctx=1024)
+
+
+@pytest.fixture(scope="session")
+def llamacpp_runtime(default_model):
+    from miniapp.engine.runtimes.llamacpp_runtime import LlamaCppRuntime
+
+    return LlamaCppRuntime(default_model, n_ctx=1024, logits_all=True)
+
+
+@pytest.fixture(scope="session")
+def miniapp_exe() -> str:
+    """The installed console script (tests run it as a user would)."""
+    exe = Path(sys.executable).parent / "miniapp"
+    return str(exe) if exe.exists() else shutil.which("miniapp")

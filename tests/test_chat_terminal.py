@@ -1,0 +1,93 @@
+"""`miniapp chat` driven through a real pseudo-terminal and through a pipe."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+
+import pexpect
+import pytest
+
+PROMPT = ">>> "
+
+
+@pytest.mark.parametrize("backend", ["torch", "llamacpp"])
+def test_piped_input_prints_one_answer_and_exits_zero(miniapp_exe, backend):
+    done = subprocess.run(
+        [miniapp_exe, "chat", "--backend", backend, "--temperature", "0", "--max-tokens", "24"],
+        input="What is the capital of France?\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    answer = done.stdout.strip()
+    assert answer and PROMPT not in done.stdout
+    assert "Traceback" not in done.stderr
+
+
+def test_empty_pipe_is_an_error(miniapp_exe):
+    done = subprocess.run(
+        [miniapp_exe, "chat"], input="", capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2 and "no input" in done.stderr
+
+
+@pytest.fixture
+def chat(miniapp_exe):
+    child = pexpect.spawn(
+        miniapp_exe,
+        ["chat", "--temperature", "0", "--max-tokens", "400", "--seed", "1"],
+        encoding="utf-8",
+        timeout=60,
+        dimensions=(40, 200),
+    )
+    child.expect_exact(PROMPT)
+    yield child
+    if child.isalive():
+        child.terminate(force=True)
+
+
+def _ask(child, text: str) -> str:
+    child.sendline(text)
+    child.expect_exact(PROMPT)
+    return child.before
+
+
+def test_multi_turn_stats_reset_and_exit(chat):
+    first = _ask(chat, "My name is Ada. Say hello to me.")
+    assert len(first.strip()) > len("My name is Ada. Say hello to me.")
+    stats = _ask(chat, "/stats")
+    assert "tok/s" in stats and "prompt" in stats
+    # Second turn: the first turn's tokens are reused from the cache.
+    _ask(chat, "What is my name?")
+    stats = _ask(chat, "/stats")
+    cached = int(stats.split("(")[1].split(" cached")[0])
+    assert cached > 20, stats
+    assert "new conversation" in _ask(chat, "/reset")
+    _ask(chat, "Hi")
+    stats = _ask(chat, "/stats")
+    assert "(0 cached)" in stats or int(stats.split("(")[1].split(" cached")[0]) < cached
+    chat.sendline("/exit")
+    chat.expect(pexpect.EOF)
+    chat.close()
+    assert chat.exitstatus == 0
+
+
+def test_ctrl_c_stops_the_answer_not_the_app(chat):
+    chat.sendline("Write a very long story about a dragon, with many chapters.")
+    chat.expect(r"\w+ \w+ \w+")  # the answer is streaming
+    time.sleep(0.3)
+    chat.kill(signal.SIGINT)
+    chat.expect_exact("(stopped)")
+    chat.expect_exact(PROMPT)
+    # The app is still alive and answers again.
+    assert _ask(chat, "Say yes.").strip()
+    # Ctrl-C at an empty prompt does not quit either.
+    chat.kill(signal.SIGINT)
+    chat.expect_exact("/exit")
+    chat.sendeof()
+    chat.expect(pexpect.EOF)
+    chat.close()
+    assert chat.exitstatus == 0

@@ -1,0 +1,49 @@
+from __future__ import annotations
+
+import pytest
+from miniapp.engine.chat_template import CHATML_TEMPLATE, ChatTemplate, Message, TemplateError
+from miniapp.engine.generation import StopMatcher
+
+
+def _feed(stops, pieces):
+    matcher = StopMatcher(stops)
+    shown, hit = [], False
+    for piece in pieces:
+        text, hit = matcher.push(piece)
+        shown.append(text)
+        if hit:
+            break
+    if not hit:
+        shown.append(matcher.flush())
+    return "".join(shown), hit
+
+
+def test_stop_string_split_across_pieces_is_cut_and_hidden():
+    assert _feed(["</end>"], ["hello </", "en", "d> ignored"]) == ("hello ", True)
+
+
+def test_partial_stop_prefix_is_released_when_it_does_not_complete():
+    assert _feed(["STOP"], ["a ST", "ART b"]) == ("a START b", False)
+
+
+def test_no_stops_passes_text_through():
+    assert _feed([], ["a", "b"]) == ("ab", False)
+
+
+def test_chatml_fallback_renders_generation_prompt():
+    template = ChatTemplate(None)
+    assert template.is_fallback and template.source == CHATML_TEMPLATE
+    text = template.render([Message("user", "hi")])
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_template_sandbox_blocks_python_internals():
+    template = ChatTemplate("{{ messages.__class__.__mro__ }}")
+    with pytest.raises(TemplateError):
+        template.render([Message("user", "x")])
+
+
+def test_template_raise_exception_becomes_template_error():
+    template = ChatTemplate("{{ raise_exception('roles must alternate') }}")
+    with pytest.raises(TemplateError, match="roles must alternate"):
+        template.render([Message("user", "x")])

@@ -1,0 +1,68 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from miniapp.engine.cache import KVCache
+from miniapp.engine.errors import ContextFullError
+from miniapp.engine.layers import Rope, apply_rope
+
+
+def _rotate_reference(x: torch.Tensor, position: int, base: float, interleaved: bool):
+    """Textbook RoPE on one head vector, pair by pair."""
+    d = x.shape[-1]
+    out = x.clone()
+    for i in range(d // 2):
+        a, b = (2 * i, 2 * i + 1) if interleaved else (i, i + d // 2)
+        angle = position * base ** (-2 * i / d)
+        c, s = math.cos(angle), math.sin(angle)
+        out[a] = x[a] * c - x[b] * s
+        out[b] = x[a] * s + x[b] * c
+    return out
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("start,count", [(0, 5), (62, 5), (1000, 1), (5, 200)])
+def test_rope_matrices_match_textbook(interleaved, start, count):
+    rope = Rope(head_dim=16, rotary_dim=16, base=10000.0, interleaved=interleaved)
+    heads = torch.randn(count, 3, 16)
+    rotated = apply_rope(heads, rope.matrices(start, count))
+    for t in (0, count - 1):
+        for h in range(3):
+            expected = _rotate_reference(heads[t, h], start + t, 10000.0, interleaved)
+            torch.testing.assert_close(rotated[t, h], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_rope_block_cache_gives_same_matrices_as_fresh_build():
+    rope = Rope(16, 16, 10000.0, interleaved=True)
+    stepwise = torch.cat([rope.matrices(p, 1) for p in range(60, 70)])
+    fresh = Rope(16, 16, 10000.0, interleaved=True).matrices(60, 10)
+    torch.testing.assert_close(stepwise, fresh)
+
+
+def test_partial_rotary_leaves_tail_untouched():
+    rope = Rope(head_dim=16, rotary_dim=8, base=10000.0, interleaved=False)
+    x = torch.randn(1, 2, 16)
+    out = apply_rope(x, rope.matrices(7, 1))
+    torch.testing.assert_close(out[..., 8:], x[..., 8:])
+
+
+def test_kv_cache_update_trim_mask_state():
+    cache = KVCache(n_kv_heads=2, head_dim=4, max_tokens=8)
+    k = torch.randn(1, 2, 3, 4)
+    keys, values = cache.update_and_fetch(k, k * 2)
+    assert cache.offset == 3 and keys.shape == (1, 2, 3, 4)
+    torch.testing.assert_close(values, k * 2)
+    mask = cache.make_mask(2)
+    assert mask.shape == (2, 5)
+    assert mask.tolist() == [[True] * 4 + [False], [True] * 5]
+    assert cache.make_mask(1) is None
+    saved = cache.state
+    assert cache.trim(2) == 2 and cache.offset == 1
+    cache.update_and_fetch(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4))
+    cache.restore(saved)
+    assert cache.offset == 3
+    torch.testing.assert_close(cache.keys[:, :, :3], k)
+    with pytest.raises(ContextFullError):
+        cache.update_and_fetch(torch.zeros(1, 2, 6, 4), torch.zeros(1, 2, 6, 4))

@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+import torch
+from miniapp.engine.sampler import Sampler, apply_repeat_penalty
+from miniapp.engine.sampling import SamplingParams
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(1000)
+    assert Sampler(SamplingParams(temperature=0))(logits, []) == int(logits.argmax())
+
+
+def test_top_k_one_is_greedy_at_any_temperature():
+    logits = torch.randn(1000)
+    sampler = Sampler(SamplingParams(temperature=5.0, top_k=1, seed=3))
+    assert {sampler(logits, []) for _ in range(20)} == {int(logits.argmax())}
+
+
+def test_seed_reproduces_and_differs():
+    logits = torch.zeros(500)
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=42)
+    s1, s2 = Sampler(params), Sampler(params)
+    seq1 = [s1(logits, []) for _ in range(30)]
+    seq2 = [s2(logits, []) for _ in range(30)]
+    assert seq1 == seq2
+    other = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7))
+    assert [other(logits, []) for _ in range(30)] != seq1
+
+
+def test_unfiltered_sampling_follows_softmax():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    sampler = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=1))
+    counts = torch.bincount(torch.tensor([sampler(logits, []) for _ in range(4000)]), minlength=4)
+    expected = torch.softmax(logits, 0) * 4000
+    # 5 standard deviations of a binomial count: a wrong distribution fails, noise does not.
+    sd = (expected * (1 - expected / 4000)).sqrt()
+    assert ((counts - expected).abs() <= 5 * sd).all(), (counts, expected)
+
+
+def test_top_p_and_min_p_cut_the_tail():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log()
+    top_p = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=0.75, min_p=0.0, seed=0))
+    assert {top_p(logits, []) for _ in range(300)} == {0, 1}
+    min_p = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.25, seed=0))
+    assert {min_p(logits, []) for _ in range(300)} == {0, 1, 2}
+
+
+def test_repeat_penalty_follows_llama_cpp_rule():
+    logits = torch.tensor([2.0, -2.0, 1.0])
+    out = apply_repeat_penalty(logits, [0, 1, 1], penalty=2.0)
+    assert out.tolist() == [1.0, -4.0, 1.0]
+    assert logits.tolist() == [2.0, -2.0, 1.0]  # input untouched
