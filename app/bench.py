@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,16 +50,28 @@ def run_bench(args: argparse.Namespace) -> int:
     ctx = args.ctx or -(-needed // CTX_ROUNDING) * CTX_ROUNDING
     if ctx < needed:
         raise MiniappError(f"--ctx {ctx} is too small for {len(prompt)} + {args.tokens} tokens")
-    results = {}
     with tempfile.TemporaryDirectory(prefix="miniapp-bench-") as tmp:
         prompt_path = Path(tmp) / "prompt.json"
         prompt_path.write_text(json.dumps(prompt))
-        for backend in BACKENDS:
-            if not args.json and sys.stderr.isatty():
-                print(f"running {backend}...", file=sys.stderr, flush=True)
-            results[backend] = _run_worker(backend, model, prompt_path, ctx, args)
-    ratio = results["torch"]["decode_tok_s"] / max(results["llamacpp"]["decode_tok_s"], 1e-9)
-    results["torch"]["decode_vs_llamacpp"] = ratio
+        workers = {b: _Worker(b, model, prompt_path, ctx, args) for b in BACKENDS}
+        try:
+            for worker in workers.values():
+                worker.wait_ready()
+            # Alternate single runs so both backends see the same machine conditions, and
+            # judge speed by the median of back-to-back pairs.
+            pair_ratios = []
+            for run in range(args.repeat):
+                speeds = {}
+                for backend, worker in workers.items():
+                    if not args.json and sys.stderr.isatty():
+                        print(f"run {run + 1}/{args.repeat}: {backend}", file=sys.stderr)
+                    speeds[backend] = float(worker.ask("run", expect="done").split()[1])
+                pair_ratios.append(speeds["torch"] / max(speeds["llamacpp"], 1e-9))
+            results = {b: json.loads(w.ask("result")) for b, w in workers.items()}
+        finally:
+            for worker in workers.values():
+                worker.stop()
+    results["torch"]["decode_vs_llamacpp"] = statistics.median(pair_ratios)
     if args.json:
         print(json.dumps(results))
     else:
@@ -66,21 +79,51 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_worker(backend: str, model: Path, prompt_path: Path, ctx: int, args) -> dict:
-    command = [
-        sys.executable, "-m", "miniapp.app.bench_worker",
-        "--backend", backend, "--model", str(model), "--prompt", str(prompt_path),
-        "--tokens", str(args.tokens), "--ctx", str(ctx), "--runs", str(args.repeat),
-    ]  # fmt: skip
-    if args.threads:
-        command += ["--threads", str(args.threads)]
-    done = subprocess.run(command, capture_output=True, text=True)
-    last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-    if done.returncode == EXIT_USAGE:  # the worker's own one-line error
-        raise MiniappError(last)
-    if done.returncode != 0:
-        raise MiniappError(f"{backend} benchmark failed: {last}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+class _Worker:
+    """A `bench_worker` subprocess holding one loaded backend."""
+
+    def __init__(self, backend: str, model: Path, prompt_path: Path, ctx: int, args):
+        self.backend = backend
+        command = [
+            sys.executable, "-m", "miniapp.app.bench_worker",
+            "--backend", backend, "--model", str(model), "--prompt", str(prompt_path),
+            "--tokens", str(args.tokens), "--ctx", str(ctx),
+        ]  # fmt: skip
+        if args.threads:
+            command += ["--threads", str(args.threads)]
+        self._stderr = tempfile.TemporaryFile(mode="w+")
+        self._process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
+            text=True,
+        )  # fmt: skip
+
+    def wait_ready(self) -> None:
+        self._read(expect="ready")
+
+    def ask(self, command: str, expect: str | None = None) -> str:
+        self._process.stdin.write(command + "\n")
+        self._process.stdin.flush()
+        return self._read(expect)
+
+    def _read(self, expect: str | None = None) -> str:
+        line = self._process.stdout.readline().strip()
+        if not line or (expect and line.split()[0] != expect):
+            self._fail()
+        return line
+
+    def _fail(self) -> None:
+        code = self._process.wait()
+        self._stderr.seek(0)
+        last = (self._stderr.read().strip().splitlines() or ["no output"])[-1]
+        if code == EXIT_USAGE:  # the worker's own one-line error
+            raise MiniappError(last)
+        raise MiniappError(f"{self.backend} benchmark failed: {last}")
+
+    def stop(self) -> None:
+        if self._process.poll() is None:
+            self._process.kill()
+        self._process.wait()
+        self._stderr.close()
 
 
 def _print_table(model: Path, results: dict) -> None:
@@ -101,3 +144,4 @@ def _print_table(model: Path, results: dict) -> None:
         ours, theirs = torch_r[key] * scale, llama_r[key] * scale
         ratio = ours / theirs if theirs else float("nan")
         print(f"{label:16}{fmt.format(ours):>12}{fmt.format(theirs):>12}{ratio:>10.2f}")
+    print(f"decode speed ratio, median of back-to-back pairs: {torch_r['decode_vs_llamacpp']:.2f}")

@@ -1,4 +1,10 @@
-"""One backend's half of `miniapp bench`, run in its own process; prints one JSON line."""
+"""One backend's half of `miniapp bench`, in its own process.
+
+Protocol on stdin/stdout, one line each: the worker prints `ready` once loaded; each `run`
+line makes one measured run, answered `done <decode tok/s>`; `result` prints the JSON
+result and exits.
+A user-fixable error is printed to stderr as one line, with exit code 2.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from miniapp.engine.benchmark import measure
+from miniapp.engine.benchmark import BenchSession
 from miniapp.engine.errors import MiniappError
 
 EXIT_USAGE = 2
@@ -20,19 +26,31 @@ def main() -> int:
     parser.add_argument("--prompt", required=True, type=Path, help="JSON list of token ids")
     parser.add_argument("--tokens", required=True, type=int)
     parser.add_argument("--ctx", required=True, type=int)
-    parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--threads", type=int)
     args = parser.parse_args()
     prompt = json.loads(args.prompt.read_text())
     try:
-        result = measure(
-            args.backend, args.model, prompt, args.tokens, args.threads, args.ctx, args.runs
+        session = BenchSession(
+            args.backend, args.model, prompt, args.tokens, args.threads, args.ctx
         )
     except MiniappError as exc:
         print(exc, file=sys.stderr)
         return EXIT_USAGE
-    print(json.dumps(result.to_dict()))
-    return 0
+    _reply("ready")
+    for line in sys.stdin:
+        command = line.strip()
+        if command == "run":
+            stats = session.run_once()
+            _reply(f"done {stats.decode_tok_s}")
+        elif command == "result":
+            _reply(json.dumps(session.result().to_dict()))
+            return 0
+    return 1  # stdin closed without asking for the result
+
+
+def _reply(text: str) -> None:
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

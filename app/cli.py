@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt-tokens", type=_positive_int, default=128)
     prompt.add_argument("--prompt-file", help="use this text file's tokens as the prompt")
     bench.add_argument("--tokens", type=_positive_int, default=128, help="tokens to generate")
-    bench.add_argument("--repeat", type=_positive_int, default=3, help="runs; medians reported")
+    bench.add_argument("--repeat", type=_positive_int, default=5, help="runs; medians reported")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 

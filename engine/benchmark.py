@@ -1,7 +1,8 @@
 """Measuring one runtime: prefill speed, time to first token, decode speed, peak memory.
 
-Each backend is measured in its own process (see `miniapp bench`), so the peak RSS that
-`getrusage` reports belongs to that backend alone.
+`miniapp bench` runs each backend in its own worker process, so that the peak RSS `getrusage`
+reports belongs to that backend alone, and alternates single runs between the workers, so
+that both see the same machine conditions (this machine is noisy; medians are reported).
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .events import Finished
+from .events import Finished, GenerationStats
 from .generation import GenerationRequest, generate
 from .runtimes import open_runtime
+from .runtimes.base import Runtime
 from .sampling import GREEDY
 
 WARMUP_TOKENS = 8  # first calls pay one-time costs (thread pools, kernel selection)
@@ -42,41 +44,55 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def measure(
-    backend: str,
-    model: Path,
-    prompt: list[int],
-    n_tokens: int,
-    threads: int | None,
-    ctx: int,
-    runs: int,
-) -> BenchResult:
-    load_start = time.perf_counter()
-    runtime = open_runtime(backend, model, n_ctx=ctx, threads=threads)
-    load_s = time.perf_counter() - load_start
-    request = GenerationRequest(max_tokens=n_tokens, sampling=GREEDY, ignore_end_of_turn=True)
-    warmup = GenerationRequest(max_tokens=WARMUP_TOKENS, sampling=GREEDY, ignore_end_of_turn=True)
-    _run(runtime, prompt[::-1], warmup)  # a different prompt, so nothing is reused below
-    samples = []
-    for _ in range(runs):
-        runtime.reset()
-        samples.append(_run(runtime, prompt, request))
-    return BenchResult(
-        backend=backend,
-        prompt_tokens=len(prompt),
-        generated_tokens=n_tokens,
-        threads=threads,
-        ctx=ctx,
-        runs=runs,
-        load_s=load_s,
-        prefill_tok_s=statistics.median(s.prefill_tok_s for s in samples),
-        ttft_s=statistics.median(s.ttft_s for s in samples),
-        decode_tok_s=statistics.median(s.decode_tok_s for s in samples),
-        peak_rss_mb=peak_rss_mb(),
-    )
+class BenchSession:
+    """One loaded runtime that performs measured runs on request."""
+
+    def __init__(
+        self,
+        backend: str,
+        model: Path,
+        prompt: list[int],
+        n_tokens: int,
+        threads: int | None,
+        ctx: int,
+    ):
+        start = time.perf_counter()
+        self.runtime: Runtime = open_runtime(backend, model, n_ctx=ctx, threads=threads)
+        self.load_s = time.perf_counter() - start
+        self.backend, self.prompt, self.threads, self.ctx = backend, prompt, threads, ctx
+        self.request = GenerationRequest(
+            max_tokens=n_tokens, sampling=GREEDY, ignore_end_of_turn=True
+        )
+        warmup = GenerationRequest(
+            max_tokens=WARMUP_TOKENS, sampling=GREEDY, ignore_end_of_turn=True
+        )
+        _stats(self.runtime, prompt[::-1], warmup)  # a different prompt: nothing reused below
+        self.samples: list[GenerationStats] = []
+
+    def run_once(self) -> GenerationStats:
+        self.runtime.reset()
+        stats = _stats(self.runtime, self.prompt, self.request)
+        self.samples.append(stats)
+        return stats
+
+    def result(self) -> BenchResult:
+        runs = self.samples
+        return BenchResult(
+            backend=self.backend,
+            prompt_tokens=len(self.prompt),
+            generated_tokens=self.request.max_tokens,
+            threads=self.threads,
+            ctx=self.ctx,
+            runs=len(runs),
+            load_s=self.load_s,
+            prefill_tok_s=statistics.median(s.prefill_tok_s for s in runs),
+            ttft_s=statistics.median(s.ttft_s for s in runs),
+            decode_tok_s=statistics.median(s.decode_tok_s for s in runs),
+            peak_rss_mb=peak_rss_mb(),
+        )
 
 
-def _run(runtime, prompt, request):
+def _stats(runtime: Runtime, prompt: list[int], request: GenerationRequest) -> GenerationStats:
     for event in generate(runtime, prompt, request):
         if isinstance(event, Finished):
             return event.stats

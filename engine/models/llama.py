@@ -66,6 +66,12 @@ class LlamaConfig:
         )
 
 
+# Decode runs ~30 tensor ops per layer and each costs a microsecond or two of Python and
+# dispatch overhead, about as much as the matmuls themselves on a small model. So the layer
+# code below calls submodules' `forward` directly (skipping nn.Module's hook machinery),
+# updates the residual stream in place, and slices rather than splits.
+
+
 class Attention(nn.Module):
     def __init__(self, config: LlamaConfig, wqkv: nn.Module, wo: nn.Module):
         super().__init__()
@@ -73,10 +79,7 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads = config.n_heads, config.n_kv_heads
         self.head_dim = config.head_dim
         # Q and K sit side by side in the fused projection, so one matmul rotates both.
-        self.split = (
-            (config.n_heads + config.n_kv_heads) * config.head_dim,
-            config.n_kv_heads * config.head_dim,
-        )
+        self.n_rotated = config.n_heads + config.n_kv_heads
 
     def forward(
         self,
@@ -89,15 +92,15 @@ class Attention(nn.Module):
         n_tokens = x.shape[0]
         # Attention runs in fp32: torch's CPU attention and small bmm are several times faster
         # in fp32 than in bf16 at decode sizes, and the cache keeps full precision.
-        qk, v = self.wqkv(x).float().split(self.split, dim=-1)
-        # [tokens, heads, head_dim] -> [1, heads, tokens, head_dim]
-        qk = apply_rope(qk.view(n_tokens, -1, self.head_dim), rotation).transpose(0, 1)
-        q = qk[: self.n_heads].unsqueeze(0)
-        k = qk[self.n_heads :].unsqueeze(0)
-        v = v.view(n_tokens, self.n_kv_heads, self.head_dim).transpose(0, 1).unsqueeze(0)
-        keys, values = cache.update_and_fetch(k, v)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-        return self.wo(out[0].transpose(0, 1).reshape(n_tokens, -1))
+        heads = self.wqkv.forward(x).float().view(n_tokens, -1, self.head_dim)
+        # [tokens, heads, head_dim] -> [heads, tokens, head_dim]
+        qk = apply_rope(heads[:, : self.n_rotated], rotation).transpose(0, 1)
+        v = heads[:, self.n_rotated :].transpose(0, 1)
+        keys, values = cache.update_and_fetch(qk[self.n_heads :][None], v[None])
+        out = F.scaled_dot_product_attention(
+            qk[: self.n_heads][None], keys, values, attn_mask=mask, enable_gqa=True
+        )
+        return self.wo.forward(out[0].transpose(0, 1).reshape(n_tokens, -1))
 
 
 class FeedForward(nn.Module):
@@ -106,8 +109,9 @@ class FeedForward(nn.Module):
         self.w_gate_up, self.w_down, self.ffn_dim = w_gate_up, w_down, ffn_dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w_gate_up(x).split(self.ffn_dim, dim=-1)
-        return self.w_down(F.silu(gate) * up)
+        gate_up = self.w_gate_up.forward(x)
+        gate, up = gate_up[:, : self.ffn_dim], gate_up[:, self.ffn_dim :]
+        return self.w_down.forward(F.silu(gate).mul_(up))
 
 
 class Block(nn.Module):
@@ -117,8 +121,9 @@ class Block(nn.Module):
         self.ffn_norm, self.feed_forward = ffn_norm, feed_forward
 
     def forward(self, x, rotation, cache, mask):
-        h = x + self.attention(self.attn_norm(x), rotation, cache, mask)
-        return h + self.feed_forward(self.ffn_norm(h))
+        """Updates the residual stream `x` (fp32 [tokens, dim]) in place and returns it."""
+        x.add_(self.attention.forward(self.attn_norm.forward(x), rotation, cache, mask))
+        return x.add_(self.feed_forward.forward(self.ffn_norm.forward(x)))
 
 
 class LlamaModel(nn.Module):
@@ -147,10 +152,10 @@ class LlamaModel(nn.Module):
         mask = caches[0].make_mask(n_tokens)
         x = self.embed(tokens)
         for layer, cache in zip(self.layers, caches, strict=True):
-            x = layer(x, rotation, cache, mask)
+            x = layer.forward(x, rotation, cache, mask)
         if not all_logits:
             x = x[-1:]
-        return self.output(self.norm(x)).float()
+        return self.output.forward(self.norm.forward(x)).float()
 
     @classmethod
     def from_gguf(cls, gguf: GGUFFile, max_positions: int) -> LlamaModel:
