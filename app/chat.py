@@ -39,7 +39,7 @@ def request_from_args(args: argparse.Namespace) -> GenerationRequest:
         repeat_penalty=args.repeat_penalty,
         seed=args.seed,
     )
-    return GenerationRequest(max_tokens=args.max_tokens, sampling=sampling)
+    return GenerationRequest(max_tokens=args.max_tokens, sampling=sampling, stop=tuple(args.stop))
 
 
 def run_chat(args: argparse.Namespace) -> int:

@@ -61,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--repeat-penalty", type=float, default=1.0)
     chat.add_argument("--seed", type=int)
     chat.add_argument("--system", help="system prompt")
+    chat.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     chat.add_argument("--stats", action="store_true", help="print speed after every answer")
 
     evaluate = sub.add_parser("eval", help="evaluate a model")
@@ -69,6 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("file", help="UTF-8 text file")
     _add_model_args(ppl, ctx_default=512)
     ppl.add_argument("--json", action="store_true", help="print one JSON object")
+
+    compare = eval_sub.add_parser(
+        "compare", help="teacher-forced top-1 agreement of our engine with llama.cpp"
+    )
+    compare.add_argument("file", help="UTF-8 text file")
+    _add_model_args(compare, ctx_default=512)
+    compare.add_argument("--json", action="store_true", help="print one JSON object")
 
     bench = sub.add_parser("bench", help="our engine vs llama.cpp, side by side")
     _add_model_args(bench, ctx_default=None)
@@ -108,9 +116,9 @@ def _dispatch(args: argparse.Namespace) -> int:
             args = build_parser().parse_args(["chat"])
         return run_chat(args)
     if command == "eval":
-        from .evaluate import run_ppl
+        from .evaluate import run_compare, run_ppl
 
-        return run_ppl(args)
+        return run_ppl(args) if args.eval_command == "ppl" else run_compare(args)
     if command == "bench":
         from .bench import run_bench
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from miniapp.engine.errors import InputFileError
 from miniapp.engine.model_store import resolve_model
-from miniapp.engine.perplexity import perplexity
+from miniapp.engine.perplexity import agreement, perplexity
 from miniapp.engine.runtimes import open_runtime
 
 
@@ -40,5 +40,22 @@ def run_ppl(args: argparse.Namespace) -> int:
         print(
             f"{result.backend}: perplexity {result.ppl:.4f} over {result.tokens} scored tokens "
             f"({result.chunks} chunks of {result.ctx}) in {result.seconds:.1f} s"
+        )
+    return 0
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    text = read_text(args.file)
+    model = resolve_model(args.model)
+    ours = open_runtime("torch", model, n_ctx=args.ctx, threads=args.threads)
+    oracle = open_runtime("llamacpp", model, n_ctx=args.ctx, threads=args.threads, logits_all=True)
+    result = agreement(ours, oracle, text, args.ctx)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        print(
+            f"top-1 agreement with llama.cpp: {result.top1_agreement:.4f} over {result.tokens} "
+            f"tokens ({result.chunks} chunks of {result.ctx}); max |logit diff| "
+            f"{result.max_abs_logit_diff:.3f}, mean KL(llama.cpp || ours) {result.mean_kl:.5f}"
         )
     return 0

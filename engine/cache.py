@@ -24,7 +24,13 @@ class KVState:
 
 
 class KVCache:
-    """A preallocated cache of `max_tokens` positions for one attention layer."""
+    """A cache of up to `max_tokens` positions for one attention layer.
+
+    Storage grows by doubling (from `INITIAL_TOKENS`) up to `max_tokens`, so a short chat with
+    a large --ctx does not hold the whole context's memory from the start.
+    """
+
+    INITIAL_TOKENS = 256
 
     def __init__(
         self,
@@ -33,21 +39,38 @@ class KVCache:
         max_tokens: int,
         dtype: torch.dtype = torch.float32,
     ):
-        shape = (1, n_kv_heads, max_tokens, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype)
-        self.values = torch.zeros(shape, dtype=dtype)
         self.max_tokens = max_tokens
         self.offset = 0
+        shape = (1, n_kv_heads, min(max_tokens, self.INITIAL_TOKENS), head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype)
+        self.values = torch.zeros(shape, dtype=dtype)
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    def _grow_to(self, needed: int) -> None:
+        capacity = self.capacity
+        while capacity < needed:
+            capacity *= 2
+        capacity = min(capacity, self.max_tokens)
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_zeros(old.shape[0], old.shape[1], capacity, old.shape[3])
+            new[:, :, : self.offset] = old[:, :, : self.offset]
+            setattr(self, name, new)
 
     def update_and_fetch(
         self, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n_new = k.shape[2]
         end = self.offset + n_new
-        if end > self.max_tokens:
-            raise ContextFullError(
-                f"context full: {end} tokens do not fit in a context of {self.max_tokens}"
-            )
+        if end > self.capacity:
+            if end > self.max_tokens:
+                raise ContextFullError(
+                    f"context full: {end} tokens do not fit in a context of {self.max_tokens}"
+                )
+            self._grow_to(end)
         self.keys[:, :, self.offset : end] = k
         self.values[:, :, self.offset : end] = v
         self.offset = end
@@ -80,6 +103,8 @@ class KVCache:
         n = state.keys.shape[2]
         if n > self.max_tokens:
             raise ContextFullError(f"saved state of {n} tokens exceeds cache of {self.max_tokens}")
+        if n > self.capacity:
+            self._grow_to(n)
         self.keys[:, :, :n] = state.keys
         self.values[:, :, :n] = state.values
         self.offset = n

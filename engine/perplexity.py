@@ -63,6 +63,42 @@ def perplexity(runtime: Runtime, text: str, n_ctx: int) -> PerplexityResult:
     )
 
 
+@dataclass(frozen=True)
+class AgreementResult:
+    top1_agreement: float
+    tokens: int
+    chunks: int
+    ctx: int
+    max_abs_logit_diff: float
+    mean_kl: float  # KL(oracle || ours) per position, in nats
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def agreement(ours: Runtime, oracle: Runtime, text: str, n_ctx: int) -> AgreementResult:
+    """Teacher-forced comparison: both runtimes read the same chunks; how often do their
+    most likely next tokens agree, and how far apart are their distributions?"""
+    tokens = ours.tokenizer.encode(text, parse_special=False)
+    n_chunks = max(1, len(tokens) // n_ctx)
+    same, total, max_diff, kl_sum = 0, 0, 0.0, 0.0
+    for chunk_index in range(n_chunks):
+        chunk = tokens[chunk_index * n_ctx : (chunk_index + 1) * n_ctx]
+        a, b = ours.logits(chunk), oracle.logits(chunk)
+        same += int((a.argmax(-1) == b.argmax(-1)).sum())
+        total += len(chunk)
+        max_diff = max(max_diff, float(np.abs(a - b).max()))
+        log_a, log_b = _log_softmax(a), _log_softmax(b)
+        kl_sum += float((np.exp(log_b) * (log_b - log_a)).sum())
+    return AgreementResult(same / total, total, n_chunks, n_ctx, max_diff, kl_sum / total)
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    logits = logits.astype(np.float64)
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
 def token_log_probs(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     """log softmax(logits)[i, targets[i]], computed stably in float64."""
     logits = logits.astype(np.float64)

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import numpy as np
 from miniapp.assets import sample_texts
 from miniapp.engine.events import Finished, FinishReason, TextDelta
 from miniapp.engine.generation import GenerationRequest, generate
-from miniapp.engine.perplexity import perplexity
+from miniapp.engine.perplexity import agreement, perplexity
 from miniapp.engine.sampling import GREEDY
 
 CTX = 512
@@ -22,17 +21,14 @@ def test_perplexity_within_one_percent_of_llama_cpp(torch_runtime, llamacpp_runt
 
 
 def test_teacher_forced_top1_agreement(torch_runtime, llamacpp_runtime):
-    # The issue asks for >= 98%. Measured here: 96-97%, the same as llama.cpp agrees with
-    # itself with flash attention on vs off (96.1%), and an exact fp32 forward pass agrees
-    # with llama.cpp only 96.8%: near-tied top tokens are decided by llama.cpp's own 8-bit
-    # activation rounding. The bound below is what that noise floor allows.
-    agreements = []
-    for text in sample_texts():
-        tokens = torch_runtime.tokenizer.encode(text, parse_special=False)[:CTX]
-        ours = torch_runtime.logits(tokens)
-        oracle = llamacpp_runtime.logits(tokens)
-        agreements.append((ours.argmax(-1) == oracle.argmax(-1)).mean())
-    assert np.mean(agreements) >= 0.95, agreements
+    # The issue asks for >= 98%; we measure 96.3% on these 2048 tokens (missed). llama.cpp
+    # agrees with itself only 96.2% when flash attention is switched on and 95.9% with an
+    # f32 KV cache, on the same tokens: near-tied top tokens are decided by numerical noise,
+    # mostly llama.cpp's 8-bit rounding of activations. The bound is that noise floor.
+    result = agreement(torch_runtime, llamacpp_runtime, "\n\n".join(sample_texts()), CTX)
+    assert result.chunks == 4
+    assert result.top1_agreement >= 0.95, result
+    assert result.mean_kl < 0.01, result  # a wrong layer gives KL near 1 or more
 
 
 def test_prefix_reuse_gives_same_tokens_as_fresh_prefill(torch_runtime):

@@ -66,3 +66,17 @@ def test_kv_cache_update_trim_mask_state():
     torch.testing.assert_close(cache.keys[:, :, :3], k)
     with pytest.raises(ContextFullError):
         cache.update_and_fetch(torch.zeros(1, 2, 6, 4), torch.zeros(1, 2, 6, 4))
+
+
+def test_kv_cache_grows_on_demand_and_keeps_contents():
+    cache = KVCache(n_kv_heads=1, head_dim=2, max_tokens=1000)
+    assert cache.capacity == KVCache.INITIAL_TOKENS
+    first = torch.randn(1, 1, 200, 2)
+    cache.update_and_fetch(first, first)
+    keys, _ = cache.update_and_fetch(torch.ones(1, 1, 300, 2), torch.ones(1, 1, 300, 2))
+    assert cache.capacity == 512 and keys.shape[2] == 500
+    torch.testing.assert_close(keys[:, :, :200], first)
+    cache.update_and_fetch(torch.ones(1, 1, 480, 2), torch.ones(1, 1, 480, 2))
+    assert cache.capacity == 1000  # capped at max_tokens
+    with pytest.raises(ContextFullError):
+        cache.update_and_fetch(torch.ones(1, 1, 21, 2), torch.ones(1, 1, 21, 2))
