@@ -28,6 +28,9 @@ class KVCache:
 
     Storage grows by doubling (from `INITIAL_TOKENS`) up to `max_tokens`, so a short chat with
     a large --ctx does not hold the whole context's memory from the start.
+
+    With a `window` (sliding-window attention), a query at position p sees only keys at
+    positions p - window + 1 .. p: fetches return just that span and masks enforce it.
     """
 
     INITIAL_TOKENS = 256
@@ -38,8 +41,10 @@ class KVCache:
         head_dim: int,
         max_tokens: int,
         dtype: torch.dtype = torch.float32,
+        window: int | None = None,
     ):
         self.max_tokens = max_tokens
+        self.window = window
         self.offset = 0
         shape = (1, n_kv_heads, min(max_tokens, self.INITIAL_TOKENS), head_dim)
         self.keys = torch.zeros(shape, dtype=dtype)
@@ -71,10 +76,17 @@ class KVCache:
                     f"context full: {end} tokens do not fit in a context of {self.max_tokens}"
                 )
             self._grow_to(end)
+        first = self._first_visible(self.offset)
         self.keys[:, :, self.offset : end] = k
         self.values[:, :, self.offset : end] = v
         self.offset = end
-        return self.keys[:, :, :end], self.values[:, :, :end]
+        return self.keys[:, :, first:end], self.values[:, :, first:end]
+
+    def _first_visible(self, query_position: int) -> int:
+        """The oldest position the query at `query_position` may attend to."""
+        if self.window is None:
+            return 0
+        return max(0, query_position - self.window + 1)
 
     def trim(self, n: int) -> int:
         """Drop the newest `n` positions; returns how many were dropped."""
@@ -83,15 +95,20 @@ class KVCache:
         return n
 
     def make_mask(self, n_new: int) -> torch.Tensor | None:
-        """Boolean [n_new, offset + n_new]: query i sees keys up to its own position.
+        """Boolean [n_new, fetched keys] for the next `n_new` queries: each sees keys up to its
+        own position (and within the window, if any).
 
-        A single query may see the whole cache, so decoding needs no mask at all.
+        A single query sees exactly what `update_and_fetch` returns, so decoding needs none.
         """
         if n_new == 1:
             return None
         total = self.offset + n_new
         query_pos = torch.arange(self.offset, total).unsqueeze(1)
-        return torch.arange(total).unsqueeze(0) <= query_pos
+        key_pos = torch.arange(self._first_visible(self.offset), total).unsqueeze(0)
+        visible = key_pos <= query_pos
+        if self.window is not None:
+            visible &= query_pos - key_pos < self.window
+        return visible
 
     @property
     def state(self) -> KVState:

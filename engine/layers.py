@@ -6,6 +6,8 @@ maths it implements.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from gguf.constants import GGMLQuantizationType
@@ -13,13 +15,16 @@ from torch import nn
 
 from .quant import (
     FLOAT_TYPES,
-    GROUP_SIZE,
-    INT4_TYPES,
+    KERNEL_GROUP,
+    QUANT_TYPES,
+    InputLayout,
     Int4Groups,
+    decode,
     dequantize_rows,
-    int4_groups_from_raw,
-    q8_0_to_int4_pair,
+    expand_input,
+    layout_for,
     row_bytes,
+    to_int4,
 )
 
 Q = GGMLQuantizationType
@@ -34,10 +39,10 @@ _PACK_CHUNK_ROWS = 4096  # convert big matrices in slices so temporary copies st
 
 
 class Int4Linear(nn.Module):
-    """y = x @ W.T for W held as 4-bit codes with a bf16 scale and zero per group of 32.
+    """y = x @ W.T (+ bias) for W held as 4-bit codes with a bf16 scale and zero per group of 32.
 
-    `input_copies` is 2 for Q8_0 weights held as a hi/lo pair of 4-bit planes: the kernel then
-    sees the input twice, side by side (see `quant.q8_0_to_int4_pair`).
+    Wider codes are held as 4-bit planes; `layout` says how the kernel's input is laid out
+    for them (see `quant.InputLayout`).
     """
 
     def __init__(
@@ -45,23 +50,30 @@ class Int4Linear(nn.Module):
         packed: torch.Tensor,
         scales_zeros: torch.Tensor,
         out_features: int,
-        input_copies: int = 1,
+        layout: InputLayout = InputLayout.PLAIN,
+        bias: torch.Tensor | None = None,
     ):
         super().__init__()
         self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("scales_zeros", scales_zeros, persistent=False)
-        self.in_features = scales_zeros.shape[0] * GROUP_SIZE // input_copies
+        self.register_buffer("bias", bias, persistent=False)
+        slots = scales_zeros.shape[0] * KERNEL_GROUP
+        self.in_features = slots if layout is InputLayout.PLAIN else slots // 2
         self.out_features = out_features
-        self.input_copies = input_copies
+        self.layout = layout
+        self.plain = layout is InputLayout.PLAIN
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [tokens, in_features] (any float dtype) -> bf16 [tokens, out_features]."""
+        """x: [tokens, in_features] (any float dtype) -> [tokens, out_features], bf16 without
+        a bias and fp32 with one."""
         x = x.to(COMPUTE_DTYPE)
-        if self.input_copies == 2:
-            x = torch.cat([x, x], dim=-1)
-        y = _int4_mm(x, self.packed, GROUP_SIZE, self.scales_zeros)
+        if not self.plain:
+            x = expand_input(x, self.layout)
+        y = _int4_mm(x, self.packed, KERNEL_GROUP, self.scales_zeros)
         if y.shape[-1] != self.out_features:
             y = y[:, : self.out_features]
+        if self.bias is not None:
+            y = y + self.bias
         return y
 
 
@@ -99,7 +111,7 @@ class _Int4Packer:
         if final and keep % _PACK_ROW_ALIGN:
             block = block.pad_rows(_PACK_ROW_ALIGN - keep % _PACK_ROW_ALIGN, INT4_ZERO_CODE)
         self._packed.append(
-            torch.ops.aten._convert_weight_to_int4pack_for_cpu(block.codes.to(torch.int32), 1)
+            torch._convert_weight_to_int4pack_for_cpu(block.codes.to(torch.int32), 1)
         )
         # torch wants [groups, rows, (scale, zero)]
         scales_zeros = torch.stack([block.scale, block.zero], dim=-1).transpose(0, 1)
@@ -107,59 +119,63 @@ class _Int4Packer:
 
 
 class DenseLinear(nn.Module):
-    """y = x @ W.T for weights stored unquantized, kept in their stored dtype (F32/F16/BF16).
+    """y = x @ W.T (+ bias) for weights stored unquantized, kept in their stored dtype.
 
     Computes and returns fp32, so float models keep llama.cpp's precision.
     """
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         self.register_buffer("weight", weight.contiguous(), persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
         self.out_features, self.in_features = weight.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight.float())
+        return F.linear(x.float(), self.weight.float(), self.bias)
 
 
 RawWeight = tuple[torch.Tensor, GGMLQuantizationType]  # uint8 rows [n, row_bytes], type
 
+_STORED_DTYPE = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 
-def linear_from_raw(parts: list[RawWeight], n_cols: int) -> nn.Module:
+
+def linear_from_raw(
+    parts: list[RawWeight], n_cols: int, bias: torch.Tensor | None = None
+) -> nn.Module:
     """One linear from one or more weights sharing an input (stacked by rows, e.g. Q|K|V).
 
-    4-bit and 8-bit weights stay 4 or 8 bits; float weights become a dense matmul.
+    Quantized weights stay 4 to 8 bits a weight; float weights become a dense matmul. Parts
+    that need different kernel layouts become separate kernels, concatenated.
     """
     types = {t for _, t in parts}
-    if types <= INT4_TYPES or types == {Q.Q8_0}:
-        pair = types == {Q.Q8_0}
+    if types <= QUANT_TYPES and len({layout_for(t) for t in types}) == 1:
         packer = _Int4Packer()
         for raw, ggml_type in parts:
             for start in range(0, raw.shape[0], _PACK_CHUNK_ROWS):
-                rows = raw[start : start + _PACK_CHUNK_ROWS]
-                packer.add(
-                    q8_0_to_int4_pair(rows) if pair else int4_groups_from_raw(rows, ggml_type)
-                )
+                groups, _ = to_int4(decode(raw[start : start + _PACK_CHUNK_ROWS], ggml_type))
+                packer.add(groups)
         out_features = packer.rows
         packed, scales_zeros = packer.finish()
-        return Int4Linear(packed, scales_zeros, out_features, input_copies=2 if pair else 1)
+        layout = layout_for(next(iter(types)))
+        return Int4Linear(packed, scales_zeros, out_features, layout, bias)
     if types <= FLOAT_TYPES:
-        stored = {Q.F16: torch.float16, Q.BF16: torch.bfloat16}.get(
-            next(iter(types)), torch.float32
-        )
         weight = torch.cat([dequantize_rows(raw, t, n_cols) for raw, t in parts])
-        return DenseLinear(weight.to(stored if len(types) == 1 else torch.float32))
-    # Mixed 4-bit and 8-bit parts: separate kernels, outputs concatenated.
-    return _ConcatLinear([linear_from_raw([part], n_cols) for part in parts])
+        stored = _STORED_DTYPE[next(iter(types))] if len(types) == 1 else torch.float32
+        return DenseLinear(weight.to(stored), bias)
+    return _ConcatLinear([linear_from_raw([part], n_cols) for part in parts], bias)
 
 
 class _ConcatLinear(nn.Module):
-    def __init__(self, parts: list[nn.Module]):
+    def __init__(self, parts: list[nn.Module], bias: torch.Tensor | None = None):
         super().__init__()
         self.parts = nn.ModuleList(parts)
+        self.register_buffer("bias", bias, persistent=False)
         self.out_features = sum(p.out_features for p in parts)
+        self.in_features = parts[0].in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([p(x) for p in self.parts], dim=-1)
+        y = torch.cat([p.forward(x).float() for p in self.parts], dim=-1)
+        return y if self.bias is None else y + self.bias
 
 
 class BlockEmbedding(nn.Module):
@@ -202,59 +218,95 @@ class RMSNorm(nn.Module):
         return normed[..., : self.dim]
 
 
-class Rope:
-    """Rotary position embedding as one small matmul per layer.
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) over the last dimension (RMSNorm without its weight)."""
+    dim = x.shape[-1]
+    mirrored = torch.cat([x, x.neg()], dim=-1)
+    return F.layer_norm(mirrored, (2 * dim,), None, None, eps)[..., :dim]
 
-    For a position p, RoPE rotates each pair of head dimensions (a, b) by angle p * theta_i.
-    That is a block-diagonal [head_dim, head_dim] matrix R_p, so rotating the query and key
-    heads of a token is `heads @ R_p`. Matrices are built for a block of positions at a time
-    and shared by every layer, which costs far fewer tensor ops per decode step than the usual
-    split/multiply/concatenate in each layer.
+
+class Rope:
+    """Rotary position embedding: cos/sin tables shared by every layer.
+
+    For a position p, RoPE rotates each pair of head dimensions (a, b) by angle p * theta_i:
+    a' = a cos - b sin, b' = a sin + b cos. With `swap` mapping each dimension to its pair
+    partner, that is x * cos + swap(x) * signed_sin, where signed_sin is -sin at the first
+    member of a pair and +sin at the second: three tensor ops per layer for Q and K together.
 
     `interleaved` pairs (2i, 2i+1), llama.cpp's "normal" RoPE used by `llama` GGUFs; otherwise
-    pairs are (i, i + d/2) ("neox"). Dimensions past `rotary_dim` are left unrotated.
+    pairs are (i, i + rotary_dim/2) ("neox"). Dimensions past `rotary_dim` are not rotated.
+    Tables are built for a block of positions at a time, so decoding rarely builds any.
     """
 
-    BLOCK = 64  # positions per cached block of decode-step matrices
+    BLOCK = 64  # positions per cached block of tables
 
-    def __init__(self, head_dim: int, rotary_dim: int, base: float, interleaved: bool):
+    def __init__(
+        self,
+        head_dim: int,
+        rotary_dim: int,
+        base: float,
+        interleaved: bool,
+        position_scale: float = 1.0,
+        freq_factors: torch.Tensor | None = None,
+    ):
         exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
-        self.inv_freq = 1.0 / (base**exponents)
+        # Linear scaling multiplies positions; frequency factors divide each frequency.
+        inv_freq = position_scale / (base**exponents)
+        if freq_factors is not None:
+            inv_freq = inv_freq / freq_factors.to(torch.float64)
+        half = rotary_dim // 2
+        # Frequency and sign of the sine term for every head dimension (tail: frequency 0).
+        per_dim = torch.zeros(head_dim, dtype=torch.float64)
+        sign = torch.zeros(head_dim, dtype=torch.float64)
         if interleaved:
-            self.first = torch.arange(0, rotary_dim, 2)
-            self.second = self.first + 1
+            per_dim[0:rotary_dim:2] = per_dim[1:rotary_dim:2] = inv_freq
+            sign[0:rotary_dim:2], sign[1:rotary_dim:2] = -1.0, 1.0
         else:
-            self.first = torch.arange(rotary_dim // 2)
-            self.second = self.first + rotary_dim // 2
-        self.head_dim = head_dim
-        self.identity_tail = torch.arange(rotary_dim, head_dim)
+            per_dim[:half] = per_dim[half:rotary_dim] = inv_freq
+            sign[:half], sign[half:rotary_dim] = -1.0, 1.0
+        self.per_dim_freq, self.sin_sign = per_dim, sign
+        self.interleaved, self.rotary_dim, self.head_dim = interleaved, rotary_dim, head_dim
         self._block_start = -1
-        self._block = torch.empty(0)
+        self._block: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def matrices(self, start: int, count: int) -> torch.Tensor:
-        """fp32 [count, head_dim, head_dim] rotations for positions start..start+count-1."""
+    def tables(self, start: int, count: int) -> RopeTables:
+        """cos and signed sin, fp32 [count, 1, head_dim], for positions start..start+count-1."""
         block_start = start - start % self.BLOCK
         if start + count <= block_start + self.BLOCK:
             if block_start != self._block_start:
-                self._block = self._build(torch.arange(block_start, block_start + self.BLOCK))
+                self._block = self._build(block_start, self.BLOCK)
                 self._block_start = block_start
-            return self._block[start - block_start : start - block_start + count]
-        return self._build(torch.arange(start, start + count))
+            cos, sin = self._block
+            lo = start - block_start
+            return RopeTables(cos[lo : lo + count], sin[lo : lo + count], self)
+        return RopeTables(*self._build(start, count), self)
 
-    def _build(self, positions: torch.Tensor) -> torch.Tensor:
+    def _build(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         # Angles in float64: positions reach 1e5+ and fp32 would lose the low bits.
-        angles = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]
-        cos, sin = angles.cos(), angles.sin()
-        rot = torch.zeros(positions.shape[0], self.head_dim, self.head_dim, dtype=torch.float64)
-        a, b = self.first, self.second
-        rot[:, a, a] = cos
-        rot[:, b, b] = cos
-        rot[:, b, a] = -sin  # new_a = x_a cos - x_b sin
-        rot[:, a, b] = sin  # new_b = x_a sin + x_b cos
-        rot[:, self.identity_tail, self.identity_tail] = 1.0
-        return rot.to(torch.float32)
+        positions = torch.arange(start, start + count, dtype=torch.float64)[:, None]
+        angles = positions * self.per_dim_freq
+        cos = angles.cos()[:, None, :].float()
+        sin = (angles.sin() * self.sin_sign)[:, None, :].float()
+        return cos, sin
+
+    def swap(self, x: torch.Tensor) -> torch.Tensor:
+        """Each rotated dimension replaced by its pair partner (the tail is left in place)."""
+        if self.interleaved:
+            return x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+        half, rot = self.rotary_dim // 2, self.rotary_dim
+        parts = [x[..., half:rot], x[..., :half]]
+        if rot < self.head_dim:
+            parts.append(x[..., rot:])
+        return torch.cat(parts, dim=-1)
 
 
-def apply_rope(heads: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-    """heads: [n_tokens, n_heads, head_dim]; rotation: [n_tokens, head_dim, head_dim]."""
-    return torch.bmm(heads, rotation)
+@dataclass(frozen=True)
+class RopeTables:
+    cos: torch.Tensor
+    signed_sin: torch.Tensor
+    rope: Rope
+
+
+def apply_rope(heads: torch.Tensor, tables: RopeTables) -> torch.Tensor:
+    """heads: fp32 [tokens, n_heads, head_dim] rotated by the tables' positions."""
+    return torch.addcmul(heads * tables.cos, tables.rope.swap(heads), tables.signed_sin)

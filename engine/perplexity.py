@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -33,7 +34,7 @@ class PerplexityResult:
 
 
 def perplexity(runtime: Runtime, text: str, n_ctx: int) -> PerplexityResult:
-    start = time.perf_counter()
+    started = time.perf_counter()
     tokenizer = runtime.tokenizer
     tokens = tokenizer.encode(text, parse_special=False)
     n_chunks = len(tokens) // n_ctx
@@ -43,14 +44,12 @@ def perplexity(runtime: Runtime, text: str, n_ctx: int) -> PerplexityResult:
         )
     first = n_ctx // 2
     nll_sum, scored = 0.0, 0
-    for chunk_index in range(n_chunks):
-        chunk = tokens[chunk_index * n_ctx : (chunk_index + 1) * n_ctx]
-        if tokenizer.add_bos:
-            chunk[0] = tokenizer.bos_id
-        logits = runtime.logits(chunk)
-        targets = np.asarray(chunk[first + 1 :])
-        nll_sum += float(-token_log_probs(logits[first:-1], targets).sum())
-        scored += len(targets)
+    for chunk in _chunks(tokens, n_ctx, tokenizer):
+        for row, logits in runtime.logit_blocks(chunk, first=first):
+            targets = np.asarray(chunk[row + 1 : row + 1 + len(logits)])
+            # The chunk's last row predicts a token outside it: not scored.
+            nll_sum += float(-token_log_probs(logits[: len(targets)], targets).sum())
+            scored += len(targets)
     return PerplexityResult(
         ppl=math.exp(nll_sum / scored),
         tokens=scored,
@@ -59,7 +58,7 @@ def perplexity(runtime: Runtime, text: str, n_ctx: int) -> PerplexityResult:
         ctx=n_ctx,
         backend=runtime.backend,
         model=str(runtime.model_path),
-        seconds=time.perf_counter() - start,
+        seconds=time.perf_counter() - started,
     )
 
 
@@ -80,17 +79,26 @@ def agreement(ours: Runtime, oracle: Runtime, text: str, n_ctx: int) -> Agreemen
     """Teacher-forced comparison: both runtimes read the same chunks; how often do their
     most likely next tokens agree, and how far apart are their distributions?"""
     tokens = ours.tokenizer.encode(text, parse_special=False)
-    n_chunks = max(1, len(tokens) // n_ctx)
+    chunks = list(_chunks(tokens, n_ctx, ours.tokenizer)) or [tokens]
     same, total, max_diff, kl_sum = 0, 0, 0.0, 0.0
-    for chunk_index in range(n_chunks):
-        chunk = tokens[chunk_index * n_ctx : (chunk_index + 1) * n_ctx]
-        a, b = ours.logits(chunk), oracle.logits(chunk)
-        same += int((a.argmax(-1) == b.argmax(-1)).sum())
-        total += len(chunk)
-        max_diff = max(max_diff, float(np.abs(a - b).max()))
-        log_a, log_b = _log_softmax(a), _log_softmax(b)
-        kl_sum += float((np.exp(log_b) * (log_b - log_a)).sum())
-    return AgreementResult(same / total, total, n_chunks, n_ctx, max_diff, kl_sum / total)
+    for chunk in chunks:
+        blocks = zip(ours.logit_blocks(chunk), oracle.logit_blocks(chunk), strict=True)
+        for (_, a), (_, b) in blocks:
+            same += int((a.argmax(-1) == b.argmax(-1)).sum())
+            total += len(a)
+            max_diff = max(max_diff, float(np.abs(a - b).max()))
+            log_a, log_b = _log_softmax(a), _log_softmax(b)
+            kl_sum += float((np.exp(log_b) * (log_b - log_a)).sum())
+    return AgreementResult(same / total, total, len(chunks), n_ctx, max_diff, kl_sum / total)
+
+
+def _chunks(tokens: list[int], n_ctx: int, tokenizer) -> Iterator[list[int]]:
+    """Whole chunks of n_ctx tokens; each starts with BOS if the model expects one."""
+    for start in range(0, len(tokens) - n_ctx + 1, n_ctx):
+        chunk = tokens[start : start + n_ctx]
+        if tokenizer.add_bos:
+            chunk[0] = tokenizer.bos_id
+        yield chunk
 
 
 def _log_softmax(logits: np.ndarray) -> np.ndarray:

@@ -1,34 +1,60 @@
 """GGML block formats as torch tensors.
 
-Two jobs:
-* pure-torch dequantizers for raw GGML rows (the reference every kernel is tested against, and
-  the path for embedding look-ups, which only touch a few rows);
-* conversion of 4-bit and 8-bit blocks into `Int4Groups`: 4-bit codes with one fp32 scale and
-  zero per group of 32, which is exactly what torch's int4-packed matmul computes
-  (w = (q - 8) * scale + zero).
+Every quantized GGML type decodes to `AffineCodes`: small unsigned integer codes with, per
+group of 16 or 32 columns, `w = scale * code + offset`. That form serves two purposes:
+* the pure-torch reference dequantizer (tests, and embedding look-ups of a few rows);
+* conversion into torch's int4 matmul format, where each group of 32 weights holds 4-bit
+  codes and computes w = (q - 8) * scale + zero (`Int4Groups`).
 
-Block layouts (all little-endian, groups of 32 along a row):
-* Q4_0: fp16 d, 16 bytes of nibbles;            w = d * (q - 8)
-* Q4_1: fp16 d, fp16 m, 16 bytes of nibbles;    w = d * q + m
-* Q8_0: fp16 d, 32 int8;                        w = d * q
-In a 16-byte nibble run, element j < 16 is the low nibble of byte j, element j + 16 the high one.
+Codes of up to 4 bits map directly. Wider codes (Q5_*, Q6_K, Q8_0) are split into a high and
+a low 4-bit plane, c = 16*hi + lo, so they stay 8 bits a weight and still run on the int4
+kernel, with the input laid out to match (`InputLayout`):
+* PLANES (groups of 32): the kernel sees [x, x]; the hi plane's scale is 16*scale;
+* INTERLEAVED16 (Q6_K's groups of 16): each group of 32 slots holds one 16-column group's
+  hi codes, fed 16*x, then its lo codes, fed x, so both share one scale.
+The hi plane is shifted per group so that the zero term stays within 8 scale steps: bf16
+rounding of the zero then costs no more than for a plain 4-bit group.
+
+Block layouts are GGML's (see gguf-py's reference dequantizers, which the tests compare to).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-GROUP_SIZE = 32
-INT4_OFFSET = 8  # torch's int4 ops subtract 8 from every code
-
 Q = GGMLQuantizationType
-INT4_TYPES = frozenset({Q.Q4_0, Q.Q4_1})
-# Q8_0 is held as two 4-bit planes (see `q8_0_to_int4_pair`), so it stays 8 bits a weight.
-LINEAR_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F32, Q.F16, Q.BF16})
+KERNEL_GROUP = 32  # torch's CPU int4 kernel supports groups of 32 and more, not 16
+INT4_OFFSET = 8  # torch's int4 kernel subtracts 8 from every code
+
 FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
+QUANT_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.Q8_0})
+SUPPORTED_TYPES = FLOAT_TYPES | QUANT_TYPES
+
+
+class InputLayout(Enum):
+    PLAIN = "plain"  # 4-bit codes: the kernel sees x
+    PLANES = "planes"  # hi/lo planes of 32-groups: the kernel sees [x, x]
+    INTERLEAVED16 = "interleaved16"  # 16-groups: per group, [16 * x_g, x_g]
+
+
+@dataclass
+class AffineCodes:
+    """w = scale * code + offset, per group of `group` consecutive columns."""
+
+    codes: torch.Tensor  # uint8 [rows, cols]
+    scale: torch.Tensor  # float32 [rows, cols // group]
+    offset: torch.Tensor  # float32 [rows, cols // group]
+    bits: int
+    group: int
+
+    def dequantize(self) -> torch.Tensor:
+        rows, cols = self.codes.shape
+        grouped = self.codes.view(rows, cols // self.group, self.group).float()
+        return (grouped * self.scale[..., None] + self.offset[..., None]).view(rows, cols)
 
 
 @dataclass
@@ -44,9 +70,9 @@ class Int4Groups:
         return tuple(self.codes.shape)  # type: ignore[return-value]
 
     def dequantize(self) -> torch.Tensor:
-        """Reference: the fp32 weights these groups encode."""
+        """The weights the kernel sees (before any input layout is undone)."""
         rows, cols = self.codes.shape
-        grouped = self.codes.view(rows, cols // GROUP_SIZE, GROUP_SIZE).float()
+        grouped = self.codes.view(rows, cols // KERNEL_GROUP, KERNEL_GROUP).float()
         weights = (grouped - INT4_OFFSET) * self.scale[..., None] + self.zero[..., None]
         return weights.view(rows, cols)
 
@@ -55,17 +81,17 @@ class Int4Groups:
 
     def pad_rows(self, n: int, code: int) -> Int4Groups:
         """Append n rows of `code` with zero scale and zero: they decode to 0."""
+        pad = torch.nn.functional.pad
         return Int4Groups(
-            torch.nn.functional.pad(self.codes, (0, 0, 0, n), value=code),
-            torch.nn.functional.pad(self.scale, (0, 0, 0, n)),
-            torch.nn.functional.pad(self.zero, (0, 0, 0, n)),
+            pad(self.codes, (0, 0, 0, n), value=code),
+            pad(self.scale, (0, 0, 0, n)),
+            pad(self.zero, (0, 0, 0, n)),
         )
 
     @staticmethod
     def concat_rows(parts: list[Int4Groups]) -> Int4Groups:
         if len(parts) == 1:
             return parts[0]
-        """Stack several weights that share an input, e.g. Q, K and V, into one matrix."""
         return Int4Groups(
             torch.cat([p.codes for p in parts]),
             torch.cat([p.scale for p in parts]),
@@ -78,54 +104,132 @@ def row_bytes(ggml_type: GGMLQuantizationType, n_cols: int) -> int:
     return n_cols // block * size
 
 
+def layout_for(ggml_type: GGMLQuantizationType) -> InputLayout:
+    if ggml_type in (Q.Q4_0, Q.Q4_1, Q.Q4_K):
+        return InputLayout.PLAIN
+    if ggml_type == Q.Q6_K:
+        return InputLayout.INTERLEAVED16
+    if ggml_type in QUANT_TYPES:
+        return InputLayout.PLANES
+    raise ValueError(f"{ggml_type.name} is not a quantized type")
+
+
+# ----------------------------------------------------------------------------- decoding
+
+
 def _blocks(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
     """View raw rows uint8 [rows, row_bytes] as [rows, n_blocks, block_bytes]."""
-    block_bytes = GGML_QUANT_SIZES[ggml_type][1]
-    return raw.reshape(raw.shape[0], -1, block_bytes)
+    return raw.reshape(raw.shape[0], -1, GGML_QUANT_SIZES[ggml_type][1])
 
 
-def _fp16_at(blocks: torch.Tensor, offset: int) -> torch.Tensor:
-    return blocks[..., offset : offset + 2].contiguous().view(torch.float16).squeeze(-1).float()
+def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """The fp16 at byte `at` of every block, as float32 [rows, n_blocks]."""
+    return blocks[..., at : at + 2].contiguous().view(torch.float16).squeeze(-1).float()
 
 
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., 16] -> uint8 [..., 32]: low nibbles first, then high nibbles."""
+    """uint8 [..., n] -> [..., 2n]: all low nibbles, then all high nibbles."""
     return torch.cat([packed & 0x0F, packed >> 4], dim=-1)
 
 
-def int4_groups_from_raw(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> Int4Groups:
-    """Q4_0 / Q4_1 rows -> Int4Groups, exactly (fp16 block scales fit fp32)."""
-    blocks = _blocks(raw, ggml_type)
+def _bits(packed: torch.Tensor, count: int) -> torch.Tensor:
+    """Little-endian bit k of a byte string [..., count // 8] -> uint8 [..., count]."""
+    shifts = torch.arange(8, dtype=torch.uint8)
+    return ((packed[..., :, None] >> shifts) & 1).reshape(*packed.shape[:-1], count)
+
+
+def _per_block(values: torch.Tensor, rows: int) -> torch.Tensor:
+    return values.reshape(rows, -1)
+
+
+def _decode_q4_0(b, rows):
+    d = _f16(b, 0)
+    return _nibbles(b[..., 2:18]), d, -8 * d, 4, 32
+
+
+def _decode_q4_1(b, rows):
+    return _nibbles(b[..., 4:20]), _f16(b, 0), _f16(b, 2), 4, 32
+
+
+def _decode_q5_0(b, rows):
+    d = _f16(b, 0)
+    codes = _nibbles(b[..., 6:22]) | (_bits(b[..., 2:6], 32) << 4)
+    return codes, d, -16 * d, 5, 32
+
+
+def _decode_q5_1(b, rows):
+    codes = _nibbles(b[..., 8:24]) | (_bits(b[..., 4:8], 32) << 4)
+    return codes, _f16(b, 0), _f16(b, 2), 5, 32
+
+
+def _decode_q8_0(b, rows):
+    d = _f16(b, 0)
+    codes = (b[..., 2:34].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+    return codes, d, -128 * d, 8, 32
+
+
+def _k_scales_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 8 six-bit scales and mins packed in 12 bytes (Q4_K, Q5_K)."""
+    low, high, mixed = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scales = torch.cat([low & 63, (mixed & 0x0F) | ((low >> 6) << 4)], dim=-1)
+    mins = torch.cat([high & 63, (mixed >> 4) | ((high >> 6) << 4)], dim=-1)
+    return scales.float(), mins.float()
+
+
+def _k_low_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """Q4_K/Q5_K: 128 bytes -> 256 codes; each 32-byte chunk holds two 32-code groups."""
+    chunks = qs.reshape(*qs.shape[:-1], 4, 32)
+    return torch.stack([chunks & 0x0F, chunks >> 4], dim=-2).reshape(*qs.shape[:-1], 256)
+
+
+def _decode_q4_k(b, rows):
+    d, dmin = _f16(b, 0), _f16(b, 2)
+    scales, mins = _k_scales_mins(b[..., 4:16])
+    return _k_low_nibbles(b[..., 16:144]), d[..., None] * scales, -dmin[..., None] * mins, 4, 32
+
+
+def _decode_q5_k(b, rows):
+    d, dmin = _f16(b, 0), _f16(b, 2)
+    scales, mins = _k_scales_mins(b[..., 4:16])
+    # Bit j of qh[l] is the fifth bit of element l of group j.
+    high = (b[..., 16:48, None] >> torch.arange(8, dtype=torch.uint8)) & 1  # [.., 32 l, 8 j]
+    codes = _k_low_nibbles(b[..., 48:176]) | (
+        high.transpose(-1, -2).reshape(*b.shape[:-1], 256) << 4
+    )
+    return codes, d[..., None] * scales, -dmin[..., None] * mins, 5, 32
+
+
+def _decode_q6_k(b, rows):
+    lead = b.shape[:-1]
+    ql = b[..., 0:128].reshape(*lead, 2, 64)  # two halves of 128 elements
+    qh = b[..., 128:192].reshape(*lead, 2, 32)
+    low = torch.stack([ql & 0x0F, ql >> 4], dim=-2).reshape(*lead, 2, 4, 32)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
+    high = (qh[..., None, :] >> shifts) & 3  # [.., 2, 4, 32]
+    codes = (low | (high << 4)).reshape(*lead, 256)
+    scale = _f16(b, 208)[..., None] * b[..., 192:208].view(torch.int8).float()
+    return codes, scale, -32 * scale, 6, 16
+
+
+_DECODERS = {
+    Q.Q4_0: _decode_q4_0,
+    Q.Q4_1: _decode_q4_1,
+    Q.Q5_0: _decode_q5_0,
+    Q.Q5_1: _decode_q5_1,
+    Q.Q8_0: _decode_q8_0,
+    Q.Q4_K: _decode_q4_k,
+    Q.Q5_K: _decode_q5_k,
+    Q.Q6_K: _decode_q6_k,
+}
+
+
+def decode(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> AffineCodes:
+    """Raw quantized rows uint8 [rows, row_bytes] -> AffineCodes."""
     rows = raw.shape[0]
-    d = _fp16_at(blocks, 0)
-    if ggml_type == Q.Q4_0:
-        codes = _nibbles(blocks[..., 2:18])
-        zero = torch.zeros_like(d)
-    elif ggml_type == Q.Q4_1:
-        codes = _nibbles(blocks[..., 4:20])
-        # d*q + m == d*(q - 8) + (m + 8d)
-        zero = _fp16_at(blocks, 2) + INT4_OFFSET * d
-    else:
-        raise ValueError(f"not a 4-bit type: {ggml_type.name}")
-    return Int4Groups(codes.reshape(rows, -1), d, zero)
-
-
-def q8_0_to_int4_pair(raw: torch.Tensor) -> Int4Groups:
-    """Q8_0 rows [rows, cols] -> Int4Groups [rows, 2*cols], exactly.
-
-    With u = q + 128 split into hi = u >> 4 and lo = u & 15, d*q = 16d*(hi - 8) + d*(lo - 8) + 8d.
-    The hi plane fills the first `cols` columns and the lo plane the rest, so multiplying by
-    [x, x] gives W @ x with one int4 kernel call and no precision lost.
-    """
-    blocks = _blocks(raw, Q.Q8_0)
-    rows = raw.shape[0]
-    d = _fp16_at(blocks, 0)
-    unsigned = (blocks[..., 2:34].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
-    hi, lo = unsigned >> 4, unsigned & 0x0F
-    codes = torch.cat([hi.reshape(rows, -1), lo.reshape(rows, -1)], dim=1)
-    scale = torch.cat([16 * d, d], dim=1)
-    zero = torch.cat([torch.zeros_like(d), INT4_OFFSET * d], dim=1)
-    return Int4Groups(codes, scale, zero)
+    codes, scale, offset, bits, group = _DECODERS[ggml_type](_blocks(raw, ggml_type), rows)
+    return AffineCodes(
+        codes.reshape(rows, -1), _per_block(scale, rows), _per_block(offset, rows), bits, group
+    )
 
 
 def dequantize_rows(
@@ -139,11 +243,87 @@ def dequantize_rows(
         return raw.contiguous().view(torch.float16).reshape(rows, n_cols).float()
     if ggml_type == Q.BF16:
         return raw.contiguous().view(torch.bfloat16).reshape(rows, n_cols).float()
-    if ggml_type in INT4_TYPES:
-        return int4_groups_from_raw(raw, ggml_type).dequantize()
-    if ggml_type == Q.Q8_0:
-        blocks = _blocks(raw, Q.Q8_0)
-        d = _fp16_at(blocks, 0)
-        values = blocks[..., 2:34].contiguous().view(torch.int8).float()
-        return (values * d[..., None]).reshape(rows, n_cols)
+    if ggml_type in QUANT_TYPES:
+        return decode(raw, ggml_type).dequantize()
     raise ValueError(f"no dequantizer for {ggml_type.name}")
+
+
+# ----------------------------------------------------------------------- kernel format
+
+
+def to_int4(codes: AffineCodes) -> tuple[Int4Groups, InputLayout]:
+    """AffineCodes -> the int4 kernel's groups and the input layout they expect."""
+    if codes.bits <= 4 and codes.group == KERNEL_GROUP:
+        # w = s*c + o = s*(c - 8) + (o + 8s)
+        zero = codes.offset + INT4_OFFSET * codes.scale
+        return Int4Groups(codes.codes, codes.scale, zero), InputLayout.PLAIN
+    if codes.group == KERNEL_GROUP:
+        return _planes(codes), InputLayout.PLANES
+    if codes.group == KERNEL_GROUP // 2:
+        return _interleaved16(codes), InputLayout.INTERLEAVED16
+    raise ValueError(f"no int4 layout for groups of {codes.group}")
+
+
+def _split_planes(codes: AffineCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hi and lo 4-bit planes, with hi shifted per group so the zero term stays small.
+
+    With hi' = hi + h: 16*(hi' - 8) + (lo - 8) = c + 16h - 136, so
+    s*c + o = s*[16*(hi' - 8) + (lo - 8)] + (o + (136 - 16h)*s); h is chosen to bring
+    that constant nearest zero while hi' stays within 0..15.
+    """
+    rows, cols = codes.codes.shape
+    hi = (codes.codes >> 4).view(rows, -1, codes.group)
+    lo = (codes.codes & 0x0F).view(rows, -1, codes.group)
+    hi_max = (1 << max(codes.bits - 4, 0)) - 1
+    ratio = torch.where(codes.scale != 0, codes.offset / codes.scale, torch.zeros_like(codes.scale))
+    shift = torch.round((ratio + 136) / 16).clamp(0, 15 - hi_max)
+    constant = codes.offset + (136 - 16 * shift) * codes.scale
+    hi = hi + shift.to(torch.uint8)[..., None]
+    return hi, lo, constant
+
+
+def _planes(codes: AffineCodes) -> Int4Groups:
+    """Groups of 32: [all hi groups | all lo groups]; the kernel's input is [x, x]."""
+    rows = codes.codes.shape[0]
+    hi, lo, constant = _split_planes(codes)
+    return Int4Groups(
+        torch.cat([hi.reshape(rows, -1), lo.reshape(rows, -1)], dim=1),
+        torch.cat([16 * codes.scale, codes.scale], dim=1),
+        torch.cat([torch.zeros_like(constant), constant], dim=1),
+    )
+
+
+def _interleaved16(codes: AffineCodes) -> Int4Groups:
+    """Groups of 16: each 32-slot kernel group is [hi codes (input 16x) | lo codes (input x)].
+
+    Per column: s*(16*(hi' - 8) + (lo - 8)) + 17*z must equal s*c + o, so z = constant / 17.
+    """
+    rows = codes.codes.shape[0]
+    hi, lo, constant = _split_planes(codes)
+    interleaved = torch.cat([hi, lo], dim=-1).reshape(rows, -1)
+    return Int4Groups(interleaved, codes.scale, constant / 17)
+
+
+def expand_input(x: torch.Tensor, layout: InputLayout) -> torch.Tensor:
+    """The kernel's input for a layout: x [tokens, cols] -> [tokens, cols] or [tokens, 2*cols]."""
+    if layout is InputLayout.PLAIN:
+        return x
+    if layout is InputLayout.PLANES:
+        return torch.cat([x, x], dim=-1)
+    grouped = x.view(x.shape[0], -1, 1, 16)
+    return (grouped * _INTERLEAVE_MULTIPLIERS.to(x.dtype)).reshape(x.shape[0], -1)
+
+
+_INTERLEAVE_MULTIPLIERS = torch.tensor([16.0, 1.0]).view(1, 1, 2, 1)
+
+
+def effective_weight(groups: Int4Groups, layout: InputLayout) -> torch.Tensor:
+    """Reference: the [rows, cols] weights that groups + layout compute (for tests)."""
+    kernel_weights = groups.dequantize()
+    rows, slots = kernel_weights.shape
+    if layout is InputLayout.PLAIN:
+        return kernel_weights
+    if layout is InputLayout.PLANES:
+        return kernel_weights[:, : slots // 2] + kernel_weights[:, slots // 2 :]
+    pairs = kernel_weights.view(rows, -1, 2, 16)
+    return (16 * pairs[:, :, 0] + pairs[:, :, 1]).reshape(rows, -1)

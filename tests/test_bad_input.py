@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 from gguf.constants import GGMLQuantizationType as Q
-from tiny_gguf import TinyLlama, write_tiny_llama
+from tiny_gguf import TinyModel, write_tiny_model
 
 
 def _run(exe: str, *args: str, stdin: str = "hi\n") -> subprocess.CompletedProcess:
@@ -27,19 +27,19 @@ def _assert_one_line_error(done: subprocess.CompletedProcess, *fragments: str) -
 def bad_files(tmp_path):
     not_gguf = tmp_path / "notes.gguf"
     not_gguf.write_text("this is not a model\n")
-    good = write_tiny_llama(tmp_path / "good.gguf")
+    good = write_tiny_model(tmp_path / "good.gguf")
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
-    alien = write_tiny_llama(tmp_path / "alien.gguf", TinyLlama(architecture="nosucharch"))
-    k_quant = write_tiny_llama(
-        tmp_path / "kquant.gguf", TinyLlama(dim=256, ffn_dim=256, n_heads=4, down_type=Q.Q4_K)
+    alien = write_tiny_model(tmp_path / "alien.gguf", TinyModel(architecture="nosucharch"))
+    k_quant = write_tiny_model(
+        tmp_path / "kquant.gguf", TinyModel(dim=256, ffn_dim=256, n_heads=4, down_type=Q.Q2_K)
     )
     return {
         "missing": (tmp_path / "missing.gguf", "file not found"),
         "not_gguf": (not_gguf, "not a GGUF file"),
         "truncated": (truncated, "truncated"),
         "architecture": (alien, "architecture 'nosucharch' is not supported"),
-        "tensor_type": (k_quant, "type Q4_K"),
+        "tensor_type": (k_quant, "type Q2_K"),
     }
 
 

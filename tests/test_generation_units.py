@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pytest
+
 from miniapp.engine.chat_template import CHATML_TEMPLATE, ChatTemplate, Message, TemplateError
 from miniapp.engine.generation import StopMatcher
 

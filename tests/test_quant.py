@@ -1,5 +1,5 @@
-"""Our GGML block decoding against the `gguf` package's reference, and the int4 kernel
-against a pure-torch reference."""
+"""Our GGML block decoding against the `gguf` package's reference dequantizer, and the int4
+kernel path against a pure-torch reference."""
 
 from __future__ import annotations
 
@@ -7,80 +7,168 @@ import numpy as np
 import pytest
 import torch
 from gguf import quants
+from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as Q
+from tiny_gguf import quantize_k
+
 from miniapp.engine.layers import DenseLinear, Int4Linear, linear_from_raw
-from miniapp.engine.quant import dequantize_rows, int4_groups_from_raw, q8_0_to_int4_pair
+from miniapp.engine.quant import (
+    QUANT_TYPES,
+    InputLayout,
+    decode,
+    dequantize_rows,
+    effective_weight,
+    expand_input,
+    to_int4,
+)
 
 RNG = np.random.default_rng(1234)
+K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)  # gguf cannot quantize these: random blocks instead
+ALL_QUANTS = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, *K_QUANTS)
 
 
-def _raw(values: np.ndarray, qtype: Q) -> torch.Tensor:
-    packed = quants.quantize(values.astype(np.float32), qtype)
-    return torch.from_numpy(
-        np.ascontiguousarray(packed).view(np.uint8).reshape(values.shape[0], -1)
-    )
+def random_raw(qtype: Q, rows: int, cols: int, scale: float = 1.0) -> torch.Tensor:
+    """Random rows of `qtype` blocks as uint8 [rows, row_bytes]."""
+    values = RNG.normal(0, scale, size=(rows, cols)).astype(np.float32)
+    if qtype in K_QUANTS:
+        return torch.from_numpy(quantize_k(values, qtype))
+    packed = np.ascontiguousarray(quants.quantize(values, qtype))
+    return torch.from_numpy(packed.view(np.uint8).reshape(rows, -1))
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16, Q.F32])
+def gguf_reference(raw: torch.Tensor, qtype: Q, cols: int) -> np.ndarray:
+    return quants.dequantize(raw.numpy(), qtype).reshape(raw.shape[0], cols)
+
+
+@pytest.mark.parametrize("qtype", [*ALL_QUANTS, Q.F16, Q.BF16, Q.F32], ids=lambda q: q.name)
 def test_dequantize_matches_gguf_reference(qtype):
-    values = RNG.normal(0, 2.0, size=(37, 96))
-    raw = _raw(values, qtype)
-    reference = quants.dequantize(raw.numpy(), qtype).reshape(values.shape)
-    ours = dequantize_rows(raw, qtype, values.shape[1]).numpy()
-    # Bound: fp32 evaluation order differs from gguf's (d*q + m vs (q-8)*d + (m+8d)), which
-    # moves results by a few ulps; anything larger would be a decoding bug.
-    np.testing.assert_allclose(ours, reference, rtol=1e-6, atol=1e-6)
+    cols = 512
+    raw = random_raw(qtype, 7, cols)
+    ours = dequantize_rows(raw, qtype, cols).numpy()
+    # Bound: exact up to fp32 evaluation order (a few ulps of the largest weight).
+    reference = gguf_reference(raw, qtype, cols)
+    np.testing.assert_allclose(ours, reference, rtol=1e-6, atol=1e-6 * np.abs(reference).max())
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
-def test_int4_groups_encode_exactly(qtype):
-    values = RNG.normal(0, 1.0, size=(16, 64))
-    raw = _raw(values, qtype)
-    groups = int4_groups_from_raw(raw, qtype)
+@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda q: q.name)
+def test_k_quant_decoding_of_arbitrary_bits(qtype):
+    """Every bit pattern, not just what our test quantizer writes: random bytes, with the
+    fp16 super-block scales set to finite values."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = RNG.integers(0, 256, (5, 2, size), dtype=np.uint8)
+    for at in {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}[qtype]:
+        raw[:, :, at : at + 2] = (
+            RNG.uniform(0.001, 0.01, (5, 2, 1)).astype(np.float16).view(np.uint8)
+        )
+    raw = torch.from_numpy(raw.reshape(5, -1))
+    reference = gguf_reference(raw, qtype, 2 * block)
+    ours = dequantize_rows(raw, qtype, 2 * block).numpy()
+    np.testing.assert_allclose(ours, reference, rtol=1e-6, atol=1e-6 * np.abs(reference).max())
+
+
+def test_test_quantizer_round_trips():
+    values = RNG.normal(0, 1, size=(4, 512)).astype(np.float32)
+    for qtype in K_QUANTS:
+        decoded = gguf_reference(torch.from_numpy(quantize_k(values, qtype)), qtype, 512)
+        assert np.abs(decoded - values).max() < 0.35, qtype  # a 4-bit step is ~0.5 here
+
+
+@pytest.mark.parametrize("qtype", ALL_QUANTS, ids=lambda q: q.name)
+def test_int4_kernel_format_within_bf16_rounding(qtype):
+    """The groups and input layout the kernel runs encode the same weights, up to the bf16
+    rounding of each group's scale and zero (relative 2^-8 each)."""
+    cols = 512
+    raw = random_raw(qtype, 9, cols)
+    codes = decode(raw, qtype)
+    groups, layout = to_int4(codes)
     assert groups.codes.max() <= 15
-    reference = quants.dequantize(raw.numpy(), qtype).reshape(values.shape)
-    np.testing.assert_allclose(groups.dequantize().numpy(), reference, rtol=1e-6, atol=1e-6)
+    zero_per_column = _zero_per_column(groups.zero, layout).numpy()
+    hi_distance = _hi_distance_per_column(groups.codes, layout).numpy()
+    # Stored as the kernel stores them: bf16 scales and zeros.
+    groups.scale = groups.scale.bfloat16().float()
+    groups.zero = groups.zero.bfloat16().float()
+    reference = gguf_reference(raw, qtype, cols)
+    error = np.abs(effective_weight(groups, layout).numpy() - reference)
+    # Bound: each weight is (lo - 8)*s + 16*(hi - 8)*s + zero, and bf16 rounding moves s and
+    # the zero by at most 2^-8 of themselves; |lo - 8| <= 8. (The hi plane is centred per
+    # group, so for real data |hi - 8| is at most 1, 2 and 8 for 5-, 6- and 8-bit codes.)
+    step = codes.scale.abs().repeat_interleave(codes.group, dim=1).numpy()
+    bound = 2**-8 * ((16 * hi_distance + 8) * step + np.abs(zero_per_column)) * 1.001 + 1e-9
+    assert (error <= bound).all(), (error / bound).max()
 
 
-def test_q8_0_pair_is_exact():
-    values = RNG.normal(0, 3.0, size=(8, 64))
-    raw = _raw(values, Q.Q8_0)
-    pair = q8_0_to_int4_pair(raw).dequantize()  # [rows, 2*cols]: hi plane then lo plane
-    combined = pair[:, :64] + pair[:, 64:]
-    reference = quants.dequantize(raw.numpy(), Q.Q8_0).reshape(values.shape)
-    np.testing.assert_allclose(combined.numpy(), reference, rtol=1e-6, atol=1e-5)
+def _zero_per_column(zero: torch.Tensor, layout: InputLayout) -> torch.Tensor:
+    """The zero term each weight column receives, in weight units."""
+    if layout is InputLayout.PLAIN:
+        return zero.repeat_interleave(32, dim=1)
+    if layout is InputLayout.PLANES:
+        return zero[:, zero.shape[1] // 2 :].repeat_interleave(32, dim=1)
+    return 17 * zero.repeat_interleave(16, dim=1)  # shared by 16 hi and 16 lo slots
+
+
+def _hi_distance_per_column(codes: torch.Tensor, layout: InputLayout) -> torch.Tensor:
+    """|hi - 8| of each weight column's hi-plane code (0 without a hi plane)."""
+    distance = (codes.int() - 8).abs()
+    if layout is InputLayout.PLAIN:
+        return torch.zeros_like(distance)
+    if layout is InputLayout.PLANES:
+        return distance[:, : distance.shape[1] // 2]
+    return distance.view(distance.shape[0], -1, 2, 16)[:, :, 0].reshape(distance.shape[0], -1)
 
 
 # Rows that are not a multiple of 16 exercise the padding; several M cover decode and prefill.
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+@pytest.mark.parametrize("qtype", ALL_QUANTS, ids=lambda q: q.name)
 @pytest.mark.parametrize("rows", [16, 40, 259])
 @pytest.mark.parametrize("m", [1, 3, 17])
 def test_int4_linear_matches_reference(qtype, rows, m):
-    cols = 96
-    weights = RNG.normal(0, 0.5, size=(rows, cols))
-    raw = _raw(weights, qtype)
+    cols = 256
+    raw = random_raw(qtype, rows, cols, scale=0.5)
     layer = linear_from_raw([(raw, qtype)], cols)
     assert isinstance(layer, Int4Linear)
     x = torch.randn(m, cols)
     reference = x.to(torch.bfloat16).float() @ dequantize_rows(raw, qtype, cols).T
     y = layer(x).float()
     assert y.shape == (m, rows)
-    # Bound: bf16 scales/zeros (2^-9 relative) and a bf16 output (2^-9 relative) around an
-    # fp32 accumulation; 2% of the output's scale is far above that and far below a bug.
+    # Bound: bf16 scales/zeros (above) and a bf16 output (2^-9 relative) around an fp32
+    # accumulation; 2% of the output's scale is far above that and far below a bug.
     scale = reference.abs().max()
     assert (y - reference).abs().max() <= 0.02 * scale
 
 
+def test_interleaved_input_layout():
+    x = torch.arange(32.0).view(1, 32)
+    expanded = expand_input(x, to_int4(decode(random_raw(Q.Q6_K, 1, 256), Q.Q6_K))[1])
+    assert expanded.shape == (1, 64)
+    torch.testing.assert_close(expanded[0, :16], 16 * x[0, :16])
+    torch.testing.assert_close(expanded[0, 16:32], x[0, :16])
+    torch.testing.assert_close(expanded[0, 32:48], 16 * x[0, 16:])
+
+
 def test_fused_rows_equal_separate_linears():
     cols = 64
-    parts = [(_raw(RNG.normal(0, 1, size=(r, cols)), Q.Q4_1), Q.Q4_1) for r in (48, 16, 16)]
+    parts = [(random_raw(Q.Q4_1, r, cols), Q.Q4_1) for r in (48, 16, 16)]
     fused = linear_from_raw(parts, cols)
     x = torch.randn(2, cols)
     separate = torch.cat([linear_from_raw([p], cols)(x) for p in parts], dim=-1)
     torch.testing.assert_close(fused(x), separate)
 
 
+def test_mixed_layouts_become_separate_kernels_with_bias():
+    cols = 256
+    parts = [(random_raw(Q.Q4_K, 32, cols), Q.Q4_K), (random_raw(Q.Q6_K, 16, cols), Q.Q6_K)]
+    bias = torch.randn(48)
+    layer = linear_from_raw(parts, cols, bias=bias)
+    x = torch.randn(3, cols)
+    weight = torch.cat([dequantize_rows(r, t, cols) for r, t in parts])
+    reference = x.to(torch.bfloat16).float() @ weight.T + bias
+    assert (layer(x) - reference).abs().max() <= 0.02 * reference.abs().max()
+
+
 def test_float_weights_stay_in_their_dtype():
-    raw = _raw(RNG.normal(0, 1, size=(16, 32)), Q.F16)
+    raw = random_raw(Q.F16, 16, 32)
     layer = linear_from_raw([(raw, Q.F16)], 32)
     assert isinstance(layer, DenseLinear) and layer.weight.dtype == torch.float16
+
+
+def test_every_quant_type_is_covered():
+    assert set(ALL_QUANTS) == set(QUANT_TYPES)

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+
 from miniapp.engine.cache import KVCache
 from miniapp.engine.errors import ContextFullError
 from miniapp.engine.layers import Rope, apply_rope
@@ -27,25 +28,42 @@ def _rotate_reference(x: torch.Tensor, position: int, base: float, interleaved: 
 def test_rope_matrices_match_textbook(interleaved, start, count):
     rope = Rope(head_dim=16, rotary_dim=16, base=10000.0, interleaved=interleaved)
     heads = torch.randn(count, 3, 16)
-    rotated = apply_rope(heads, rope.matrices(start, count))
+    rotated = apply_rope(heads, rope.tables(start, count))
     for t in (0, count - 1):
         for h in range(3):
             expected = _rotate_reference(heads[t, h], start + t, 10000.0, interleaved)
             torch.testing.assert_close(rotated[t, h], expected, rtol=1e-5, atol=1e-5)
 
 
-def test_rope_block_cache_gives_same_matrices_as_fresh_build():
+def test_rope_block_cache_gives_same_tables_as_fresh_build():
     rope = Rope(16, 16, 10000.0, interleaved=True)
-    stepwise = torch.cat([rope.matrices(p, 1) for p in range(60, 70)])
-    fresh = Rope(16, 16, 10000.0, interleaved=True).matrices(60, 10)
+    stepwise = torch.cat([rope.tables(p, 1).signed_sin for p in range(60, 70)])
+    fresh = Rope(16, 16, 10000.0, interleaved=True).tables(60, 10).signed_sin
     torch.testing.assert_close(stepwise, fresh)
 
 
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_linear_scaling_and_frequency_factors(interleaved):
+    x = torch.randn(1, 1, 8)
+    factors = torch.tensor([1.0, 2.0, 4.0, 8.0])
+    scaled = Rope(8, 8, 10000.0, interleaved, position_scale=0.5, freq_factors=factors)
+    out = apply_rope(x, scaled.tables(10, 1))[0, 0]
+    expected = x[0, 0].clone()
+    for i in range(4):
+        a, b = (2 * i, 2 * i + 1) if interleaved else (i, i + 4)
+        angle = 10 * 0.5 * 10000.0 ** (-2 * i / 8) / factors[i].item()
+        c, s = math.cos(angle), math.sin(angle)
+        expected[a], expected[b] = x[0, 0, a] * c - x[0, 0, b] * s, x[0, 0, a] * s + x[0, 0, b] * c
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_partial_rotary_leaves_tail_untouched():
-    rope = Rope(head_dim=16, rotary_dim=8, base=10000.0, interleaved=False)
-    x = torch.randn(1, 2, 16)
-    out = apply_rope(x, rope.matrices(7, 1))
-    torch.testing.assert_close(out[..., 8:], x[..., 8:])
+    for interleaved in (True, False):
+        rope = Rope(head_dim=16, rotary_dim=8, base=10000.0, interleaved=interleaved)
+        x = torch.randn(1, 2, 16)
+        out = apply_rope(x, rope.tables(7, 1))
+        torch.testing.assert_close(out[..., 8:], x[..., 8:])
+        assert not torch.allclose(out[..., :8], x[..., :8])
 
 
 def test_kv_cache_update_trim_mask_state():

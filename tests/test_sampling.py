@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import torch
+
 from miniapp.engine.sampler import Sampler, apply_repeat_penalty
 from miniapp.engine.sampling import SamplingParams
 

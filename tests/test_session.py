@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pytest
+
 from miniapp.engine.errors import ContextFullError
 from miniapp.engine.events import Finished, FinishReason, TextDelta
 from miniapp.engine.generation import GenerationRequest

@@ -1,8 +1,9 @@
 """Tiny random-weight GGUF files written with `gguf`'s writer, for oracle tests.
 
-A byte-level SentencePiece-style vocabulary (<unk>, <s>, </s> and 256 byte tokens) is enough
-for llama.cpp to load a model, and its size (259) is not a multiple of 16, which exercises the
-row padding of our packed weights.
+One writer covers every architecture the engine supports; the spec says which variant's
+tensors and metadata to write. A byte-level SentencePiece-style vocabulary (<unk>, <s>, </s>
+and 256 byte tokens) is enough for llama.cpp to load a model, and its size (259) is not a
+multiple of 16, which exercises the row padding of our packed weights.
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ TOKEN_TYPES = [2, 3, 3] + [6] * 256  # unknown, control, control, byte
 
 
 @dataclass(frozen=True)
-class TinyLlama:
+class TinyModel:
+    architecture: str = "llama"
     n_layers: int = 2
     dim: int = 64
     n_heads: int = 4
     n_kv_heads: int = 2
+    head_dim: int = 16
     ffn_dim: int = 96
     context: int = 256
     rope_base: float = 10000.0
@@ -32,17 +35,102 @@ class TinyLlama:
     weight_type: Q = Q.Q4_1
     embed_type: Q = Q.Q8_0
     tied_output: bool = True
-    architecture: str = "llama"
-    down_type: Q | None = None  # override blk.*.ffn_down's type (e.g. a type we don't support)
+    down_type: Q | None = None  # override blk.*.ffn_down's type (e.g. a K-quant)
+    qkv_bias: bool = False  # qwen2
+    qk_norm: bool = False  # qwen3, gemma3
+    fused_qkv: bool = False  # phi3
+    fused_gate_up: bool = False  # phi3
+    post_norms: bool = False  # gemma3
+    sliding_window: int = 0  # gemma3
+    sliding_window_pattern: int = 0
+    local_rope_base: float = 0.0
+    final_logit_softcap: float = 0.0
 
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+
+# Variants per architecture, as llama.cpp reads them.
+LLAMA = TinyModel()
+QWEN2 = TinyModel(architecture="qwen2", qkv_bias=True, tied_output=False)
+QWEN3 = TinyModel(architecture="qwen3", qk_norm=True, head_dim=32)
+PHI3 = TinyModel(architecture="phi3", fused_qkv=True, fused_gate_up=True, tied_output=False)
+GEMMA3 = TinyModel(
+    architecture="gemma3", n_layers=4, head_dim=32, qk_norm=True, post_norms=True,
+    sliding_window=8, sliding_window_pattern=2, local_rope_base=20000.0,
+    rope_base=1000000.0, norm_eps=1e-6, final_logit_softcap=30.0,
+)  # fmt: skip
+
+
+def quantize_k(values: np.ndarray, qtype: Q) -> np.ndarray:
+    """A plain K-quant quantizer for test data (gguf has none): per sub-block range or
+    absolute maximum, sub-block scales quantized against the super-block's. Not llama.cpp's
+    optimised search, but valid blocks that decode close to `values`. uint8 [rows, bytes]."""
+    rows, cols = values.shape
+    x = values.astype(np.float32).reshape(-1, 256)
+    if qtype == Q.Q6_K:
+        blocks = _quantize_q6_k(x)
+    else:
+        blocks = _quantize_q45_k(x, bits=4 if qtype == Q.Q4_K else 5)
+    return blocks.reshape(rows, -1)
+
+
+def _quantize_q45_k(x: np.ndarray, bits: int) -> np.ndarray:
+    n, top = x.shape[0], (1 << bits) - 1
+    sub = x.reshape(n, 8, 32)
+    low = np.minimum(sub.min(-1), 0)
+    step = np.maximum((sub.max(-1) - low) / top, 1e-8)
+    d = (step.max(-1) / 63).astype(np.float16)
+    dmin = ((-low).max(-1) / 63).astype(np.float16)
+    dmin = np.maximum(dmin, np.float16(1e-4)).astype(np.float16)
+    # Rounding sub-block scales and mins up keeps every value inside the coded range.
+    sc = np.clip(np.ceil(step / d.astype(np.float32)[:, None]), 1, 63).astype(np.uint8)
+    m = np.clip(np.ceil(-low / dmin.astype(np.float32)[:, None]), 0, 63).astype(np.uint8)
+    scale = d.astype(np.float32)[:, None] * sc
+    minimum = dmin.astype(np.float32)[:, None] * m
+    q = np.clip(np.rint((sub + minimum[..., None]) / scale[..., None]), 0, top).astype(np.uint8)
+    packed = np.zeros((n, 12), np.uint8)
+    packed[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    packed[:, 4:8] = m[:, :4] | ((m[:, 4:] >> 4) << 6)
+    packed[:, 8:12] = (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4)
+    pairs = (q & 0x0F).reshape(n, 4, 2, 32)
+    qs = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, 128)
+    parts = [d.view(np.uint8).reshape(n, 2), dmin.view(np.uint8).reshape(n, 2), packed]
+    if bits == 5:
+        high = (q >> 4).reshape(n, 8, 32)  # bit j of qh[l] is group j's element l
+        qh = np.zeros((n, 32), np.uint8)
+        for j in range(8):
+            qh |= high[:, j, :] << j
+        parts.append(qh)
+    return np.concatenate([*parts, qs], axis=1)
+
+
+def _quantize_q6_k(x: np.ndarray) -> np.ndarray:
+    n = x.shape[0]
+    sub = x.reshape(n, 16, 16)
+    step = np.maximum(np.abs(sub).max(-1) / 31, 1e-8)
+    d = (step.max(-1) / 127).astype(np.float16)
+    sc = np.clip(np.ceil(step / d.astype(np.float32)[:, None]), 1, 127).astype(np.int8)
+    scale = d.astype(np.float32)[:, None] * sc
+    q = np.clip(np.rint(sub / scale[..., None]) + 32, 0, 63).astype(np.uint8).reshape(n, 2, 4, 32)
+    # element h*128 + c*32 + l: low nibble in ql[h*64 + (c % 2)*32 + l] (high half if c >= 2),
+    # top two bits in qh[h*32 + l] at bit 2c.
+    low = q & 0x0F
+    ql = (low[:, :, 0:2] | (low[:, :, 2:4] << 4)).reshape(n, 128)
+    high = q >> 4
+    qh = high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)
+    return np.concatenate(
+        [ql, qh.reshape(n, 64), sc.view(np.uint8), d.view(np.uint8).reshape(n, 2)], axis=1
+    )
+
+
+K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+GGUF_QUANTIZABLE = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
 
 
 def _add_weight(writer: GGUFWriter, name: str, values: np.ndarray, qtype: Q) -> None:
-    if qtype not in (Q.F32, Q.F16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.BF16):
-        # gguf cannot quantize this type: write random bytes of the right size instead.
+    if qtype in K_QUANTS:
+        raw = quantize_k(values, qtype)
+        writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qtype)
+    elif qtype not in GGUF_QUANTIZABLE:
+        # A type we only need to be rejected: random bytes of the right size.
         block, size = quants.GGML_QUANT_SIZES[qtype]
         rows, cols = values.shape
         raw = np.random.default_rng(0).integers(0, 256, (rows, cols // block * size), np.uint8)
@@ -56,20 +144,27 @@ def _add_weight(writer: GGUFWriter, name: str, values: np.ndarray, qtype: Q) -> 
         writer.add_tensor(name, packed, raw_shape=packed.shape, raw_dtype=qtype)
 
 
-def write_tiny_llama(path: Path, spec: TinyLlama = TinyLlama(), seed: int = 0) -> Path:
-    rng = np.random.default_rng(seed)
+def _write_metadata(writer: GGUFWriter, spec: TinyModel) -> None:
     arch = spec.architecture
-    writer = GGUFWriter(str(path), arch)
     writer.add_block_count(spec.n_layers)
     writer.add_context_length(spec.context)
     writer.add_embedding_length(spec.dim)
     writer.add_feed_forward_length(spec.ffn_dim)
     writer.add_head_count(spec.n_heads)
     writer.add_head_count_kv(spec.n_kv_heads)
+    writer.add_key_length(spec.head_dim)
+    writer.add_value_length(spec.head_dim)
     writer.add_rope_freq_base(spec.rope_base)
     writer.add_layer_norm_rms_eps(spec.norm_eps)
     writer.add_rope_dimension_count(spec.head_dim)
     writer.add_vocab_size(len(VOCAB))
+    if spec.sliding_window:
+        writer.add_uint32(f"{arch}.attention.sliding_window", spec.sliding_window)
+        writer.add_uint32(f"{arch}.attention.sliding_window_pattern", spec.sliding_window_pattern)
+    if spec.local_rope_base:
+        writer.add_float32(f"{arch}.rope.freq_base_swa", spec.local_rope_base)
+    if spec.final_logit_softcap:
+        writer.add_float32(f"{arch}.final_logit_softcapping", spec.final_logit_softcap)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(VOCAB)
     writer.add_token_scores([0.0] * len(VOCAB))
@@ -79,44 +174,60 @@ def write_tiny_llama(path: Path, spec: TinyLlama = TinyLlama(), seed: int = 0) -
     writer.add_unk_token_id(0)
     writer.add_add_bos_token(True)
 
+
+def write_tiny_model(path: Path, spec: TinyModel = LLAMA, seed: int = 0) -> Path:
+    rng = np.random.default_rng(seed)
+    writer = GGUFWriter(str(path), spec.architecture)
+    _write_metadata(writer, spec)
+
     def weight(rows: int, cols: int, scale: float) -> np.ndarray:
         return rng.normal(0.0, scale, size=(rows, cols))
 
-    def norm() -> np.ndarray:
-        return (1.0 + rng.normal(0.0, 0.1, size=spec.dim)).astype(np.float32)
+    def vector(size: int, mean: float = 1.0, spread: float = 0.1) -> np.ndarray:
+        return (mean + rng.normal(0.0, spread, size=size)).astype(np.float32)
 
-    d, hd = spec.dim, spec.head_dim
+    d, hd, wt = spec.dim, spec.head_dim, spec.weight_type
+    q_rows, kv_rows = spec.n_heads * hd, spec.n_kv_heads * hd
     # Scales like a trained network's: attention logits and residual updates of order one,
     # so logits are not so chaotic that quantization noise decides the top token.
-    w_in, w_ffn_out = 1.0 / np.sqrt(d), 1.0 / np.sqrt(spec.ffn_dim)
-    _add_weight(writer, "token_embd.weight", weight(len(VOCAB), d, 1.0), spec.embed_type)
+    w_in, w_ffn_out, w_attn_out = 1 / np.sqrt(d), 1 / np.sqrt(spec.ffn_dim), 1 / np.sqrt(q_rows)
+    embedding = weight(len(VOCAB), d, 1.0)
+    _add_weight(writer, "token_embd.weight", embedding, spec.embed_type)
     for i in range(spec.n_layers):
         p = f"blk.{i}."
-        writer.add_tensor(p + "attn_norm.weight", norm())
-        _add_weight(
-            writer, p + "attn_q.weight", weight(spec.n_heads * hd, d, w_in), spec.weight_type
-        )
-        _add_weight(
-            writer, p + "attn_k.weight", weight(spec.n_kv_heads * hd, d, w_in), spec.weight_type
-        )
-        _add_weight(
-            writer, p + "attn_v.weight", weight(spec.n_kv_heads * hd, d, w_in), spec.weight_type
-        )
-        _add_weight(
-            writer, p + "attn_output.weight", weight(d, spec.n_heads * hd, w_in), spec.weight_type
-        )
-        writer.add_tensor(p + "ffn_norm.weight", norm())
-        _add_weight(writer, p + "ffn_gate.weight", weight(spec.ffn_dim, d, w_in), spec.weight_type)
-        _add_weight(writer, p + "ffn_up.weight", weight(spec.ffn_dim, d, w_in), spec.weight_type)
-        _add_weight(
-            writer,
-            p + "ffn_down.weight",
-            weight(d, spec.ffn_dim, w_ffn_out),
-            spec.down_type or spec.weight_type,
-        )
-    writer.add_tensor("output_norm.weight", norm())
+        writer.add_tensor(p + "attn_norm.weight", vector(d))
+        if spec.fused_qkv:
+            _add_weight(writer, p + "attn_qkv.weight", weight(q_rows + 2 * kv_rows, d, w_in), wt)
+        else:
+            _add_weight(writer, p + "attn_q.weight", weight(q_rows, d, w_in), wt)
+            _add_weight(writer, p + "attn_k.weight", weight(kv_rows, d, w_in), wt)
+            _add_weight(writer, p + "attn_v.weight", weight(kv_rows, d, w_in), wt)
+        if spec.qkv_bias:
+            writer.add_tensor(p + "attn_q.bias", vector(q_rows, 0.0, 0.3))
+            writer.add_tensor(p + "attn_k.bias", vector(kv_rows, 0.0, 0.3))
+            writer.add_tensor(p + "attn_v.bias", vector(kv_rows, 0.0, 0.3))
+        if spec.qk_norm:
+            writer.add_tensor(p + "attn_q_norm.weight", vector(hd))
+            writer.add_tensor(p + "attn_k_norm.weight", vector(hd))
+        _add_weight(writer, p + "attn_output.weight", weight(d, q_rows, w_attn_out), wt)
+        if spec.post_norms:
+            writer.add_tensor(p + "post_attention_norm.weight", vector(d))
+        writer.add_tensor(p + "ffn_norm.weight", vector(d))
+        if spec.fused_gate_up:
+            _add_weight(writer, p + "ffn_up.weight", weight(2 * spec.ffn_dim, d, w_in), wt)
+        else:
+            _add_weight(writer, p + "ffn_gate.weight", weight(spec.ffn_dim, d, w_in), wt)
+            _add_weight(writer, p + "ffn_up.weight", weight(spec.ffn_dim, d, w_in), wt)
+        down = weight(d, spec.ffn_dim, w_ffn_out)
+        _add_weight(writer, p + "ffn_down.weight", down, spec.down_type or wt)
+        if spec.post_norms:
+            writer.add_tensor(p + "post_ffw_norm.weight", vector(d))
+    writer.add_tensor("output_norm.weight", vector(d))
     if not spec.tied_output:
-        _add_weight(writer, "output.weight", weight(len(VOCAB), d, 1.0), spec.weight_type)
+        # An untied head near the embedding, as trained models' heads are: a purely random
+        # one makes many near-tied logits, where rounding noise decides the top token.
+        head = embedding + weight(len(VOCAB), d, 0.3)
+        _add_weight(writer, "output.weight", head, wt)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -1,41 +1,44 @@
-"""One file per architecture; `build_model` picks by the GGUF's `general.architecture`."""
+"""Architectures: each maps GGUF metadata to a `DecoderConfig`; `build_model` does the rest."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from torch import nn
-
 from ..errors import UnsupportedModelError
 from ..gguf_file import GGUFFile
-from ..quant import LINEAR_TYPES
-from . import llama
+from ..quant import SUPPORTED_TYPES
+from . import gemma3, llama, phi3, qwen
+from .decoder import DecoderConfig, DecoderModel, build_decoder
 
-_BUILDERS: dict[str, Callable[[GGUFFile, int], nn.Module]] = {
-    "llama": llama.LlamaModel.from_gguf,
+CONFIGS: dict[str, Callable[[GGUFFile], DecoderConfig]] = {
+    "llama": llama.config_from_gguf,
+    "qwen2": qwen.qwen2_config,
+    "qwen3": qwen.qwen3_config,
+    "phi3": phi3.config_from_gguf,
+    "gemma3": gemma3.config_from_gguf,
 }
 
-SUPPORTED_ARCHITECTURES = tuple(sorted(_BUILDERS))
+SUPPORTED_ARCHITECTURES = tuple(sorted(CONFIGS))
 
 
-def check_supported(gguf: GGUFFile) -> None:
-    """Raise UnsupportedModelError unless the torch engine can run this file."""
+def check_supported(gguf: GGUFFile) -> DecoderConfig:
+    """The model's config, or UnsupportedModelError if the torch engine cannot run it."""
     arch = gguf.architecture
-    if arch not in _BUILDERS:
+    if arch not in CONFIGS:
         raise UnsupportedModelError(
             gguf.path,
             f"architecture '{arch}' is not supported by the torch engine "
             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})",
         )
     for info in gguf.tensors.values():
-        if info.ggml_type not in LINEAR_TYPES:
+        if info.ggml_type not in SUPPORTED_TYPES:
             raise UnsupportedModelError(
                 gguf.path,
                 f"tensor {info.name} has type {info.ggml_type.name}, "
                 "which the torch engine does not support yet",
             )
+    return CONFIGS[arch](gguf)
 
 
-def build_model(gguf: GGUFFile, max_positions: int) -> nn.Module:
-    check_supported(gguf)
-    return _BUILDERS[gguf.architecture](gguf, max_positions)
+def build_model(gguf: GGUFFile, max_positions: int) -> DecoderModel:
+    return build_decoder(gguf, check_supported(gguf), max_positions)

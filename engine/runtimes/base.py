@@ -13,6 +13,7 @@ from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
 
 DEFAULT_CTX = 4096
+LOGIT_BLOCK = 256
 
 
 def default_threads() -> int:
@@ -53,8 +54,16 @@ class Runtime(ABC):
         """Forget the cached context (the next prompt is evaluated from scratch)."""
 
     @abstractmethod
+    def logit_blocks(
+        self, tokens: Sequence[int], first: int = 0, block: int = LOGIT_BLOCK
+    ) -> Iterator[tuple[int, np.ndarray]]:
+        """Evaluate `tokens` from a fresh context (no reuse) and yield (start, logits) for
+        rows first.. in blocks of `block` rows, fp32 [rows, vocab]. Blocks bound memory:
+        a 2048-token context with a 262k vocabulary would be 2 GB of logits at once."""
+
     def logits(self, tokens: Sequence[int]) -> np.ndarray:
-        """fp32 [len(tokens), vocab] from a fresh context (no reuse), for evaluation."""
+        """fp32 [len(tokens), vocab]: every row at once (small inputs only)."""
+        return np.concatenate([rows for _, rows in self.logit_blocks(tokens)])
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release native resources early."""

@@ -13,7 +13,7 @@ from ..gguf_file import GGUFFile
 from ..llamacpp_lib import Llama
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
-from .base import DEFAULT_CTX, Runtime, common_prefix, default_threads
+from .base import DEFAULT_CTX, LOGIT_BLOCK, Runtime, common_prefix, default_threads
 
 
 class LlamaCppRuntime(Runtime):
@@ -66,12 +66,16 @@ class LlamaCppRuntime(Runtime):
     def reset(self) -> None:
         self._llm.reset()
 
-    def logits(self, tokens: Sequence[int]) -> np.ndarray:
+    def logit_blocks(
+        self, tokens: Sequence[int], first: int = 0, block: int = LOGIT_BLOCK
+    ) -> Iterator[tuple[int, np.ndarray]]:
         if not self._logits_all:
             raise RuntimeError("open the llamacpp runtime with logits_all=True to read logits")
         self._llm.reset()
         self._llm.eval(list(tokens))
-        return np.array(self._llm.scores[: len(tokens)], dtype=np.float32)
+        scores = self._llm.scores  # llama-cpp-python's own [n_ctx, vocab] buffer: no copy
+        for start in range(first, len(tokens), block):
+            yield start, scores[start : min(start + block, len(tokens))]
 
     def close(self) -> None:
         self._llm.close()

@@ -14,7 +14,7 @@ from ..models import build_model
 from ..sampler import Sampler
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
-from .base import DEFAULT_CTX, Runtime, common_prefix, default_threads
+from .base import DEFAULT_CTX, LOGIT_BLOCK, Runtime, common_prefix, default_threads
 
 PREFILL_CHUNK = 512  # bounds the attention mask and activations of a long prompt
 
@@ -60,13 +60,19 @@ class TorchRuntime(Runtime):
         self._truncate(0)
 
     @torch.inference_mode()
-    def logits(self, tokens: Sequence[int]) -> np.ndarray:
+    def logit_blocks(
+        self, tokens: Sequence[int], first: int = 0, block: int = LOGIT_BLOCK
+    ) -> Iterator[tuple[int, np.ndarray]]:
         caches = self.model.make_caches(len(tokens))
-        out = [
-            self.model(torch.tensor(tokens[i : i + PREFILL_CHUNK]), caches, all_logits=True)
-            for i in range(0, len(tokens), PREFILL_CHUNK)
-        ]
-        return torch.cat(out).numpy()
+        hidden = torch.cat(
+            [
+                self.model.hidden_states(torch.tensor(tokens[i : i + PREFILL_CHUNK]), caches)
+                for i in range(0, len(tokens), PREFILL_CHUNK)
+            ]
+        )
+        # Only the rows asked for go through the output head, the costliest matmul here.
+        for start in range(first, len(tokens), block):
+            yield start, self.model.logits(hidden[start : start + block]).numpy()
 
     @torch.inference_mode()
     def _feed(self, tokens: Sequence[int]) -> torch.Tensor:

@@ -1,0 +1,397 @@
+"""The decoder-only transformer that every supported architecture is an instance of.
+
+Each architecture file turns GGUF metadata into a `DecoderConfig` (the only place
+hyper-parameters come from); this file builds and runs the model. Weights stay in their GGML
+formats: Q/K/V are fused into one matmul, as are gate/up, so a decode step makes 4 weight
+calls per layer. llama.cpp's graph for each architecture is the reference for the maths.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache import KVCache
+from ..errors import ContextFullError, ModelFileError, UnsupportedModelError
+from ..gguf_file import GGUFFile, TensorInfo
+from ..layers import (
+    BlockEmbedding,
+    RMSNorm,
+    Rope,
+    RopeTables,
+    apply_rope,
+    linear_from_raw,
+    rms_normalize,
+)
+from ..quant import dequantize_rows
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    base: float
+    interleaved: bool  # llama.cpp's "normal" RoPE pairs (2i, 2i+1); "neox" pairs (i, i+d/2)
+    rotary_dim: int
+    position_scale: float = 1.0  # linear RoPE scaling: positions are multiplied by this
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    architecture: str
+    n_layers: int
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    vocab_size: int
+    norm_eps: float
+    context_length: int
+    rope: RopeConfig
+    activation: str = "silu"  # "silu" | "gelu_tanh", gating the up projection
+    attention_scale: float | None = None  # default 1/sqrt(head_dim)
+    embed_scale: float = 1.0  # Gemma multiplies embeddings by sqrt(dim)
+    qk_norm: bool = False  # RMSNorm of each query and key head before RoPE
+    post_norms: bool = False  # Gemma's norms on the attention and FFN outputs
+    sliding_window: int = 0  # tokens a local layer sees (0: no local layers)
+    local_layers: tuple[bool, ...] = ()  # which layers use the sliding window
+    local_rope: RopeConfig | None = None  # RoPE of the local layers, if different
+    final_logit_softcap: float = 0.0
+
+    def is_local(self, layer: int) -> bool:
+        return bool(self.local_layers) and self.local_layers[layer]
+
+
+class MetadataReader:
+    """Typed access to `<architecture>.<key>` metadata, with errors naming the file."""
+
+    def __init__(self, gguf: GGUFFile):
+        self.gguf = gguf
+
+    def need(self, key: str):
+        value = self.gguf.arch_value(key)
+        if value is None:
+            raise ModelFileError(
+                self.gguf.path, f"missing metadata key {self.gguf.architecture}.{key}"
+            )
+        return value
+
+    def get(self, key: str, default=None):
+        value = self.gguf.arch_value(key)
+        return default if value is None else value
+
+    def unsupported(self, reason: str) -> UnsupportedModelError:
+        return UnsupportedModelError(self.gguf.path, reason)
+
+    def common(self) -> dict:
+        """Fields shared by every architecture's config."""
+        dim = int(self.need("embedding_length"))
+        n_heads = int(self.need("attention.head_count"))
+        head_dim = int(self.get("attention.key_length", dim // n_heads))
+        if int(self.get("attention.value_length", head_dim)) != head_dim:
+            raise self.unsupported("different key and value head sizes are not supported yet")
+        n_kv_heads = self.get("attention.head_count_kv", n_heads)
+        if isinstance(n_kv_heads, list):
+            raise self.unsupported("per-layer KV head counts are not supported yet")
+        vocab = self.get("vocab_size") or self.gguf.tensor("token_embd.weight").shape[0]
+        return dict(
+            architecture=self.gguf.architecture,
+            n_layers=int(self.need("block_count")),
+            dim=dim,
+            n_heads=n_heads,
+            n_kv_heads=int(n_kv_heads),
+            head_dim=head_dim,
+            ffn_dim=int(self.need("feed_forward_length")),
+            vocab_size=int(vocab),
+            norm_eps=float(self.need("attention.layer_norm_rms_epsilon")),
+            context_length=int(self.get("context_length", 4096)),
+        )
+
+    def rope(self, interleaved: bool, head_dim: int) -> RopeConfig:
+        scaling = self.get("rope.scaling.type", "none")
+        factor = float(self.get("rope.scaling.factor", 1.0) or 1.0)
+        if scaling not in ("none", "linear") and factor != 1.0:
+            raise self.unsupported(f"RoPE scaling '{scaling}' is not supported yet")
+        return RopeConfig(
+            base=float(self.get("rope.freq_base", 10000.0)),
+            interleaved=interleaved,
+            rotary_dim=int(self.get("rope.dimension_count", head_dim)),
+            position_scale=1.0 / factor if scaling == "linear" else 1.0,
+        )
+
+
+# Decode runs ~30 tensor ops per layer and each costs a microsecond or two of Python and
+# dispatch overhead, about as much as the matmuls themselves on a small model. So the layer
+# code below calls submodules' `forward` directly (skipping nn.Module's hook machinery),
+# updates the residual stream in place, and slices rather than splits.
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        config: DecoderConfig,
+        wqkv: nn.Module,
+        wo: nn.Module,
+        qk_norm_weight: torch.Tensor | None,
+    ):
+        super().__init__()
+        self.wqkv, self.wo = wqkv, wo
+        self.n_heads, self.n_kv_heads = config.n_heads, config.n_kv_heads
+        self.head_dim = config.head_dim
+        # Q and K sit side by side in the fused projection, so one matmul rotates both.
+        self.n_rotated = config.n_heads + config.n_kv_heads
+        self.scale = config.attention_scale or 1.0 / math.sqrt(config.head_dim)
+        self.norm_eps = config.norm_eps
+        # [n_heads + n_kv_heads, head_dim]: the query norm's weight per query head, then the
+        # key norm's per key head, so one normalisation covers both.
+        self.register_buffer("qk_norm_weight", qk_norm_weight, persistent=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotation: RopeTables,
+        cache: KVCache,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """x: [tokens, dim] -> [tokens, dim]."""
+        n_tokens = x.shape[0]
+        # Attention runs in fp32: torch's CPU attention and small bmm are several times faster
+        # in fp32 than in bf16 at decode sizes, and the cache keeps full precision.
+        heads = self.wqkv.forward(x).float().view(n_tokens, -1, self.head_dim)
+        qk = heads[:, : self.n_rotated]
+        if self.qk_norm_weight is not None:
+            qk = rms_normalize(qk, self.norm_eps) * self.qk_norm_weight
+        # [tokens, heads, head_dim] -> [heads, tokens, head_dim]
+        qk = apply_rope(qk, rotation).transpose(0, 1)
+        v = heads[:, self.n_rotated :].transpose(0, 1)
+        keys, values = cache.update_and_fetch(qk[self.n_heads :][None], v[None])
+        out = F.scaled_dot_product_attention(
+            qk[: self.n_heads][None], keys, values, attn_mask=mask, enable_gqa=True,
+            scale=self.scale,
+        )  # fmt: skip
+        return self.wo.forward(out[0].transpose(0, 1).reshape(n_tokens, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, w_gate_up: nn.Module, w_down: nn.Module, ffn_dim: int, activation: str):
+        super().__init__()
+        self.w_gate_up, self.w_down, self.ffn_dim = w_gate_up, w_down, ffn_dim
+        self.gelu = activation == "gelu_tanh"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.w_gate_up.forward(x)
+        gate, up = gate_up[:, : self.ffn_dim], gate_up[:, self.ffn_dim :]
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.w_down.forward(gate.mul_(up))
+
+
+class Block(nn.Module):
+    def __init__(self, attn_norm, attention, ffn_norm, feed_forward, post_attn_norm, post_ffn_norm):
+        super().__init__()
+        self.attn_norm, self.attention = attn_norm, attention
+        self.ffn_norm, self.feed_forward = ffn_norm, feed_forward
+        self.post_attn_norm, self.post_ffn_norm = post_attn_norm, post_ffn_norm
+
+    def forward(self, x, rotation, cache, mask):
+        """Updates the residual stream `x` (fp32 [tokens, dim]) in place and returns it."""
+        attended = self.attention.forward(self.attn_norm.forward(x), rotation, cache, mask)
+        if self.post_attn_norm is not None:
+            attended = self.post_attn_norm.forward(attended.float())
+        x.add_(attended)
+        fed = self.feed_forward.forward(self.ffn_norm.forward(x))
+        if self.post_ffn_norm is not None:
+            fed = self.post_ffn_norm.forward(fed.float())
+        return x.add_(fed)
+
+
+class DecoderModel(nn.Module):
+    def __init__(
+        self,
+        config: DecoderConfig,
+        embed,
+        layers,
+        norm,
+        output,
+        max_positions: int,
+        freq_factors: torch.Tensor | None = None,
+    ):
+        super().__init__()
+        self.config = config
+        self.embed, self.layers, self.norm, self.output = embed, nn.ModuleList(layers), norm, output
+        self.max_positions = max_positions
+        self.ropes = {
+            False: _rope(config, config.rope, freq_factors),
+            True: _rope(config, config.local_rope or config.rope, freq_factors),
+        }
+
+    def make_caches(self, max_tokens: int | None = None) -> list[KVCache]:
+        size = max_tokens or self.max_positions
+        c = self.config
+        return [
+            KVCache(
+                c.n_kv_heads, c.head_dim, size, window=c.sliding_window if c.is_local(i) else None
+            )
+            for i in range(c.n_layers)
+        ]
+
+    def forward(
+        self, tokens: torch.Tensor, caches: list[KVCache], all_logits: bool = False
+    ) -> torch.Tensor:
+        """tokens: int64 [n]. Returns fp32 logits [n, vocab] if `all_logits`, else [1, vocab]."""
+        hidden = self.hidden_states(tokens, caches)
+        return self.logits(hidden if all_logits else hidden[-1:])
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [n, dim] -> fp32 logits [n, vocab]."""
+        logits = self.output.forward(hidden).float()
+        if self.config.final_logit_softcap:
+            cap = self.config.final_logit_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def hidden_states(self, tokens: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
+        """Run the layers over `tokens`, appending to the caches; returns the final-normed
+        hidden states [n, dim] (fp32)."""
+        offset, n_tokens = caches[0].offset, tokens.shape[0]
+        if offset + n_tokens > self.max_positions:
+            raise ContextFullError(
+                f"context full: {offset + n_tokens} tokens exceed --ctx {self.max_positions}"
+            )
+        config = self.config
+        # One rotation and one mask per kind of layer (global / sliding-window), shared.
+        rotations, masks = {}, {}
+        for index, cache in enumerate(caches):
+            local = config.is_local(index)
+            if local not in masks:
+                rotations[local] = self.ropes[local].tables(offset, n_tokens)
+                masks[local] = cache.make_mask(n_tokens)
+        x = self.embed(tokens)
+        if config.embed_scale != 1.0:
+            x.mul_(config.embed_scale)
+        for index, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
+            local = config.is_local(index)
+            x = layer.forward(x, rotations[local], cache, masks[local])
+        return self.norm.forward(x)
+
+
+def _rope(config: DecoderConfig, rope: RopeConfig, freq_factors: torch.Tensor | None) -> Rope:
+    return Rope(
+        config.head_dim,
+        rope.rotary_dim,
+        rope.base,
+        rope.interleaved,
+        position_scale=rope.position_scale,
+        freq_factors=freq_factors,
+    )
+
+
+# ------------------------------------------------------------------------------ loading
+
+
+def build_decoder(gguf: GGUFFile, config: DecoderConfig, max_positions: int) -> DecoderModel:
+    weights = WeightReader(gguf)
+    layers = [_build_block(weights, config, i) for i in range(config.n_layers)]
+    # Many small models tie the output head to the embedding.
+    head = "output.weight" if weights.has("output.weight") else "token_embd.weight"
+    output = weights.linear([head], bias="output.bias")
+    embed = weights.embedding("token_embd.weight", config.dim)
+    norm = RMSNorm(weights.vector("output_norm.weight"), config.norm_eps)
+    # Llama 3.1-style frequency factors: each RoPE frequency is divided by its factor.
+    freq_factors = weights.vector("rope_freqs.weight") if weights.has("rope_freqs.weight") else None
+    weights.check_all_used()
+    return DecoderModel(config, embed, layers, norm, output, max_positions, freq_factors)
+
+
+def _build_block(weights: WeightReader, config: DecoderConfig, i: int) -> Block:
+    p = f"blk.{i}."
+    eps = config.norm_eps
+    if weights.has(p + "attn_qkv.weight"):
+        wqkv = weights.linear([p + "attn_qkv.weight"], bias=p + "attn_qkv.bias")
+    else:
+        names = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
+        biases = [p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"]
+        wqkv = weights.linear(names, bias=biases)
+    qk_norm = None
+    if config.qk_norm:
+        q_norm, k_norm = (
+            weights.vector(p + "attn_q_norm.weight"),
+            weights.vector(p + "attn_k_norm.weight"),
+        )
+        qk_norm = torch.cat(
+            [q_norm.expand(config.n_heads, -1), k_norm.expand(config.n_kv_heads, -1)]
+        ).contiguous()
+    wo = weights.linear([p + "attn_output.weight"], bias=p + "attn_output.bias")
+    attention = Attention(config, wqkv, wo, qk_norm)
+    if weights.has(p + "ffn_gate.weight"):
+        gate_up = weights.linear([p + "ffn_gate.weight", p + "ffn_up.weight"])
+    else:  # Phi-3 stores gate and up as one tensor of 2 * ffn_dim rows, gate first
+        gate_up = weights.linear([p + "ffn_up.weight"])
+    ffn = FeedForward(
+        gate_up, weights.linear([p + "ffn_down.weight"]), config.ffn_dim, config.activation
+    )
+
+    def norm(name: str) -> RMSNorm:
+        return RMSNorm(weights.vector(p + name), eps)
+
+    post_attn = norm("post_attention_norm.weight") if config.post_norms else None
+    post_ffn = norm("post_ffw_norm.weight") if config.post_norms else None
+    return Block(
+        norm("attn_norm.weight"), attention, norm("ffn_norm.weight"), ffn, post_attn, post_ffn
+    )
+
+
+class WeightReader:
+    """Turns named GGUF tensors into modules. Releases each tensor's mapped pages once
+    repacked, so the file and its repacked copy are never both resident, and remembers
+    what it read, so a tensor the model would silently ignore becomes an error."""
+
+    def __init__(self, gguf: GGUFFile):
+        self.gguf = gguf
+        self.used: set[str] = set()
+
+    def has(self, name: str) -> bool:
+        return name in self.gguf.tensors
+
+    def _take(self, name: str) -> TensorInfo:
+        self.used.add(name)
+        return self.gguf.tensor(name)
+
+    def linear(self, names: list[str], bias: str | list[str] | None = None) -> nn.Module:
+        infos = [self._take(n) for n in names]
+        raws = [(self.gguf.raw(i), i.ggml_type) for i in infos]
+        module = linear_from_raw(raws, infos[0].shape[-1], self._bias(bias, infos))
+        self.gguf.release()
+        return module
+
+    def _bias(self, bias: str | list[str] | None, infos: list[TensorInfo]) -> torch.Tensor | None:
+        names = [bias] if isinstance(bias, str) else list(bias or [])
+        present = [self.has(n) for n in names]
+        if not any(present):
+            return None
+        parts = [
+            self.vector(n) if here else torch.zeros(info.shape[0])
+            for n, here, info in zip(names, present, infos, strict=True)
+        ]
+        return torch.cat(parts)
+
+    def vector(self, name: str) -> torch.Tensor:
+        info = self._take(name)
+        return dequantize_rows(self.gguf.raw(info), info.ggml_type, info.n_elements)[0].clone()
+
+    def embedding(self, name: str, dim: int) -> BlockEmbedding:
+        # Looked-up rows are read straight from the memory map: no copy of the table.
+        info = self._take(name)
+        return BlockEmbedding(self.gguf.raw(info), info.ggml_type, dim)
+
+    def check_all_used(self) -> None:
+        unused = sorted(set(self.gguf.tensors) - self.used)
+        if unused:
+            more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
+            raise UnsupportedModelError(
+                self.gguf.path,
+                f"tensor {unused[0]}{more} is not understood by the torch engine's "
+                f"{self.gguf.architecture} model",
+            )
