@@ -15,10 +15,10 @@ from torch import nn
 
 from .quant import (
     FLOAT_TYPES,
-    KERNEL_GROUP,
+    PLAIN,
     QUANT_TYPES,
-    InputLayout,
     Int4Groups,
+    KernelLayout,
     decode,
     dequantize_rows,
     expand_input,
@@ -41,8 +41,8 @@ _PACK_CHUNK_ROWS = 4096  # convert big matrices in slices so temporary copies st
 class Int4Linear(nn.Module):
     """y = x @ W.T (+ bias) for W held as 4-bit codes with a bf16 scale and zero per group of 32.
 
-    Wider codes are held as 4-bit planes; `layout` says how the kernel's input is laid out
-    for them (see `quant.InputLayout`).
+    Wider codes are held as interleaved 4-bit planes; `layout` says how the kernel's groups
+    and input are laid out for them (see `quant.KernelLayout`).
     """
 
     def __init__(
@@ -50,18 +50,19 @@ class Int4Linear(nn.Module):
         packed: torch.Tensor,
         scales_zeros: torch.Tensor,
         out_features: int,
-        layout: InputLayout = InputLayout.PLAIN,
+        layout: KernelLayout = PLAIN,
         bias: torch.Tensor | None = None,
     ):
         super().__init__()
         self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("scales_zeros", scales_zeros, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
-        slots = scales_zeros.shape[0] * KERNEL_GROUP
-        self.in_features = slots if layout is InputLayout.PLAIN else slots // 2
+        slots = scales_zeros.shape[0] * layout.group
+        self.in_features = slots // 2 if layout.interleave else slots
         self.out_features = out_features
         self.layout = layout
-        self.plain = layout is InputLayout.PLAIN
+        self.group = layout.group
+        self.plain = not layout.interleave
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [tokens, in_features] (any float dtype) -> [tokens, out_features], bf16 without
@@ -69,7 +70,7 @@ class Int4Linear(nn.Module):
         x = x.to(COMPUTE_DTYPE)
         if not self.plain:
             x = expand_input(x, self.layout)
-        y = _int4_mm(x, self.packed, KERNEL_GROUP, self.scales_zeros)
+        y = _int4_mm(x, self.packed, self.group, self.scales_zeros)
         if y.shape[-1] != self.out_features:
             y = y[:, : self.out_features]
         if self.bias is not None:
@@ -152,8 +153,7 @@ def linear_from_raw(
         packer = _Int4Packer()
         for raw, ggml_type in parts:
             for start in range(0, raw.shape[0], _PACK_CHUNK_ROWS):
-                groups, _ = to_int4(decode(raw[start : start + _PACK_CHUNK_ROWS], ggml_type))
-                packer.add(groups)
+                packer.add(to_int4(decode(raw[start : start + _PACK_CHUNK_ROWS], ggml_type)))
         out_features = packer.rows
         packed, scales_zeros = packer.finish()
         layout = layout_for(next(iter(types)))

@@ -8,12 +8,12 @@ group of 16 or 32 columns, `w = scale * code + offset`. That form serves two pur
 
 Codes of up to 4 bits map directly. Wider codes (Q5_*, Q6_K, Q8_0) are split into a high and
 a low 4-bit plane, c = 16*hi + lo, so they stay 8 bits a weight and still run on the int4
-kernel, with the input laid out to match (`InputLayout`):
-* PLANES (groups of 32): the kernel sees [x, x]; the hi plane's scale is 16*scale;
-* INTERLEAVED16 (Q6_K's groups of 16): each group of 32 slots holds one 16-column group's
-  hi codes, fed 16*x, then its lo codes, fed x, so both share one scale.
-The hi plane is shifted per group so that the zero term stays within 8 scale steps: bf16
-rounding of the zero then costs no more than for a plain 4-bit group.
+kernel: each source group of g columns becomes one kernel group of 2g slots, its g hi codes
+fed 16*x and then its g lo codes fed x, so both planes share the group's one scale and zero
+(`KernelLayout.interleave`). Groups of 32 (Q5_*, Q8_0) use kernel groups of 64; Q6_K's
+groups of 16 use kernel groups of 32. The hi plane is shifted per group so that the zero term
+stays within 8 scale steps: bf16 rounding of the zero then costs no more than for a plain
+4-bit group.
 
 Block layouts are GGML's (see gguf-py's reference dequantizers, which the tests compare to).
 """
@@ -21,7 +21,6 @@ Block layouts are GGML's (see gguf-py's reference dequantizers, which the tests 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -35,10 +34,18 @@ QUANT_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K,
 SUPPORTED_TYPES = FLOAT_TYPES | QUANT_TYPES
 
 
-class InputLayout(Enum):
-    PLAIN = "plain"  # 4-bit codes: the kernel sees x
-    PLANES = "planes"  # hi/lo planes of 32-groups: the kernel sees [x, x]
-    INTERLEAVED16 = "interleaved16"  # 16-groups: per group, [16 * x_g, x_g]
+@dataclass(frozen=True)
+class KernelLayout:
+    """Where a weight's codes sit in the int4 kernel's input."""
+
+    group: int  # the kernel's group size: one scale and zero per `group` slots
+    interleave: int = 0  # 0: one slot per column; g: per g columns, g hi slots then g lo
+
+    def kernel_columns(self, columns: int) -> int:
+        return 2 * columns if self.interleave else columns
+
+
+PLAIN = KernelLayout(KERNEL_GROUP)
 
 
 @dataclass
@@ -59,30 +66,36 @@ class AffineCodes:
 
 @dataclass
 class Int4Groups:
-    """A weight matrix [rows, cols] as 4-bit codes with a scale and zero per group of 32."""
+    """A weight matrix as the int4 kernel holds it: 4-bit codes [rows, slots] with a scale
+    and zero per group of `layout.group` slots."""
 
-    codes: torch.Tensor  # uint8 [rows, cols], values 0..15
-    scale: torch.Tensor  # float32 [rows, cols // 32]
-    zero: torch.Tensor  # float32 [rows, cols // 32]
+    codes: torch.Tensor  # uint8 [rows, slots], values 0..15
+    scale: torch.Tensor  # float32 [rows, slots // group]
+    zero: torch.Tensor  # float32 [rows, slots // group]
+    layout: KernelLayout = PLAIN
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.codes.shape)  # type: ignore[return-value]
 
     def dequantize(self) -> torch.Tensor:
-        """The weights the kernel sees (before any input layout is undone)."""
-        rows, cols = self.codes.shape
-        grouped = self.codes.view(rows, cols // KERNEL_GROUP, KERNEL_GROUP).float()
+        """The kernel's weights, slot by slot (interleaved planes not yet combined)."""
+        rows, slots = self.codes.shape
+        group = self.layout.group
+        grouped = self.codes.view(rows, slots // group, group).float()
         weights = (grouped - INT4_OFFSET) * self.scale[..., None] + self.zero[..., None]
-        return weights.view(rows, cols)
+        return weights.view(rows, slots)
+
+    def _with(self, codes, scale, zero) -> Int4Groups:
+        return Int4Groups(codes, scale, zero, self.layout)
 
     def slice_rows(self, start: int, end: int) -> Int4Groups:
-        return Int4Groups(self.codes[start:end], self.scale[start:end], self.zero[start:end])
+        return self._with(self.codes[start:end], self.scale[start:end], self.zero[start:end])
 
     def pad_rows(self, n: int, code: int) -> Int4Groups:
         """Append n rows of `code` with zero scale and zero: they decode to 0."""
         pad = torch.nn.functional.pad
-        return Int4Groups(
+        return self._with(
             pad(self.codes, (0, 0, 0, n), value=code),
             pad(self.scale, (0, 0, 0, n)),
             pad(self.zero, (0, 0, 0, n)),
@@ -92,7 +105,7 @@ class Int4Groups:
     def concat_rows(parts: list[Int4Groups]) -> Int4Groups:
         if len(parts) == 1:
             return parts[0]
-        return Int4Groups(
+        return parts[0]._with(
             torch.cat([p.codes for p in parts]),
             torch.cat([p.scale for p in parts]),
             torch.cat([p.zero for p in parts]),
@@ -104,13 +117,13 @@ def row_bytes(ggml_type: GGMLQuantizationType, n_cols: int) -> int:
     return n_cols // block * size
 
 
-def layout_for(ggml_type: GGMLQuantizationType) -> InputLayout:
+def layout_for(ggml_type: GGMLQuantizationType) -> KernelLayout:
     if ggml_type in (Q.Q4_0, Q.Q4_1, Q.Q4_K):
-        return InputLayout.PLAIN
+        return PLAIN
     if ggml_type == Q.Q6_K:
-        return InputLayout.INTERLEAVED16
+        return KernelLayout(group=32, interleave=16)
     if ggml_type in QUANT_TYPES:
-        return InputLayout.PLANES
+        return KernelLayout(group=64, interleave=32)
     raise ValueError(f"{ggml_type.name} is not a quantized type")
 
 
@@ -251,79 +264,54 @@ def dequantize_rows(
 # ----------------------------------------------------------------------- kernel format
 
 
-def to_int4(codes: AffineCodes) -> tuple[Int4Groups, InputLayout]:
-    """AffineCodes -> the int4 kernel's groups and the input layout they expect."""
+def to_int4(codes: AffineCodes) -> Int4Groups:
+    """AffineCodes -> the int4 kernel's groups (with the input layout they expect)."""
     if codes.bits <= 4 and codes.group == KERNEL_GROUP:
         # w = s*c + o = s*(c - 8) + (o + 8s)
-        zero = codes.offset + INT4_OFFSET * codes.scale
-        return Int4Groups(codes.codes, codes.scale, zero), InputLayout.PLAIN
-    if codes.group == KERNEL_GROUP:
-        return _planes(codes), InputLayout.PLANES
-    if codes.group == KERNEL_GROUP // 2:
-        return _interleaved16(codes), InputLayout.INTERLEAVED16
-    raise ValueError(f"no int4 layout for groups of {codes.group}")
+        return Int4Groups(codes.codes, codes.scale, codes.offset + INT4_OFFSET * codes.scale)
+    return _interleaved(codes)
 
 
-def _split_planes(codes: AffineCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """hi and lo 4-bit planes, with hi shifted per group so the zero term stays small.
+def _interleaved(codes: AffineCodes) -> Int4Groups:
+    """Each source group of g columns -> one kernel group of 2g slots: g hi codes (fed 16x),
+    then g lo codes (fed x), sharing the group's scale s and a zero z.
 
-    With hi' = hi + h: 16*(hi' - 8) + (lo - 8) = c + 16h - 136, so
-    s*c + o = s*[16*(hi' - 8) + (lo - 8)] + (o + (136 - 16h)*s); h is chosen to bring
-    that constant nearest zero while hi' stays within 0..15.
+    With hi' = hi + h (h per group): 16*(hi' - 8) + (lo - 8) = c + 16h - 136, and the zero
+    term reaches all 2g slots, whose inputs sum to 17 * sum(x). So
+    s*c + o = s*(16*(hi' - 8) + (lo - 8)) + 17*z with z = (o + (136 - 16h)*s) / 17;
+    h is chosen to bring that nearest zero while hi' stays within 0..15.
     """
     rows, cols = codes.codes.shape
-    hi = (codes.codes >> 4).view(rows, -1, codes.group)
-    lo = (codes.codes & 0x0F).view(rows, -1, codes.group)
+    group = codes.group
+    hi = (codes.codes >> 4).view(rows, -1, group)
+    lo = (codes.codes & 0x0F).view(rows, -1, group)
     hi_max = (1 << max(codes.bits - 4, 0)) - 1
     ratio = torch.where(codes.scale != 0, codes.offset / codes.scale, torch.zeros_like(codes.scale))
     shift = torch.round((ratio + 136) / 16).clamp(0, 15 - hi_max)
     constant = codes.offset + (136 - 16 * shift) * codes.scale
     hi = hi + shift.to(torch.uint8)[..., None]
-    return hi, lo, constant
+    slots = torch.cat([hi, lo], dim=-1).reshape(rows, -1)
+    layout = KernelLayout(group=2 * group, interleave=group)
+    return Int4Groups(slots, codes.scale, constant / 17, layout)
 
 
-def _planes(codes: AffineCodes) -> Int4Groups:
-    """Groups of 32: [all hi groups | all lo groups]; the kernel's input is [x, x]."""
-    rows = codes.codes.shape[0]
-    hi, lo, constant = _split_planes(codes)
-    return Int4Groups(
-        torch.cat([hi.reshape(rows, -1), lo.reshape(rows, -1)], dim=1),
-        torch.cat([16 * codes.scale, codes.scale], dim=1),
-        torch.cat([torch.zeros_like(constant), constant], dim=1),
-    )
-
-
-def _interleaved16(codes: AffineCodes) -> Int4Groups:
-    """Groups of 16: each 32-slot kernel group is [hi codes (input 16x) | lo codes (input x)].
-
-    Per column: s*(16*(hi' - 8) + (lo - 8)) + 17*z must equal s*c + o, so z = constant / 17.
-    """
-    rows = codes.codes.shape[0]
-    hi, lo, constant = _split_planes(codes)
-    interleaved = torch.cat([hi, lo], dim=-1).reshape(rows, -1)
-    return Int4Groups(interleaved, codes.scale, constant / 17)
-
-
-def expand_input(x: torch.Tensor, layout: InputLayout) -> torch.Tensor:
-    """The kernel's input for a layout: x [tokens, cols] -> [tokens, cols] or [tokens, 2*cols]."""
-    if layout is InputLayout.PLAIN:
+def expand_input(x: torch.Tensor, layout: KernelLayout) -> torch.Tensor:
+    """The kernel's input: x [tokens, cols], or per interleaved group [16 * x_g, x_g]."""
+    if not layout.interleave:
         return x
-    if layout is InputLayout.PLANES:
-        return torch.cat([x, x], dim=-1)
-    grouped = x.view(x.shape[0], -1, 1, 16)
+    grouped = x.view(x.shape[0], -1, 1, layout.interleave)
     return (grouped * _INTERLEAVE_MULTIPLIERS.to(x.dtype)).reshape(x.shape[0], -1)
 
 
 _INTERLEAVE_MULTIPLIERS = torch.tensor([16.0, 1.0]).view(1, 1, 2, 1)
 
 
-def effective_weight(groups: Int4Groups, layout: InputLayout) -> torch.Tensor:
-    """Reference: the [rows, cols] weights that groups + layout compute (for tests)."""
+def effective_weight(groups: Int4Groups) -> torch.Tensor:
+    """Reference: the [rows, cols] weights the kernel computes with its input layout."""
     kernel_weights = groups.dequantize()
-    rows, slots = kernel_weights.shape
-    if layout is InputLayout.PLAIN:
+    width = groups.layout.interleave
+    if not width:
         return kernel_weights
-    if layout is InputLayout.PLANES:
-        return kernel_weights[:, : slots // 2] + kernel_weights[:, slots // 2 :]
-    pairs = kernel_weights.view(rows, -1, 2, 16)
+    rows = kernel_weights.shape[0]
+    pairs = kernel_weights.view(rows, -1, 2, width)
     return (16 * pairs[:, :, 0] + pairs[:, :, 1]).reshape(rows, -1)

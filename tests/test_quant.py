@@ -14,7 +14,6 @@ from tiny_gguf import quantize_k
 from miniapp.engine.layers import DenseLinear, Int4Linear, linear_from_raw
 from miniapp.engine.quant import (
     QUANT_TYPES,
-    InputLayout,
     decode,
     dequantize_rows,
     effective_weight,
@@ -80,15 +79,15 @@ def test_int4_kernel_format_within_bf16_rounding(qtype):
     cols = 512
     raw = random_raw(qtype, 9, cols)
     codes = decode(raw, qtype)
-    groups, layout = to_int4(codes)
+    groups = to_int4(codes)
     assert groups.codes.max() <= 15
-    zero_per_column = _zero_per_column(groups.zero, layout).numpy()
-    hi_distance = _hi_distance_per_column(groups.codes, layout).numpy()
+    zero_per_column = _zero_per_column(groups).numpy()
+    hi_distance = _hi_distance_per_column(groups).numpy()
     # Stored as the kernel stores them: bf16 scales and zeros.
     groups.scale = groups.scale.bfloat16().float()
     groups.zero = groups.zero.bfloat16().float()
     reference = gguf_reference(raw, qtype, cols)
-    error = np.abs(effective_weight(groups, layout).numpy() - reference)
+    error = np.abs(effective_weight(groups).numpy() - reference)
     # Bound: each weight is (lo - 8)*s + 16*(hi - 8)*s + zero, and bf16 rounding moves s and
     # the zero by at most 2^-8 of themselves; |lo - 8| <= 8. (The hi plane is centred per
     # group, so for real data |hi - 8| is at most 1, 2 and 8 for 5-, 6- and 8-bit codes.)
@@ -97,23 +96,22 @@ def test_int4_kernel_format_within_bf16_rounding(qtype):
     assert (error <= bound).all(), (error / bound).max()
 
 
-def _zero_per_column(zero: torch.Tensor, layout: InputLayout) -> torch.Tensor:
+def _zero_per_column(groups) -> torch.Tensor:
     """The zero term each weight column receives, in weight units."""
-    if layout is InputLayout.PLAIN:
-        return zero.repeat_interleave(32, dim=1)
-    if layout is InputLayout.PLANES:
-        return zero[:, zero.shape[1] // 2 :].repeat_interleave(32, dim=1)
-    return 17 * zero.repeat_interleave(16, dim=1)  # shared by 16 hi and 16 lo slots
+    width = groups.layout.interleave
+    if not width:
+        return groups.zero.repeat_interleave(groups.layout.group, dim=1)
+    return 17 * groups.zero.repeat_interleave(width, dim=1)  # shared by hi and lo slots
 
 
-def _hi_distance_per_column(codes: torch.Tensor, layout: InputLayout) -> torch.Tensor:
+def _hi_distance_per_column(groups) -> torch.Tensor:
     """|hi - 8| of each weight column's hi-plane code (0 without a hi plane)."""
-    distance = (codes.int() - 8).abs()
-    if layout is InputLayout.PLAIN:
+    distance = (groups.codes.int() - 8).abs()
+    width = groups.layout.interleave
+    if not width:
         return torch.zeros_like(distance)
-    if layout is InputLayout.PLANES:
-        return distance[:, : distance.shape[1] // 2]
-    return distance.view(distance.shape[0], -1, 2, 16)[:, :, 0].reshape(distance.shape[0], -1)
+    rows = distance.shape[0]
+    return distance.view(rows, -1, 2, width)[:, :, 0].reshape(rows, -1)
 
 
 # Rows that are not a multiple of 16 exercise the padding; several M cover decode and prefill.
@@ -135,13 +133,16 @@ def test_int4_linear_matches_reference(qtype, rows, m):
     assert (y - reference).abs().max() <= 0.02 * scale
 
 
-def test_interleaved_input_layout():
-    x = torch.arange(32.0).view(1, 32)
-    expanded = expand_input(x, to_int4(decode(random_raw(Q.Q6_K, 1, 256), Q.Q6_K))[1])
-    assert expanded.shape == (1, 64)
-    torch.testing.assert_close(expanded[0, :16], 16 * x[0, :16])
-    torch.testing.assert_close(expanded[0, 16:32], x[0, :16])
-    torch.testing.assert_close(expanded[0, 32:48], 16 * x[0, 16:])
+@pytest.mark.parametrize("qtype,width", [(Q.Q6_K, 16), (Q.Q8_0, 32)])
+def test_interleaved_input_layout(qtype, width):
+    x = torch.arange(64.0).view(1, 64)
+    layout = to_int4(decode(random_raw(qtype, 1, 256), qtype)).layout
+    assert layout.interleave == width and layout.group == 2 * width
+    expanded = expand_input(x, layout)
+    assert expanded.shape == (1, 128)
+    torch.testing.assert_close(expanded[0, :width], 16 * x[0, :width])
+    torch.testing.assert_close(expanded[0, width : 2 * width], x[0, :width])
+    torch.testing.assert_close(expanded[0, 2 * width : 3 * width], 16 * x[0, width : 2 * width])
 
 
 def test_fused_rows_equal_separate_linears():
