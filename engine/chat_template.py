@@ -23,6 +23,23 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+# Gemma's turn format, for Gemma files without a template (base models): its vocabulary has
+# <start_of_turn>/<end_of_turn> but no ChatML tokens. A system prompt opens the first turn.
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% set system = messages[0]['content'] + '\\n\\n' "
+    "if messages and messages[0]['role'] == 'system' else '' %}"
+    "{% for message in messages if message['role'] != 'system' %}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else 'user') + '\\n' }}"
+    "{{ (system if loop.first else '') + message['content'] + '<end_of_turn>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
+
+
+def fallback_template(architecture: str) -> str:
+    return GEMMA_TEMPLATE if architecture.startswith("gemma") else CHATML_TEMPLATE
+
 
 class TemplateError(MiniappError):
     """The model's chat template failed to render."""
@@ -35,8 +52,14 @@ class Message:
 
 
 class ChatTemplate:
-    def __init__(self, source: str | None, bos_text: str = "", eos_text: str = ""):
-        self.source = source or CHATML_TEMPLATE
+    def __init__(
+        self,
+        source: str | None,
+        bos_text: str = "",
+        eos_text: str = "",
+        architecture: str = "",
+    ):
+        self.source = source or fallback_template(architecture)
         self.is_fallback = not source
         env = ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]

@@ -25,7 +25,9 @@ class ChatSession:
     ):
         self.runtime = runtime
         tokenizer = runtime.tokenizer
-        self.template = ChatTemplate(runtime.chat_template, tokenizer.bos_text, tokenizer.eos_text)
+        self.template = ChatTemplate(
+            runtime.chat_template, tokenizer.bos_text, tokenizer.eos_text, runtime.architecture
+        )
         self.system_prompt = system_prompt
         self.request = request or GenerationRequest()
         self.messages: list[Message] = []

@@ -48,3 +48,14 @@ def test_template_raise_exception_becomes_template_error():
     template = ChatTemplate("{{ raise_exception('roles must alternate') }}")
     with pytest.raises(TemplateError, match="roles must alternate"):
         template.render([Message("user", "x")])
+
+
+def test_gemma_fallback_template_for_files_without_one():
+    template = ChatTemplate(None, "<bos>", "<eos>", architecture="gemma3")
+    text = template.render(
+        [Message("system", "Be brief."), Message("user", "hi"), Message("assistant", "Hello!")]
+    )
+    assert text == (
+        "<bos><start_of_turn>user\nBe brief.\n\nhi<end_of_turn>\n"
+        "<start_of_turn>model\nHello!<end_of_turn>\n<start_of_turn>model\n"
+    )

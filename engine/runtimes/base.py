@@ -36,6 +36,7 @@ class Runtime(ABC):
     tokenizer: Tokenizer
     n_ctx: int
     chat_template: str | None  # the GGUF's own template source, if it has one
+    architecture: str  # general.architecture
 
     @abstractmethod
     def reusable_prefix(self, prompt: Sequence[int]) -> int:

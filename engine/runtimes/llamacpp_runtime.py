@@ -30,6 +30,7 @@ class LlamaCppRuntime(Runtime):
         # Our own reader first: it names the problem in a bad file more clearly than llama.cpp.
         gguf = GGUFFile(self.model_path)
         self.chat_template = gguf.metadata.get("tokenizer.chat_template")
+        self.architecture = gguf.architecture
         threads = threads or default_threads()
         try:
             self._llm = Llama(

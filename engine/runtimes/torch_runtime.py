@@ -35,6 +35,7 @@ class TorchRuntime(Runtime):
         gguf = gguf or GGUFFile(self.model_path)
         self.model = build_model(gguf, n_ctx)
         self.chat_template = gguf.metadata.get("tokenizer.chat_template")
+        self.architecture = gguf.architecture
         self.tokenizer = Tokenizer(self.model_path)
         self.n_ctx = n_ctx
         self.caches = self.model.make_caches(n_ctx)
