@@ -2,6 +2,10 @@
 
 A quantized linear owns its packed buffers and calls one kernel, so a model file reads like the
 maths it implements.
+
+These are plain classes, not torch.nn.Modules: a decode step touches ~30 of their attributes
+per layer, and nn.Module's attribute lookup costs ~0.5 us each (about 3% of a SmolLM2 token).
+Each has `forward`, also callable as the object itself.
 """
 
 from __future__ import annotations
@@ -11,7 +15,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from gguf.constants import GGMLQuantizationType
-from torch import nn
 
 from .quant import (
     FLOAT_TYPES,
@@ -38,7 +41,7 @@ _PACK_ROW_ALIGN = 16  # torch's CPU int4 packer needs the row count to be a mult
 _PACK_CHUNK_ROWS = 4096  # convert big matrices in slices so temporary copies stay small
 
 
-class Int4Linear(nn.Module):
+class Int4Linear:
     """y = x @ W.T (+ bias) for W held as 4-bit codes with a bf16 scale and zero per group of 32.
 
     Wider codes are held as interleaved 4-bit planes; `layout` says how the kernel's groups
@@ -53,10 +56,7 @@ class Int4Linear(nn.Module):
         layout: KernelLayout = PLAIN,
         bias: torch.Tensor | None = None,
     ):
-        super().__init__()
-        self.register_buffer("packed", packed, persistent=False)
-        self.register_buffer("scales_zeros", scales_zeros, persistent=False)
-        self.register_buffer("bias", bias, persistent=False)
+        self.packed, self.scales_zeros, self.bias = packed, scales_zeros, bias
         slots = scales_zeros.shape[0] * layout.group
         self.in_features = slots // 2 if layout.interleave else slots
         self.out_features = out_features
@@ -67,7 +67,8 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [tokens, in_features] (any float dtype) -> [tokens, out_features], bf16 without
         a bias and fp32 with one."""
-        x = x.to(COMPUTE_DTYPE)
+        if x.dtype is not COMPUTE_DTYPE:
+            x = x.to(COMPUTE_DTYPE)
         if not self.plain:
             x = expand_input(x, self.layout)
         y = _int4_mm(x, self.packed, self.group, self.scales_zeros)
@@ -76,6 +77,8 @@ class Int4Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y
+
+    __call__ = forward
 
 
 class _Int4Packer:
@@ -119,20 +122,20 @@ class _Int4Packer:
         self._scales_zeros.append(scales_zeros.to(COMPUTE_DTYPE).contiguous())
 
 
-class DenseLinear(nn.Module):
+class DenseLinear:
     """y = x @ W.T (+ bias) for weights stored unquantized, kept in their stored dtype.
 
     Computes and returns fp32, so float models keep llama.cpp's precision.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        super().__init__()
-        self.register_buffer("weight", weight.contiguous(), persistent=False)
-        self.register_buffer("bias", bias, persistent=False)
+        self.weight, self.bias = weight.contiguous(), bias
         self.out_features, self.in_features = weight.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.float(), self.weight.float(), self.bias)
+
+    __call__ = forward
 
 
 RawWeight = tuple[torch.Tensor, GGMLQuantizationType]  # uint8 rows [n, row_bytes], type
@@ -142,7 +145,7 @@ _STORED_DTYPE = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloa
 
 def linear_from_raw(
     parts: list[RawWeight], n_cols: int, bias: torch.Tensor | None = None
-) -> nn.Module:
+) -> Linear:
     """One linear from one or more weights sharing an input (stacked by rows, e.g. Q|K|V).
 
     Quantized weights stay 4 to 8 bits a weight; float weights become a dense matmul. Parts
@@ -165,11 +168,9 @@ def linear_from_raw(
     return _ConcatLinear([linear_from_raw([part], n_cols) for part in parts], bias)
 
 
-class _ConcatLinear(nn.Module):
-    def __init__(self, parts: list[nn.Module], bias: torch.Tensor | None = None):
-        super().__init__()
-        self.parts = nn.ModuleList(parts)
-        self.register_buffer("bias", bias, persistent=False)
+class _ConcatLinear:
+    def __init__(self, parts: list[Linear], bias: torch.Tensor | None = None):
+        self.parts, self.bias = parts, bias
         self.out_features = sum(p.out_features for p in parts)
         self.in_features = parts[0].in_features
 
@@ -177,15 +178,19 @@ class _ConcatLinear(nn.Module):
         y = torch.cat([p.forward(x).float() for p in self.parts], dim=-1)
         return y if self.bias is None else y + self.bias
 
+    __call__ = forward
 
-class BlockEmbedding(nn.Module):
+
+Linear = Int4Linear | DenseLinear | _ConcatLinear
+
+
+class BlockEmbedding:
     """Token embedding kept in its GGML block format; only looked-up rows are dequantized."""
 
     def __init__(self, raw: torch.Tensor, ggml_type: GGMLQuantizationType, dim: int):
-        super().__init__()
         if raw.shape[1] != row_bytes(ggml_type, dim):
             raise ValueError("embedding rows do not match the model dimension")
-        self.register_buffer("raw", raw, persistent=False)
+        self.raw = raw
         self.ggml_type = ggml_type
         self.dim = dim
 
@@ -193,8 +198,10 @@ class BlockEmbedding(nn.Module):
         """tokens: int64 [n] -> fp32 [n, dim]."""
         return dequantize_rows(self.raw.index_select(0, tokens), self.ggml_type, self.dim)
 
+    __call__ = forward
 
-class RMSNorm(nn.Module):
+
+class RMSNorm:
     """x / sqrt(mean(x^2) + eps) * w, computed as a layer norm of [x, -x].
 
     [x, -x] has mean zero and variance mean(x^2), so layer_norm's single fused kernel gives
@@ -202,10 +209,8 @@ class RMSNorm(nn.Module):
     """
 
     def __init__(self, weight: torch.Tensor, eps: float):
-        super().__init__()
         self.dim = weight.shape[0]
-        doubled = torch.cat([weight, weight]).float().contiguous()
-        self.register_buffer("doubled_weight", doubled, persistent=False)
+        self.doubled_weight = torch.cat([weight, weight]).float().contiguous()
         self.eps = eps
 
     @property
@@ -216,6 +221,8 @@ class RMSNorm(nn.Module):
         mirrored = torch.cat([x, x.neg()], dim=-1)
         normed = F.layer_norm(mirrored, (2 * self.dim,), self.doubled_weight, None, self.eps)
         return normed[..., : self.dim]
+
+    __call__ = forward
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -13,13 +13,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from ..cache import KVCache
 from ..errors import ContextFullError, ModelFileError, UnsupportedModelError
 from ..gguf_file import GGUFFile, TensorInfo
 from ..layers import (
     BlockEmbedding,
+    Linear,
     RMSNorm,
     Rope,
     RopeTables,
@@ -124,20 +124,19 @@ class MetadataReader:
 
 
 # Decode runs ~30 tensor ops per layer and each costs a microsecond or two of Python and
-# dispatch overhead, about as much as the matmuls themselves on a small model. So the layer
-# code below calls submodules' `forward` directly (skipping nn.Module's hook machinery),
-# updates the residual stream in place, and slices rather than splits.
+# dispatch overhead, about as much as the matmuls themselves on a small model. So the layers
+# are plain classes calling each other's `forward` (no nn.Module attribute lookups or hooks),
+# update the residual stream in place, and slice rather than split.
 
 
-class Attention(nn.Module):
+class Attention:
     def __init__(
         self,
         config: DecoderConfig,
-        wqkv: nn.Module,
-        wo: nn.Module,
+        wqkv: Linear,
+        wo: Linear,
         qk_norm_weight: torch.Tensor | None,
     ):
-        super().__init__()
         self.wqkv, self.wo = wqkv, wo
         self.n_heads, self.n_kv_heads = config.n_heads, config.n_kv_heads
         self.head_dim = config.head_dim
@@ -147,7 +146,7 @@ class Attention(nn.Module):
         self.norm_eps = config.norm_eps
         # [n_heads + n_kv_heads, head_dim]: the query norm's weight per query head, then the
         # key norm's per key head, so one normalisation covers both.
-        self.register_buffer("qk_norm_weight", qk_norm_weight, persistent=False)
+        self.qk_norm_weight = qk_norm_weight
 
     def forward(
         self,
@@ -175,9 +174,8 @@ class Attention(nn.Module):
         return self.wo.forward(out[0].transpose(0, 1).reshape(n_tokens, -1))
 
 
-class FeedForward(nn.Module):
-    def __init__(self, w_gate_up: nn.Module, w_down: nn.Module, ffn_dim: int, activation: str):
-        super().__init__()
+class FeedForward:
+    def __init__(self, w_gate_up: Linear, w_down: Linear, ffn_dim: int, activation: str):
         self.w_gate_up, self.w_down, self.ffn_dim = w_gate_up, w_down, ffn_dim
         self.gelu = activation == "gelu_tanh"
 
@@ -188,9 +186,8 @@ class FeedForward(nn.Module):
         return self.w_down.forward(gate.mul_(up))
 
 
-class Block(nn.Module):
+class Block:
     def __init__(self, attn_norm, attention, ffn_norm, feed_forward, post_attn_norm, post_ffn_norm):
-        super().__init__()
         self.attn_norm, self.attention = attn_norm, attention
         self.ffn_norm, self.feed_forward = ffn_norm, feed_forward
         self.post_attn_norm, self.post_ffn_norm = post_attn_norm, post_ffn_norm
@@ -207,7 +204,7 @@ class Block(nn.Module):
         return x.add_(fed)
 
 
-class DecoderModel(nn.Module):
+class DecoderModel:
     def __init__(
         self,
         config: DecoderConfig,
@@ -218,9 +215,8 @@ class DecoderModel(nn.Module):
         max_positions: int,
         freq_factors: torch.Tensor | None = None,
     ):
-        super().__init__()
         self.config = config
-        self.embed, self.layers, self.norm, self.output = embed, nn.ModuleList(layers), norm, output
+        self.embed, self.layers, self.norm, self.output = embed, layers, norm, output
         self.max_positions = max_positions
         self.ropes = {
             False: _rope(config, config.rope, freq_factors),
@@ -243,6 +239,8 @@ class DecoderModel(nn.Module):
         """tokens: int64 [n]. Returns fp32 logits [n, vocab] if `all_logits`, else [1, vocab]."""
         hidden = self.hidden_states(tokens, caches)
         return self.logits(hidden if all_logits else hidden[-1:])
+
+    __call__ = forward
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states [n, dim] -> fp32 logits [n, vocab]."""
@@ -359,7 +357,7 @@ class WeightReader:
         self.used.add(name)
         return self.gguf.tensor(name)
 
-    def linear(self, names: list[str], bias: str | list[str] | None = None) -> nn.Module:
+    def linear(self, names: list[str], bias: str | list[str] | None = None) -> Linear:
         infos = [self._take(n) for n in names]
         raws = [(self.gguf.raw(i), i.ggml_type) for i in infos]
         module = linear_from_raw(raws, infos[0].shape[-1], self._bias(bias, infos))
