@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from miniapp.assets import sample_texts
 from miniapp.engine.events import Finished, FinishReason, TextDelta
 from miniapp.engine.generation import GenerationRequest, generate
@@ -79,3 +81,32 @@ def test_max_tokens_and_cancel(torch_runtime):
     long_request = GenerationRequest(max_tokens=100, sampling=GREEDY, ignore_end_of_turn=True)
     finished = list(generate(torch_runtime, prompt, long_request, stop_after_three))[-1]
     assert finished.reason == FinishReason.CANCELLED and finished.stats.generated_tokens == 3
+
+
+def test_interrupted_step_leaves_a_consistent_cache(torch_runtime, monkeypatch):
+    """Ctrl-C can land inside a forward pass, after some layers wrote this step's keys. The
+    next generation must give what a fresh one gives."""
+    tokenizer = torch_runtime.tokenizer
+    prompt = tokenizer.encode("A short note about the sea:", parse_special=False)
+    request = GenerationRequest(max_tokens=6, sampling=GREEDY, ignore_end_of_turn=True)
+
+    def text_of(events):
+        return "".join(e.text for e in events if isinstance(e, TextDelta))
+
+    torch_runtime.reset()
+    expected = text_of(generate(torch_runtime, prompt, request))
+    layer = torch_runtime.model.layers[10]
+    original = layer.forward
+
+    def interrupt_once(*args):
+        layer.forward = original
+        raise KeyboardInterrupt
+
+    torch_runtime.reset()
+    tokens = torch_runtime.generate_tokens(prompt, GREEDY)
+    next(tokens)  # prompt evaluated, first token sampled
+    monkeypatch.setattr(layer, "forward", interrupt_once)
+    with pytest.raises(KeyboardInterrupt):
+        next(tokens)  # layers 0..9 have this step's keys, layers 10.. do not
+    assert torch_runtime.caches[0].offset != torch_runtime.caches[-1].offset
+    assert text_of(generate(torch_runtime, prompt, request)) == expected

@@ -78,8 +78,6 @@ class TorchRuntime(Runtime):
     @torch.inference_mode()
     def _feed(self, tokens: Sequence[int]) -> torch.Tensor:
         """Append tokens to the cache; returns fp32 logits [vocab] after the last one."""
-        # A previous call may have been interrupted mid-layer (Ctrl-C): realign every cache.
-        self._truncate(len(self._tokens))
         logits = None
         for i in range(0, len(tokens), PREFILL_CHUNK):
             chunk = list(tokens[i : i + PREFILL_CHUNK])
@@ -89,6 +87,8 @@ class TorchRuntime(Runtime):
         return logits[0]
 
     def _truncate(self, n: int) -> None:
+        """Keep the first n positions. Each cache is trimmed by its own offset: a step cut
+        short (Ctrl-C inside a forward pass) leaves the first layers one token ahead."""
         del self._tokens[n:]
         for cache in self.caches:
             cache.trim(cache.offset - n)
