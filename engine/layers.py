@@ -125,15 +125,24 @@ class _Int4Packer:
 class DenseLinear:
     """y = x @ W.T (+ bias) for weights stored unquantized, kept in their stored dtype.
 
-    Computes and returns fp32, so float models keep llama.cpp's precision.
+    F32 weights compute in fp32. BF16 weights multiply bf16 activations (like our int4
+    path). F16 weights multiply fp16 activations when decoding, as llama.cpp does; torch's
+    CPU fp16 GEMM is slow for more rows, so prompt chunks upcast the weights instead.
+    Returns fp32.
     """
+
+    FP16_MAX_ROWS = 4
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight, self.bias = weight.contiguous(), bias
         self.out_features, self.in_features = weight.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight.float(), self.bias)
+        weight = self.weight
+        if weight.dtype is torch.float16 and x.shape[0] > self.FP16_MAX_ROWS:
+            weight = weight.float()
+        y = F.linear(x.to(weight.dtype), weight).float()
+        return y if self.bias is None else y + self.bias
 
     __call__ = forward
 

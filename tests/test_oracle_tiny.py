@@ -25,6 +25,7 @@ FLOAT_BOUND, QUANT_BOUND, MIN_AGREEMENT = 0.005, 0.03, 0.99
 WEIGHT_TYPES = {
     "f32": (Q.F32, Q.F32, None),
     "f16": (Q.F16, Q.F16, None),
+    "bf16": (Q.BF16, Q.BF16, None),
     "q4_0": (Q.Q4_0, Q.Q4_0, None),
     "q4_1+q8_0": (Q.Q4_1, Q.Q8_0, None),
     "q5_0": (Q.Q5_0, Q.Q8_0, None),
