@@ -27,12 +27,15 @@ def main() -> int:
     parser.add_argument("--tokens", required=True, type=int)
     parser.add_argument("--ctx", required=True, type=int)
     parser.add_argument("--threads", type=int)
+    parser.add_argument("--sinks", type=int)
+    parser.add_argument("--window", type=int)
     args = parser.parse_args()
     prompt = json.loads(args.prompt.read_text())
     try:
         session = BenchSession(
-            args.backend, args.model, prompt, args.tokens, args.threads, args.ctx
-        )
+            args.backend, args.model, prompt, args.tokens, args.threads, args.ctx,
+            sinks=args.sinks, window=args.window,
+        )  # fmt: skip
     except MiniappError as exc:
         print(exc, file=sys.stderr)
         return EXIT_USAGE

@@ -47,7 +47,10 @@ def run_chat(args: argparse.Namespace) -> int:
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"loading {model_path.name} on {args.backend}...", file=sys.stderr, flush=True)
-    runtime = open_runtime(args.backend, model_path, n_ctx=args.ctx, threads=args.threads)
+    runtime = open_runtime(
+        args.backend, model_path, n_ctx=args.ctx, threads=args.threads,
+        sinks=args.sinks, window=args.window,
+    )  # fmt: skip
     session = ChatSession(runtime, system_prompt=args.system, request=request_from_args(args))
     if not interactive:
         return _answer_piped(session, sys.stdin.read(), args.stats)

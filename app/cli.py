@@ -32,6 +32,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
+    return value
+
+
 def _add_model_args(parser: argparse.ArgumentParser, ctx_default: int | None) -> None:
     parser.add_argument(
         "--model", help="GGUF path or bundled model name (default: smollm2-135m-instruct)"
@@ -41,6 +48,14 @@ def _add_model_args(parser: argparse.ArgumentParser, ctx_default: int | None) ->
     parser.add_argument(
         "--ctx", type=_positive_int, default=ctx_default, help="context size in tokens"
     )
+    parser.add_argument(
+        "--window", type=_positive_int,
+        help="torch engine: recent tokens kept once the context is full (default: ctx - sinks)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--sinks", type=_non_negative_int,
+        help="torch engine: first tokens always kept as attention sinks (default: 4)",
+    )  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("file", help="UTF-8 text file")
     _add_model_args(ppl, ctx_default=512)
     ppl.add_argument("--json", action="store_true", help="print one JSON object")
+    ppl.add_argument(
+        "--recompute", action="store_true",
+        help="with --window: the baseline that evaluates each window from scratch",
+    )  # fmt: skip
+    ppl.add_argument("--stride", type=_positive_int, help="--recompute step (default window/8)")
 
     compare = eval_sub.add_parser(
         "compare", help="teacher-forced top-1 agreement of our engine with llama.cpp"

@@ -6,9 +6,14 @@ import argparse
 import json
 from pathlib import Path
 
-from miniapp.engine.errors import InputFileError
+from miniapp.engine.errors import InputFileError, MiniappError
 from miniapp.engine.model_store import resolve_model
-from miniapp.engine.perplexity import agreement, perplexity
+from miniapp.engine.perplexity import (
+    agreement,
+    perplexity,
+    recompute_perplexity,
+    streaming_perplexity,
+)
 from miniapp.engine.runtimes import open_runtime
 
 
@@ -25,21 +30,39 @@ def read_text(path_arg: str) -> str:
 
 
 def run_ppl(args: argparse.Namespace) -> int:
+    """Chunks of --ctx (llama.cpp's method); with --window, a stream through the sliding
+    window (sinks + window); with --window and --recompute, the recompute baseline."""
     text = read_text(args.file)
-    runtime = open_runtime(
-        args.backend,
-        resolve_model(args.model),
-        n_ctx=args.ctx,
-        threads=args.threads,
-        logits_all=True,
-    )
-    result = perplexity(runtime, text, args.ctx)
+    model = resolve_model(args.model)
+    if args.window is None:
+        if args.recompute or args.sinks is not None:
+            raise MiniappError("--sinks and --recompute need --window")
+        runtime = open_runtime(
+            args.backend, model, n_ctx=args.ctx, threads=args.threads, logits_all=True
+        )
+        result = perplexity(runtime, text, args.ctx)
+        how = f"{result.chunks} chunks of {result.ctx}"
+    elif args.recompute:
+        stride = args.stride or max(1, args.window // 8)
+        runtime = open_runtime(
+            args.backend, model, n_ctx=args.window, threads=args.threads, logits_all=True
+        )
+        result = recompute_perplexity(runtime, text, args.window, stride)
+        how = f"each window of {args.window} recomputed, stride {stride}"
+    else:
+        sinks = 4 if args.sinks is None else args.sinks
+        runtime = open_runtime(
+            args.backend, model, n_ctx=sinks + args.window, threads=args.threads,
+            sinks=sinks, window=args.window,
+        )  # fmt: skip
+        result = streaming_perplexity(runtime, text, sinks, args.window)
+        how = f"streamed through {sinks} sinks + a window of {args.window}"
     if args.json:
         print(json.dumps(result.to_dict()))
     else:
         print(
             f"{result.backend}: perplexity {result.ppl:.4f} over {result.tokens} scored tokens "
-            f"({result.chunks} chunks of {result.ctx}) in {result.seconds:.1f} s"
+            f"({how}) in {result.seconds:.1f} s"
         )
     return 0
 

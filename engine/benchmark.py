@@ -3,6 +3,8 @@
 `miniapp bench` runs each backend in its own worker process, so that the peak RSS `getrusage`
 reports belongs to that backend alone, and alternates single runs between the workers, so
 that both see the same machine conditions (this machine is noisy; medians are reported).
+Each run also reports its first and last quarter of generated tokens separately, to show
+whether speed and memory stay flat over a long generation.
 """
 
 from __future__ import annotations
@@ -13,13 +15,29 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .events import Finished, GenerationStats
-from .generation import GenerationRequest, generate
 from .runtimes import open_runtime
 from .runtimes.base import Runtime
 from .sampling import GREEDY
 
 WARMUP_TOKENS = 8  # first calls pay one-time costs (thread pools, kernel selection)
+
+
+@dataclass(frozen=True)
+class Quarter:
+    """One quarter of a run's generated tokens: speed and memory at its end."""
+
+    decode_tok_s: float
+    rss_mb: float  # resident now
+    peak_rss_mb: float  # highest so far
+
+
+@dataclass(frozen=True)
+class RunStats:
+    prefill_tok_s: float
+    ttft_s: float
+    decode_tok_s: float
+    first_quarter: Quarter
+    last_quarter: Quarter
 
 
 @dataclass(frozen=True)
@@ -35,6 +53,10 @@ class BenchResult:
     ttft_s: float
     decode_tok_s: float
     peak_rss_mb: float
+    first_quarter: Quarter  # of the median-speed run
+    last_quarter: Quarter
+    window: int | None = None
+    sinks: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -42,6 +64,11 @@ class BenchResult:
 
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def current_rss_mb() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * resource.getpagesize() / 2**20
 
 
 class BenchSession:
@@ -55,32 +82,67 @@ class BenchSession:
         n_tokens: int,
         threads: int | None,
         ctx: int,
+        sinks: int | None = None,
+        window: int | None = None,
     ):
         start = time.perf_counter()
-        self.runtime: Runtime = open_runtime(backend, model, n_ctx=ctx, threads=threads)
+        self.runtime: Runtime = open_runtime(
+            backend, model, n_ctx=ctx, threads=threads, sinks=sinks, window=window
+        )
         self.load_s = time.perf_counter() - start
         self.backend, self.prompt, self.threads, self.ctx = backend, prompt, threads, ctx
-        self.request = GenerationRequest(
-            max_tokens=n_tokens, sampling=GREEDY, ignore_end_of_turn=True
-        )
-        warmup = GenerationRequest(
-            max_tokens=WARMUP_TOKENS, sampling=GREEDY, ignore_end_of_turn=True
-        )
-        _stats(self.runtime, prompt[::-1], warmup)  # a different prompt: nothing reused below
-        self.samples: list[GenerationStats] = []
+        policy = getattr(self.runtime, "policy", None)  # the torch engine's sliding window
+        self.sinks = policy.sinks if policy else None
+        self.window = policy.window_size if policy else None
+        self.n_tokens = n_tokens
+        self._run(prompt[::-1], WARMUP_TOKENS)  # a different prompt: nothing reused below
+        self.samples: list[RunStats] = []
 
-    def run_once(self) -> GenerationStats:
+    def run_once(self) -> RunStats:
         self.runtime.reset()
-        stats = _stats(self.runtime, self.prompt, self.request)
+        stats = self._run(self.prompt, self.n_tokens)
         self.samples.append(stats)
         return stats
 
+    def _run(self, prompt: list[int], n_tokens: int) -> RunStats:
+        """Greedy generation of exactly n_tokens (end-of-turn ignored), timed token by token."""
+        start = time.perf_counter()
+        times: list[float] = []
+        quarter = max(n_tokens // 4, 2)
+        first_quarter_memory = (0.0, 0.0)
+        tokens = self.runtime.generate_tokens(prompt, GREEDY)
+        try:
+            for _ in tokens:
+                times.append(time.perf_counter())
+                if len(times) == quarter:
+                    first_quarter_memory = (current_rss_mb(), peak_rss_mb())
+                if len(times) == n_tokens:
+                    break
+        finally:
+            tokens.close()
+        ttft = times[0] - start
+
+        def speed(first: int, last: int) -> float:
+            return (last - first) / (times[last] - times[first]) if last > first else 0.0
+
+        n = len(times)
+        return RunStats(
+            prefill_tok_s=len(prompt) / ttft,
+            ttft_s=ttft,
+            decode_tok_s=speed(0, n - 1),
+            first_quarter=Quarter(speed(0, min(quarter, n) - 1), *first_quarter_memory),
+            last_quarter=Quarter(
+                speed(max(n - quarter, 0), n - 1), current_rss_mb(), peak_rss_mb()
+            ),
+        )
+
     def result(self) -> BenchResult:
         runs = self.samples
+        median_run = sorted(runs, key=lambda r: r.decode_tok_s)[len(runs) // 2]
         return BenchResult(
             backend=self.backend,
             prompt_tokens=len(self.prompt),
-            generated_tokens=self.request.max_tokens,
+            generated_tokens=self.n_tokens,
             threads=self.threads,
             ctx=self.ctx,
             runs=len(runs),
@@ -89,11 +151,8 @@ class BenchSession:
             ttft_s=statistics.median(s.ttft_s for s in runs),
             decode_tok_s=statistics.median(s.decode_tok_s for s in runs),
             peak_rss_mb=peak_rss_mb(),
+            first_quarter=median_run.first_quarter,
+            last_quarter=median_run.last_quarter,
+            window=self.window,
+            sinks=self.sinks,
         )
-
-
-def _stats(runtime: Runtime, prompt: list[int], request: GenerationRequest) -> GenerationStats:
-    for event in generate(runtime, prompt, request):
-        if isinstance(event, Finished):
-            return event.stats
-    raise AssertionError("generation ended without a Finished event")

@@ -1,37 +1,57 @@
 """Per-layer key/value caches, passed into the model explicitly (never hidden module state).
 
-Interface every cache provides (the sliding-window and speculative issues build on it):
-* `update_and_fetch(k, v)`: append this step's keys/values, return everything to attend to;
-* `offset`: how many positions the cache holds;
+Interface every cache provides:
+* `update_and_fetch(k, v)`: store this step's keys/values (already rotated by RoPE at their
+  positions), return all keys/values the step's queries may attend to;
+* `offset`: the position of the next token;
+* `make_mask(n_new)`: the attention mask for the next `n_new` queries over what the next
+  `update_and_fetch` returns (None when every query may see everything);
+* `max_chunk()`: how many tokens the next update may take at once;
 * `trim(n)`: forget the newest n positions (prompt-prefix reuse, speculative roll-back);
-* `make_mask(n_new)`: the attention mask for the next `n_new` queries;
+* `forget(start, end)`: drop positions start..end-1 and close the gap (chat turn eviction);
 * `state` / `restore(state)`: snapshot and reload, for chat sessions.
+
+Two kinds: `KVCache` holds every position up to a fixed maximum; `RotatingKVCache` keeps the
+first `sinks` tokens plus a sliding window of the most recent ones, in constant memory.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .errors import ContextFullError
+from .layers import Rope, apply_rope
 
 
 @dataclass(frozen=True)
-class KVState:
-    keys: torch.Tensor  # [1, kv_heads, offset, head_dim]
-    values: torch.Tensor
+class _Update:
+    to_sinks: int  # new tokens stored as sinks
+    slots: torch.Tensor  # ring slots of the others
+    positions: torch.Tensor  # and their positions
+    ring_count: int  # tokens held in the ring afterwards
+    wrapped: bool
+    allocated: int  # ring slots allocated afterwards
+
+
+@dataclass(frozen=True)
+class CacheState:
+    tensors: dict[str, torch.Tensor]
+    fields: dict[str, Any]
+
+
+def _rotate_keys(keys: torch.Tensor, rope: Rope, delta: int) -> torch.Tensor:
+    """keys [1, kv_heads, n, head_dim] rotated by `delta` more positions (RoPE composes)."""
+    heads = keys[0].transpose(0, 1)  # [n, kv_heads, head_dim]
+    return apply_rope(heads, rope.shift_tables(delta)).transpose(0, 1)[None]
 
 
 class KVCache:
-    """A cache of up to `max_tokens` positions for one attention layer.
-
-    Storage grows by doubling (from `INITIAL_TOKENS`) up to `max_tokens`, so a short chat with
-    a large --ctx does not hold the whole context's memory from the start.
-
-    With a `window` (sliding-window attention), a query at position p sees only keys at
-    positions p - window + 1 .. p: fetches return just that span and masks enforce it.
-    """
+    """Every position up to `max_tokens`, in order. Storage grows by doubling (from
+    `INITIAL_TOKENS`), so a short chat with a large --ctx does not hold a full context."""
 
     INITIAL_TOKENS = 256
 
@@ -40,11 +60,11 @@ class KVCache:
         n_kv_heads: int,
         head_dim: int,
         max_tokens: int,
+        rope: Rope | None = None,
         dtype: torch.dtype = torch.float32,
-        window: int | None = None,
     ):
         self.max_tokens = max_tokens
-        self.window = window
+        self.rope = rope  # needed only by `forget`, to re-rotate shifted keys
         self.offset = 0
         shape = (1, n_kv_heads, min(max_tokens, self.INITIAL_TOKENS), head_dim)
         self.keys = torch.zeros(shape, dtype=dtype)
@@ -54,7 +74,7 @@ class KVCache:
     def capacity(self) -> int:
         return self.keys.shape[2]
 
-    def _grow_to(self, needed: int) -> None:
+    def _grow(self, needed: int) -> None:
         capacity = self.capacity
         while capacity < needed:
             capacity *= 2
@@ -65,28 +85,37 @@ class KVCache:
             new[:, :, : self.offset] = old[:, :, : self.offset]
             setattr(self, name, new)
 
+    def max_chunk(self) -> int:
+        return max(self.max_tokens - self.offset, 0)
+
     def update_and_fetch(
         self, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        n_new = k.shape[2]
-        end = self.offset + n_new
+        end = self.offset + k.shape[2]
         if end > self.capacity:
             if end > self.max_tokens:
                 raise ContextFullError(
                     f"context full: {end} tokens do not fit in a context of {self.max_tokens}"
                 )
-            self._grow_to(end)
-        first = self._first_visible(self.offset)
+            self._grow(end)
         self.keys[:, :, self.offset : end] = k
         self.values[:, :, self.offset : end] = v
         self.offset = end
-        return self.keys[:, :, first:end], self.values[:, :, first:end]
+        return self.keys[:, :, :end], self.values[:, :, :end]
 
-    def _first_visible(self, query_position: int) -> int:
-        """The oldest position the query at `query_position` may attend to."""
-        if self.window is None:
-            return 0
-        return max(0, query_position - self.window + 1)
+    def make_mask(self, n_new: int) -> torch.Tensor | None:
+        """Boolean [n_new, offset + n_new]: each query sees keys up to its own position."""
+        if n_new == 1:
+            return None
+        total = self.offset + n_new
+        query_pos = torch.arange(self.offset, total).unsqueeze(1)
+        return torch.arange(total).unsqueeze(0) <= query_pos
+
+    def can_trim(self, n: int) -> bool:
+        return True
+
+    def can_forget(self, start: int) -> bool:
+        return self.rope is not None
 
     def trim(self, n: int) -> int:
         """Drop the newest `n` positions; returns how many were dropped."""
@@ -94,34 +123,291 @@ class KVCache:
         self.offset -= n
         return n
 
-    def make_mask(self, n_new: int) -> torch.Tensor | None:
-        """Boolean [n_new, fetched keys] for the next `n_new` queries: each sees keys up to its
-        own position (and within the window, if any).
-
-        A single query sees exactly what `update_and_fetch` returns, so decoding needs none.
-        """
-        if n_new == 1:
-            return None
-        total = self.offset + n_new
-        query_pos = torch.arange(self.offset, total).unsqueeze(1)
-        key_pos = torch.arange(self._first_visible(self.offset), total).unsqueeze(0)
-        visible = key_pos <= query_pos
-        if self.window is not None:
-            visible &= query_pos - key_pos < self.window
-        return visible
+    def forget(self, start: int, end: int) -> None:
+        """Drop positions start..end-1; later keys move down and are re-rotated to match, as
+        llama.cpp's context shift does, so nothing is evaluated again."""
+        gap = end - start
+        if gap <= 0:
+            return
+        for name in ("keys", "values"):
+            data = getattr(self, name)
+            moved = data[:, :, end : self.offset].clone()
+            if name == "keys":
+                moved = _rotate_keys(moved, self.rope, -gap)
+            data[:, :, start : self.offset - gap] = moved
+        self.offset -= gap
 
     @property
-    def state(self) -> KVState:
-        return KVState(
-            self.keys[:, :, : self.offset].clone(), self.values[:, :, : self.offset].clone()
-        )
+    def state(self) -> CacheState:
+        return CacheState(
+            {"keys": self.keys[:, :, : self.offset].clone(),
+             "values": self.values[:, :, : self.offset].clone()},
+            {"offset": self.offset},
+        )  # fmt: skip
 
-    def restore(self, state: KVState) -> None:
-        n = state.keys.shape[2]
+    def restore(self, state: CacheState) -> None:
+        n = state.fields["offset"]
         if n > self.max_tokens:
             raise ContextFullError(f"saved state of {n} tokens exceeds cache of {self.max_tokens}")
         if n > self.capacity:
-            self._grow_to(n)
-        self.keys[:, :, :n] = state.keys
-        self.values[:, :, :n] = state.values
+            self._grow(n)
+        self.keys[:, :, :n] = state.tensors["keys"]
+        self.values[:, :, :n] = state.tensors["values"]
         self.offset = n
+
+
+class RotatingKVCache:
+    """The first `sinks` tokens plus the most recent `window`, in constant memory.
+
+    Queries attend to the sinks and to the tokens of the last `window` positions (their own
+    included). This is StreamingLLM's cache, and with no sinks it is exactly a sliding-window
+    layer (Gemma 3's local layers). Positions are handled as StreamingLLM does: distances
+    are measured within the cache, so a sink sits right before the window however long the
+    stream, and positions never leave the range the model was trained on.
+
+    Storage, along the token axis: [sinks at their own positions | sinks rotated into the
+    current frame | ring of recent tokens]. Recent keys keep the rotation of their absolute
+    positions, so their distances to a query are already right; only the sinks need moving,
+    by the number of tokens evicted since (the "frame"), which costs `sinks` rotations per
+    step instead of re-rotating the window. Attention reads [frame sinks | ring] as one
+    contiguous block.
+
+    The ring holds `slack` more tokens than the window: `trim(n)` for n <= slack (speculative
+    roll-back) restores exactly the window the trimmed tokens had pushed out, and prompt
+    chunks of up to slack + 1 tokens keep every query's full window.
+    """
+
+    INITIAL_TOKENS = 256
+
+    def __init__(
+        self,
+        n_kv_heads: int,
+        head_dim: int,
+        sinks: int,
+        window: int,
+        slack: int,
+        rope: Rope,
+        dtype: torch.dtype = torch.float32,
+    ):
+        if window < 1:
+            raise ValueError("window must be at least 1")
+        self.sinks, self.window, self.slack, self.rope = sinks, window, slack, rope
+        self.ring_capacity = window + slack
+        self.offset = 0
+        self.sinks_held = 0
+        self.ring_count = 0  # tokens held in the ring
+        self.ring_head = 0  # ring slot of the next write
+        self.wrapped = False  # the ring has overwritten a token (slots are no longer in order)
+        self.frame = 0  # positions by which the frame sinks are rotated beyond their own
+        allocated = min(self.ring_capacity, self.INITIAL_TOKENS)
+        shape = (1, n_kv_heads, 2 * sinks + allocated, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype)
+        self.values = torch.zeros(shape, dtype=dtype)
+        self.ring_pos = torch.full((allocated,), -1, dtype=torch.long)  # -1: empty
+
+    # -- layout helpers
+
+    @property
+    def _allocated(self) -> int:
+        return self.ring_pos.shape[0]
+
+    def _ring(self, data: torch.Tensor) -> torch.Tensor:
+        return data[:, :, 2 * self.sinks :]
+
+    def _fetch_length(self) -> int:
+        ring = self._allocated if self.wrapped else self.ring_count
+        return self.sinks_held + ring if self.sinks_held == self.sinks else self.sinks_held
+
+    def _grow(self, allocated: int) -> None:
+        keep = 2 * self.sinks + self.ring_count  # the ring is in order until it wraps
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_zeros(
+                old.shape[0], old.shape[1], 2 * self.sinks + allocated, old.shape[3]
+            )
+            new[:, :, :keep] = old[:, :, :keep]
+            setattr(self, name, new)
+        positions = torch.full((allocated,), -1, dtype=torch.long)
+        positions[: self.ring_count] = self.ring_pos[: self.ring_count]
+        self.ring_pos = positions
+
+    # -- the interface
+
+    def max_chunk(self) -> int:
+        """Tokens the next update may take while every query in it stays exact: a query's
+        window must survive the chunk's own writes (no overwrites, or at most slack + 1
+        tokens), and with sinks the frame must not move inside the chunk (it moves on every
+        token once the window is full)."""
+        room_in_sinks = self.sinks - self.sinks_held
+        limit = room_in_sinks + max(self.ring_capacity - self.ring_count, self.slack + 1)
+        if self.sinks:
+            limit = min(limit, room_in_sinks + max(self.window - self.ring_count, 1))
+        return limit
+
+    def _plan(self, n_new: int) -> _Update:
+        """Where the next `n_new` tokens go, and the ring's shape afterwards."""
+        to_sinks = min(n_new, self.sinks - self.sinks_held)
+        rest = n_new - to_sinks
+        if rest > self.ring_capacity:
+            raise ValueError(f"{rest} tokens at once exceed the ring of {self.ring_capacity}")
+        wraps = self.wrapped or self.ring_count + rest > self.ring_capacity
+        count = min(self.ring_count + rest, self.ring_capacity)
+        allocated = self._allocated
+        if not self.wrapped and count > allocated:
+            allocated = self._allocation_for(count)
+        return _Update(
+            to_sinks=to_sinks,
+            slots=(self.ring_head + torch.arange(rest)) % self.ring_capacity,
+            positions=torch.arange(self.offset + to_sinks, self.offset + n_new),
+            ring_count=count,
+            wrapped=wraps,
+            allocated=allocated,
+        )
+
+    def _allocation_for(self, needed: int) -> int:
+        allocated = self._allocated
+        while allocated < needed:
+            allocated *= 2
+        return min(allocated, self.ring_capacity)
+
+    def update_and_fetch(
+        self, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n_new = k.shape[2]
+        if n_new == 1 and self.sinks_held == self.sinks and self.ring_count < self._allocated:
+            return self._append_one(k, v)  # the decode step, without planning tensors
+        plan = self._plan(n_new)
+        to_sinks = plan.to_sinks
+        if to_sinks:
+            at = self.sinks_held
+            for data, new in ((self.keys, k), (self.values, v)):
+                data[:, :, at : at + to_sinks] = new[:, :, :to_sinks]  # at their own positions
+                data[:, :, self.sinks + at : self.sinks + at + to_sinks] = new[:, :, :to_sinks]
+            self.sinks_held += to_sinks
+        rest = n_new - to_sinks
+        if rest:
+            if plan.allocated > self._allocated:
+                self._grow(plan.allocated)
+            self._ring(self.keys).index_copy_(2, plan.slots, k[:, :, to_sinks:])
+            self._ring(self.values).index_copy_(2, plan.slots, v[:, :, to_sinks:])
+            self.ring_pos[plan.slots] = plan.positions
+            self.wrapped, self.ring_count = plan.wrapped, plan.ring_count
+            self.ring_head = (self.ring_head + rest) % self.ring_capacity
+        self.offset += n_new
+        self._move_frame()
+        length = self._fetch_length()
+        start = self.sinks
+        return self.keys[:, :, start : start + length], self.values[:, :, start : start + length]
+
+    def _append_one(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        slot = self.ring_head
+        at = 2 * self.sinks + slot
+        self.keys[:, :, at : at + 1] = k
+        self.values[:, :, at : at + 1] = v
+        self.ring_pos[slot] = self.offset
+        self.ring_head = (slot + 1) % self.ring_capacity
+        self.ring_count += 1
+        self.offset += 1
+        if self.sinks:
+            self._move_frame()
+        end = self.sinks + self._fetch_length()
+        return self.keys[:, :, self.sinks : end], self.values[:, :, self.sinks : end]
+
+    def _move_frame(self) -> None:
+        """Rotate the sinks so that they sit right before the newest query's window."""
+        if not self.sinks_held:
+            return
+        # The ring holds contiguous positions ending at the newest; the newest query sees the
+        # last `window` of them, so its position within the cache is sinks + visible - 1.
+        newest = self.offset - 1
+        visible = min(self.window, self.ring_count)
+        frame = newest - (self.sinks_held + visible - 1)
+        if frame != self.frame:
+            held = self.sinks_held
+            stored = self.keys[:, :, :held]
+            self.keys[:, :, self.sinks : self.sinks + held] = _rotate_keys(stored, self.rope, frame)
+            self.frame = frame
+
+    def make_mask(self, n_new: int) -> torch.Tensor | None:
+        """Boolean [n_new, keys fetched] for the next update of `n_new` tokens: each query
+        sees the sinks up to its own position and the ring tokens within its window."""
+        if n_new == 1 and not self.wrapped and self.ring_count < self.window:
+            return None  # a single query sees every held token
+        plan = self._plan(n_new)
+        if n_new == 1 and plan.ring_count <= self.window and not plan.wrapped:
+            return None
+        query_pos = torch.arange(self.offset, self.offset + n_new).unsqueeze(1)
+        sinks_after = self.sinks_held + plan.to_sinks
+        sinks_visible = torch.arange(sinks_after).unsqueeze(0) <= query_pos
+        if sinks_after < self.sinks:
+            return sinks_visible  # the ring is still empty
+        ring_pos = torch.full((plan.allocated,), -1, dtype=torch.long)
+        ring_pos[: self._allocated] = self.ring_pos
+        ring_pos[plan.slots] = plan.positions
+        if not plan.wrapped:
+            ring_pos = ring_pos[: plan.ring_count]
+        ring_pos = ring_pos.unsqueeze(0)
+        in_window = (ring_pos >= 0) & (ring_pos <= query_pos) & (query_pos - ring_pos < self.window)
+        return torch.cat([sinks_visible, in_window], dim=1)
+
+    def can_trim(self, n: int) -> bool:
+        """Whether dropping the newest n leaves the next query its whole window: after a
+        wrap, the tokens they pushed out are gone (the slack keeps `slack` of them)."""
+        return not self.wrapped or n <= self.ring_count - self.window + 1
+
+    def can_forget(self, start: int) -> bool:
+        return not self.wrapped and start >= self.sinks_held
+
+    def trim(self, n: int) -> int:
+        """Drop the newest n positions. Exact across a wrap while `can_trim(n)`: the older
+        tokens they overwrote were outside every remaining query's window."""
+        n = max(0, min(n, self.offset))
+        from_ring = max(0, min(n, self.offset - self.sinks, self.ring_count))
+        freed = (self.ring_head - 1 - torch.arange(from_ring)) % self.ring_capacity
+        self.ring_pos[freed] = -1
+        self.ring_head = (self.ring_head - from_ring) % self.ring_capacity
+        self.ring_count -= from_ring
+        self.sinks_held -= n - from_ring
+        self.offset -= n
+        if self.ring_count == 0 and not self.wrapped:
+            self.ring_head = 0
+        return n
+
+    def forget(self, start: int, end: int) -> None:
+        """Drop positions start..end-1 (after the sinks) and close the gap, re-rotating the
+        later keys; only before the ring first wraps, while positions are still in order."""
+        gap = end - start
+        if gap <= 0:
+            return
+        if self.wrapped or start < self.sinks_held:
+            raise ContextFullError("cannot drop tokens from a cache that has already rotated")
+        lo, hi = start - self.sinks, end - self.sinks
+        count = self.ring_count
+        for name in ("keys", "values"):
+            ring = self._ring(getattr(self, name))
+            moved = ring[:, :, hi:count].clone()
+            if name == "keys":
+                moved = _rotate_keys(moved, self.rope, -gap)
+            ring[:, :, lo : count - gap] = moved
+        self.ring_pos[lo : count - gap] = self.ring_pos[hi:count] - gap
+        self.ring_pos[count - gap : count] = -1
+        self.ring_count -= gap
+        self.ring_head = self.ring_count
+        self.offset -= gap
+
+    @property
+    def state(self) -> CacheState:
+        fields = {
+            name: copy.copy(getattr(self, name))
+            for name in ("offset", "sinks_held", "ring_count", "ring_head", "wrapped", "frame")
+        }
+        tensors = {"keys": self.keys.clone(), "values": self.values.clone(),
+                   "ring_pos": self.ring_pos.clone()}  # fmt: skip
+        return CacheState(tensors, fields)
+
+    def restore(self, state: CacheState) -> None:
+        for name, value in state.fields.items():
+            setattr(self, name, value)
+        self.keys = state.tensors["keys"].clone()
+        self.values = state.tensors["values"].clone()
+        self.ring_pos = state.tensors["ring_pos"].clone()

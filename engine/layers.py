@@ -297,6 +297,10 @@ class Rope:
             return RopeTables(cos[lo : lo + count], sin[lo : lo + count], self)
         return RopeTables(*self._build(start, count), self)
 
+    def shift_tables(self, delta: int) -> RopeTables:
+        """Tables that rotate by `delta` positions (any sign): RoPE(a) RoPE(b) = RoPE(a + b)."""
+        return RopeTables(*self._build(delta, 1), self)
+
     def _build(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         # Angles in float64: positions reach 1e5+ and fp32 would lose the low bits.
         positions = torch.arange(start, start + count, dtype=torch.float64)[:, None]

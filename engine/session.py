@@ -2,7 +2,9 @@
 
 Each turn renders the whole conversation; the runtime reuses the cached prefix, so only the
 new tokens are evaluated. When the conversation outgrows the context, whole old turns are
-dropped (the system prompt stays).
+dropped (the system prompt stays), and the runtime drops their tokens from its cache in
+place, so what remains is not evaluated again. (An answer that itself outruns the context
+keeps going on the runtime's sliding window; the turn after it starts from a fresh cache.)
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from .chat_template import ChatTemplate, Message
 from .errors import ContextFullError
 from .events import Finished, GenerationEvent, GenerationStats, TextDelta
 from .generation import GenerationRequest, generate
-from .runtimes.base import Runtime
+from .runtimes.base import Runtime, common_prefix
 
 
 class ChatSession:
@@ -80,18 +82,28 @@ class ChatSession:
 
     def _fit_prompt(self, reserve: int) -> list[int]:
         """Tokens of the conversation, dropping the oldest whole turns until it fits."""
-        while True:
-            tokens = self.prompt_tokens(self.messages)
-            if len(tokens) + reserve <= self.runtime.n_ctx:
-                return tokens
+        full = tokens = self.prompt_tokens(self.messages)
+        while len(tokens) + reserve > self.runtime.n_ctx:
             if len(self.messages) <= 1:
                 if len(tokens) < self.runtime.n_ctx:
-                    return tokens  # fits, with less room to answer
+                    break  # fits, with less room to answer
                 raise ContextFullError(
                     f"message of {len(tokens)} tokens does not fit the context of "
                     f"{self.runtime.n_ctx}; raise --ctx"
                 )
             self._drop_oldest_turn()
+            tokens = self.prompt_tokens(self.messages)
+        if tokens is not full:
+            self._forget_dropped(full, tokens)
+        return tokens
+
+    def _forget_dropped(self, before: list[int], after: list[int]) -> None:
+        """Drop the tokens of the dropped turns from the runtime's cache, if `after` is
+        `before` with one span cut out (as it is for templates that delimit messages)."""
+        start = common_prefix(before, after)
+        end = start + len(before) - len(after)
+        if end > start and before[end:] == after[start:]:
+            self.runtime.forget(start, end)
 
     def _drop_oldest_turn(self) -> None:
         """Remove the first user message and the answers that followed it."""

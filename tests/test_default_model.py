@@ -110,3 +110,15 @@ def test_interrupted_step_leaves_a_consistent_cache(torch_runtime, monkeypatch):
         next(tokens)  # layers 0..9 have this step's keys, layers 10.. do not
     assert torch_runtime.caches[0].offset != torch_runtime.caches[-1].offset
     assert text_of(generate(torch_runtime, prompt, request)) == expected
+
+
+def test_reset_and_trim_after_the_cache_grew(torch_runtime):
+    """Caches grow inside inference mode; trimming them afterwards must still work."""
+    tokenizer = torch_runtime.tokenizer
+    long_prompt = tokenizer.encode(" ".join(sample_texts())[:2000], parse_special=False)
+    assert len(long_prompt) > 300  # past the caches' initial 256 positions
+    request = GenerationRequest(max_tokens=3, sampling=GREEDY, ignore_end_of_turn=True)
+    list(generate(torch_runtime, long_prompt, request))
+    list(generate(torch_runtime, long_prompt[:200], request))  # trims back to a prefix
+    torch_runtime.reset()
+    assert list(generate(torch_runtime, long_prompt[:50], request))[-1].stats.generated_tokens == 3

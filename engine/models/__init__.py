@@ -8,7 +8,7 @@ from ..errors import UnsupportedModelError
 from ..gguf_file import GGUFFile
 from ..quant import SUPPORTED_TYPES
 from . import gemma3, llama, phi3, qwen
-from .decoder import DecoderConfig, DecoderModel, build_decoder
+from .decoder import CachePolicy, DecoderConfig, DecoderModel, build_decoder
 
 CONFIGS: dict[str, Callable[[GGUFFile], DecoderConfig]] = {
     "llama": llama.config_from_gguf,
@@ -19,6 +19,8 @@ CONFIGS: dict[str, Callable[[GGUFFile], DecoderConfig]] = {
 }
 
 SUPPORTED_ARCHITECTURES = tuple(sorted(CONFIGS))
+
+__all__ = ["CachePolicy", "DecoderModel", "build_model", "check_supported"]
 
 
 def check_supported(gguf: GGUFFile) -> DecoderConfig:
@@ -40,5 +42,5 @@ def check_supported(gguf: GGUFFile) -> DecoderConfig:
     return CONFIGS[arch](gguf)
 
 
-def build_model(gguf: GGUFFile, max_positions: int) -> DecoderModel:
-    return build_decoder(gguf, check_supported(gguf), max_positions)
+def build_model(gguf: GGUFFile) -> DecoderModel:
+    return build_decoder(gguf, check_supported(gguf))

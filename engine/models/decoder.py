@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..cache import KVCache
-from ..errors import ContextFullError, ModelFileError, UnsupportedModelError
+from ..cache import KVCache, RotatingKVCache
+from ..errors import ModelFileError, UnsupportedModelError
 from ..gguf_file import GGUFFile, TensorInfo
 from ..layers import (
     BlockEmbedding,
@@ -152,7 +152,7 @@ class Attention:
         self,
         x: torch.Tensor,
         rotation: RopeTables,
-        cache: KVCache,
+        cache: Cache,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
         """x: [tokens, dim] -> [tokens, dim]."""
@@ -204,6 +204,33 @@ class Block:
         return x.add_(fed)
 
 
+PREFILL_CHUNK = 512  # bounds the attention mask and activations of a long prompt
+ROLLBACK_SLACK = 64  # tokens a rotating cache can trim exactly (speculative roll-back)
+
+
+@dataclass(frozen=True)
+class CachePolicy:
+    """How the caches of the global (full-attention) layers behave.
+
+    Streaming (the default) keeps `sinks` first tokens plus the last `window` in constant
+    memory, so generation never stops at a full context. Without it, a fixed cache of `ctx`
+    positions refuses to overflow (evaluation on chunks that fit). Sliding-window layers
+    always get a ring the size of their own window.
+    """
+
+    ctx: int
+    sinks: int = 4
+    window: int | None = None  # default: ctx - sinks
+    streaming: bool = True
+
+    @property
+    def window_size(self) -> int:
+        return self.window if self.window is not None else max(self.ctx - self.sinks, 1)
+
+
+Cache = KVCache | RotatingKVCache
+
+
 class DecoderModel:
     def __init__(
         self,
@@ -212,29 +239,48 @@ class DecoderModel:
         layers,
         norm,
         output,
-        max_positions: int,
         freq_factors: torch.Tensor | None = None,
     ):
         self.config = config
         self.embed, self.layers, self.norm, self.output = embed, layers, norm, output
-        self.max_positions = max_positions
         self.ropes = {
             False: _rope(config, config.rope, freq_factors),
             True: _rope(config, config.local_rope or config.rope, freq_factors),
         }
+        # The first layer of each kind (global / sliding-window): all caches of a kind hold
+        # the same positions, so one of them answers for masks and chunk sizes.
+        self._kinds = {}
+        for index in range(config.n_layers):
+            self._kinds.setdefault(config.is_local(index), index)
 
-    def make_caches(self, max_tokens: int | None = None) -> list[KVCache]:
-        size = max_tokens or self.max_positions
+    def make_caches(self, policy: CachePolicy) -> list[Cache]:
+        """One cache per layer; the model picks each layer's kind (local layers: a ring the
+        size of their window; global layers: as the policy says)."""
         c = self.config
-        return [
-            KVCache(
-                c.n_kv_heads, c.head_dim, size, window=c.sliding_window if c.is_local(i) else None
-            )
-            for i in range(c.n_layers)
-        ]
+        caches: list[Cache] = []
+        for i in range(c.n_layers):
+            if c.is_local(i):
+                cache = RotatingKVCache(
+                    c.n_kv_heads, c.head_dim, sinks=0, window=c.sliding_window,
+                    slack=PREFILL_CHUNK, rope=self.ropes[True],
+                )  # fmt: skip
+            elif policy.streaming:
+                cache = RotatingKVCache(
+                    c.n_kv_heads, c.head_dim, sinks=policy.sinks, window=policy.window_size,
+                    slack=ROLLBACK_SLACK, rope=self.ropes[False],
+                )  # fmt: skip
+            else:
+                cache = KVCache(c.n_kv_heads, c.head_dim, policy.ctx, rope=self.ropes[False])
+            caches.append(cache)
+        return caches
+
+    def max_chunk(self, caches: list[Cache]) -> int:
+        """Tokens the next forward pass may take (the most constrained kind of layer)."""
+        limits = (caches[index].max_chunk() for index in self._kinds.values())
+        return max(1, min(PREFILL_CHUNK, *limits))
 
     def forward(
-        self, tokens: torch.Tensor, caches: list[KVCache], all_logits: bool = False
+        self, tokens: torch.Tensor, caches: list[Cache], all_logits: bool = False
     ) -> torch.Tensor:
         """tokens: int64 [n]. Returns fp32 logits [n, vocab] if `all_logits`, else [1, vocab]."""
         hidden = self.hidden_states(tokens, caches)
@@ -250,22 +296,16 @@ class DecoderModel:
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def hidden_states(self, tokens: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
+    def hidden_states(self, tokens: torch.Tensor, caches: list[Cache]) -> torch.Tensor:
         """Run the layers over `tokens`, appending to the caches; returns the final-normed
         hidden states [n, dim] (fp32)."""
         offset, n_tokens = caches[0].offset, tokens.shape[0]
-        if offset + n_tokens > self.max_positions:
-            raise ContextFullError(
-                f"context full: {offset + n_tokens} tokens exceed --ctx {self.max_positions}"
-            )
         config = self.config
         # One rotation and one mask per kind of layer (global / sliding-window), shared.
         rotations, masks = {}, {}
-        for index, cache in enumerate(caches):
-            local = config.is_local(index)
-            if local not in masks:
-                rotations[local] = self.ropes[local].tables(offset, n_tokens)
-                masks[local] = cache.make_mask(n_tokens)
+        for local, index in self._kinds.items():
+            rotations[local] = self.ropes[local].tables(offset, n_tokens)
+            masks[local] = caches[index].make_mask(n_tokens)
         x = self.embed(tokens)
         if config.embed_scale != 1.0:
             x.mul_(config.embed_scale)
@@ -289,7 +329,7 @@ def _rope(config: DecoderConfig, rope: RopeConfig, freq_factors: torch.Tensor | 
 # ------------------------------------------------------------------------------ loading
 
 
-def build_decoder(gguf: GGUFFile, config: DecoderConfig, max_positions: int) -> DecoderModel:
+def build_decoder(gguf: GGUFFile, config: DecoderConfig) -> DecoderModel:
     weights = WeightReader(gguf)
     layers = [_build_block(weights, config, i) for i in range(config.n_layers)]
     # Many small models tie the output head to the embedding.
@@ -300,7 +340,7 @@ def build_decoder(gguf: GGUFFile, config: DecoderConfig, max_positions: int) -> 
     # Llama 3.1-style frequency factors: each RoPE frequency is divided by its factor.
     freq_factors = weights.vector("rope_freqs.weight") if weights.has("rope_freqs.weight") else None
     weights.check_all_used()
-    return DecoderModel(config, embed, layers, norm, output, max_positions, freq_factors)
+    return DecoderModel(config, embed, layers, norm, output, freq_factors)
 
 
 def _build_block(weights: WeightReader, config: DecoderConfig, i: int) -> Block:

@@ -17,14 +17,21 @@ def open_runtime(
     n_ctx: int = DEFAULT_CTX,
     threads: int | None = None,
     logits_all: bool = False,
+    sinks: int | None = None,
+    window: int | None = None,
 ) -> Runtime:
+    """`sinks` and `window` shape the torch engine's sliding-window cache (see TorchRuntime);
+    llama.cpp's Python binding has no equivalent, so it stops at a full context instead."""
     if backend == "torch":
-        from .torch_runtime import TorchRuntime
+        from .torch_runtime import DEFAULT_SINKS, TorchRuntime
 
-        return TorchRuntime(model_path, n_ctx=n_ctx, threads=threads)
+        sinks = DEFAULT_SINKS if sinks is None else sinks
+        return TorchRuntime(model_path, n_ctx=n_ctx, threads=threads, sinks=sinks, window=window)
     if backend == "llamacpp":
         from .llamacpp_runtime import LlamaCppRuntime
 
+        if sinks is not None or window is not None:
+            raise MiniappError("--window and --sinks apply to the torch backend only")
         return LlamaCppRuntime(model_path, n_ctx=n_ctx, threads=threads, logits_all=logits_all)
     raise MiniappError(f"unknown backend '{backend}' (choose from {', '.join(BACKENDS)})")
 

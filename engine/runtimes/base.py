@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import MiniappError
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
 
@@ -36,6 +37,7 @@ class Runtime(ABC):
     tokenizer: Tokenizer
     n_ctx: int
     chat_template: str | None  # the GGUF's own template source, if it has one
+    streams: bool = False  # keeps generating past n_ctx (sliding window) instead of stopping
     architecture: str  # general.architecture
 
     @abstractmethod
@@ -62,9 +64,18 @@ class Runtime(ABC):
         rows first.. in blocks of `block` rows, fp32 [rows, vocab]. Blocks bound memory:
         a 2048-token context with a 262k vocabulary would be 2 GB of logits at once."""
 
+    def stream_blocks(self, tokens: Sequence[int]) -> Iterator[tuple[int, np.ndarray]]:
+        """Like `logit_blocks`, but through the sliding-window cache (fresh), as a stream."""
+        raise MiniappError(f"the {self.backend} backend has no sliding-window cache; use torch")
+
     def logits(self, tokens: Sequence[int]) -> np.ndarray:
         """fp32 [len(tokens), vocab]: every row at once (small inputs only)."""
         return np.concatenate([rows for _, rows in self.logit_blocks(tokens)])
+
+    def forget(self, start: int, end: int) -> bool:
+        """Drop fed tokens start..end-1 from the context without evaluating anything again;
+        False if this runtime cannot (the caller then lets prefix reuse re-evaluate)."""
+        return False
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release native resources early."""

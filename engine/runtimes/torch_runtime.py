@@ -10,17 +10,21 @@ import torch
 
 from ..gguf_file import GGUFFile
 from ..memory import limit_heap_fragmentation
-from ..models import build_model
+from ..models import CachePolicy, build_model
 from ..sampler import Sampler
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
 from .base import DEFAULT_CTX, LOGIT_BLOCK, Runtime, common_prefix, default_threads
 
-PREFILL_CHUNK = 512  # bounds the attention mask and activations of a long prompt
+DEFAULT_SINKS = 4  # StreamingLLM's number of attention-sink tokens
 
 
 class TorchRuntime(Runtime):
+    """Streams: once a conversation outgrows --ctx, the caches keep `sinks` first tokens plus
+    the most recent `window` (default ctx - sinks) and generation goes on."""
+
     backend = "torch"
+    streams = True
 
     def __init__(
         self,
@@ -28,22 +32,30 @@ class TorchRuntime(Runtime):
         n_ctx: int = DEFAULT_CTX,
         threads: int | None = None,
         gguf: GGUFFile | None = None,
+        sinks: int = DEFAULT_SINKS,
+        window: int | None = None,
     ):
         self.model_path = Path(model_path)
         limit_heap_fragmentation()
         torch.set_num_threads(threads or default_threads())
         gguf = gguf or GGUFFile(self.model_path)
-        self.model = build_model(gguf, n_ctx)
+        self.model = build_model(gguf)
         self.chat_template = gguf.metadata.get("tokenizer.chat_template")
         self.architecture = gguf.architecture
         self.tokenizer = Tokenizer(self.model_path)
         self.n_ctx = n_ctx
-        self.caches = self.model.make_caches(n_ctx)
-        self._tokens: list[int] = []  # what the caches hold, position by position
+        self.policy = CachePolicy(n_ctx, sinks=sinks, window=window)
+        self.caches = self.model.make_caches(self.policy)
+        self._tokens: list[int] = []  # every token fed, in order (the caches may keep fewer)
 
     def reusable_prefix(self, prompt: Sequence[int]) -> int:
         # At least one prompt token must be evaluated to produce fresh logits.
-        return min(common_prefix(self._tokens, prompt), len(prompt) - 1)
+        shared = min(common_prefix(self._tokens, prompt), len(prompt) - 1)
+        dropped = len(self._tokens) - shared
+        # A rotating cache cannot bring back what newer tokens pushed out of its window.
+        if all(cache.can_trim(dropped) for cache in self.caches):
+            return shared
+        return 0
 
     def generate_tokens(self, prompt: Sequence[int], params: SamplingParams) -> Iterator[int]:
         sampler = Sampler(params)
@@ -60,35 +72,65 @@ class TorchRuntime(Runtime):
     def reset(self) -> None:
         self._truncate(0)
 
+    @torch.inference_mode()  # caches grown during a forward pass hold inference tensors
+    def forget(self, start: int, end: int) -> bool:
+        """Drop fed tokens start..end-1 from every cache without evaluating anything again
+        (chat turn eviction). False if the caches can no longer do it (they have rotated)."""
+        if not 0 < start <= end <= len(self._tokens):
+            return False
+        if not all(cache.can_forget(start) for cache in self.caches):
+            return False
+        for cache in self.caches:
+            cache.forget(start, end)
+        del self._tokens[start:end]
+        return True
+
     @torch.inference_mode()
     def logit_blocks(
         self, tokens: Sequence[int], first: int = 0, block: int = LOGIT_BLOCK
     ) -> Iterator[tuple[int, np.ndarray]]:
-        caches = self.model.make_caches(len(tokens))
-        hidden = torch.cat(
-            [
-                self.model.hidden_states(torch.tensor(tokens[i : i + PREFILL_CHUNK]), caches)
-                for i in range(0, len(tokens), PREFILL_CHUNK)
-            ]
-        )
+        caches = self.model.make_caches(CachePolicy(len(tokens), streaming=False))
+        hidden = torch.cat(list(self._hidden_chunks(tokens, caches)))
         # Only the rows asked for go through the output head, the costliest matmul here.
         for start in range(first, len(tokens), block):
             yield start, self.model.logits(hidden[start : start + block]).numpy()
 
     @torch.inference_mode()
-    def _feed(self, tokens: Sequence[int]) -> torch.Tensor:
-        """Append tokens to the cache; returns fp32 logits [vocab] after the last one."""
-        logits = None
-        for i in range(0, len(tokens), PREFILL_CHUNK):
-            chunk = list(tokens[i : i + PREFILL_CHUNK])
-            logits = self.model(torch.tensor(chunk), self.caches)
-            self._tokens.extend(chunk)
-        assert logits is not None, "nothing to evaluate"
-        return logits[0]
+    def stream_blocks(self, tokens: Sequence[int]) -> Iterator[tuple[int, np.ndarray]]:
+        caches = self.model.make_caches(self.policy)
+        row = 0
+        for hidden in self._hidden_chunks(tokens, caches):
+            yield row, self.model.logits(hidden).numpy()
+            row += len(hidden)
 
+    def _hidden_chunks(self, tokens: Sequence[int], caches) -> Iterator[torch.Tensor]:
+        """Final hidden states for `tokens`, in chunks the caches can take at once."""
+        if len(tokens) == 1:  # decoding: every cache takes one token
+            yield self.model.hidden_states(torch.tensor(tokens), caches)
+            return
+        done = 0
+        while done < len(tokens):
+            size = self.model.max_chunk(caches)
+            chunk = torch.tensor(tokens[done : done + size])
+            yield self.model.hidden_states(chunk, caches)
+            done += len(chunk)
+
+    @torch.inference_mode()
+    def _feed(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Append tokens to the caches; returns fp32 logits [vocab] after the last one."""
+        hidden, done = None, 0
+        for hidden in self._hidden_chunks(tokens, self.caches):
+            self._tokens.extend(tokens[done : done + len(hidden)])
+            done += len(hidden)
+        assert hidden is not None, "nothing to evaluate"
+        return self.model.logits(hidden[-1:])[0]
+
+    @torch.inference_mode()
     def _truncate(self, n: int) -> None:
-        """Keep the first n positions. Each cache is trimmed by its own offset: a step cut
+        """Keep the first n tokens. Each cache is trimmed by its own offset: a step cut
         short (Ctrl-C inside a forward pass) leaves the first layers one token ahead."""
+        if n == 0:  # fresh caches: a rotated ring cannot be emptied in place
+            self.caches = self.model.make_caches(self.policy)
         del self._tokens[n:]
         for cache in self.caches:
             cache.trim(cache.offset - n)
