@@ -274,7 +274,7 @@ class RotatingKVCache:
         self, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n_new = k.shape[2]
-        if n_new == 1 and self.sinks_held == self.sinks and self.ring_count < self._allocated:
+        if n_new == 1 and self.sinks_held == self.sinks and self._room_for_one():
             return self._append_one(k, v)  # the decode step, without planning tensors
         plan = self._plan(n_new)
         to_sinks = plan.to_sinks
@@ -299,6 +299,10 @@ class RotatingKVCache:
         start = self.sinks
         return self.keys[:, :, start : start + length], self.values[:, :, start : start + length]
 
+    def _room_for_one(self) -> bool:
+        """One more token fits without growing the storage (it may overwrite the oldest)."""
+        return self.ring_count < self._allocated or self._allocated == self.ring_capacity
+
     def _append_one(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         slot = self.ring_head
         at = 2 * self.sinks + slot
@@ -306,7 +310,10 @@ class RotatingKVCache:
         self.values[:, :, at : at + 1] = v
         self.ring_pos[slot] = self.offset
         self.ring_head = (slot + 1) % self.ring_capacity
-        self.ring_count += 1
+        if self.ring_count < self.ring_capacity:
+            self.ring_count += 1
+        else:
+            self.wrapped = True
         self.offset += 1
         if self.sinks:
             self._move_frame()
@@ -331,8 +338,8 @@ class RotatingKVCache:
     def make_mask(self, n_new: int) -> torch.Tensor | None:
         """Boolean [n_new, keys fetched] for the next update of `n_new` tokens: each query
         sees the sinks up to its own position and the ring tokens within its window."""
-        if n_new == 1 and not self.wrapped and self.ring_count < self.window:
-            return None  # a single query sees every held token
+        if n_new == 1 and self.sinks_held == self.sinks and self._room_for_one():
+            return self._mask_one()
         plan = self._plan(n_new)
         if n_new == 1 and plan.ring_count <= self.window and not plan.wrapped:
             return None
@@ -357,6 +364,20 @@ class RotatingKVCache:
 
     def can_forget(self, start: int) -> bool:
         return not self.wrapped and start >= self.sinks_held
+
+    def _mask_one(self) -> torch.Tensor | None:
+        """The decode step's mask: None while every held token is in the window."""
+        if not self.wrapped and self.ring_count < self.window:
+            return None
+        query = self.offset
+        positions = self.ring_pos.clone()
+        positions[self.ring_head] = query
+        if not self.wrapped:
+            positions = positions[: self.ring_count + 1]
+        # Empty slots hold -1, which is never inside a window that is already full.
+        in_window = positions > query - self.window
+        sinks = torch.ones(self.sinks, dtype=torch.bool)
+        return torch.cat([sinks, in_window]).unsqueeze(0)
 
     def trim(self, n: int) -> int:
         """Drop the newest n positions. Exact across a wrap while `can_trim(n)`: the older

@@ -249,9 +249,10 @@ class DecoderModel:
         }
         # The first layer of each kind (global / sliding-window): all caches of a kind hold
         # the same positions, so one of them answers for masks and chunk sizes.
-        self._kinds = {}
-        for index in range(config.n_layers):
-            self._kinds.setdefault(config.is_local(index), index)
+        self._layer_is_local = [config.is_local(i) for i in range(config.n_layers)]
+        self._kinds: dict[bool, int] = {}
+        for index, local in enumerate(self._layer_is_local):
+            self._kinds.setdefault(local, index)
 
     def make_caches(self, policy: CachePolicy) -> list[Cache]:
         """One cache per layer; the model picks each layer's kind (local layers: a ring the
@@ -309,8 +310,7 @@ class DecoderModel:
         x = self.embed(tokens)
         if config.embed_scale != 1.0:
             x.mul_(config.embed_scale)
-        for index, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
-            local = config.is_local(index)
+        for layer, cache, local in zip(self.layers, caches, self._layer_is_local, strict=True):
             x = layer.forward(x, rotations[local], cache, masks[local])
         return self.norm.forward(x)
 
