@@ -45,8 +45,37 @@ class PerplexityResult:
         return {key: value for key, value in asdict(self).items() if value is not None}
 
 
+class _Scorer:
+    """Sums -log p(target) over scored positions; builds the result."""
+
+    def __init__(self, runtime: Runtime, text_tokens: int):
+        self.runtime, self.text_tokens = runtime, text_tokens
+        self.started = time.perf_counter()
+        self.nll, self.scored = 0.0, 0
+
+    def add(self, logits: np.ndarray, targets: list[int]) -> None:
+        """logits [n, vocab] whose rows predict the first len(targets) <= n targets."""
+        if not targets:
+            return
+        targets = np.asarray(targets, dtype=np.int64)
+        self.nll -= float(token_log_probs(logits[: len(targets)], targets).sum())
+        self.scored += len(targets)
+
+    def result(self, mode: str, ctx: int, **settings) -> PerplexityResult:
+        return PerplexityResult(
+            ppl=math.exp(self.nll / self.scored),
+            tokens=self.scored,
+            text_tokens=self.text_tokens,
+            mode=mode,
+            ctx=ctx,
+            backend=self.runtime.backend,
+            model=str(self.runtime.model_path),
+            seconds=time.perf_counter() - self.started,
+            **settings,
+        )
+
+
 def perplexity(runtime: Runtime, text: str, n_ctx: int) -> PerplexityResult:
-    started = time.perf_counter()
     tokenizer = runtime.tokenizer
     tokens = tokenizer.encode(text, parse_special=False)
     n_chunks = len(tokens) // n_ctx
@@ -54,85 +83,42 @@ def perplexity(runtime: Runtime, text: str, n_ctx: int) -> PerplexityResult:
         raise InputFileError(
             f"text has {len(tokens)} tokens; perplexity needs at least --ctx ({n_ctx})"
         )
-    first = n_ctx // 2
-    nll_sum, scored = 0.0, 0
+    scorer = _Scorer(runtime, len(tokens))
     for chunk in _chunks(tokens, n_ctx, tokenizer):
-        for row, logits in runtime.logit_blocks(chunk, first=first):
-            targets = np.asarray(chunk[row + 1 : row + 1 + len(logits)])
+        for row, logits in runtime.logit_blocks(chunk, first=n_ctx // 2):
             # The chunk's last row predicts a token outside it: not scored.
-            nll_sum += float(-token_log_probs(logits[: len(targets)], targets).sum())
-            scored += len(targets)
-    return PerplexityResult(
-        ppl=math.exp(nll_sum / scored),
-        tokens=scored,
-        text_tokens=len(tokens),
-        mode="chunks",
-        ctx=n_ctx,
-        backend=runtime.backend,
-        model=str(runtime.model_path),
-        seconds=time.perf_counter() - started,
-        chunks=n_chunks,
-    )
+            scorer.add(logits, chunk[row + 1 : row + 1 + len(logits)])
+    return scorer.result("chunks", n_ctx, chunks=n_chunks)
 
 
 def streaming_perplexity(runtime: Runtime, text: str, sinks: int, window: int) -> PerplexityResult:
     """Score tokens window.. of the text, streamed through `runtime`'s sliding-window cache
     (a runtime opened with these sinks and window)."""
-    started = time.perf_counter()
     tokens = _tokens_for_window(runtime, text, window)
-    nll_sum, scored = 0.0, 0
+    scorer = _Scorer(runtime, len(tokens))
     for row, logits in runtime.stream_blocks(tokens):
-        first, last = max(row, window - 1), min(row + len(logits), len(tokens) - 1)
-        if first < last:
-            targets = np.asarray(tokens[first + 1 : last + 1])
-            nll_sum += float(-token_log_probs(logits[first - row : last - row], targets).sum())
-            scored += len(targets)
-    return PerplexityResult(
-        ppl=math.exp(nll_sum / scored),
-        tokens=scored,
-        text_tokens=len(tokens),
-        mode="streaming",
-        ctx=sinks + window,
-        backend=runtime.backend,
-        model=str(runtime.model_path),
-        seconds=time.perf_counter() - started,
-        window=window,
-        sinks=sinks,
-    )
+        first = max(row, window - 1)  # the first position whose prediction is scored
+        if first < row + len(logits):
+            scorer.add(logits[first - row :], tokens[first + 1 : row + len(logits) + 1])
+    return scorer.result("streaming", sinks + window, window=window, sinks=sinks)
 
 
 def recompute_perplexity(runtime: Runtime, text: str, window: int, stride: int) -> PerplexityResult:
     """Score tokens window.. of the text, each from a fresh evaluation of the window before it
     (windows move `stride` tokens at a time)."""
-    started = time.perf_counter()
     tokens = _tokens_for_window(runtime, text, window)
-    nll_sum, scored = 0.0, 0
+    scorer = _Scorer(runtime, len(tokens))
     ends = list(range(window, len(tokens), stride))
     if ends[-1] != len(tokens) - 1:
         ends.append(len(tokens) - 1)
     previous = window - 1
     for end in ends:
         # Context tokens[end - window : end] predicts targets previous + 1 .. end.
-        context = tokens[end - window : end]
-        first_row = previous - (end - window)
+        start = end - window
+        for row, logits in runtime.logit_blocks(tokens[start:end], first=previous - start):
+            scorer.add(logits, tokens[start + row + 1 : start + row + 1 + len(logits)])
         previous = end
-        for row, logits in runtime.logit_blocks(context, first=first_row):
-            positions = range(end - window + row, end - window + row + len(logits))
-            targets = np.asarray([tokens[p + 1] for p in positions if p + 1 < len(tokens)])
-            nll_sum += float(-token_log_probs(logits[: len(targets)], targets).sum())
-            scored += len(targets)
-    return PerplexityResult(
-        ppl=math.exp(nll_sum / scored),
-        tokens=scored,
-        text_tokens=len(tokens),
-        mode="recompute",
-        ctx=window,
-        backend=runtime.backend,
-        model=str(runtime.model_path),
-        seconds=time.perf_counter() - started,
-        window=window,
-        stride=stride,
-    )
+    return scorer.result("recompute", window, window=window, stride=stride)
 
 
 def _tokens_for_window(runtime: Runtime, text: str, window: int) -> list[int]:
