@@ -14,7 +14,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from miniapp.assets import sample_texts
+from miniapp.assets import chat_prompts, sample_texts
+from miniapp.engine.chat_template import ChatTemplate, Message
 from miniapp.engine.errors import MiniappError
 from miniapp.engine.gguf_file import GGUFFile
 from miniapp.engine.model_store import resolve_model
@@ -41,41 +42,90 @@ def bench_prompt(tokenizer: Tokenizer, n_tokens: int | None, prompt_file: str | 
     return tokens[:n_tokens]
 
 
+TASK_TEXTS = 4  # summarize / quote: one prompt per sample text, this many texts
+TASK_TEXT_CHARS = 2200  # about 500 tokens of a sample text
+CHAT_QUESTIONS = 8
+TASK_ASKS = {
+    "summarize": "Summarize the text above.",
+    "quote": "Repeat the text above word for word.",
+}
+
+
+def task_prompts(model: Path, tokenizer: Tokenizer, task: str) -> list[list[int]]:
+    """Chat-templated prompts for a task: input-grounded (summarize, quote) or open chat."""
+    gguf = GGUFFile(model)
+    template = ChatTemplate(
+        gguf.metadata.get("tokenizer.chat_template"), tokenizer.bos_text, tokenizer.eos_text,
+        gguf.architecture,
+    )  # fmt: skip
+    if task == "chat":
+        questions = chat_prompts()[:CHAT_QUESTIONS]
+    else:
+        texts = [t[:TASK_TEXT_CHARS] for t in sample_texts()[:TASK_TEXTS]]
+        questions = [f"{text}\n\n{TASK_ASKS[task]}" for text in texts]
+    prompts = []
+    for question in questions:
+        text = template.render([Message("user", question)])
+        add_bos = tokenizer.add_bos and not (
+            tokenizer.bos_text and text.startswith(tokenizer.bos_text)
+        )
+        prompts.append(tokenizer.encode(text, add_bos=add_bos, parse_special=True))
+    return prompts
+
+
 def run_bench(args: argparse.Namespace) -> int:
     model = resolve_model(args.model)
     check_supported(GGUFFile(model))  # report a bad file before any subprocess starts
     tokenizer = Tokenizer(model)
-    prompt = bench_prompt(tokenizer, args.prompt_tokens, args.prompt_file)
-    needed = -(-(len(prompt) + args.tokens + 16) // CTX_ROUNDING) * CTX_ROUNDING
+    if args.task:
+        prompts = task_prompts(model, tokenizer, args.task)
+    else:
+        prompts = [bench_prompt(tokenizer, args.prompt_tokens, args.prompt_file)]
+    longest = max(len(p) for p in prompts)
+    needed = -(-(longest + args.tokens + 16) // CTX_ROUNDING) * CTX_ROUNDING
     # Our engine streams through a --ctx smaller than the run (sliding window); llama.cpp's
     # Python binding cannot, so it gets a context large enough for the whole run.
     contexts = {"torch": args.ctx or needed, "llamacpp": max(args.ctx or needed, needed)}
-    if contexts["torch"] <= len(prompt):
-        raise MiniappError(
-            f"--ctx {args.ctx} does not leave room after {len(prompt)} prompt tokens"
-        )
+    if contexts["torch"] <= longest:
+        raise MiniappError(f"--ctx {args.ctx} does not leave room after {longest} prompt tokens")
+    spec = args.spec or "auto"
+    # With speculation on, plain decoding runs beside it: the speed-up is measured, and the
+    # greedy output must be the same.
+    variants = {"torch": ("torch", "off")} if spec == "off" else {
+        "plain": ("torch", "off"), "spec": ("torch", spec),
+    }  # fmt: skip
+    variants["llamacpp"] = ("llamacpp", "off")
     with tempfile.TemporaryDirectory(prefix="miniapp-bench-") as tmp:
-        prompt_path = Path(tmp) / "prompt.json"
-        prompt_path.write_text(json.dumps(prompt))
-        workers = {b: _Worker(b, model, prompt_path, contexts[b], args) for b in BACKENDS}
+        prompts_path = Path(tmp) / "prompts.json"
+        prompts_path.write_text(json.dumps(prompts))
+        workers = {
+            name: _Worker(backend, model, prompts_path, contexts[backend], args, spec_mode)
+            for name, (backend, spec_mode) in variants.items()
+        }
         try:
             for worker in workers.values():
                 worker.wait_ready()
-            # Alternate single runs so both backends see the same machine conditions, and
+            # Alternate single runs so every variant sees the same machine conditions, and
             # judge speed by the median of back-to-back pairs.
-            pair_ratios = []
+            speeds: dict[str, list[float]] = {name: [] for name in workers}
+            digests: dict[str, list[str]] = {name: [] for name in workers}
             for run in range(args.repeat):
-                speeds = {}
-                for backend, worker in workers.items():
+                for name, worker in workers.items():
                     if not args.json and sys.stderr.isatty():
-                        print(f"run {run + 1}/{args.repeat}: {backend}", file=sys.stderr)
-                    speeds[backend] = float(worker.ask("run", expect="done").split()[1])
-                pair_ratios.append(speeds["torch"] / max(speeds["llamacpp"], 1e-9))
-            results = {b: json.loads(w.ask("result")) for b, w in workers.items()}
+                        print(f"run {run + 1}/{args.repeat}: {name}", file=sys.stderr)
+                    _, speed, digest = worker.ask("run", expect="done").split()
+                    speeds[name].append(float(speed))
+                    digests[name].append(digest)
+            results = {name: json.loads(w.ask("result")) for name, w in workers.items()}
         finally:
             for worker in workers.values():
                 worker.stop()
-    results["torch"]["decode_vs_llamacpp"] = statistics.median(pair_ratios)
+    ours = "torch" if spec == "off" else "spec"
+    results["torch"] = results[ours]
+    results["torch"]["decode_vs_llamacpp"] = _pair_ratio(speeds[ours], speeds["llamacpp"])
+    if spec != "off":
+        results["spec_vs_plain"] = _pair_ratio(speeds["spec"], speeds["plain"])
+        results["identical_output"] = digests["spec"] == digests["plain"]
     if args.json:
         print(json.dumps(results))
     else:
@@ -83,16 +133,22 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pair_ratio(ours: list[float], theirs: list[float]) -> float:
+    return statistics.median(a / max(b, 1e-9) for a, b in zip(ours, theirs, strict=True))
+
+
 class _Worker:
     """A `bench_worker` subprocess holding one loaded backend."""
 
-    def __init__(self, backend: str, model: Path, prompt_path: Path, ctx: int, args):
+    def __init__(self, backend: str, model: Path, prompts: Path, ctx: int, args, spec: str):
         self.backend = backend
         command = [
             sys.executable, "-m", "miniapp.app.bench_worker",
-            "--backend", backend, "--model", str(model), "--prompt", str(prompt_path),
-            "--tokens", str(args.tokens), "--ctx", str(ctx),
+            "--backend", backend, "--model", str(model), "--prompts", str(prompts),
+            "--tokens", str(args.tokens), "--ctx", str(ctx), "--spec", spec,
         ]  # fmt: skip
+        if args.task:
+            command.append("--stop-at-end-of-turn")
         if args.threads:
             command += ["--threads", str(args.threads)]
         if backend == "torch":
@@ -153,6 +209,14 @@ def _print_table(model: Path, results: dict) -> None:
         ratio = ours / theirs if theirs else float("nan")
         print(f"{label:16}{fmt.format(ours):>12}{fmt.format(theirs):>12}{ratio:>10.2f}")
     print(f"decode speed ratio, median of back-to-back pairs: {torch_r['decode_vs_llamacpp']:.2f}")
+    if "plain" in results:
+        plain, spec = results["plain"], results["spec"]
+        print(
+            f"speculative ({spec['spec']}): {spec['decode_tok_s']:.1f} tok/s vs plain "
+            f"{plain['decode_tok_s']:.1f} (median pair ratio {results['spec_vs_plain']:.2f}); "
+            f"acceptance {spec['acceptance_rate']:.0%}, {spec['tokens_per_step']:.2f} tok/step; "
+            f"output {'identical' if results['identical_output'] else 'DIFFERENT'}"
+        )
     for result in (torch_r, llama_r):
         first, last = result["first_quarter"], result["last_quarter"]
         print(

@@ -1,14 +1,15 @@
 """One backend's half of `miniapp bench`, in its own process.
 
 Protocol on stdin/stdout, one line each: the worker prints `ready` once loaded; each `run`
-line makes one measured run, answered `done <decode tok/s>`; `result` prints the JSON
-result and exits.
+line makes one measured run (the next prompt in turn), answered `done <decode tok/s>
+<digest of the generated tokens>`; `result` prints the JSON result and exits.
 A user-fixable error is printed to stderr as one line, with exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -23,18 +24,23 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--backend", required=True)
     parser.add_argument("--model", required=True, type=Path)
-    parser.add_argument("--prompt", required=True, type=Path, help="JSON list of token ids")
+    parser.add_argument(
+        "--prompts", required=True, type=Path, help="JSON list of prompts (token id lists)"
+    )
     parser.add_argument("--tokens", required=True, type=int)
     parser.add_argument("--ctx", required=True, type=int)
     parser.add_argument("--threads", type=int)
     parser.add_argument("--sinks", type=int)
     parser.add_argument("--window", type=int)
+    parser.add_argument("--spec", default="off")
+    parser.add_argument("--stop-at-end-of-turn", action="store_true")
     args = parser.parse_args()
-    prompt = json.loads(args.prompt.read_text())
+    prompts = json.loads(args.prompts.read_text())
     try:
         session = BenchSession(
-            args.backend, args.model, prompt, args.tokens, args.threads, args.ctx,
-            sinks=args.sinks, window=args.window,
+            args.backend, args.model, prompts, args.tokens, args.threads, args.ctx,
+            sinks=args.sinks, window=args.window, spec=args.spec,
+            stop_at_end_of_turn=args.stop_at_end_of_turn,
         )  # fmt: skip
     except MiniappError as exc:
         print(exc, file=sys.stderr)
@@ -44,7 +50,8 @@ def main() -> int:
         command = line.strip()
         if command == "run":
             stats = session.run_once()
-            _reply(f"done {stats.decode_tok_s}")
+            digest = hashlib.sha256(json.dumps(stats.tokens).encode()).hexdigest()[:16]
+            _reply(f"done {stats.decode_tok_s} {digest}")
         elif command == "result":
             _reply(json.dumps(session.result().to_dict()))
             return 0

@@ -49,7 +49,7 @@ def run_chat(args: argparse.Namespace) -> int:
         print(f"loading {model_path.name} on {args.backend}...", file=sys.stderr, flush=True)
     runtime = open_runtime(
         args.backend, model_path, n_ctx=args.ctx, threads=args.threads,
-        sinks=args.sinks, window=args.window,
+        sinks=args.sinks, window=args.window, spec=args.spec,
     )  # fmt: skip
     session = ChatSession(runtime, system_prompt=args.system, request=request_from_args(args))
     if not interactive:

@@ -13,8 +13,10 @@ from importlib.metadata import PackageNotFoundError, version
 
 from miniapp.engine.errors import MiniappError
 from miniapp.engine.runtimes import BACKENDS
+from miniapp.engine.spec_modes import SPEC_MODES
 
 EXIT_USAGE = 2
+TASKS = ("summarize", "quote", "chat")
 EXIT_INTERRUPTED = 130
 
 
@@ -39,6 +41,17 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _layer_list(text: str) -> list[int]:
+    try:
+        layers = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        message = f"expected comma-separated layer numbers, got {text!r}"
+        raise argparse.ArgumentTypeError(message) from None
+    if not layers or min(layers) < 1:
+        raise argparse.ArgumentTypeError(f"layers must be positive, got {text!r}")
+    return layers
+
+
 def _add_model_args(parser: argparse.ArgumentParser, ctx_default: int | None) -> None:
     parser.add_argument(
         "--model", help="GGUF path or bundled model name (default: smollm2-135m-instruct)"
@@ -55,6 +68,14 @@ def _add_model_args(parser: argparse.ArgumentParser, ctx_default: int | None) ->
     parser.add_argument(
         "--sinks", type=_non_negative_int,
         help="torch engine: first tokens always kept as attention sinks (default: 4)",
+    )  # fmt: skip
+
+
+def _add_spec_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--spec", choices=SPEC_MODES, default="auto",
+        help="speculative decoding (torch engine; output is unchanged): auto picks prompt "
+        "lookup when it pays and early exit where `miniapp calibrate` found it pays",
     )  # fmt: skip
 
 
@@ -78,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", help="system prompt")
     chat.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     chat.add_argument("--stats", action="store_true", help="print speed after every answer")
+    _add_spec_arg(chat)
 
     evaluate = sub.add_parser("eval", help="evaluate a model")
     eval_sub = evaluate.add_subparsers(dest="eval_command", required=True)
@@ -107,6 +129,27 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--tokens", type=_positive_int, default=128, help="tokens to generate")
     bench.add_argument("--repeat", type=_positive_int, default=5, help="runs; medians reported")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
+    bench.add_argument(
+        "--task", choices=TASKS,
+        help="a chat prompt instead of raw text: summarize or quote one of the sample texts "
+        "(about 500 tokens), or open chat questions; answers stop at end of turn",
+    )  # fmt: skip
+    _add_spec_arg(bench)
+    bench.set_defaults(spec=None)
+
+    calibrate = sub.add_parser(
+        "calibrate", help="measure early-exit drafting for a model and store the best setting"
+    )
+    calibrate.add_argument("--model", help="GGUF path or bundled model name")
+    calibrate.add_argument("--threads", type=_positive_int, help="CPU threads (default: all)")
+    calibrate.add_argument(
+        "--layers", type=_layer_list, help="exit layers to try, comma-separated (default: a sweep)"
+    )  # fmt: skip
+    calibrate.add_argument(
+        "--train-adapter", action="store_true",
+        help="also train an exit adapter by self-distillation (a few minutes on a CPU)",
+    )  # fmt: skip
+    calibrate.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
 
@@ -143,6 +186,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from .bench import run_bench
 
         return run_bench(args)
+    if command == "calibrate":
+        from .calibrate import run_calibrate
+
+        return run_calibrate(args)
     raise AssertionError(command)
 
 

@@ -15,6 +15,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .events import SpeculationStats
 from .runtimes import open_runtime
 from .runtimes.base import Runtime
 from .sampling import GREEDY
@@ -38,6 +39,8 @@ class RunStats:
     decode_tok_s: float
     first_quarter: Quarter
     last_quarter: Quarter
+    tokens: tuple[int, ...]  # what was generated (speculation must not change it)
+    speculation: SpeculationStats | None
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,9 @@ class BenchResult:
     last_quarter: Quarter
     window: int | None = None
     sinks: int | None = None
+    spec: str = "off"
+    acceptance_rate: float = 0.0  # drafts accepted / drafted, over all runs
+    tokens_per_step: float = 1.0  # tokens per full-model pass, over all runs
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -78,45 +84,54 @@ class BenchSession:
         self,
         backend: str,
         model: Path,
-        prompt: list[int],
+        prompts: list[list[int]],
         n_tokens: int,
         threads: int | None,
         ctx: int,
         sinks: int | None = None,
         window: int | None = None,
+        spec: str = "off",
+        stop_at_end_of_turn: bool = False,
     ):
         start = time.perf_counter()
         self.runtime: Runtime = open_runtime(
-            backend, model, n_ctx=ctx, threads=threads, sinks=sinks, window=window
+            backend, model, n_ctx=ctx, threads=threads, sinks=sinks, window=window, spec=spec
         )
         self.load_s = time.perf_counter() - start
-        self.backend, self.prompt, self.threads, self.ctx = backend, prompt, threads, ctx
+        self.backend, self.prompts, self.threads, self.ctx = backend, prompts, threads, ctx
+        self.spec = spec if backend == "torch" else "off"
+        self.stop_tokens = self.runtime.tokenizer.eog_ids if stop_at_end_of_turn else frozenset()
         policy = getattr(self.runtime, "policy", None)  # the torch engine's sliding window
         self.sinks = policy.sinks if policy else None
         self.window = policy.window_size if policy else None
         self.n_tokens = n_tokens
-        self._run(prompt[::-1], WARMUP_TOKENS)  # a different prompt: nothing reused below
+        self._run(prompts[0][::-1], WARMUP_TOKENS)  # a different prompt: nothing reused below
         self.samples: list[RunStats] = []
 
     def run_once(self) -> RunStats:
+        """The next prompt in turn, from an empty cache."""
         self.runtime.reset()
-        stats = self._run(self.prompt, self.n_tokens)
+        prompt = self.prompts[len(self.samples) % len(self.prompts)]
+        stats = self._run(prompt, self.n_tokens)
         self.samples.append(stats)
         return stats
 
     def _run(self, prompt: list[int], n_tokens: int) -> RunStats:
-        """Greedy generation of exactly n_tokens (end-of-turn ignored), timed token by token."""
+        """Greedy generation of n_tokens (or up to end-of-turn, for chat tasks), timed token
+        by token."""
         start = time.perf_counter()
         times: list[float] = []
+        generated: list[int] = []
         quarter = max(n_tokens // 4, 2)
         first_quarter_memory = (0.0, 0.0)
         tokens = self.runtime.generate_tokens(prompt, GREEDY)
         try:
-            for _ in tokens:
+            for token in tokens:
                 times.append(time.perf_counter())
+                generated.append(token)
                 if len(times) == quarter:
                     first_quarter_memory = (current_rss_mb(), peak_rss_mb())
-                if len(times) == n_tokens:
+                if len(times) == n_tokens or token in self.stop_tokens:
                     break
         finally:
             tokens.close()
@@ -134,15 +149,20 @@ class BenchSession:
             last_quarter=Quarter(
                 speed(max(n - quarter, 0), n - 1), current_rss_mb(), peak_rss_mb()
             ),
+            tokens=tuple(generated),
+            speculation=self.runtime.last_speculation,
         )
 
     def result(self) -> BenchResult:
         runs = self.samples
         median_run = sorted(runs, key=lambda r: r.decode_tok_s)[len(runs) // 2]
+        spec = [r.speculation for r in runs if r.speculation is not None]
+        drafted = sum(s.drafted for s in spec)
+        steps = sum(s.steps for s in spec)
         return BenchResult(
             backend=self.backend,
-            prompt_tokens=len(self.prompt),
-            generated_tokens=self.n_tokens,
+            prompt_tokens=round(statistics.fmean(len(p) for p in self.prompts)),
+            generated_tokens=round(statistics.fmean(len(r.tokens) for r in runs)),
             threads=self.threads,
             ctx=self.ctx,
             runs=len(runs),
@@ -155,4 +175,7 @@ class BenchSession:
             last_quarter=median_run.last_quarter,
             window=self.window,
             sinks=self.sinks,
+            spec=self.spec,
+            acceptance_rate=sum(s.accepted for s in spec) / drafted if drafted else 0.0,
+            tokens_per_step=sum(s.emitted for s in spec) / steps if steps else 1.0,
         )

@@ -363,7 +363,9 @@ class RotatingKVCache:
         return not self.wrapped or n <= self.ring_count - self.window + 1
 
     def can_forget(self, start: int) -> bool:
-        return not self.wrapped and start >= self.sinks_held
+        # A trim just after the first wrap can leave emptied slots inside the ordered ring.
+        in_order = bool((self.ring_pos[: self.ring_count] >= 0).all())
+        return not self.wrapped and start >= self.sinks_held and in_order
 
     def _mask_one(self) -> torch.Tensor | None:
         """The decode step's mask: None while every held token is in the window."""
@@ -387,11 +389,19 @@ class RotatingKVCache:
         freed = (self.ring_head - 1 - torch.arange(from_ring)) % self.ring_capacity
         self.ring_pos[freed] = -1
         self.ring_head = (self.ring_head - from_ring) % self.ring_capacity
-        self.ring_count -= from_ring
         self.sinks_held -= n - from_ring
         self.offset -= n
+        # Leave the ring as a cache that never held the trimmed tokens would be: tokens ever
+        # put in the ring are offset - sinks_held (forget only runs before the first wrap),
+        # so that decides whether it has wrapped and how full it is. Slots the trimmed
+        # tokens overwrote stay empty (-1): their old tokens were outside every window.
+        ever_in_ring = self.offset - self.sinks_held
+        self.wrapped = ever_in_ring > self.ring_capacity
+        self.ring_count = min(ever_in_ring, self.ring_capacity)
         if self.ring_count == 0 and not self.wrapped:
             self.ring_head = 0
+        if self.offset:
+            self._move_frame()  # the sinks back where the newest remaining query needs them
         return n
 
     def forget(self, start: int, end: int) -> None:

@@ -21,6 +21,32 @@ class TextDelta:
     text: str
 
 
+@dataclass
+class SpeculationStats:
+    """Speculative decoding's counts for one answer (torch engine, --spec other than off)."""
+
+    mode: str
+    steps: int = 0  # full-model passes: plain steps plus verifications
+    verifications: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.emitted / self.steps if self.steps else 0.0
+
+    def summary(self) -> str:
+        return (
+            f"speculative ({self.mode}): {self.accepted}/{self.drafted} drafts accepted "
+            f"({self.acceptance_rate:.0%}), {self.tokens_per_step:.2f} tok per step"
+        )
+
+
 @dataclass(frozen=True)
 class GenerationStats:
     backend: str
@@ -30,14 +56,18 @@ class GenerationStats:
     ttft_s: float  # request start -> first token sampled
     prefill_tok_s: float  # prompt tokens actually evaluated / prefill time
     decode_tok_s: float  # tokens after the first / time after the first
+    speculation: SpeculationStats | None = None
 
     def summary(self) -> str:
-        return (
+        text = (
             f"{self.backend}: prompt {self.prompt_tokens} tok "
             f"({self.cached_prompt_tokens} cached), prefill {self.prefill_tok_s:.1f} tok/s, "
             f"TTFT {self.ttft_s * 1000:.0f} ms, generated {self.generated_tokens} tok "
             f"at {self.decode_tok_s:.1f} tok/s"
         )
+        if self.speculation is not None:
+            text += "; " + self.speculation.summary()
+        return text
 
 
 @dataclass(frozen=True)

@@ -118,5 +118,6 @@ def generate(
         ttft_s=ttft,
         prefill_tok_s=evaluated / ttft if ttft > 0 else 0.0,
         decode_tok_s=(generated - 1) / decode_time if generated > 1 and decode_time > 0 else 0.0,
+        speculation=runtime.last_speculation,
     )
     yield Finished(reason, stats)

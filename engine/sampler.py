@@ -24,18 +24,41 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, history: Sequence[int]) -> int:
         """logits: fp32 [vocab]; history: all tokens so far (for the repetition penalty)."""
+        logits = self._penalized(logits, history)
+        if self.params.greedy:
+            return int(torch.argmax(logits))
+        final, ids = self._candidates(logits)
+        choice = torch.multinomial(final, 1, generator=self._generator)
+        return int(ids[choice])
+
+    def distribution(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
+        """The probabilities __call__ draws from, dense fp32 [vocab] (speculative decoding
+        compares the drafter's with the target's). Sampling only, not greedy."""
+        final, ids = self._candidates(self._penalized(logits, history))
+        return torch.zeros(logits.shape[-1]).index_put_((ids,), final)
+
+    def draw(self, probs: torch.Tensor) -> int:
+        """One token from a dense distribution, with this sampler's random stream."""
+        return int(torch.multinomial(probs, 1, generator=self._generator))
+
+    def uniform(self) -> float:
+        """A draw from U[0, 1) on this sampler's random stream (acceptance tests)."""
+        return float(torch.rand((), generator=self._generator))
+
+    def _penalized(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
         p = self.params
         if p.repeat_penalty != 1.0 and p.repeat_last_n != 0 and history:
-            logits = apply_repeat_penalty(logits, history[-p.repeat_last_n :], p.repeat_penalty)
-        if p.greedy:
-            return int(torch.argmax(logits))
+            return apply_repeat_penalty(logits, history[-p.repeat_last_n :], p.repeat_penalty)
+        return logits
+
+    def _candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(probabilities, token ids) of the tokens that survive top-k/top-p/min-p."""
+        p = self.params
         values, ids = _top_k(logits, p.top_k)
         probs = torch.softmax(values, dim=-1)
         keep = _top_p_mask(probs, p.top_p) & _min_p_mask(probs, p.min_p)
         values, ids = values[keep], ids[keep]
-        final = torch.softmax(values / p.temperature, dim=-1)
-        choice = torch.multinomial(final, 1, generator=self._generator)
-        return int(ids[choice])
+        return torch.softmax(values / p.temperature, dim=-1), ids
 
 
 def apply_repeat_penalty(

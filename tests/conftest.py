@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Calibrations and hashes go to a fresh folder: the user's own never change test results.
+os.environ["MINIAPP_CACHE_DIR"] = tempfile.mkdtemp(prefix="miniapp-test-cache-")
 
 from miniapp.engine.model_store import resolve_model  # noqa: E402
 

@@ -153,7 +153,7 @@ class Attention:
         x: torch.Tensor,
         rotation: RopeTables,
         cache: Cache,
-        mask: torch.Tensor | None,
+        mask: torch.Tensor | None | RowMasks,
     ) -> torch.Tensor:
         """x: [tokens, dim] -> [tokens, dim]."""
         n_tokens = x.shape[0]
@@ -166,12 +166,41 @@ class Attention:
         # [tokens, heads, head_dim] -> [heads, tokens, head_dim]
         qk = apply_rope(qk, rotation).transpose(0, 1)
         v = heads[:, self.n_rotated :].transpose(0, 1)
+        if isinstance(mask, RowMasks):
+            out = self._attend_rows(qk, v, cache, mask)
+        else:
+            out = self._attend(qk, v, cache, mask)
+        return self.wo.forward(out[0].transpose(0, 1).reshape(n_tokens, -1))
+
+    def _attend(self, qk, v, cache: Cache, mask: torch.Tensor | None) -> torch.Tensor:
         keys, values = cache.update_and_fetch(qk[self.n_heads :][None], v[None])
-        out = F.scaled_dot_product_attention(
+        return F.scaled_dot_product_attention(
             qk[: self.n_heads][None], keys, values, attn_mask=mask, enable_gqa=True,
             scale=self.scale,
         )  # fmt: skip
-        return self.wo.forward(out[0].transpose(0, 1).reshape(n_tokens, -1))
+
+    def _attend_rows(self, qk, v, cache: Cache, masks: RowMasks) -> torch.Tensor:
+        """One token at a time, exactly as decoding would: a batched attention call rounds
+        differently, and speculative verification must reproduce plain decoding bit for bit."""
+        rows = []
+        for row in range(qk.shape[1]):
+            mask = masks.get(row, cache)
+            rows.append(self._attend(qk[:, row : row + 1], v[:, row : row + 1], cache, mask))
+        return torch.cat(rows, dim=2)
+
+
+class RowMasks:
+    """Decode-step masks for each row of an exact-rows pass. All caches of one kind hold
+    the same positions, so the first layer of the kind computes each row's mask (just
+    before its own update, as a decode step would) and the later layers reuse it."""
+
+    def __init__(self):
+        self._masks: list[torch.Tensor | None] = []
+
+    def get(self, row: int, cache: Cache) -> torch.Tensor | None:
+        if row == len(self._masks):
+            self._masks.append(cache.make_mask(1))
+        return self._masks[row]
 
 
 class FeedForward:
@@ -297,22 +326,64 @@ class DecoderModel:
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def hidden_states(self, tokens: torch.Tensor, caches: list[Cache]) -> torch.Tensor:
+    def hidden_states(
+        self, tokens: torch.Tensor, caches: list[Cache], exact_rows: bool = False
+    ) -> torch.Tensor:
         """Run the layers over `tokens`, appending to the caches; returns the final-normed
-        hidden states [n, dim] (fp32)."""
-        offset, n_tokens = caches[0].offset, tokens.shape[0]
-        config = self.config
-        # One rotation and one mask per kind of layer (global / sliding-window), shared.
-        rotations, masks = {}, {}
-        for local, index in self._kinds.items():
-            rotations[local] = self.ropes[local].tables(offset, n_tokens)
-            masks[local] = caches[index].make_mask(n_tokens)
-        x = self.embed(tokens)
-        if config.embed_scale != 1.0:
-            x.mul_(config.embed_scale)
-        for layer, cache, local in zip(self.layers, caches, self._layer_is_local, strict=True):
-            x = layer.forward(x, rotations[local], cache, masks[local])
+        hidden states [n, dim] (fp32). With `exact_rows`, every row comes out bit-identical
+        to feeding the tokens one at a time (speculative verification)."""
+        x = self.embed_tokens(tokens)
+        x = self.run_layers(x, caches, 0, self.config.n_layers, exact_rows)
         return self.norm.forward(x)
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """int64 [n] -> the residual stream entering layer 0, fp32 [n, dim]."""
+        x = self.embed(tokens)
+        if self.config.embed_scale != 1.0:
+            x.mul_(self.config.embed_scale)
+        return x
+
+    def run_layers(
+        self,
+        x: torch.Tensor,
+        caches: list[Cache],
+        start: int,
+        stop: int,
+        exact_rows: bool = False,
+    ) -> torch.Tensor:
+        """Layers start..stop-1 over the residual stream x [n, dim] (updated in place and
+        returned), appending to those layers' caches. Early-exit drafting runs the first
+        layers alone, so layers may sit at different offsets: each kind of layer takes its
+        positions and mask from its first cache in the range."""
+        n_tokens = x.shape[0]
+        rotations: dict[bool, RopeTables] = {}
+        masks: dict[bool, torch.Tensor | None | RowMasks] = {}
+        for layer in range(start, stop):
+            local = self._layer_is_local[layer]
+            if local in rotations:
+                if len(rotations) == len(self._kinds):
+                    break
+                continue
+            rope, cache = self.ropes[local], caches[layer]
+            if exact_rows and n_tokens > 1:
+                rotations[local] = _row_tables(rope, cache.offset, n_tokens)
+                masks[local] = RowMasks()
+            else:
+                rotations[local] = rope.tables(cache.offset, n_tokens)
+                masks[local] = cache.make_mask(n_tokens)
+        for layer in range(start, stop):
+            local = self._layer_is_local[layer]
+            x = self.layers[layer].forward(x, rotations[local], caches[layer], masks[local])
+        return x
+
+
+def _row_tables(rope: Rope, offset: int, n_tokens: int) -> RopeTables:
+    """RoPE tables built position by position, as decode steps build them (a table built
+    for a span may round its last bit differently)."""
+    rows = [rope.tables(offset + i, 1) for i in range(n_tokens)]
+    return RopeTables(
+        torch.cat([r.cos for r in rows]), torch.cat([r.signed_sin for r in rows]), rope
+    )
 
 
 def _rope(config: DecoderConfig, rope: RopeConfig, freq_factors: torch.Tensor | None) -> Rope:

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import MiniappError
+from ..events import SpeculationStats
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
 
@@ -39,6 +40,7 @@ class Runtime(ABC):
     chat_template: str | None  # the GGUF's own template source, if it has one
     streams: bool = False  # keeps generating past n_ctx (sliding window) instead of stopping
     architecture: str  # general.architecture
+    last_speculation: SpeculationStats | None = None  # of the latest generate_tokens call
 
     @abstractmethod
     def reusable_prefix(self, prompt: Sequence[int]) -> int:

@@ -13,6 +13,8 @@ from ..memory import limit_heap_fragmentation
 from ..models import CachePolicy, build_model
 from ..sampler import Sampler
 from ..sampling import SamplingParams
+from ..speculative import DraftController, EarlyExitDrafter, SpecMode, SpeculativeDecoder
+from ..speculative.calibration import default_exit_setting, load_exit_setting
 from ..tokenizer import Tokenizer
 from .base import DEFAULT_CTX, LOGIT_BLOCK, Runtime, common_prefix, default_threads
 
@@ -34,6 +36,7 @@ class TorchRuntime(Runtime):
         gguf: GGUFFile | None = None,
         sinks: int = DEFAULT_SINKS,
         window: int | None = None,
+        spec: SpecMode | str = SpecMode.AUTO,
     ):
         self.model_path = Path(model_path)
         limit_heap_fragmentation()
@@ -47,6 +50,22 @@ class TorchRuntime(Runtime):
         self.policy = CachePolicy(n_ctx, sinks=sinks, window=window)
         self.caches = self.model.make_caches(self.policy)
         self._tokens: list[int] = []  # every token fed, in order (the caches may keep fewer)
+        self.spec_mode = SpecMode(spec)
+        # Kept across answers: what drafting costs and earns is learned as the chat goes.
+        self.draft_controller = DraftController()
+        self.early_exit = self._early_exit_drafter()
+
+    def _early_exit_drafter(self) -> EarlyExitDrafter | None:
+        if self.spec_mode not in (SpecMode.AUTO, SpecMode.EARLY_EXIT):
+            return None
+        setting = load_exit_setting(self.model_path, self.model)
+        if setting is None:
+            if self.spec_mode is SpecMode.AUTO:
+                return None  # untrained early exit loses on ordinary checkpoints
+            setting = default_exit_setting(self.model)
+        elif self.spec_mode is SpecMode.AUTO and not setting.pays:
+            return None
+        return EarlyExitDrafter(self.model, setting.layer, setting.adapter, setting.max_draft)
 
     def reusable_prefix(self, prompt: Sequence[int]) -> int:
         # At least one prompt token must be evaluated to produce fresh logits.
@@ -63,6 +82,16 @@ class TorchRuntime(Runtime):
         self._truncate(reuse)
         history = list(prompt)
         logits = self._feed(prompt[reuse:])
+        self.last_speculation = None
+        if self.spec_mode is not SpecMode.OFF:
+            decoder = SpeculativeDecoder(
+                self.model, self.caches, self._tokens, sampler, self.draft_controller,
+                use_lookup=self.spec_mode in (SpecMode.AUTO, SpecMode.LOOKUP),
+                early_exit=self.early_exit, mode=self.spec_mode.value,
+            )  # fmt: skip
+            self.last_speculation = decoder.stats
+            yield from decoder.run(logits, history)
+            return
         while True:
             token = sampler(logits, history)
             yield token

@@ -1,0 +1,63 @@
+"""`miniapp calibrate`: measure early-exit drafting on this machine and store the best
+setting for the model (keyed by the file's hash, in the user cache directory)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from miniapp.engine.model_store import resolve_model
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    from miniapp.engine.runtimes.torch_runtime import TorchRuntime
+    from miniapp.engine.speculative.calibrate import calibrate
+    from miniapp.engine.speculative.calibration import save_exit_setting
+
+    model_path = resolve_model(args.model)
+    runtime = TorchRuntime(model_path, n_ctx=1024, threads=args.threads, spec="off")
+    n_layers = runtime.model.config.n_layers
+    if args.layers and max(args.layers) >= n_layers:
+        from miniapp.engine.errors import MiniappError
+
+        raise MiniappError(f"--layers: {model_path.name} has layers 1..{n_layers - 1} to exit at")
+
+    def report(line: str) -> None:
+        if not args.json:
+            print(line, file=sys.stderr, flush=True)
+
+    result = calibrate(runtime, args.layers, args.train_adapter, report)
+    stored = save_exit_setting(model_path, result.setting)
+    setting = result.setting
+    if args.json:
+        print(json.dumps({
+            "model": str(model_path),
+            "plain_step_ms": result.plain_step_s * 1000,
+            "layers": [
+                {"layer": r.layer, "agreement": r.agreement, "draft_step_ms": r.draft_s * 1000,
+                 "predicted_speedup": {str(k): v for k, v in r.speedup.items()}}
+                for r in result.layers
+            ],
+            "adapter_agreement": result.adapter_agreement,
+            "setting": setting.to_json(),
+            "stored": str(stored),
+        }))  # fmt: skip
+        return 0
+    print(f"plain decode step: {result.plain_step_s * 1000:.1f} ms")
+    print(
+        f"{'exit layer':>10} {'agreement':>10} {'draft ms':>9}  predicted speed-up by draft length"
+    )
+    for r in result.layers:
+        speedups = "  ".join(f"k={k}: {v:.2f}" for k, v in r.speedup.items())
+        print(f"{r.layer:>10} {r.agreement:>10.2f} {r.draft_s * 1000:>9.2f}  {speedups}")
+    if result.adapter_agreement:
+        before, after = result.adapter_agreement
+        print(f"exit adapter: held-out agreement {before:.2f} -> {after:.2f}")
+    verdict = "pays" if setting.pays else "does not pay; --spec auto will not use early exit"
+    print(
+        f"best: exit after layer {setting.layer}, up to {setting.max_draft} drafts, predicted "
+        f"{setting.predicted_speedup:.2f}x ({verdict})"
+    )
+    print(f"stored in {stored}")
+    return 0

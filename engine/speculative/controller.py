@@ -1,0 +1,114 @@
+"""When to draft, and how many tokens: a cost model measured while generating.
+
+Verifying k drafted tokens runs the full model over k + 1 rows, which on a CPU costs far more
+than one decode step (and each early-exit draft costs a fraction of a step too). So the
+controller keeps two things up to date: each drafter's per-token acceptance rate (a decayed
+count) and the measured seconds of plain steps, verifications by row count and drafts.
+With acceptance a, k drafts yield 1 + a + ... + a^k tokens per verification; it picks the k
+with the best tokens per second, and a plain step when no k beats plain decoding by
+`MIN_GAIN`. While drafting is off it still probes now and then, so it notices when
+drafting starts paying again (a quote after chit-chat) at a bounded cost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DECAY = 0.85  # weight of the past in acceptance counts and timings, per observation
+MIN_GAIN = 1.05  # a draft must promise this speed-up over a plain step
+PROBE_EVERY = 24  # plain steps between probes while drafting does not pay
+PRIOR_ROW_COST = 0.35  # before any measurement: each extra verified row costs this many steps
+PRIOR_ACCEPTANCE = 0.5
+
+
+@dataclass
+class _Rate:
+    """A decayed ratio of successes to trials."""
+
+    successes: float = PRIOR_ACCEPTANCE
+    trials: float = 1.0
+
+    def add(self, successes: int, trials: int) -> None:
+        self.successes = self.successes * DECAY + successes
+        self.trials = self.trials * DECAY + trials
+
+    @property
+    def value(self) -> float:
+        return self.successes / self.trials if self.trials else 0.0
+
+
+@dataclass
+class _Average:
+    value: float | None = None
+
+    def add(self, sample: float) -> None:
+        self.value = sample if self.value is None else self.value * DECAY + sample * (1 - DECAY)
+
+
+def expected_tokens(acceptance: float, drafts: int) -> float:
+    """Tokens one verification yields: kept drafts plus the target's own token."""
+    return sum(acceptance**i for i in range(drafts + 1))
+
+
+@dataclass
+class DraftController:
+    max_draft: int = 8
+    min_gain: float = MIN_GAIN
+    probe_every: int = PROBE_EVERY
+    _acceptance: dict[str, _Rate] = field(default_factory=dict)
+    _plain_s: _Average = field(default_factory=_Average)
+    # Verifying r rows costs a plain step times (1 + c (r - 1)); c per drafter (early exit
+    # verifies only the upper layers).
+    _row_cost: dict[str, _Average] = field(default_factory=dict)
+    _draft_s: dict[str, _Average] = field(default_factory=dict)  # per drafted token
+    _plain_since_draft: int = 0
+
+    def acceptance(self, drafter: str) -> float:
+        return self._acceptance.setdefault(drafter, _Rate()).value
+
+    def draft_length(self, drafter: str, available: int | None = None) -> int:
+        """How many tokens `drafter` should draft now (0: take a plain step instead).
+        `available` caps it for drafters that can offer only so many (prompt lookup)."""
+        limit = self.max_draft if available is None else min(available, self.max_draft)
+        if limit <= 0:
+            return 0
+        best, best_rate = 0, self.min_gain / self._plain_cost()
+        a = self.acceptance(drafter)
+        for k in range(1, limit + 1):
+            rate = expected_tokens(a, k) / self._step_cost(drafter, k)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        if best == 0 and self._plain_since_draft >= self.probe_every:
+            return 1  # a cheap probe: is acceptance back up?
+        return best
+
+    def predicted_gain(self, drafter: str, drafts: int) -> float:
+        """Predicted speed-up over plain decoding of drafting `drafts` tokens now."""
+        rate = expected_tokens(self.acceptance(drafter), drafts) / self._step_cost(drafter, drafts)
+        return rate * self._plain_cost()
+
+    def record_plain(self, seconds: float) -> None:
+        self._plain_s.add(seconds)
+        self._plain_since_draft += 1
+
+    def record_draft(self, drafter: str, drafted: int, accepted: int, draft_s: float,
+                     verify_s: float) -> None:  # fmt: skip
+        trials = accepted + (1 if accepted < drafted else 0)
+        self._acceptance.setdefault(drafter, _Rate()).add(accepted, trials)
+        if self._plain_s.value:
+            ratio = (verify_s / self._plain_s.value - 1) / drafted
+            self._row_cost.setdefault(drafter, _Average()).add(max(ratio, 0.0))
+        if draft_s > 0:
+            self._draft_s.setdefault(drafter, _Average()).add(draft_s / drafted)
+        self._plain_since_draft = 0
+
+    def _plain_cost(self) -> float:
+        return self._plain_s.value or 1.0
+
+    def _step_cost(self, drafter: str, drafts: int) -> float:
+        measured = self._row_cost.get(drafter)
+        row_cost = measured.value if measured and measured.value is not None else PRIOR_ROW_COST
+        verify = self._plain_cost() * (1 + row_cost * drafts)
+        per_draft = self._draft_s.get(drafter)
+        drafting = per_draft.value * drafts if per_draft and per_draft.value else 0.0
+        return verify + drafting

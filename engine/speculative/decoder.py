@@ -1,0 +1,146 @@
+"""The speculative generation loop: draft, verify in one pass, keep what the target agrees
+with, roll the caches back over the rest.
+
+Every token yielded is the one plain decoding would yield (greedy), or is distributed as
+plain decoding's (sampling). Verification computes each row exactly as a decode step would
+(`exact_rows`), so greedy output matches plain decoding token for token, not merely up to
+rounding.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from ..events import SpeculationStats
+from ..models.decoder import Cache, DecoderModel
+from ..sampler import Sampler
+from .acceptance import Verdict, accept_greedy, accept_sampled
+from .controller import DraftController
+from .early_exit import Draft, EarlyExitDrafter
+from .lookup import PromptLookup
+
+LOOKUP = "lookup"
+
+
+class SpeculativeDecoder:
+    """One generation's loop. `fed` is the runtime's record of the tokens in the caches; it
+    is extended only once the caches hold exactly those tokens, so an interruption at any
+    point leaves the runtime able to trim back to a consistent state."""
+
+    def __init__(
+        self,
+        model: DecoderModel,
+        caches: list[Cache],
+        fed: list[int],
+        sampler: Sampler,
+        controller: DraftController,
+        use_lookup: bool,
+        early_exit: EarlyExitDrafter | None,
+        mode: str,
+    ):
+        self.model, self.caches, self.fed = model, caches, fed
+        self.sampler, self.controller = sampler, controller
+        self.lookup = PromptLookup() if use_lookup else None
+        self.early_exit = early_exit
+        self.stats = SpeculationStats(mode)
+
+    def run(self, logits: torch.Tensor, history: list[int]) -> Iterator[int]:
+        """`logits` follow `history` (the prompt, already in the caches); yields tokens."""
+        if self.lookup is not None:
+            self.lookup.extend(history)
+        pending = self.sampler(logits, history)
+        while True:
+            self._accept([pending], history)
+            yield pending
+            new = self._step(pending, history)
+            yield from new[:-1]
+            pending = new[-1]
+
+    def _accept(self, tokens: Sequence[int], history: list[int]) -> None:
+        history.extend(tokens)
+        self.stats.emitted += len(tokens)
+        if self.lookup is not None:
+            self.lookup.extend(tokens)
+
+    @torch.inference_mode()
+    def _step(self, pending: int, history: list[int]) -> list[int]:
+        """Feed `pending`; returns the tokens that follow it (the last one not fed yet). The
+        tokens before the last are already appended to `history`."""
+        if self.lookup is not None:
+            proposal = self.lookup.propose(self.controller.max_draft)
+            count = self.controller.draft_length(LOOKUP, len(proposal))
+            if count:
+                return self._verify_lookup(pending, proposal[:count], history)
+        if self.early_exit is not None:
+            count = self.controller.draft_length(self.early_exit.name, self.early_exit.max_draft)
+            if count:
+                return self._verify_early_exit(pending, count, history)
+        return [self._plain(pending, history)]
+
+    def _plain(self, pending: int, history: list[int]) -> int:
+        start = time.perf_counter()
+        hidden = self.model.hidden_states(torch.tensor([pending]), self.caches)
+        self.fed.append(pending)
+        token = self.sampler(self.model.logits(hidden)[0], history)
+        self.controller.record_plain(time.perf_counter() - start)
+        self.stats.steps += 1
+        return token
+
+    def _verify_lookup(self, pending: int, drafts: list[int], history: list[int]) -> list[int]:
+        start = time.perf_counter()
+        rows = torch.tensor([pending, *drafts])
+        logits = self.model.logits(self.model.hidden_states(rows, self.caches, exact_rows=True))
+        verdict = self._judge(drafts, None, logits, history)
+        self._finish(LOOKUP, pending, drafts, verdict, 0.0, time.perf_counter() - start)
+        return self._emit(drafts, verdict, history)
+
+    def _verify_early_exit(self, pending: int, count: int, history: list[int]) -> list[int]:
+        drafter = self.early_exit
+        start = time.perf_counter()
+        draft: Draft = drafter.draft(self.caches, pending, count, self.sampler, history)
+        drafted_at = time.perf_counter()
+        logits = drafter.verify_logits(self.caches, draft)
+        verdict = self._judge(draft.tokens, draft.probs, logits, history)
+        verify_s = time.perf_counter() - drafted_at
+        self._finish(drafter.name, pending, draft.tokens, verdict, drafted_at - start, verify_s)
+        return self._emit(draft.tokens, verdict, history)
+
+    def _judge(
+        self,
+        drafts: list[int],
+        draft_probs: list[torch.Tensor] | None,
+        logits: torch.Tensor,
+        history: list[int],
+    ) -> Verdict:
+        sampler = self.sampler
+        if sampler.params.greedy:
+            return accept_greedy(drafts, lambda j: sampler(logits[j], [*history, *drafts[:j]]))
+        return accept_sampled(
+            drafts,
+            draft_probs or [None] * len(drafts),
+            lambda j: sampler.distribution(logits[j], [*history, *drafts[:j]]),
+            sampler.uniform,
+            sampler.draw,
+        )
+
+    def _finish(self, drafter: str, pending: int, drafts: list[int], verdict: Verdict,
+                draft_s: float, verify_s: float) -> None:  # fmt: skip
+        """Roll every cache back to [.., pending, kept drafts] and record the outcome."""
+        rejected = len(drafts) - verdict.accepted
+        for cache in self.caches:
+            cache.trim(rejected)
+        self.fed.extend([pending, *drafts[: verdict.accepted]])
+        self.controller.record_draft(drafter, len(drafts), verdict.accepted, draft_s, verify_s)
+        stats = self.stats
+        stats.steps += 1
+        stats.verifications += 1
+        stats.drafted += len(drafts)
+        stats.accepted += verdict.accepted
+
+    def _emit(self, drafts: list[int], verdict: Verdict, history: list[int]) -> list[int]:
+        kept = drafts[: verdict.accepted]
+        self._accept(kept, history)
+        return [*kept, verdict.next_token]

@@ -1,0 +1,93 @@
+"""Self-speculative drafting from the model's own first layers (LayerSkip-style).
+
+A draft token comes from the residual stream after `layer` layers, through an optional exit
+adapter, the final norm and the output head. Drafting runs those first layers one token at a
+time, exactly as decoding would, so their KV entries are already final: verification runs
+only the remaining layers, over the drafted positions' saved layer-`layer` states.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..models.decoder import Cache, DecoderModel
+from ..sampler import Sampler
+
+
+class ExitAdapter(Protocol):
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Layer-E residual stream [n, dim] -> an estimate of the last layer's [n, dim]."""
+        ...
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    probs: list[torch.Tensor] | None  # the drafter's distributions (sampling only)
+    states: torch.Tensor  # layer-E residual stream of the fed tokens: [pending, drafts[:-1]]
+
+
+class EarlyExitDrafter:
+    name = "early-exit"
+
+    def __init__(
+        self,
+        model: DecoderModel,
+        layer: int,
+        adapter: ExitAdapter | None = None,
+        max_draft: int | None = None,
+    ):
+        if not 0 < layer < model.config.n_layers:
+            raise ValueError(f"exit layer {layer} outside 1..{model.config.n_layers - 1}")
+        self.model, self.layer, self.adapter = model, layer, adapter
+        self.max_draft = max_draft  # None: as many as the controller likes
+
+    def exit_logits(self, states: torch.Tensor) -> torch.Tensor:
+        """Draft logits [n, vocab] from layer-E states [n, dim]."""
+        if self.adapter is not None:
+            states = self.adapter.forward(states)
+        return self.model.logits(self.model.norm.forward(states))
+
+    def draft(
+        self,
+        caches: Sequence[Cache],
+        pending: int,
+        count: int,
+        sampler: Sampler,
+        history: Sequence[int],
+    ) -> Draft:
+        """Feed `pending` and then each draft through the first layers; `count` drafts."""
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        states = []
+        token = pending
+        for _ in range(count):
+            state = self._early(token, caches)
+            states.append(state)
+            logits = self.exit_logits(state)[0]
+            context = [*history, *tokens]
+            if sampler.params.greedy:
+                token = sampler(logits, context)
+            else:
+                q = sampler.distribution(logits, context)
+                probs.append(q)
+                token = sampler.draw(q)
+            tokens.append(token)
+        return Draft(tokens, probs if probs else None, torch.cat(states))
+
+    def verify_logits(self, caches: Sequence[Cache], draft: Draft) -> torch.Tensor:
+        """Full-model logits [drafts + 1, vocab] for [pending, *drafts]: the last draft
+        still needs the first layers; every row then needs the remaining ones."""
+        states = torch.cat([draft.states, self._early(draft.tokens[-1], caches)])
+        model = self.model
+        out = model.run_layers(states, caches, self.layer, model.config.n_layers, exact_rows=True)
+        return model.logits(model.norm.forward(out))
+
+    def _early(self, token: int, caches: Sequence[Cache]) -> torch.Tensor:
+        model = self.model
+        x = model.embed_tokens(torch.tensor([token]))
+        return model.run_layers(x, caches, 0, self.layer)

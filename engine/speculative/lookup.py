@@ -1,0 +1,37 @@
+"""Prompt-lookup drafting: when the last few tokens occurred before (in the prompt or the
+answer so far), propose the tokens that followed them then. Free to draft, and right often
+on input-grounded answers (summaries, quotes, code edits)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+MAX_NGRAM = 4  # longest suffix matched; longer matches are tried first
+MIN_NGRAM = 2  # a single-token match proposes too much noise to be worth verifying
+
+
+class PromptLookup:
+    def __init__(self, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM):
+        self.sizes = range(max_ngram, min_ngram - 1, -1)
+        self.history: list[int] = []
+        # n-gram -> where the token after its latest occurrence sits in the history.
+        self._next_after: dict[tuple[int, ...], int] = {}
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        for token in tokens:
+            self.history.append(token)
+            end = len(self.history) - 1  # the n-grams ending here are followed by `token`
+            for n in self.sizes:
+                if end >= n:
+                    self._next_after[tuple(self.history[end - n : end])] = end
+
+    def propose(self, max_tokens: int) -> list[int]:
+        """Up to `max_tokens` tokens that followed the longest earlier match of the current
+        suffix, or nothing when the suffix is new."""
+        for n in self.sizes:
+            if len(self.history) < n:
+                continue
+            start = self._next_after.get(tuple(self.history[-n:]))
+            if start is not None:
+                return self.history[start : start + max_tokens]
+        return []

@@ -1,0 +1,285 @@
+"""Speculative decoding: lossless (greedy token for token, sampling in distribution), with an
+exact roll-back, on the real default model and on a tiny random-weight model."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from tiny_gguf import TinyModel, write_tiny_model
+
+from miniapp.engine.cache import RotatingKVCache
+from miniapp.engine.models import CachePolicy
+from miniapp.engine.runtimes.torch_runtime import TorchRuntime
+from miniapp.engine.sampler import Sampler
+from miniapp.engine.sampling import GREEDY, SamplingParams
+from miniapp.engine.speculative import DraftController, EarlyExitDrafter
+from miniapp.engine.speculative.acceptance import Verdict, accept_greedy, accept_sampled
+from miniapp.engine.speculative.calibrate import agreement_runs, prompt_tokens
+from miniapp.engine.speculative.controller import PROBE_EVERY
+from miniapp.engine.speculative.lookup import PromptLookup
+
+QUESTIONS = [
+    "Why is the sky blue?",
+    "Write two sentences about a cat. Then write the same two sentences again.",
+    "List the days of the week, then list them again.",
+]
+
+
+def _generate(runtime: TorchRuntime, prompt: list[int], n: int, params=GREEDY) -> list[int]:
+    runtime.reset()
+    out: list[int] = []
+    tokens = runtime.generate_tokens(prompt, params)
+    try:
+        for token in tokens:
+            out.append(token)
+            if len(out) == n:
+                break
+    finally:
+        tokens.close()
+    return out
+
+
+def _force(runtime: TorchRuntime, mode: str, layer: int | None = None, drafts: int = 4) -> None:
+    """Draft on every step (a controller that never declines), with the given drafter."""
+    runtime.spec_mode = runtime.spec_mode.__class__(mode)
+    runtime.draft_controller = DraftController(max_draft=drafts, min_gain=0.0)
+    runtime.early_exit = (
+        EarlyExitDrafter(runtime.model, layer, max_draft=drafts) if layer is not None else None
+    )
+
+
+@pytest.fixture(scope="module")
+def smol(default_model):
+    return TorchRuntime(default_model, n_ctx=1024, threads=2, spec="off")
+
+
+@pytest.mark.parametrize(
+    ("mode", "layer", "drafts"),
+    [("lookup", None, 6), ("early-exit", 4, 3), ("early-exit", 20, 5), ("auto", 12, 2)],
+)
+def test_greedy_output_is_token_identical_to_plain_decoding(smol, mode, layer, drafts):
+    prompts = [prompt_tokens(smol, q) for q in QUESTIONS]
+    _force(smol, "off")
+    plain = [_generate(smol, p, 40) for p in prompts]
+    _force(smol, mode, layer, drafts)
+    spec = [_generate(smol, p, 40) for p in prompts]
+    stats = smol.last_speculation
+    assert stats is not None and stats.drafted > 0, "nothing was drafted: the test is vacuous"
+    assert spec == plain
+
+
+@pytest.mark.parametrize(("mode", "layer"), [("early-exit", 8), ("lookup", None)])
+def test_greedy_identical_while_the_rotating_cache_wraps(default_model, mode, layer):
+    # ctx 96: 4 sinks + a 92-token window in a ring of 156; 220 generated tokens wrap it.
+    runtime = TorchRuntime(default_model, n_ctx=96, threads=2, spec="off")
+    prompt = prompt_tokens(runtime, QUESTIONS[2])
+    plain = _generate(runtime, prompt, 220)
+    _force(runtime, mode, layer, 4)
+    spec = _generate(runtime, prompt, 220)
+    assert runtime.caches[0].wrapped
+    assert runtime.last_speculation.drafted > 0
+    assert spec == plain
+
+
+def _cache_fields(cache):
+    names = ("offset", "sinks_held", "ring_count", "ring_head", "wrapped", "frame")
+    return {n: getattr(cache, n) for n in names if hasattr(cache, n)}
+
+
+def _assert_same_visible_state(drafted, clean):
+    assert _cache_fields(drafted) == _cache_fields(clean)
+    if not isinstance(clean, RotatingKVCache):
+        n = clean.offset
+        assert torch.equal(drafted.keys[:, :, :n], clean.keys[:, :, :n])
+        assert torch.equal(drafted.values[:, :, :n], clean.values[:, :, :n])
+        return
+    held = 2 * clean.sinks
+    assert torch.equal(drafted.keys[:, :, :held], clean.keys[:, :, :held])
+    same = drafted.ring_pos == clean.ring_pos
+    # A slot the drafts overwrote is empty now; its old token was outside every window.
+    lost = (drafted.ring_pos == -1) & (clean.ring_pos >= 0)
+    assert bool((same | lost).all())
+    assert bool((clean.ring_pos[lost] <= clean.offset - clean.window).all())
+    kept = same & (clean.ring_pos >= 0)
+    slots = torch.nonzero(kept).flatten() + held
+    assert torch.equal(drafted.keys[:, :, slots], clean.keys[:, :, slots])
+    assert torch.equal(drafted.values[:, :, slots], clean.values[:, :, slots])
+
+
+@pytest.mark.parametrize(
+    ("policy", "fed"),
+    [
+        (CachePolicy(512, streaming=False), 150),  # the full cache
+        (CachePolicy(96, sinks=4), 150),  # ring of 156: the drafts make it wrap the first time
+        (CachePolicy(96, sinks=4), 400),  # a ring that wrapped long ago
+    ],
+)
+@torch.inference_mode()
+def test_rollback_leaves_the_cache_as_if_nothing_was_drafted(smol, policy, fed):
+    model = smol.model
+    tokens = torch.tensor([(i * 37) % 4000 + 100 for i in range(fed + 1)])
+    drafted, clean = model.make_caches(policy), model.make_caches(policy)
+    for caches in (drafted, clean):
+        done = 0
+        while done < fed:  # in chunks the ring can take
+            size = min(model.max_chunk(caches), fed - done)
+            model.hidden_states(tokens[done : done + size], caches)
+            done += size
+    model.hidden_states(torch.arange(900, 908), drafted, exact_rows=True)  # 8 rows verified
+    for cache in drafted:
+        cache.trim(8)
+    for a, b in zip(drafted, clean, strict=True):
+        _assert_same_visible_state(a, b)
+    next_token = tokens[fed:]
+    after_drafted = model.logits(model.hidden_states(next_token, drafted))
+    after_clean = model.logits(model.hidden_states(next_token, clean))
+    assert torch.equal(after_drafted, after_clean)
+
+
+@torch.inference_mode()
+def test_verification_rows_are_bit_identical_to_decode_steps(smol):
+    model = smol.model
+    caches = model.make_caches(CachePolicy(512, streaming=False))
+    model.hidden_states(torch.arange(100, 200), caches)
+    rows = torch.tensor([500, 501, 502, 503, 504])
+    one_by_one = torch.cat(
+        [model.logits(model.hidden_states(rows[i : i + 1], caches)) for i in range(5)]
+    )
+    for cache in caches:
+        cache.trim(5)
+    batched = model.logits(model.hidden_states(rows, caches, exact_rows=True))
+    assert torch.equal(batched, one_by_one)
+    for cache in caches:
+        cache.trim(5)
+    # Without exact rows a batched pass rounds differently: the reason exact rows exist.
+    plain_batch = model.logits(model.hidden_states(rows, caches))
+    assert not torch.equal(plain_batch, one_by_one)
+
+
+# ------------------------------------------------------------------ sampling keeps p
+
+
+def _homogeneity_p_value(a: Counter, b: Counter) -> float:
+    """Two-sample chi-square test that a and b come from one distribution; bins with small
+    expected counts are pooled."""
+    total_a, total_b = sum(a.values()), sum(b.values())
+    bins, pooled = [], [0, 0]
+    for token in set(a) | set(b):
+        if a[token] + b[token] >= 10:
+            bins.append((a[token], b[token]))
+        else:
+            pooled[0] += a[token]
+            pooled[1] += b[token]
+    if sum(pooled):
+        bins.append(tuple(pooled))
+    n = total_a + total_b
+    stat = 0.0
+    for count_a, count_b in bins:
+        row = count_a + count_b
+        for observed, column in ((count_a, total_a), (count_b, total_b)):
+            expected = row * column / n
+            stat += (observed - expected) ** 2 / expected
+    dof = len(bins) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(stat / 2.0)))
+
+
+SEEDS = 1500
+# Random tiny weights give very peaked logits; a high temperature spreads them out.
+TINY_SAMPLING = SamplingParams(temperature=10.0, top_k=6, top_p=1.0, min_p=0.0)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = write_tiny_model(tmp_path_factory.mktemp("spec") / "tiny.gguf", TinyModel(n_layers=4))
+    return TorchRuntime(path, n_ctx=64, threads=1, spec="off")
+
+
+def _second_and_third(runtime, prompt, seed):
+    params = SamplingParams(**{**TINY_SAMPLING.__dict__, "seed": seed})
+    tokens = _generate(runtime, prompt, 3, params)
+    return tokens[1], tokens[2]
+
+
+def test_rejection_sampling_keeps_the_distribution_of_plain_sampling(tiny):
+    prompt = [1, 72, 101, 108, 108, 111]
+    _force(tiny, "off")
+    plain = [_second_and_third(tiny, prompt, seed) for seed in range(SEEDS)]
+    _force(tiny, "early-exit", layer=1, drafts=2)
+    spec = [_second_and_third(tiny, prompt, seed + SEEDS) for seed in range(SEEDS)]
+    assert tiny.last_speculation.drafted > 0
+    for position in (0, 1):  # the 2nd and 3rd tokens come out of verification
+        p = _homogeneity_p_value(
+            Counter(t[position] for t in plain), Counter(t[position] for t in spec)
+        )
+        assert p > 1e-3, f"token {position + 2}: p = {p:.2g}"
+    # The test has power: the drafter's own distribution is told apart from the target's.
+    drafter = EarlyExitDrafter(tiny.model, 1)
+    drafts = Counter()
+    for seed in range(SEEDS):
+        params = SamplingParams(**{**TINY_SAMPLING.__dict__, "seed": seed})
+        first = _generate(tiny, prompt, 1, params)[0]
+        with torch.inference_mode():
+            draft = drafter.draft(tiny.caches, first, 1, Sampler(params), [*prompt, first])
+        drafts[draft.tokens[0]] += 1
+    assert _homogeneity_p_value(Counter(t[0] for t in plain), drafts) < 1e-3
+
+
+def test_accept_sampled_follows_the_target_distribution():
+    generator = torch.Generator().manual_seed(0)
+    p = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    q = torch.tensor([0.1, 0.1, 0.2, 0.6])
+    counts = Counter()
+    for _ in range(20000):
+        draft = int(torch.multinomial(q, 1, generator=generator))
+        verdict = accept_sampled(
+            [draft], [q], lambda j: p, lambda: float(torch.rand((), generator=generator)),
+            lambda probs: int(torch.multinomial(probs, 1, generator=generator)),
+        )  # fmt: skip
+        counts[draft if verdict.accepted else verdict.next_token] += 1
+    freq = torch.tensor([counts[i] / 20000 for i in range(4)])
+    assert torch.allclose(freq, p, atol=0.015), freq
+    assert counts[3] == 0  # never emits what the target rules out
+
+
+def test_accept_greedy_stops_at_the_first_disagreement():
+    targets = [5, 6, 7, 8]
+    assert accept_greedy([5, 6, 9], lambda j: targets[j]) == Verdict(2, 7)
+    assert accept_greedy([5, 6, 7], lambda j: targets[j]) == Verdict(3, 8)  # all kept, plus a bonus
+    assert accept_greedy([1], lambda j: targets[j]) == Verdict(0, 5)
+
+
+# ------------------------------------------------------------------ drafters and control
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_match():
+    lookup = PromptLookup(max_ngram=3, min_ngram=2)
+    lookup.extend([1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 1, 2])
+    assert lookup.propose(3) == [3, 7, 8]  # the latest "1 2" was followed by 3 7 8
+    lookup.extend([3])
+    assert lookup.propose(2) == [7, 8]  # "1 2 3" matches longest, latest first
+    lookup.extend([42, 43])
+    assert lookup.propose(4) == []
+
+
+def test_controller_stops_drafting_that_does_not_pay_and_probes_later():
+    controller = DraftController(max_draft=6)
+    for _ in range(5):
+        controller.record_plain(0.01)
+    assert controller.draft_length("lookup", 6) > 0  # optimistic before any evidence
+    for _ in range(20):  # every draft rejected, verification twice a plain step
+        controller.record_draft("lookup", 4, 0, 0.0, 0.02)
+    assert controller.draft_length("lookup", 6) == 0
+    for _ in range(PROBE_EVERY):
+        controller.record_plain(0.01)
+    assert controller.draft_length("lookup", 6) == 1  # a probe
+    for _ in range(20):  # everything accepted, cheap verification
+        controller.record_draft("lookup", 6, 6, 0.0, 0.015)
+    assert controller.draft_length("lookup", 6) == 6
+
+
+def test_agreement_runs_count_consecutive_matches():
+    draft = torch.tensor([1, 2, 3, 0, 5, 6])
+    target = torch.tensor([1, 2, 3, 4, 5, 6])
+    assert agreement_runs(draft, target) == [3, 2, 1, 0, 2, 1]
