@@ -27,7 +27,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
         if not args.json:
             print(line, file=sys.stderr, flush=True)
 
-    result = calibrate(runtime, args.layers, args.train_adapter, report)
+    result = calibrate(
+        runtime, args.layers, args.train_adapter, report, args.prompts, args.answer_tokens
+    )
     stored = save_exit_setting(model_path, result.setting)
     setting = result.setting
     if args.json:

@@ -149,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--train-adapter", action="store_true",
         help="also train an exit adapter by self-distillation (a few minutes on a CPU)",
     )  # fmt: skip
+    calibrate.add_argument(
+        "--prompts", type=_positive_int, default=8, help="built-in prompts measured (max 8)"
+    )  # fmt: skip
+    calibrate.add_argument(
+        "--answer-tokens", type=_positive_int, default=96, help="greedy answer length per prompt"
+    )  # fmt: skip
     calibrate.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 

@@ -114,6 +114,11 @@ class KVCache:
     def can_trim(self, n: int) -> bool:
         return True
 
+    def rows_share_storage(self, n_new: int) -> bool:
+        """Whether n_new tokens written at once leave each one's decode-step view (every
+        key up to its own, unmasked) a prefix of the same storage: unless it must grow."""
+        return self.offset + n_new <= self.capacity
+
     def can_forget(self, start: int) -> bool:
         return self.rope is not None
 
@@ -361,6 +366,15 @@ class RotatingKVCache:
         """Whether dropping the newest n leaves the next query its whole window: after a
         wrap, the tokens they pushed out are gone (the slack keeps `slack` of them)."""
         return not self.wrapped or n <= self.ring_count - self.window + 1
+
+    def rows_share_storage(self, n_new: int) -> bool:
+        """As KVCache's: while the window is not full, nothing is masked, the frame stays
+        put and the ring is in order, so decode-step views are prefixes of one storage."""
+        return (
+            self.sinks_held == self.sinks
+            and not self.wrapped
+            and self.ring_count + n_new <= min(self.window, self._allocated)
+        )
 
     def can_forget(self, start: int) -> bool:
         # A trim just after the first wrap can leave emptied slots inside the ordered ring.

@@ -3,6 +3,8 @@ exact roll-back, on the real default model and on a tiny random-weight model."""
 
 from __future__ import annotations
 
+import json
+import subprocess
 from collections import Counter
 
 import pytest
@@ -283,3 +285,108 @@ def test_agreement_runs_count_consecutive_matches():
     draft = torch.tensor([1, 2, 3, 0, 5, 6])
     target = torch.tensor([1, 2, 3, 4, 5, 6])
     assert agreement_runs(draft, target) == [3, 2, 1, 0, 2, 1]
+
+
+# ------------------------------------------------------------------ calibration and CLI
+
+
+def test_exit_adapter_training_brings_the_exit_closer_to_the_full_model(tiny):
+    from miniapp.engine.speculative.calibrate import exit_states, train_exit_adapter
+
+    generator = torch.Generator().manual_seed(3)
+    sequences = [torch.randint(3, 259, (48,), generator=generator).tolist() for _ in range(6)]
+
+    def divergence(adapter) -> float:
+        """Mean KL(full model || exit) per position, in nats."""
+        drafter = EarlyExitDrafter(tiny.model, 1, adapter)
+        total = 0.0
+        for tokens in sequences:
+            states, logits = exit_states(tiny, tokens, [1])
+            with torch.inference_mode():
+                log_q = torch.log_softmax(drafter.exit_logits(states[1]), -1)
+            log_p = torch.log_softmax(logits, -1)
+            total += float((log_p.exp() * (log_p - log_q)).sum(-1).mean())
+        return total / len(sequences)
+
+    before = divergence(None)
+    adapter = train_exit_adapter(tiny, 1, sequences, steps=150)
+    assert divergence(adapter) < 0.5 * before
+
+
+def test_calibrate_stores_a_setting_the_runtime_uses(miniapp_exe, default_model):
+    done = subprocess.run(
+        [miniapp_exe, "calibrate", "--layers", "6,20", "--prompts", "1", "--answer-tokens", "12",
+         "--threads", "2", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert [row["layer"] for row in report["layers"]] == [6, 20]
+    for row in report["layers"]:
+        assert 0.0 <= row["agreement"] <= 1.0 and row["draft_step_ms"] > 0
+    stored = report["setting"]
+    assert stored["layer"] in (6, 20)
+    runtime = TorchRuntime(default_model, n_ctx=256, spec="early-exit")
+    assert runtime.early_exit is not None and runtime.early_exit.layer == stored["layer"]
+    auto = TorchRuntime(default_model, n_ctx=256, spec="auto")
+    assert (auto.early_exit is not None) == stored["pays"]
+
+
+def test_calibrate_rejects_a_layer_the_model_lacks(miniapp_exe):
+    done = subprocess.run(
+        [miniapp_exe, "calibrate", "--layers", "30"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and "layers 1..29" in done.stderr
+
+
+def test_chat_reports_acceptance_in_its_stats(miniapp_exe):
+    done = subprocess.run(
+        [miniapp_exe, "chat", "--spec", "lookup", "--stats", "--temperature", "0",
+         "--max-tokens", "40"],
+        input="List the days of the week twice.", capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "speculative (lookup)" in done.stderr and "drafts accepted" in done.stderr
+
+
+def test_spec_modes_other_than_auto_need_the_torch_backend(miniapp_exe):
+    done = subprocess.run(
+        [miniapp_exe, "chat", "--backend", "llamacpp", "--spec", "lookup"],
+        input="hi", capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "torch backend only" in done.stderr and done.stderr.count("\n") == 1
+
+
+def test_bench_reports_plain_and_spec_with_identical_output(miniapp_exe):
+    done = subprocess.run(
+        [miniapp_exe, "bench", "--task", "quote", "--spec", "lookup", "--tokens", "24",
+         "--repeat", "1", "--threads", "2", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    for name in ("plain", "spec"):
+        for key in ("decode_tok_s", "acceptance_rate", "tokens_per_step"):
+            assert key in report[name]
+    assert report["plain"]["spec"] == "off" and report["spec"]["spec"] == "lookup"
+    assert report["spec"]["tokens_per_step"] > 1.0
+    assert report["identical_output"] is True
+    assert report["spec_vs_plain"] > 0
+
+
+def test_controller_probes_less_often_while_probes_keep_failing():
+    controller = DraftController(max_draft=4)
+    controller.record_plain(0.01)
+    for _ in range(20):
+        controller.record_draft("early-exit", 2, 0, 0.005, 0.02)
+    waits = []
+    for _ in range(3):
+        steps = 0
+        while controller.draft_length("early-exit") == 0:
+            controller.record_plain(0.01)
+            steps += 1
+        controller.record_draft("early-exit", 1, 0, 0.005, 0.02)  # the probe fails
+        waits.append(steps)
+    assert waits[1] > waits[0] and waits[2] > waits[1]

@@ -182,6 +182,23 @@ class Attention:
     def _attend_rows(self, qk, v, cache: Cache, masks: RowMasks) -> torch.Tensor:
         """One token at a time, exactly as decoding would: a batched attention call rounds
         differently, and speculative verification must reproduce plain decoding bit for bit."""
+        n_rows = qk.shape[1]
+        if cache.rows_share_storage(n_rows):
+            # Each row's decode step would see a prefix of one storage: write all rows at
+            # once, then attend row by row over those prefixes.
+            keys, values = cache.update_and_fetch(qk[self.n_heads :][None], v[None])
+            queries, before = qk[: self.n_heads][None], keys.shape[2] - n_rows
+            rows = [
+                F.scaled_dot_product_attention(
+                    queries[:, :, row : row + 1],
+                    keys[:, :, : before + row + 1],
+                    values[:, :, : before + row + 1],
+                    enable_gqa=True,
+                    scale=self.scale,
+                )  # fmt: skip
+                for row in range(n_rows)
+            ]
+            return torch.cat(rows, dim=2)
         rows = []
         for row in range(qk.shape[1]):
             mask = masks.get(row, cache)

@@ -65,7 +65,10 @@ class TorchRuntime(Runtime):
             setting = default_exit_setting(self.model)
         elif self.spec_mode is SpecMode.AUTO and not setting.pays:
             return None
-        return EarlyExitDrafter(self.model, setting.layer, setting.adapter, setting.max_draft)
+        drafter = EarlyExitDrafter(self.model, setting.layer, setting.adapter, setting.max_draft)
+        if setting.measured_acceptance is not None:
+            self.draft_controller.set_prior(drafter.name, setting.measured_acceptance)
+        return drafter
 
     def reusable_prefix(self, prompt: Sequence[int]) -> int:
         # At least one prompt token must be evaluated to produce fresh logits.

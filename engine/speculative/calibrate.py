@@ -66,7 +66,9 @@ def prompt_tokens(runtime: TorchRuntime, question: str) -> list[int]:
     return tokenizer.encode(text, add_bos=add_bos, parse_special=True)
 
 
-def greedy_answers(runtime: TorchRuntime, questions: Sequence[str]) -> list[tuple[int, list[int]]]:
+def greedy_answers(
+    runtime: TorchRuntime, questions: Sequence[str], answer_tokens: int = ANSWER_TOKENS
+) -> list[tuple[int, list[int]]]:
     """(prompt length, prompt + greedy answer) per question, by plain decoding."""
     sequences = []
     for question in questions:
@@ -77,7 +79,7 @@ def greedy_answers(runtime: TorchRuntime, questions: Sequence[str]) -> list[tupl
         try:
             for token in tokens:
                 answer.append(token)
-                if token in runtime.tokenizer.eog_ids or len(answer) >= ANSWER_TOKENS:
+                if token in runtime.tokenizer.eog_ids or len(answer) >= answer_tokens:
                     break
         finally:
             tokens.close()
@@ -116,12 +118,14 @@ def calibrate(
     layers: Sequence[int] | None = None,
     train_adapter: bool = False,
     report: Callable[[str], None] = lambda _: None,
+    n_prompts: int = CALIBRATION_PROMPTS,
+    answer_tokens: int = ANSWER_TOKENS,
 ) -> CalibrationResult:
     model = runtime.model
     layers = sorted(layers or candidate_layers(model.config.n_layers))
-    questions = chat_prompts()[:CALIBRATION_PROMPTS]
+    questions = chat_prompts()[: min(n_prompts, CALIBRATION_PROMPTS)]
     report(f"generating greedy answers to {len(questions)} built-in prompts")
-    sequences = greedy_answers(runtime, questions)
+    sequences = greedy_answers(runtime, questions, answer_tokens)
     runs: dict[int, list[int]] = {layer: [] for layer in layers}
     agree_counts = dict.fromkeys(layers, 0)
     positions = 0
@@ -164,7 +168,9 @@ def calibrate(
     )
     adapter_agreement = None
     if train_adapter:
-        setting, adapter_agreement = _with_adapter(runtime, setting, sequences, results, report)
+        setting, adapter_agreement = _with_adapter(
+            runtime, setting, sequences, report, answer_tokens
+        )
     return CalibrationResult(plain_s, results, setting, adapter_agreement)
 
 
@@ -227,14 +233,14 @@ ADAPTER_BATCH = 256
 TEACHER_TOP = 64  # teacher probabilities kept per position (the rest of the mass is tiny)
 
 
-def _with_adapter(runtime, setting, sequences, results, report):
+def _with_adapter(runtime, setting, sequences, report, answer_tokens):
     """Train an adapter for the exit layer that the adapter would help most: the layer
     whose predicted speed-up is best if agreement rose, which in practice is the middle."""
     model = runtime.model
     layer = setting.layer if setting.pays else model.config.n_layers // 2
     train_questions = chat_prompts()[CALIBRATION_PROMPTS:]
     report(f"generating {len(train_questions)} training answers for the exit adapter")
-    train = greedy_answers(runtime, train_questions)
+    train = greedy_answers(runtime, train_questions, answer_tokens)
     report(f"training the exit adapter at layer {layer}")
     adapter = train_exit_adapter(runtime, layer, [t for _, t in train], report)
     before, after = _held_out_agreement(runtime, layer, sequences, adapter)

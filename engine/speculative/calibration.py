@@ -33,6 +33,12 @@ class ExitSetting:
     adapter_file: str | None = None  # beside the setting, in the cache directory
     adapter: ExitAdapterModule | None = field(default=None, repr=False, compare=False)
 
+    @property
+    def measured_acceptance(self) -> float | None:
+        """Calibration's top-1 agreement for this layer (with its adapter, if any)."""
+        key = f"{self.layer}+adapter" if self.adapter_file else str(self.layer)
+        return self.acceptance.get(key)
+
     def to_json(self) -> dict:
         data = asdict(self)
         data.pop("adapter")

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 DECAY = 0.85  # weight of the past in acceptance counts and timings, per observation
 MIN_GAIN = 1.05  # a draft must promise this speed-up over a plain step
-PROBE_EVERY = 24  # plain steps between probes while drafting does not pay
+PROBE_EVERY = 24  # plain steps before the first probe while drafting does not pay
+MAX_PROBE_EVERY = 384  # each probe that finds nothing doubles the wait, up to this
 PRIOR_ROW_COST = 0.35  # before any measurement: each extra verified row costs this many steps
 PRIOR_ACCEPTANCE = 0.5
 
@@ -62,6 +63,12 @@ class DraftController:
     _row_cost: dict[str, _Average] = field(default_factory=dict)
     _draft_s: dict[str, _Average] = field(default_factory=dict)  # per drafted token
     _plain_since_draft: int = 0
+    _probe_every: dict[str, int] = field(default_factory=dict)
+    _probing: str | None = None
+
+    def set_prior(self, drafter: str, acceptance: float) -> None:
+        """Start from a measured acceptance (calibration) instead of the generic guess."""
+        self._acceptance[drafter] = _Rate(successes=acceptance, trials=1.0)
 
     def acceptance(self, drafter: str) -> float:
         return self._acceptance.setdefault(drafter, _Rate()).value
@@ -78,7 +85,9 @@ class DraftController:
             rate = expected_tokens(a, k) / self._step_cost(drafter, k)
             if rate > best_rate:
                 best, best_rate = k, rate
-        if best == 0 and self._plain_since_draft >= self.probe_every:
+        probe_wait = self._probe_every.get(drafter, self.probe_every)
+        if best == 0 and self._plain_since_draft >= probe_wait:
+            self._probing = drafter
             return 1  # a cheap probe: is acceptance back up?
         return best
 
@@ -93,6 +102,12 @@ class DraftController:
 
     def record_draft(self, drafter: str, drafted: int, accepted: int, draft_s: float,
                      verify_s: float) -> None:  # fmt: skip
+        if self._probing == drafter:  # back off while probes keep failing
+            wait = self._probe_every.get(drafter, self.probe_every)
+            self._probe_every[drafter] = (
+                min(2 * wait, MAX_PROBE_EVERY) if accepted == 0 else self.probe_every
+            )
+        self._probing = None
         trials = accepted + (1 if accepted < drafted else 0)
         self._acceptance.setdefault(drafter, _Rate()).add(accepted, trials)
         if self._plain_s.value:
