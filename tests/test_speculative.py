@@ -258,11 +258,11 @@ def test_accept_greedy_stops_at_the_first_disagreement():
 def test_prompt_lookup_proposes_what_followed_the_latest_match():
     lookup = PromptLookup(max_ngram=3, min_ngram=2)
     lookup.extend([1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 1, 2])
-    assert lookup.propose(3) == [3, 7, 8]  # the latest "1 2" was followed by 3 7 8
+    assert lookup.propose(3) == ([3, 7, 8], 2)  # the latest "1 2" was followed by 3 7 8
     lookup.extend([3])
-    assert lookup.propose(2) == [7, 8]  # "1 2 3" matches longest, latest first
+    assert lookup.propose(2) == ([7, 8], 3)  # "1 2 3" matches longest, latest first
     lookup.extend([42, 43])
-    assert lookup.propose(4) == []
+    assert lookup.propose(4) == ([], 0)
 
 
 def test_controller_stops_drafting_that_does_not_pay_and_probes_later():

@@ -112,7 +112,7 @@ class DraftController:
         self._acceptance.setdefault(drafter, _Rate()).add(accepted, trials)
         if self._plain_s.value:
             ratio = (verify_s / self._plain_s.value - 1) / drafted
-            self._row_cost.setdefault(drafter, _Average()).add(max(ratio, 0.0))
+            self._row_cost.setdefault(_family(drafter), _Average()).add(max(ratio, 0.0))
         if draft_s > 0:
             self._draft_s.setdefault(drafter, _Average()).add(draft_s / drafted)
         self._plain_since_draft = 0
@@ -121,9 +121,14 @@ class DraftController:
         return self._plain_s.value or 1.0
 
     def _step_cost(self, drafter: str, drafts: int) -> float:
-        measured = self._row_cost.get(drafter)
+        measured = self._row_cost.get(_family(drafter))
         row_cost = measured.value if measured and measured.value is not None else PRIOR_ROW_COST
         verify = self._plain_cost() * (1 + row_cost * drafts)
         per_draft = self._draft_s.get(drafter)
         drafting = per_draft.value * drafts if per_draft and per_draft.value else 0.0
         return verify + drafting
+
+
+def _family(drafter: str) -> str:
+    """Drafters named "kind:variant" (prompt lookup per match length) share their costs."""
+    return drafter.split(":", 1)[0]

@@ -70,10 +70,13 @@ class SpeculativeDecoder:
         """Feed `pending`; returns the tokens that follow it (the last one not fed yet). The
         tokens before the last are already appended to `history`."""
         if self.lookup is not None:
-            proposal = self.lookup.propose(self.controller.max_draft)
-            count = self.controller.draft_length(LOOKUP, len(proposal))
+            proposal, match = self.lookup.propose(self.controller.max_draft)
+            # Acceptance is tracked per match length: a 4-token match that recurs in a
+            # quote is worth verifying even when 2-token matches in free text are not.
+            drafter = f"{LOOKUP}:{match}"
+            count = self.controller.draft_length(drafter, len(proposal))
             if count:
-                return self._verify_lookup(pending, proposal[:count], history)
+                return self._verify_lookup(drafter, pending, proposal[:count], history)
         if self.early_exit is not None:
             count = self.controller.draft_length(self.early_exit.name, self.early_exit.max_draft)
             if count:
@@ -89,12 +92,14 @@ class SpeculativeDecoder:
         self.stats.steps += 1
         return token
 
-    def _verify_lookup(self, pending: int, drafts: list[int], history: list[int]) -> list[int]:
+    def _verify_lookup(
+        self, drafter: str, pending: int, drafts: list[int], history: list[int]
+    ) -> list[int]:
         start = time.perf_counter()
         rows = torch.tensor([pending, *drafts])
         logits = self.model.logits(self.model.hidden_states(rows, self.caches, exact_rows=True))
         verdict = self._judge(drafts, None, logits, history)
-        self._finish(LOOKUP, pending, drafts, verdict, 0.0, time.perf_counter() - start)
+        self._finish(drafter, pending, drafts, verdict, 0.0, time.perf_counter() - start)
         return self._emit(drafts, verdict, history)
 
     def _verify_early_exit(self, pending: int, count: int, history: list[int]) -> list[int]:

@@ -25,13 +25,14 @@ class PromptLookup:
                 if end >= n:
                     self._next_after[tuple(self.history[end - n : end])] = end
 
-    def propose(self, max_tokens: int) -> list[int]:
+    def propose(self, max_tokens: int) -> tuple[list[int], int]:
         """Up to `max_tokens` tokens that followed the longest earlier match of the current
-        suffix, or nothing when the suffix is new."""
+        suffix, and the match's length (longer matches are right more often); ([], 0) when
+        the suffix is new."""
         for n in self.sizes:
             if len(self.history) < n:
                 continue
             start = self._next_after.get(tuple(self.history[-n:]))
             if start is not None:
-                return self.history[start : start + max_tokens]
-        return []
+                return self.history[start : start + max_tokens], n
+        return [], 0
