@@ -54,23 +54,18 @@ TASK_ASKS = {
 def task_prompts(model: Path, tokenizer: Tokenizer, task: str) -> list[list[int]]:
     """Chat-templated prompts for a task: input-grounded (summarize, quote) or open chat."""
     gguf = GGUFFile(model)
-    template = ChatTemplate(
-        gguf.metadata.get("tokenizer.chat_template"), tokenizer.bos_text, tokenizer.eos_text,
-        gguf.architecture,
-    )  # fmt: skip
+    template = ChatTemplate.for_model(
+        gguf.metadata.get("tokenizer.chat_template"), tokenizer, gguf.architecture
+    )
     if task == "chat":
         questions = chat_prompts()[:CHAT_QUESTIONS]
     else:
         texts = [t[:TASK_TEXT_CHARS] for t in sample_texts()[:TASK_TEXTS]]
         questions = [f"{text}\n\n{TASK_ASKS[task]}" for text in texts]
-    prompts = []
-    for question in questions:
-        text = template.render([Message("user", question)])
-        add_bos = tokenizer.add_bos and not (
-            tokenizer.bos_text and text.startswith(tokenizer.bos_text)
-        )
-        prompts.append(tokenizer.encode(text, add_bos=add_bos, parse_special=True))
-    return prompts
+    return [
+        tokenizer.encode_chat(template.render([Message("user", question)]))
+        for question in questions
+    ]
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 
+from miniapp.engine.errors import MiniappError
 from miniapp.engine.model_store import resolve_model
 
 
@@ -19,8 +20,6 @@ def run_calibrate(args: argparse.Namespace) -> int:
     runtime = TorchRuntime(model_path, n_ctx=1024, threads=args.threads, spec="off")
     n_layers = runtime.model.config.n_layers
     if args.layers and max(args.layers) >= n_layers:
-        from miniapp.engine.errors import MiniappError
-
         raise MiniappError(f"--layers: {model_path.name} has layers 1..{n_layers - 1} to exit at")
 
     def report(line: str) -> None:
@@ -30,7 +29,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
     result = calibrate(
         runtime, args.layers, args.train_adapter, report, args.prompts, args.answer_tokens
     )
-    stored = save_exit_setting(model_path, result.setting)
+    try:
+        stored = save_exit_setting(model_path, result.setting)
+    except OSError as exc:
+        raise MiniappError(f"cannot store the calibration: {exc}") from exc
     setting = result.setting
     if args.json:
         print(json.dumps({

@@ -73,6 +73,11 @@ class ChatTemplate:
             raise TemplateError(f"the model's chat template does not parse: {exc}") from exc
         self.bos_text, self.eos_text = bos_text, eos_text
 
+    @classmethod
+    def for_model(cls, source: str | None, tokenizer, architecture: str) -> ChatTemplate:
+        """The model's template (or the architecture's fallback) with its BOS/EOS texts."""
+        return cls(source, tokenizer.bos_text, tokenizer.eos_text, architecture)
+
     def render(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
         try:
             return self._template.render(

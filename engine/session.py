@@ -27,8 +27,8 @@ class ChatSession:
     ):
         self.runtime = runtime
         tokenizer = runtime.tokenizer
-        self.template = ChatTemplate(
-            runtime.chat_template, tokenizer.bos_text, tokenizer.eos_text, runtime.architecture
+        self.template = ChatTemplate.for_model(
+            runtime.chat_template, tokenizer, runtime.architecture
         )
         self.system_prompt = system_prompt
         self.request = request or GenerationRequest()
@@ -68,12 +68,7 @@ class ChatSession:
 
     def prompt_tokens(self, messages: list[Message]) -> list[int]:
         text = self.template.render(self._with_system(messages))
-        tokenizer = self.runtime.tokenizer
-        # Templates often write the BOS token themselves; never add a second one.
-        add_bos = tokenizer.add_bos and not (
-            tokenizer.bos_text and text.startswith(tokenizer.bos_text)
-        )
-        return tokenizer.encode(text, add_bos=add_bos, parse_special=True)
+        return self.runtime.tokenizer.encode_chat(text)
 
     def _with_system(self, messages: list[Message]) -> list[Message]:
         if self.system_prompt:

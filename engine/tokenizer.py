@@ -46,6 +46,12 @@ class Tokenizer:
             return [self.bos_id] if add_bos else []
         return self._llama.tokenize(text.encode("utf-8"), add_bos=add_bos, special=parse_special)
 
+    def encode_chat(self, rendered: str) -> list[int]:
+        """Tokens of a rendered chat template. Templates often write the BOS token
+        themselves; never add a second one."""
+        add_bos = self.add_bos and not (self.bos_text and rendered.startswith(self.bos_text))
+        return self.encode(rendered, add_bos=add_bos, parse_special=True)
+
     def token_bytes(self, token: int, special: bool = False) -> bytes:
         """The bytes a token contributes to text; control tokens give b"" unless `special`."""
         key = (token, special)

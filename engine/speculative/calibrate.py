@@ -57,13 +57,10 @@ def candidate_layers(n_layers: int) -> list[int]:
 
 
 def prompt_tokens(runtime: TorchRuntime, question: str) -> list[int]:
-    tokenizer = runtime.tokenizer
-    template = ChatTemplate(
-        runtime.chat_template, tokenizer.bos_text, tokenizer.eos_text, runtime.architecture
+    template = ChatTemplate.for_model(
+        runtime.chat_template, runtime.tokenizer, runtime.architecture
     )
-    text = template.render([Message("user", question)])
-    add_bos = tokenizer.add_bos and not (tokenizer.bos_text and text.startswith(tokenizer.bos_text))
-    return tokenizer.encode(text, add_bos=add_bos, parse_special=True)
+    return runtime.tokenizer.encode_chat(template.render([Message("user", question)]))
 
 
 def greedy_answers(
@@ -209,12 +206,12 @@ def _time_drafter(
     model.hidden_states(torch.tensor(context), caches)
     token = context[-1]
     draft_s = _median_time(
-        lambda: drafter.exit_logits(drafter._early(token, caches)),
+        lambda: drafter.exit_logits(drafter.early_state(token, caches)),
         lambda: [c.trim(1) for c in caches[: drafter.layer]],
     )
     verify_s = {}
     for k in DRAFT_LENGTHS:
-        states = torch.cat([drafter._early(token, caches) for _ in range(k)])
+        states = torch.cat([drafter.early_state(token, caches) for _ in range(k)])
         draft = Draft([token] * k, None, states)
         verify_s[k] = _median_time(
             lambda draft=draft: drafter.verify_logits(caches, draft),
@@ -227,7 +224,7 @@ def _time_drafter(
 
 # ------------------------------------------------------------------------------ adapter
 
-ADAPTER_HIDDEN = 4  # hidden width, in multiples of the model width... capped below
+ADAPTER_HIDDEN = 4  # the adapter's hidden width in multiples of the model's (at most 2048)
 ADAPTER_STEPS = 300
 ADAPTER_BATCH = 256
 TEACHER_TOP = 64  # teacher probabilities kept per position (the rest of the mass is tiny)

@@ -63,7 +63,10 @@ def file_hash(path: Path) -> str:
         while chunk := f.read(1 << 22):
             digest.update(chunk)
     memo[key] = digest.hexdigest()
-    _write_json_atomic(memo_path, memo)
+    try:
+        _write_json_atomic(memo_path, memo)
+    except OSError:
+        pass  # a read-only cache folder only costs hashing again next time
     return memo[key]
 
 

@@ -66,7 +66,7 @@ class EarlyExitDrafter:
         states = []
         token = pending
         for _ in range(count):
-            state = self._early(token, caches)
+            state = self.early_state(token, caches)
             states.append(state)
             logits = self.exit_logits(state)[0]
             context = [*history, *tokens]
@@ -82,12 +82,13 @@ class EarlyExitDrafter:
     def verify_logits(self, caches: Sequence[Cache], draft: Draft) -> torch.Tensor:
         """Full-model logits [drafts + 1, vocab] for [pending, *drafts]: the last draft
         still needs the first layers; every row then needs the remaining ones."""
-        states = torch.cat([draft.states, self._early(draft.tokens[-1], caches)])
+        states = torch.cat([draft.states, self.early_state(draft.tokens[-1], caches)])
         model = self.model
         out = model.run_layers(states, caches, self.layer, model.config.n_layers, exact_rows=True)
         return model.logits(model.norm.forward(out))
 
-    def _early(self, token: int, caches: Sequence[Cache]) -> torch.Tensor:
+    def early_state(self, token: int, caches: Sequence[Cache]) -> torch.Tensor:
+        """Feed one token through the first layers (a decode step's exact computation)."""
         model = self.model
         x = model.embed_tokens(torch.tensor([token]))
         return model.run_layers(x, caches, 0, self.layer)
