@@ -11,6 +11,7 @@ import logging
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
+from miniapp.engine.devices import DEVICE_CHOICES
 from miniapp.engine.errors import MiniappError
 from miniapp.engine.runtimes import BACKENDS
 from miniapp.engine.spec_modes import SPEC_MODES
@@ -137,6 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_spec_arg(bench)
     bench.set_defaults(spec=None)
 
+    doctor = sub.add_parser("doctor", help="devices, kernels and the path a model would take")
+    doctor.add_argument("--model", help="GGUF path or bundled model name")
+    doctor.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
+    doctor.add_argument("--ctx", type=_positive_int, default=4096, help="context for the estimate")
+    doctor.add_argument("--json", action="store_true", help="print one JSON object")
+
     calibrate = sub.add_parser(
         "calibrate", help="measure early-exit drafting for a model and store the best setting"
     )
@@ -192,6 +199,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from .bench import run_bench
 
         return run_bench(args)
+    if command == "doctor":
+        from .doctor import run_doctor
+
+        return run_doctor(args)
     if command == "calibrate":
         from .calibrate import run_calibrate
 

@@ -36,3 +36,7 @@ class InputFileError(MiniappError):
 
 class ContextFullError(MiniappError):
     """More tokens than the context (KV cache) was sized for."""
+
+
+class DeviceUnavailableError(MiniappError):
+    """The requested device does not exist here (e.g. --device cuda on a machine without one)."""

@@ -1,0 +1,98 @@
+"""`miniapp doctor`: what this machine offers miniapp, and which path a model would take."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+
+from miniapp.engine.devices import GIB, default_probe, estimate_footprint, plan_device
+from miniapp.engine.gguf_file import GGUFFile
+from miniapp.engine.model_store import resolve_model
+
+
+def run_doctor(args: argparse.Namespace) -> int:
+    probe = default_probe()
+    gpus = probe.gpus()
+    model = resolve_model(args.model)
+    footprint = estimate_footprint(GGUFFile(model), args.ctx)
+    plan = plan_device(args.device, probe, footprint)
+    report = {
+        "versions": probe.versions(),
+        "gpus": [asdict(g) for g in gpus],
+        "kernels": {
+            "cpu": asdict(probe.check_int4(None)),
+            **{g.label: asdict(probe.check_int4(g)) for g in gpus},
+        },
+        "model": str(model),
+        "footprint": asdict(footprint),
+        "plan": asdict(plan),
+        "llama_cpp": _llama_cpp_report(),
+        "audio_inputs": _audio_inputs(),
+    }
+    if args.json:
+        print(json.dumps(report))
+    else:
+        _print_report(report)
+    return 0
+
+
+def _llama_cpp_report() -> dict:
+    try:
+        import llama_cpp
+    except ImportError as exc:  # installed with miniapp, so only a broken install lands here
+        return {"version": None, "gpu_offload": False, "error": str(exc)}
+    return {
+        "version": llama_cpp.__version__,
+        "gpu_offload": bool(llama_cpp.llama_supports_gpu_offload()),
+    }
+
+
+def _audio_inputs() -> dict:
+    """Microphones, as sounddevice (PortAudio) lists them."""
+    try:
+        import sounddevice
+    except ImportError:
+        return {"devices": [], "error": "sounddevice is not installed (voice input needs it)"}
+    except OSError as exc:  # the package is there, the PortAudio library is not
+        return {"devices": [], "error": f"PortAudio is missing: {exc}"}
+    try:
+        devices = sounddevice.query_devices()
+    except sounddevice.PortAudioError as exc:
+        return {"devices": [], "error": str(exc)}
+    inputs = [d["name"] for d in devices if d.get("max_input_channels", 0) > 0]
+    return {"devices": inputs, "error": None if inputs else "no input device found"}
+
+
+def _print_report(report: dict) -> None:
+    versions = report["versions"]
+    print(
+        f"torch {versions['torch']}, CUDA {versions['cuda'] or 'none'}, "
+        f"HIP {versions['hip'] or 'none'}"
+    )
+    if not report["gpus"]:
+        print("GPUs: none visible to torch")
+    for gpu in report["gpus"]:
+        detail = gpu["arch"] or (".".join(map(str, gpu["capability"])) if gpu["capability"] else "")
+        print(
+            f"GPU {gpu['backend']}:{gpu['index']}: {gpu['name']} {detail}, "
+            f"{gpu['free_bytes'] / GIB:.1f} of {gpu['total_bytes'] / GIB:.1f} GiB free"
+        )
+    for where, check in report["kernels"].items():
+        state = "OK" if check["ok"] else "unavailable"
+        print(f"int4 kernel on {where}: {state} ({check['reason']})")
+    plan, footprint = report["plan"], report["footprint"]
+    print(
+        f"model {report['model']}: weights {footprint['int4_bytes'] / GIB:.2f} GiB as packed, "
+        f"{footprint['bf16_bytes'] / GIB:.2f} GiB as bf16, KV {footprint['kv_bytes'] / GIB:.2f} GiB"
+    )
+    layers = f", {plan['gpu_layers']} layers on the GPU" if plan["device"] != "cpu" else ""
+    print(
+        f"chosen path: {plan['device']} with {plan['weights']} weights{layers} - {plan['reason']}"
+    )
+    for fallback in plan["fallbacks"]:
+        print(f"  fell back from {fallback['step']}: {fallback['reason']}")
+    llama = report["llama_cpp"]
+    print(f"llama.cpp {llama['version']}: GPU offload {'yes' if llama['gpu_offload'] else 'no'}")
+    audio = report["audio_inputs"]
+    print(f"audio inputs: {', '.join(audio['devices']) if audio['devices'] else audio['error']}")

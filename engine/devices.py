@@ -1,0 +1,283 @@
+"""Which device runs the model, and why: the one place that probes devices and kernels and
+decides the fallback chain.
+
+Chain per GPU: the int4 kernel on the GPU (torch's int4-packed matmul: CUDA sm80+, ROCm where
+it exists), else dequantized bf16 weights on the GPU, else as many layers on the GPU as fit
+with the rest on the CPU, else the CPU. Every step down is recorded with its reason.
+
+Everything reads devices through a `DeviceProbe`, so tests (and `MINIAPP_SIMULATE_GPU`) can
+stand in a CUDA or ROCm device, a missing kernel or a small memory on a CPU-only machine.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from .errors import DeviceUnavailableError, MiniappError
+
+DEVICE_CHOICES = ("auto", "cuda", "rocm", "cpu")
+SIMULATE_ENV = "MINIAPP_SIMULATE_GPU"
+MIN_INT4_CAPABILITY = (8, 0)  # torch's CUDA int4 matmul needs Ampere or newer
+MEMORY_MARGIN = 0.10  # of the free memory, left for activations, allocator slack, the driver
+MIN_MARGIN_BYTES = 512 * 2**20
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    index: int
+    name: str
+    backend: str  # "cuda" | "rocm" (ROCm builds of torch report through torch.cuda)
+    total_bytes: int
+    free_bytes: int
+    capability: tuple[int, int] | None = None  # CUDA compute capability
+    arch: str | None = None  # ROCm gfx target, e.g. gfx942 for MI300
+
+    @property
+    def label(self) -> str:
+        return f"{self.backend}:{self.index}"
+
+
+@dataclass(frozen=True)
+class KernelCheck:
+    name: str
+    ok: bool
+    reason: str
+
+
+class DeviceProbe(Protocol):
+    def gpus(self) -> list[GpuInfo]: ...
+    def check_int4(self, gpu: GpuInfo | None) -> KernelCheck:
+        """The int4 matmul on this GPU (None: on the CPU)."""
+        ...
+
+    def versions(self) -> dict[str, str | None]: ...
+
+
+@dataclass(frozen=True)
+class ModelFootprint:
+    """Bytes a model needs, estimated before loading it."""
+
+    int4_bytes: int  # weights as the engine keeps them (about the GGUF's size)
+    bf16_bytes: int  # weights dequantized to bf16
+    kv_bytes: int  # KV cache at the chosen context
+    n_layers: int
+
+
+@dataclass(frozen=True)
+class Fallback:
+    step: str  # what was given up, e.g. "int4 kernel on cuda:0"
+    reason: str
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    device: str  # "cpu" or e.g. "cuda:0"
+    weights: str  # "int4" | "bf16"
+    gpu_layers: int  # layers on the GPU (0 on the CPU; all of them when the model fits)
+    reason: str  # why this path, in one line
+    fallbacks: list[Fallback] = field(default_factory=list)
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device != "cpu"
+
+
+def plan_device(requested: str, probe: DeviceProbe, footprint: ModelFootprint) -> DevicePlan:
+    """The best path for `--device requested`, walking the fallback chain."""
+    if requested not in DEVICE_CHOICES:
+        choices = ", ".join(DEVICE_CHOICES)
+        raise MiniappError(f"unknown device '{requested}' (choose from {choices})")
+    if requested == "cpu":
+        return _cpu_plan("--device cpu", [])
+    gpus = probe.gpus()
+    if requested != "auto":
+        gpus = [g for g in gpus if g.backend == requested]
+        if not gpus:
+            raise DeviceUnavailableError(_no_such_gpu(requested, probe.versions()))
+    if not gpus:
+        return _cpu_plan("no GPU visible to torch", [])
+    gpu = max(gpus, key=lambda g: g.free_bytes)
+    budget = gpu.free_bytes - max(int(gpu.free_bytes * MEMORY_MARGIN), MIN_MARGIN_BYTES)
+    fallbacks: list[Fallback] = []
+    kernel = probe.check_int4(gpu)
+    int4_total = footprint.int4_bytes + footprint.kv_bytes
+    bf16_total = footprint.bf16_bytes + footprint.kv_bytes
+    if kernel.ok and int4_total <= budget:
+        reason = f"{gpu.name}: int4 kernel probed OK, the model fits"
+        return DevicePlan(gpu.label, "int4", footprint.n_layers, reason, fallbacks)
+    if kernel.ok:
+        fallbacks.append(Fallback(f"int4 weights on {gpu.label}", _no_room(int4_total, budget)))
+    else:
+        fallbacks.append(Fallback(f"int4 kernel on {gpu.label}", kernel.reason))
+    if not kernel.ok and bf16_total <= budget:
+        reason = f"{gpu.name}: dequantized bf16 weights"
+        return DevicePlan(gpu.label, "bf16", footprint.n_layers, reason, fallbacks)
+    weights = "int4" if kernel.ok else "bf16"
+    weight_bytes = footprint.int4_bytes if kernel.ok else footprint.bf16_bytes
+    per_layer = (weight_bytes + footprint.kv_bytes) / footprint.n_layers
+    layers = min(int(max(budget, 0) // per_layer), footprint.n_layers)
+    if not kernel.ok:
+        fallbacks.append(Fallback(f"bf16 weights on {gpu.label}", _no_room(bf16_total, budget)))
+    if layers > 0:
+        reason = f"{gpu.name}: {layers} of {footprint.n_layers} layers fit, the rest on the CPU"
+        return DevicePlan(gpu.label, weights, layers, reason, fallbacks)
+    fallbacks.append(Fallback(f"any layer on {gpu.label}", _no_room(per_layer, budget)))
+    return _cpu_plan(f"{gpu.name} has no room for even one layer", fallbacks)
+
+
+def _cpu_plan(reason: str, fallbacks: list[Fallback]) -> DevicePlan:
+    return DevicePlan("cpu", "int4", 0, reason, fallbacks)
+
+
+def _no_room(needed: float, budget: float) -> str:
+    free = max(budget, 0) / GIB
+    return f"out of memory at load: needs {needed / GIB:.2f} GiB, {free:.2f} GiB usable"
+
+
+def _no_such_gpu(requested: str, versions: dict[str, str | None]) -> str:
+    return (
+        f"--device {requested}: torch {versions.get('torch')} sees no {requested} GPU "
+        f"(CUDA {versions.get('cuda') or 'none'}, HIP {versions.get('hip') or 'none'})"
+    )
+
+
+# ------------------------------------------------------------------------------ probes
+
+
+class TorchProbe:
+    """The real devices, as the installed torch sees them."""
+
+    def gpus(self) -> list[GpuInfo]:
+        import torch
+
+        if not torch.cuda.is_available():
+            return []
+        backend = "rocm" if torch.version.hip else "cuda"
+        found = []
+        for index in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(index)
+            free, total = torch.cuda.mem_get_info(index)
+            found.append(GpuInfo(
+                index, props.name, backend, total, free,
+                capability=None if torch.version.hip else (props.major, props.minor),
+                arch=getattr(props, "gcnArchName", None) if torch.version.hip else None,
+            ))  # fmt: skip
+        return found
+
+    def check_int4(self, gpu: GpuInfo | None) -> KernelCheck:
+        import torch
+
+        if gpu is not None and gpu.capability and gpu.capability < MIN_INT4_CAPABILITY:
+            major, minor = gpu.capability
+            return KernelCheck("int4 matmul", False,
+                               f"compute capability {major}.{minor} is below 8.0")  # fmt: skip
+        try:
+            _run_int4_kernel(torch, "cpu" if gpu is None else f"cuda:{gpu.index}")
+        except (RuntimeError, NotImplementedError, AttributeError) as exc:
+            where = "on HIP" if gpu is not None and gpu.backend == "rocm" else "here"
+            first_line = (
+                str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            )
+            return KernelCheck("int4 matmul", False, f"kernel missing {where}: {first_line}")
+        return KernelCheck("int4 matmul", True, "ran a 64x64 product and matched the reference")
+
+    def versions(self) -> dict[str, str | None]:
+        import torch
+
+        return {"torch": torch.__version__, "cuda": torch.version.cuda, "hip": torch.version.hip}
+
+
+def _run_int4_kernel(torch, device: str) -> None:
+    """One small int4 product on `device`, checked against the dequantized reference."""
+    generator = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (64, 64), generator=generator, dtype=torch.int32)
+    scale = torch.rand(2, 64, generator=generator) / 8 + 0.01  # [groups, rows]
+    zero = torch.randn(2, 64, generator=generator) / 8
+    x = torch.randn(3, 64, generator=generator)
+    weight = (codes.float() - 8) * scale.T.repeat_interleave(32, 1) + zero.T.repeat_interleave(
+        32, 1
+    )
+    expected = x @ weight.T
+    scales_zeros = torch.stack([scale, zero], -1).to(torch.bfloat16)
+    if device == "cpu":
+        packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
+        got = torch._weight_int4pack_mm_for_cpu(x.bfloat16(), packed, 32, scales_zeros)
+    else:
+        pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8).to(device)
+        packed = torch._convert_weight_to_int4pack(pairs, 2)
+        got = torch._weight_int4pack_mm(x.bfloat16().to(device), packed, 32,
+                                        scales_zeros.to(device)).cpu()  # fmt: skip
+    if not torch.allclose(got.float(), expected, rtol=0.05, atol=0.05 * expected.abs().max()):
+        raise RuntimeError("int4 kernel ran but disagreed with the reference")
+
+
+class SimulatedProbe:
+    """Stand-in GPUs for machines without one (tests, `MINIAPP_SIMULATE_GPU`). Spec, one GPU
+    per comma: backend:name:memory_gib[:capability or gfx arch][:no-int4], for example
+    "cuda:RTX 4090:24:8.9" or "rocm:MI300X:192:gfx942:no-int4". The CPU is the real one."""
+
+    def __init__(self, spec: str):
+        self._gpus: list[GpuInfo] = []
+        self._no_int4: set[int] = set()
+        for index, item in enumerate(p for p in spec.split(",") if p.strip()):
+            fields = item.strip().split(":")
+            if len(fields) < 3 or fields[0] not in ("cuda", "rocm"):
+                raise MiniappError(f"{SIMULATE_ENV}: cannot read '{item}'")
+            backend, name, memory = fields[0], fields[1], int(float(fields[2]) * GIB)
+            extra = fields[3:]
+            if "no-int4" in extra:
+                self._no_int4.add(index)
+                extra = [e for e in extra if e != "no-int4"]
+            capability = arch = None
+            if extra and backend == "cuda":
+                major, minor = extra[0].split(".")
+                capability = (int(major), int(minor))
+            elif extra:
+                arch = extra[0]
+            if backend == "cuda" and capability is None:
+                capability = (8, 0)
+            self._gpus.append(GpuInfo(index, name, backend, memory, memory, capability, arch))
+
+    def gpus(self) -> list[GpuInfo]:
+        return list(self._gpus)
+
+    def check_int4(self, gpu: GpuInfo | None) -> KernelCheck:
+        if gpu is None:
+            return TorchProbe().check_int4(None)
+        if gpu.capability and gpu.capability < MIN_INT4_CAPABILITY:
+            major, minor = gpu.capability
+            return KernelCheck("int4 matmul", False,
+                               f"compute capability {major}.{minor} is below 8.0")  # fmt: skip
+        if gpu.index in self._no_int4:
+            where = "on HIP" if gpu.backend == "rocm" else "in this torch build"
+            return KernelCheck("int4 matmul", False, f"kernel missing {where} (simulated)")
+        return KernelCheck("int4 matmul", True, "simulated")
+
+    def versions(self) -> dict[str, str | None]:
+        versions = TorchProbe().versions()
+        backends = {g.backend for g in self._gpus}
+        return {**versions, "cuda": "simulated" if "cuda" in backends else None,
+                "hip": "simulated" if "rocm" in backends else None}  # fmt: skip
+
+
+def default_probe() -> DeviceProbe:
+    spec = os.environ.get(SIMULATE_ENV)
+    return SimulatedProbe(spec) if spec else TorchProbe()
+
+
+def estimate_footprint(gguf, ctx: int, kv_bytes_per_value: int = 4) -> ModelFootprint:
+    """From the GGUF's tensor table and metadata alone (nothing loaded). The KV estimate is
+    for every layer caching ctx positions; sliding-window layers need less."""
+    int4_bytes = sum(info.nbytes for info in gguf.tensors.values())
+    bf16_bytes = sum(2 * info.n_elements for info in gguf.tensors.values())
+    n_layers = int(gguf.arch_value("block_count", 1))
+    n_heads = int(gguf.arch_value("attention.head_count", 1))
+    kv_heads = gguf.arch_value("attention.head_count_kv", n_heads)
+    kv_heads = max(kv_heads) if isinstance(kv_heads, list) else int(kv_heads)
+    dim = int(gguf.arch_value("embedding_length", 0))
+    head_dim = int(gguf.arch_value("attention.key_length", dim // max(n_heads, 1)))
+    kv_bytes = 2 * n_layers * kv_heads * head_dim * ctx * kv_bytes_per_value
+    return ModelFootprint(int4_bytes, bf16_bytes, kv_bytes, n_layers)
