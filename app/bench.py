@@ -148,6 +148,7 @@ class _Worker:
         if args.threads:
             command += ["--threads", str(args.threads)]
         if backend == "torch":
+            command += ["--device", args.device]
             for flag in ("sinks", "window"):
                 if getattr(args, flag) is not None:
                     command += [f"--{flag}", str(getattr(args, flag))]

@@ -17,7 +17,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
     from miniapp.engine.speculative.calibration import save_exit_setting
 
     model_path = resolve_model(args.model)
-    runtime = TorchRuntime(model_path, n_ctx=1024, threads=args.threads, spec="off")
+    runtime = TorchRuntime(
+        model_path, n_ctx=1024, threads=args.threads, spec="off", device=args.device
+    )
     n_layers = runtime.model.config.n_layers
     if args.layers and max(args.layers) >= n_layers:
         raise MiniappError(f"--layers: {model_path.name} has layers 1..{n_layers - 1} to exit at")

@@ -49,8 +49,11 @@ def run_chat(args: argparse.Namespace) -> int:
         print(f"loading {model_path.name} on {args.backend}...", file=sys.stderr, flush=True)
     runtime = open_runtime(
         args.backend, model_path, n_ctx=args.ctx, threads=args.threads,
-        sinks=args.sinks, window=args.window, spec=args.spec,
+        sinks=args.sinks, window=args.window, spec=args.spec, device=args.device,
     )  # fmt: skip
+    plan = getattr(runtime, "device_plan", None)
+    if interactive and plan is not None:
+        print(f"running on {plan.device} ({plan.reason})", file=sys.stderr, flush=True)
     session = ChatSession(runtime, system_prompt=args.system, request=request_from_args(args))
     if not interactive:
         return _answer_piped(session, sys.stdin.read(), args.stats)

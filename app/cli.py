@@ -60,6 +60,10 @@ def _add_model_args(parser: argparse.ArgumentParser, ctx_default: int | None) ->
     parser.add_argument("--backend", choices=BACKENDS, default="torch")
     parser.add_argument("--threads", type=_positive_int, help="CPU threads (default: all)")
     parser.add_argument(
+        "--device", choices=DEVICE_CHOICES, default="auto",
+        help="torch engine: auto (a GPU if torch sees one, else the CPU), cuda, rocm or cpu",
+    )  # fmt: skip
+    parser.add_argument(
         "--ctx", type=_positive_int, default=ctx_default, help="context size in tokens"
     )
     parser.add_argument(
@@ -149,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     calibrate.add_argument("--model", help="GGUF path or bundled model name")
     calibrate.add_argument("--threads", type=_positive_int, help="CPU threads (default: all)")
+    calibrate.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
     calibrate.add_argument(
         "--layers", type=_layer_list, help="exit layers to try, comma-separated (default: a sweep)"
     )  # fmt: skip

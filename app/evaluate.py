@@ -14,7 +14,7 @@ from miniapp.engine.perplexity import (
     recompute_perplexity,
     streaming_perplexity,
 )
-from miniapp.engine.runtimes import open_runtime
+from miniapp.engine.runtimes import Runtime, open_runtime
 
 
 def read_text(path_arg: str) -> str:
@@ -37,24 +37,17 @@ def run_ppl(args: argparse.Namespace) -> int:
     if args.window is None:
         if args.recompute or args.sinks is not None:
             raise MiniappError("--sinks and --recompute need --window")
-        runtime = open_runtime(
-            args.backend, model, n_ctx=args.ctx, threads=args.threads, logits_all=True
-        )
+        runtime = _open(args, model, n_ctx=args.ctx, logits_all=True)
         result = perplexity(runtime, text, args.ctx)
         how = f"{result.chunks} chunks of {result.ctx}"
     elif args.recompute:
         stride = args.stride or max(1, args.window // 8)
-        runtime = open_runtime(
-            args.backend, model, n_ctx=args.window, threads=args.threads, logits_all=True
-        )
+        runtime = _open(args, model, n_ctx=args.window, logits_all=True)
         result = recompute_perplexity(runtime, text, args.window, stride)
         how = f"each window of {args.window} recomputed, stride {stride}"
     else:
         sinks = 4 if args.sinks is None else args.sinks
-        runtime = open_runtime(
-            args.backend, model, n_ctx=sinks + args.window, threads=args.threads,
-            sinks=sinks, window=args.window,
-        )  # fmt: skip
+        runtime = _open(args, model, n_ctx=sinks + args.window, sinks=sinks, window=args.window)
         result = streaming_perplexity(runtime, text, sinks, args.window)
         how = f"streamed through {sinks} sinks + a window of {args.window}"
     if args.json:
@@ -67,10 +60,19 @@ def run_ppl(args: argparse.Namespace) -> int:
     return 0
 
 
+def _open(args: argparse.Namespace, model, **options) -> Runtime:
+    """The runtime `eval ppl` asked for (no generation, so no speculative decoding)."""
+    if args.backend == "torch":
+        options.update(spec="off", device=args.device)
+    return open_runtime(args.backend, model, threads=args.threads, **options)
+
+
 def run_compare(args: argparse.Namespace) -> int:
     text = read_text(args.file)
     model = resolve_model(args.model)
-    ours = open_runtime("torch", model, n_ctx=args.ctx, threads=args.threads)
+    ours = open_runtime(
+        "torch", model, n_ctx=args.ctx, threads=args.threads, spec="off", device=args.device
+    )
     oracle = open_runtime("llamacpp", model, n_ctx=args.ctx, threads=args.threads, logits_all=True)
     result = agreement(ours, oracle, text, args.ctx)
     if args.json:

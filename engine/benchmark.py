@@ -92,11 +92,13 @@ class BenchSession:
         window: int | None = None,
         spec: str = "off",
         stop_at_end_of_turn: bool = False,
+        device: str = "auto",
     ):
         start = time.perf_counter()
         self.runtime: Runtime = open_runtime(
-            backend, model, n_ctx=ctx, threads=threads, sinks=sinks, window=window, spec=spec
-        )
+            backend, model, n_ctx=ctx, threads=threads, sinks=sinks, window=window, spec=spec,
+            device=device,
+        )  # fmt: skip
         self.load_s = time.perf_counter() - start
         self.backend, self.prompts, self.threads, self.ctx = backend, prompts, threads, ctx
         self.spec = spec if backend == "torch" else "off"

@@ -55,6 +55,15 @@ class DeviceProbe(Protocol):
 
     def versions(self) -> dict[str, str | None]: ...
 
+    def place(self, model, plan: DevicePlan) -> None:
+        """Put a loaded model where the plan says; raises GpuPathUnavailable or
+        torch.OutOfMemoryError when that fails (the runtime then falls back)."""
+        ...
+
+
+class GpuPathUnavailable(Exception):  # noqa: N818 - a reason to fall back, not a user error
+    """The plan's GPU path cannot run here; the message is the reason."""
+
 
 @dataclass(frozen=True)
 class ModelFootprint:
@@ -189,6 +198,10 @@ class TorchProbe:
 
         return {"torch": torch.__version__, "cuda": torch.version.cuda, "hip": torch.version.hip}
 
+    def place(self, model, plan: DevicePlan) -> None:
+        if plan.on_gpu:
+            raise GpuPathUnavailable("the torch engine does not run on GPUs yet")
+
 
 def _run_int4_kernel(torch, device: str) -> None:
     """One small int4 product on `device`, checked against the dequantized reference."""
@@ -217,20 +230,29 @@ def _run_int4_kernel(torch, device: str) -> None:
 class SimulatedProbe:
     """Stand-in GPUs for machines without one (tests, `MINIAPP_SIMULATE_GPU`). Spec, one GPU
     per comma: backend:name:memory_gib[:capability or gfx arch][:no-int4], for example
-    "cuda:RTX 4090:24:8.9" or "rocm:MI300X:192:gfx942:no-int4". The CPU is the real one."""
+    "cuda:RTX 4090:24:8.9" or "rocm:MI300X:192:gfx942:no-int4". Failure flags: oom-load,
+    oom-pass=N (out of memory on the Nth forward pass). The CPU is the real one."""
 
     def __init__(self, spec: str):
         self._gpus: list[GpuInfo] = []
         self._no_int4: set[int] = set()
+        self._oom_at_load: set[int] = set()
+        self._oom_at_pass: dict[int, int] = {}
         for index, item in enumerate(p for p in spec.split(",") if p.strip()):
             fields = item.strip().split(":")
             if len(fields) < 3 or fields[0] not in ("cuda", "rocm"):
                 raise MiniappError(f"{SIMULATE_ENV}: cannot read '{item}'")
             backend, name, memory = fields[0], fields[1], int(float(fields[2]) * GIB)
-            extra = fields[3:]
-            if "no-int4" in extra:
-                self._no_int4.add(index)
-                extra = [e for e in extra if e != "no-int4"]
+            extra = []
+            for flag in fields[3:]:
+                if flag == "no-int4":
+                    self._no_int4.add(index)
+                elif flag == "oom-load":
+                    self._oom_at_load.add(index)
+                elif flag.startswith("oom-pass="):
+                    self._oom_at_pass[index] = int(flag.split("=", 1)[1])
+                else:
+                    extra.append(flag)
             capability = arch = None
             if extra and backend == "cuda":
                 major, minor = extra[0].split(".")
@@ -255,6 +277,28 @@ class SimulatedProbe:
             where = "on HIP" if gpu.backend == "rocm" else "in this torch build"
             return KernelCheck("int4 matmul", False, f"kernel missing {where} (simulated)")
         return KernelCheck("int4 matmul", True, "simulated")
+
+    def place(self, model, plan: DevicePlan) -> None:
+        """The simulated GPU computes on the CPU; what it adds is its failures: out of memory
+        at load, or at the Nth forward pass."""
+        import torch
+
+        model.fault_hook = None
+        if not plan.on_gpu:
+            return
+        index = int(plan.device.split(":")[1])
+        if index in self._oom_at_load:
+            raise torch.OutOfMemoryError(f"simulated: {plan.device} out of memory at load")
+        if index in self._oom_at_pass:
+            passes = [0]
+            limit = self._oom_at_pass[index]
+
+            def count_pass() -> None:
+                passes[0] += 1
+                if passes[0] == limit:
+                    raise torch.OutOfMemoryError(f"simulated: {plan.device} out of memory")
+
+            model.fault_hook = count_pass
 
     def versions(self) -> dict[str, str | None]:
         versions = TorchProbe().versions()

@@ -118,3 +118,81 @@ def test_doctor_with_a_device_that_is_not_there_exits_2(miniapp_exe):
     done = _doctor(miniapp_exe, "--device", "cuda")
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and "sees no cuda GPU" in done.stderr
+
+
+# ------------------------------------------------------------------ falling back at run time
+
+
+def _greedy(runtime, prompt, n=40):
+    from miniapp.engine.sampling import GREEDY
+
+    out = []
+    tokens = runtime.generate_tokens(prompt, GREEDY)
+    try:
+        for token in tokens:
+            out.append(token)
+            if len(out) == n:
+                break
+    finally:
+        tokens.close()
+    return out
+
+
+PROMPT = list(range(300, 340))
+
+
+@pytest.fixture(scope="module")
+def cpu_answer(default_model):
+    from miniapp.engine.runtimes.torch_runtime import TorchRuntime
+
+    return _greedy(TorchRuntime(default_model, n_ctx=512, spec="off"), PROMPT)
+
+
+@pytest.mark.parametrize("spec", ["off", "lookup"])
+def test_out_of_memory_mid_decode_goes_on_on_the_cpu_with_the_same_answer(
+    default_model, cpu_answer, spec
+):
+    from miniapp.engine.runtimes.torch_runtime import TorchRuntime
+
+    probe = SimulatedProbe("cuda:Sim:24:8.9:oom-pass=6")
+    runtime = TorchRuntime(default_model, n_ctx=512, spec=spec, probe=probe)
+    assert runtime.device_plan.device == "cuda:0"
+    assert _greedy(runtime, PROMPT) == cpu_answer
+    assert runtime.device_plan.device == "cpu"
+    assert "out of memory during decode" in runtime.device_plan.fallbacks[-1].reason
+    assert _greedy(runtime, PROMPT) == cpu_answer  # and keeps working afterwards
+
+
+def test_out_of_memory_at_load_falls_back_to_the_cpu(default_model, cpu_answer):
+    from miniapp.engine.runtimes.torch_runtime import TorchRuntime
+
+    probe = SimulatedProbe("rocm:MI300X:192:gfx942:oom-load")
+    runtime = TorchRuntime(default_model, n_ctx=512, spec="off", probe=probe)
+    assert runtime.device_plan.device == "cpu"
+    assert "out of memory at load" in runtime.device_plan.fallbacks[-1].reason
+    assert _greedy(runtime, PROMPT) == cpu_answer
+
+
+def test_chat_keeps_answering_through_an_out_of_memory(miniapp_exe):
+    def chat(simulate=None):
+        env = {k: v for k, v in os.environ.items() if k != "MINIAPP_SIMULATE_GPU"}
+        if simulate:
+            env["MINIAPP_SIMULATE_GPU"] = simulate
+        return subprocess.run(
+            [miniapp_exe, "chat", "--temperature", "0", "--max-tokens", "24", "--spec", "off"],
+            input="Name three colours.", capture_output=True, text=True, timeout=120, env=env,
+        )  # fmt: skip
+
+    on_cpu, interrupted = chat(), chat("cuda:Sim:24:8.9:oom-pass=4")
+    assert interrupted.returncode == 0, interrupted.stderr
+    assert interrupted.stdout == on_cpu.stdout
+    assert "falling back to the CPU" in interrupted.stderr
+    assert "out of memory during decode" in interrupted.stderr
+
+
+def test_device_flag_is_for_the_torch_engine(miniapp_exe):
+    done = subprocess.run(
+        [miniapp_exe, "chat", "--backend", "llamacpp", "--device", "cpu"],
+        input="hi", capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and "--device applies to the torch backend" in done.stderr

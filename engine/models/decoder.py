@@ -9,6 +9,7 @@ calls per layer. llama.cpp's graph for each architecture is the reference for th
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -299,6 +300,8 @@ class DecoderModel:
         self._kinds: dict[bool, int] = {}
         for index, local in enumerate(self._layer_is_local):
             self._kinds.setdefault(local, index)
+        # Called before every pass over layers; a simulated device injects its failures here.
+        self.fault_hook: Callable[[], None] | None = None
 
     def make_caches(self, policy: CachePolicy) -> list[Cache]:
         """One cache per layer; the model picks each layer's kind (local layers: a ring the
@@ -372,6 +375,8 @@ class DecoderModel:
         returned), appending to those layers' caches. Early-exit drafting runs the first
         layers alone, so layers may sit at different offsets: each kind of layer takes its
         positions and mask from its first cache in the range."""
+        if self.fault_hook is not None:
+            self.fault_hook()
         n_tokens = x.shape[0]
         rotations: dict[bool, RopeTables] = {}
         masks: dict[bool, torch.Tensor | None | RowMasks] = {}

@@ -20,6 +20,7 @@ def open_runtime(
     sinks: int | None = None,
     window: int | None = None,
     spec: str = "auto",
+    device: str = "auto",
 ) -> Runtime:
     """`sinks` and `window` shape the torch engine's sliding-window cache (see TorchRuntime);
     llama.cpp's Python binding has no equivalent, so it stops at a full context instead."""
@@ -28,13 +29,16 @@ def open_runtime(
 
         sinks = DEFAULT_SINKS if sinks is None else sinks
         return TorchRuntime(
-            model_path, n_ctx=n_ctx, threads=threads, sinks=sinks, window=window, spec=spec
-        )
+            model_path, n_ctx=n_ctx, threads=threads, sinks=sinks, window=window, spec=spec,
+            device=device,
+        )  # fmt: skip
     if backend == "llamacpp":
         from .llamacpp_runtime import LlamaCppRuntime
 
         if sinks is not None or window is not None:
             raise MiniappError("--window and --sinks apply to the torch backend only")
+        if device != "auto":
+            raise MiniappError("--device applies to the torch backend (llama.cpp picks its own)")
         if spec not in ("off", "auto"):
             raise MiniappError("--spec early-exit and lookup apply to the torch backend only")
         return LlamaCppRuntime(model_path, n_ctx=n_ctx, threads=threads, logits_all=logits_all)

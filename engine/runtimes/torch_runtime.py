@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from ..devices import (
+    DevicePlan,
+    DeviceProbe,
+    Fallback,
+    GpuPathUnavailable,
+    default_probe,
+    estimate_footprint,
+    plan_device,
+)
 from ..gguf_file import GGUFFile
 from ..memory import limit_heap_fragmentation
 from ..models import CachePolicy, build_model
@@ -17,6 +27,8 @@ from ..speculative import DraftController, EarlyExitDrafter, SpecMode, Speculati
 from ..speculative.calibration import default_exit_setting, load_exit_setting
 from ..tokenizer import Tokenizer
 from .base import DEFAULT_CTX, LOGIT_BLOCK, Runtime, common_prefix, default_threads
+
+log = logging.getLogger("miniapp.engine")
 
 DEFAULT_SINKS = 4  # StreamingLLM's number of attention-sink tokens
 
@@ -37,12 +49,17 @@ class TorchRuntime(Runtime):
         sinks: int = DEFAULT_SINKS,
         window: int | None = None,
         spec: SpecMode | str = SpecMode.AUTO,
+        device: str = "auto",
+        probe: DeviceProbe | None = None,
     ):
         self.model_path = Path(model_path)
         limit_heap_fragmentation()
         torch.set_num_threads(threads or default_threads())
         gguf = gguf or GGUFFile(self.model_path)
+        self.probe = probe or default_probe()
+        self.device_plan = plan_device(device, self.probe, estimate_footprint(gguf, n_ctx))
         self.model = build_model(gguf)
+        self._place()
         self.chat_template = gguf.metadata.get("tokenizer.chat_template")
         self.architecture = gguf.architecture
         self.tokenizer = Tokenizer(self.model_path)
@@ -54,6 +71,32 @@ class TorchRuntime(Runtime):
         # Kept across answers: what drafting costs and earns is learned as the chat goes.
         self.draft_controller = DraftController()
         self.early_exit = self._early_exit_drafter()
+
+    def _place(self) -> None:
+        """Put the model where the plan says, falling back to the CPU if that fails."""
+        plan = self.device_plan
+        try:
+            self.probe.place(self.model, plan)
+        except GpuPathUnavailable as exc:
+            self._fall_back_to_cpu(f"{plan.weights} weights on {plan.device}", str(exc))
+        except torch.OutOfMemoryError as exc:
+            self._fall_back_to_cpu(f"loading on {plan.device}", f"out of memory at load: {exc}")
+
+    def _fall_back_to_cpu(self, step: str, reason: str) -> None:
+        log.warning("falling back to the CPU from %s: %s", step, reason)
+        fallbacks = [*self.device_plan.fallbacks, Fallback(step, reason)]
+        self.device_plan = DevicePlan("cpu", "int4", 0, f"fell back: {reason}", fallbacks)
+        self.probe.place(self.model, self.device_plan)
+
+    def _recover_from_oom(self, exc: torch.OutOfMemoryError) -> None:
+        """Out of memory mid-decode: continue on the CPU with the same conversation. The
+        caches are rebuilt there from the tokens fed so far."""
+        step = f"decoding on {self.device_plan.device}"
+        self._fall_back_to_cpu(step, f"out of memory during decode: {exc}")
+        fed = list(self._tokens)
+        self._truncate(0)
+        if fed:
+            self._feed(fed)
 
     def _early_exit_drafter(self) -> EarlyExitDrafter | None:
         if self.spec_mode not in (SpecMode.AUTO, SpecMode.EARLY_EXIT):
@@ -81,9 +124,22 @@ class TorchRuntime(Runtime):
 
     def generate_tokens(self, prompt: Sequence[int], params: SamplingParams) -> Iterator[int]:
         sampler = Sampler(params)
+        history = list(prompt)
+        while True:
+            try:
+                yield from self._generate(history, sampler)
+                return
+            except torch.OutOfMemoryError as exc:
+                if not self.device_plan.on_gpu:
+                    raise
+                # The tokens yielded so far are in `history`: go on from there, same sampler.
+                self._recover_from_oom(exc)
+
+    def _generate(self, history: list[int], sampler: Sampler) -> Iterator[int]:
+        """Yields tokens after `history`, appending each to it."""
+        prompt = list(history)
         reuse = self.reusable_prefix(prompt)
         self._truncate(reuse)
-        history = list(prompt)
         logits = self._feed(prompt[reuse:])
         self.last_speculation = None
         if self.spec_mode is not SpecMode.OFF:
