@@ -8,6 +8,7 @@ import os
 import subprocess
 
 import pytest
+from generation_helpers import first_tokens
 
 from miniapp.engine.devices import (
     GIB,
@@ -124,18 +125,7 @@ def test_doctor_with_a_device_that_is_not_there_exits_2(miniapp_exe):
 
 
 def _greedy(runtime, prompt, n=40):
-    from miniapp.engine.sampling import GREEDY
-
-    out = []
-    tokens = runtime.generate_tokens(prompt, GREEDY)
-    try:
-        for token in tokens:
-            out.append(token)
-            if len(out) == n:
-                break
-    finally:
-        tokens.close()
-    return out
+    return first_tokens(runtime, prompt, n)
 
 
 PROMPT = list(range(300, 340))

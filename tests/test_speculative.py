@@ -9,6 +9,7 @@ from collections import Counter
 
 import pytest
 import torch
+from generation_helpers import first_tokens
 from tiny_gguf import TinyModel, write_tiny_model
 
 from miniapp.engine.cache import RotatingKVCache
@@ -31,16 +32,7 @@ QUESTIONS = [
 
 def _generate(runtime: TorchRuntime, prompt: list[int], n: int, params=GREEDY) -> list[int]:
     runtime.reset()
-    out: list[int] = []
-    tokens = runtime.generate_tokens(prompt, params)
-    try:
-        for token in tokens:
-            out.append(token)
-            if len(out) == n:
-                break
-    finally:
-        tokens.close()
-    return out
+    return first_tokens(runtime, prompt, n, params)
 
 
 def _force(runtime: TorchRuntime, mode: str, layer: int | None = None, drafts: int = 4) -> None:
