@@ -27,7 +27,7 @@ def run_doctor(args: argparse.Namespace) -> int:
         "model": str(model),
         "footprint": asdict(footprint),
         "plan": asdict(plan),
-        "llama_cpp": _llama_cpp_report(),
+        "llama_cpp": _llama_cpp_report(probe, footprint),
         "audio_inputs": _audio_inputs(),
     }
     if args.json:
@@ -37,14 +37,17 @@ def run_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
-def _llama_cpp_report() -> dict:
-    try:
-        import llama_cpp
-    except ImportError as exc:  # installed with miniapp, so only a broken install lands here
-        return {"version": None, "gpu_offload": False, "error": str(exc)}
+def _llama_cpp_report(probe, footprint) -> dict:
+    from miniapp.engine.devices import plan_llamacpp_offload
+    from miniapp.engine.llamacpp_lib import llama_cpp, llama_supports_gpu_offload
+
+    supported = llama_supports_gpu_offload()
+    offload = plan_llamacpp_offload(supported, probe, footprint)
     return {
         "version": llama_cpp.__version__,
-        "gpu_offload": bool(llama_cpp.llama_supports_gpu_offload()),
+        "gpu_offload": supported,
+        "n_gpu_layers": offload.gpu_layers,
+        "reason": offload.reason,
     }
 
 
@@ -93,6 +96,9 @@ def _print_report(report: dict) -> None:
     for fallback in plan["fallbacks"]:
         print(f"  fell back from {fallback['step']}: {fallback['reason']}")
     llama = report["llama_cpp"]
-    print(f"llama.cpp {llama['version']}: GPU offload {'yes' if llama['gpu_offload'] else 'no'}")
+    print(
+        f"llama.cpp {llama['version']}: GPU offload {'yes' if llama['gpu_offload'] else 'no'}; "
+        f"n_gpu_layers {llama['n_gpu_layers']} ({llama['reason']})"
+    )
     audio = report["audio_inputs"]
     print(f"audio inputs: {', '.join(audio['devices']) if audio['devices'] else audio['error']}")

@@ -325,3 +325,53 @@ def estimate_footprint(gguf, ctx: int, kv_bytes_per_value: int = 4) -> ModelFoot
     head_dim = int(gguf.arch_value("attention.key_length", dim // max(n_heads, 1)))
     kv_bytes = 2 * n_layers * kv_heads * head_dim * ctx * kv_bytes_per_value
     return ModelFootprint(int4_bytes, bf16_bytes, kv_bytes, n_layers)
+
+
+# ------------------------------------------------------------------------------ llama.cpp
+
+ALL_LAYERS = -1  # llama.cpp's n_gpu_layers for "everything, the output layer included"
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    gpu_layers: int  # llama.cpp's n_gpu_layers: 0 (CPU), a count, or ALL_LAYERS
+    reason: str
+
+
+def plan_llamacpp_offload(
+    offload_supported: bool, probe: DeviceProbe, footprint: ModelFootprint
+) -> OffloadPlan:
+    """How many layers llama.cpp should put on the GPU, from its build and free memory."""
+    if not offload_supported:
+        return OffloadPlan(0, "this llama.cpp build has no GPU offload")
+    gpus = probe.gpus()
+    if not gpus:
+        return OffloadPlan(0, "no GPU visible")
+    gpu = max(gpus, key=lambda g: g.free_bytes)
+    budget = gpu.free_bytes - max(int(gpu.free_bytes * MEMORY_MARGIN), MIN_MARGIN_BYTES)
+    if footprint.int4_bytes + footprint.kv_bytes <= budget:
+        return OffloadPlan(ALL_LAYERS, f"the whole model fits on {gpu.name}")
+    per_layer = (footprint.int4_bytes + footprint.kv_bytes) / footprint.n_layers
+    layers = min(int(max(budget, 0) // per_layer), footprint.n_layers)
+    if layers == 0:
+        return OffloadPlan(0, f"{gpu.name} has no room for one layer")
+    return OffloadPlan(layers, f"{layers} of {footprint.n_layers} layers fit on {gpu.name}")
+
+
+def load_with_fewer_layers(load, plan: OffloadPlan, n_layers: int):
+    """Call `load(n_gpu_layers)`; when it fails with layers on the GPU, retry with half as
+    many, then with none. Returns (what load returned, layers used, fallbacks taken)."""
+    fallbacks: list[Fallback] = []
+    layers = n_layers if plan.gpu_layers == ALL_LAYERS else plan.gpu_layers
+    attempt = plan.gpu_layers
+    while True:
+        try:
+            return load(attempt), attempt, fallbacks
+        except (ValueError, RuntimeError, MemoryError) as exc:
+            if attempt == 0:
+                raise
+            tried = "all" if attempt == ALL_LAYERS else str(attempt)
+            step = f"{tried} layers on the GPU"
+            fallbacks.append(Fallback(step, f"llama.cpp could not load: {exc}"))
+            layers //= 2
+            attempt = layers

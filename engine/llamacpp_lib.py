@@ -28,4 +28,10 @@ llama_cpp.llama_log_set(_route_native_log, ctypes.c_void_p(0))
 
 Llama = llama_cpp.Llama
 
-__all__ = ["Llama", "llama_cpp"]
+
+def llama_supports_gpu_offload() -> bool:
+    """Whether this llama.cpp build can put layers on a GPU (CUDA, HIP, Metal, Vulkan...)."""
+    return bool(llama_cpp.llama_supports_gpu_offload())
+
+
+__all__ = ["Llama", "llama_cpp", "llama_supports_gpu_offload"]

@@ -11,12 +11,16 @@ import pytest
 from generation_helpers import first_tokens
 
 from miniapp.engine.devices import (
+    ALL_LAYERS,
     GIB,
     ModelFootprint,
+    OffloadPlan,
     SimulatedProbe,
     TorchProbe,
     estimate_footprint,
+    load_with_fewer_layers,
     plan_device,
+    plan_llamacpp_offload,
 )
 from miniapp.engine.errors import DeviceUnavailableError, MiniappError
 from miniapp.engine.gguf_file import GGUFFile
@@ -186,3 +190,45 @@ def test_device_flag_is_for_the_torch_engine(miniapp_exe):
         input="hi", capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 2 and "--device applies to the torch backend" in done.stderr
+
+
+# ------------------------------------------------------------------ llama.cpp offload
+
+
+def test_llamacpp_offload_follows_the_build_and_free_memory():
+    roomy, small = SimulatedProbe("cuda:RTX 4090:24:8.9"), SimulatedProbe("cuda:RTX 3060:3:8.6")
+    assert plan_llamacpp_offload(False, roomy, BIG).gpu_layers == 0  # a CPU-only build
+    assert plan_llamacpp_offload(True, TorchProbe(), BIG).gpu_layers == 0  # no GPU here
+    assert plan_llamacpp_offload(True, roomy, BIG).gpu_layers == ALL_LAYERS
+    partial = plan_llamacpp_offload(True, small, BIG)
+    assert 0 < partial.gpu_layers < 32 and "layers fit" in partial.reason
+
+
+def test_llamacpp_load_retries_with_fewer_layers_then_the_cpu():
+    tried = []
+
+    def load(layers):
+        tried.append(layers)
+        if layers == ALL_LAYERS or layers > 6:
+            raise ValueError("failed to create context (out of memory)")
+        return f"model with {layers} layers"
+
+    model, used, fallbacks = load_with_fewer_layers(load, OffloadPlan(ALL_LAYERS, "fits"), 32)
+    assert tried == [ALL_LAYERS, 16, 8, 4] and used == 4 and model == "model with 4 layers"
+    assert [f.step for f in fallbacks] == ["all layers on the GPU", "16 layers on the GPU",
+                                           "8 layers on the GPU"]  # fmt: skip
+
+    def never(layers):
+        tried.append(layers)
+        raise ValueError("bad file")
+
+    tried.clear()
+    with pytest.raises(ValueError, match="bad file"):
+        load_with_fewer_layers(never, OffloadPlan(3, "3 fit"), 32)
+    assert tried == [3, 1, 0]  # down to the CPU, whose failure is the file's
+
+
+def test_doctor_json_reports_llamacpp_offload(miniapp_exe):
+    report = json.loads(_doctor(miniapp_exe, "--json").stdout)
+    assert report["llama_cpp"]["n_gpu_layers"] == 0
+    assert "no GPU offload" in report["llama_cpp"]["reason"]

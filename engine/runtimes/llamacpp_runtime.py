@@ -2,18 +2,28 @@
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
+from ..devices import (
+    DeviceProbe,
+    default_probe,
+    estimate_footprint,
+    load_with_fewer_layers,
+    plan_llamacpp_offload,
+)
 from ..errors import ModelFileError
 from ..gguf_file import GGUFFile
-from ..llamacpp_lib import Llama
+from ..llamacpp_lib import Llama, llama_supports_gpu_offload
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
 from .base import DEFAULT_CTX, LOGIT_BLOCK, Runtime, common_prefix, default_threads
+
+log = logging.getLogger("miniapp.llamacpp")
 
 
 class LlamaCppRuntime(Runtime):
@@ -25,6 +35,7 @@ class LlamaCppRuntime(Runtime):
         n_ctx: int = DEFAULT_CTX,
         threads: int | None = None,
         logits_all: bool = False,
+        probe: DeviceProbe | None = None,
     ):
         self.model_path = Path(model_path)
         # Our own reader first: it names the problem in a bad file more clearly than llama.cpp.
@@ -32,18 +43,30 @@ class LlamaCppRuntime(Runtime):
         self.chat_template = gguf.metadata.get("tokenizer.chat_template")
         self.architecture = gguf.architecture
         threads = threads or default_threads()
-        try:
-            self._llm = Llama(
+
+        def load(gpu_layers: int) -> Llama:
+            return Llama(
                 str(self.model_path),
                 n_ctx=n_ctx,
                 n_batch=min(n_ctx, 512),
                 n_threads=threads,
                 n_threads_batch=threads,
+                n_gpu_layers=gpu_layers,
                 logits_all=logits_all,
                 verbose=False,
             )
+
+        probe = probe or default_probe()
+        footprint = estimate_footprint(gguf, n_ctx)
+        self.offload = plan_llamacpp_offload(llama_supports_gpu_offload(), probe, footprint)
+        try:
+            self._llm, self.gpu_layers, self.fallbacks = load_with_fewer_layers(
+                load, self.offload, footprint.n_layers
+            )
         except ValueError as exc:
             raise ModelFileError(self.model_path, f"llama.cpp could not load it ({exc})") from exc
+        for fallback in self.fallbacks:
+            log.warning("llama.cpp: gave up %s: %s", fallback.step, fallback.reason)
         self.tokenizer = Tokenizer(self.model_path, llama=self._llm)
         self.n_ctx = n_ctx
         self._logits_all = logits_all
