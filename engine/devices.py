@@ -109,7 +109,7 @@ def plan_device(requested: str, probe: DeviceProbe, footprint: ModelFootprint) -
     if not gpus:
         return _cpu_plan("no GPU visible to torch", [])
     gpu = max(gpus, key=lambda g: g.free_bytes)
-    budget = gpu.free_bytes - max(int(gpu.free_bytes * MEMORY_MARGIN), MIN_MARGIN_BYTES)
+    budget = _usable_bytes(gpu)
     fallbacks: list[Fallback] = []
     kernel = probe.check_int4(gpu)
     int4_total = footprint.int4_bytes + footprint.kv_bytes
@@ -135,6 +135,11 @@ def plan_device(requested: str, probe: DeviceProbe, footprint: ModelFootprint) -
         return DevicePlan(gpu.label, weights, layers, reason, fallbacks)
     fallbacks.append(Fallback(f"any layer on {gpu.label}", _no_room(per_layer, budget)))
     return _cpu_plan(f"{gpu.name} has no room for even one layer", fallbacks)
+
+
+def _usable_bytes(gpu: GpuInfo) -> int:
+    """Free memory less the margin kept for activations, allocator slack and the driver."""
+    return gpu.free_bytes - max(int(gpu.free_bytes * MEMORY_MARGIN), MIN_MARGIN_BYTES)
 
 
 def _cpu_plan(reason: str, fallbacks: list[Fallback]) -> DevicePlan:
@@ -348,7 +353,7 @@ def plan_llamacpp_offload(
     if not gpus:
         return OffloadPlan(0, "no GPU visible")
     gpu = max(gpus, key=lambda g: g.free_bytes)
-    budget = gpu.free_bytes - max(int(gpu.free_bytes * MEMORY_MARGIN), MIN_MARGIN_BYTES)
+    budget = _usable_bytes(gpu)
     if footprint.int4_bytes + footprint.kv_bytes <= budget:
         return OffloadPlan(ALL_LAYERS, f"the whole model fits on {gpu.name}")
     per_layer = (footprint.int4_bytes + footprint.kv_bytes) / footprint.n_layers
