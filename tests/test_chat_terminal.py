@@ -43,20 +43,21 @@ def _spawn_chat(miniapp_exe, max_tokens: int):
     return child
 
 
-@pytest.fixture
-def chat(miniapp_exe):
-    child = _spawn_chat(miniapp_exe, max_tokens=48)  # short answers keep the test quick
+def _running_chat(miniapp_exe, max_tokens: int):
+    child = _spawn_chat(miniapp_exe, max_tokens=max_tokens)
     yield child
     if child.isalive():
         child.terminate(force=True)
+
+
+@pytest.fixture
+def chat(miniapp_exe):
+    yield from _running_chat(miniapp_exe, max_tokens=48)  # short answers keep the test quick
 
 
 @pytest.fixture
 def long_chat(miniapp_exe):
-    child = _spawn_chat(miniapp_exe, max_tokens=2000)  # an answer long enough to interrupt
-    yield child
-    if child.isalive():
-        child.terminate(force=True)
+    yield from _running_chat(miniapp_exe, max_tokens=2000)  # long enough to interrupt
 
 
 def _ask(child, text: str) -> str:

@@ -143,12 +143,7 @@ def calibrate(
     for layer in layers:
         drafter = EarlyExitDrafter(model, layer)
         draft_s, verify_s = _time_drafter(runtime, drafter, timing_prompt)
-        speedup = {
-            k: statistics.fmean(min(r, k) + 1 for r in runs[layer])
-            * plain_s
-            / (k * draft_s + verify_s[k])
-            for k in DRAFT_LENGTHS
-        }
+        speedup = _predicted_speedup(runs[layer], plain_s, draft_s, verify_s)
         results.append(LayerResult(layer, agree_counts[layer] / positions, draft_s, speedup))
         report(
             f"exit after layer {layer}: agreement {results[-1].agreement:.2f}, "
@@ -166,7 +161,7 @@ def calibrate(
     adapter_agreement = None
     if train_adapter:
         setting, adapter_agreement = _with_adapter(
-            runtime, setting, sequences, report, answer_tokens
+            runtime, setting, sequences, report, answer_tokens, plain_s
         )
     return CalibrationResult(plain_s, results, setting, adapter_agreement)
 
@@ -230,7 +225,18 @@ ADAPTER_BATCH = 256
 TEACHER_TOP = 64  # teacher probabilities kept per position (the rest of the mass is tiny)
 
 
-def _with_adapter(runtime, setting, sequences, report, answer_tokens):
+def _predicted_speedup(
+    runs: Sequence[int], plain_s: float, draft_s: float, verify_s: dict[int, float]
+) -> dict[int, float]:
+    """By draft length k: tokens per verification (kept drafts + 1) over its cost, in
+    plain steps."""
+    return {
+        k: statistics.fmean(min(r, k) + 1 for r in runs) * plain_s / (k * draft_s + verify_s[k])
+        for k in DRAFT_LENGTHS
+    }
+
+
+def _with_adapter(runtime, setting, sequences, report, answer_tokens, plain_s):
     """Train an adapter for the exit layer that the adapter would help most: the layer
     whose predicted speed-up is best if agreement rose, which in practice is the middle."""
     model = runtime.model
@@ -240,16 +246,13 @@ def _with_adapter(runtime, setting, sequences, report, answer_tokens):
     train = greedy_answers(runtime, train_questions, answer_tokens)
     report(f"training the exit adapter at layer {layer}")
     adapter = train_exit_adapter(runtime, layer, [t for _, t in train], report)
-    before, after = _held_out_agreement(runtime, layer, sequences, adapter)
+    runs = _held_out_runs(runtime, layer, sequences, adapter)
+    before = _agreement(_held_out_runs(runtime, layer, sequences, None))
+    after = _agreement(runs)
     report(f"held-out agreement at layer {layer}: {before:.2f} without, {after:.2f} with adapter")
     drafter = EarlyExitDrafter(model, layer, adapter)
     draft_s, verify_s = _time_drafter(runtime, drafter, sequences[0][1])
-    runs = _held_out_runs(runtime, layer, sequences, adapter)
-    plain_s = _time_plain(runtime, sequences[0][1])
-    speedup = {
-        k: statistics.fmean(min(r, k) + 1 for r in runs) * plain_s / (k * draft_s + verify_s[k])
-        for k in DRAFT_LENGTHS
-    }
+    speedup = _predicted_speedup(runs, plain_s, draft_s, verify_s)
     best_k = max(speedup, key=speedup.get)
     if speedup[best_k] > setting.predicted_speedup or not setting.pays:
         acceptance = dict(setting.acceptance, **{f"{layer}+adapter": after})
@@ -272,12 +275,9 @@ def _held_out_runs(runtime, layer, sequences, adapter) -> list[int]:
     return runs
 
 
-def _held_out_agreement(runtime, layer, sequences, adapter) -> tuple[float, float]:
-    scores = []
-    for candidate in (None, adapter):
-        runs = _held_out_runs(runtime, layer, sequences, candidate)
-        scores.append(sum(1 for r in runs if r > 0) / len(runs))
-    return scores[0], scores[1]
+def _agreement(runs: Sequence[int]) -> float:
+    """Top-1 agreement: the share of positions that start a run of at least one."""
+    return sum(1 for r in runs if r > 0) / len(runs)
 
 
 def train_exit_adapter(
