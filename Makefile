@@ -7,9 +7,26 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 MODELS_STAMP := $(VENV)/.models
 
-.PHONY: setup run test lint bench clean
+SYSTEM_PACKAGES := espeak-ng sox libportaudio2
 
-setup: $(STAMP) $(MODELS_STAMP)
+.PHONY: setup system-packages run test lint bench clean
+
+setup: system-packages $(STAMP) $(MODELS_STAMP)
+
+# Voice input needs PortAudio (microphone); its tests synthesize speech with espeak-ng and sox.
+# As root on Debian the missing ones are installed; elsewhere this says what to install.
+system-packages:
+	@missing=""; for pkg in $(SYSTEM_PACKAGES); do \
+		dpkg-query -W -f='$${Status}' $$pkg 2>/dev/null | grep -q "install ok installed" \
+			|| missing="$$missing $$pkg"; \
+	done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update && apt-get install -y $$missing; \
+	else \
+		echo "voice input needs these system packages:$$missing (Debian/Ubuntu:" \
+			"sudo apt-get install$$missing; macOS: brew install espeak-ng sox portaudio)"; \
+	fi
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

