@@ -1,0 +1,358 @@
+"""A chat that shows images to a vision model: llama.cpp's multimodal path (MTMD) through
+llama-cpp-python's MTMDChatHandler.
+
+We render the conversation with the model's own chat template ourselves (the same renderer
+as text chats, fallbacks included), with llama.cpp's media marker where each image goes; the
+handler then cuts the text at the markers, encodes each image with the projector and feeds
+text and image embeddings to the model in order. So `--show-prompt` shows exactly what ran.
+
+The handler evaluates the whole conversation afresh on every turn (images included): there
+is no prefix reuse on this path.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import ctypes
+import logging
+import random
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+from llama_cpp import mtmd_cpp
+from llama_cpp.llama_chat_format import MTMDChatHandler
+
+from ..chat_template import ChatTemplate, Message
+from ..devices import (
+    default_probe,
+    estimate_footprint,
+    load_with_fewer_layers,
+    plan_llamacpp_offload,
+)
+from ..errors import ContextFullError, MiniappError, ModelFileError
+from ..events import Finished, GenerationEvent, GenerationStats, TextDelta
+from ..generation import GenerationRequest, generate
+from ..gguf_file import GGUFFile
+from ..llamacpp_lib import Llama, llama_cpp, llama_supports_gpu_offload
+from ..runtimes.base import DEFAULT_CTX, LOGIT_BLOCK, Runtime, default_threads
+from ..sampling import SamplingParams
+from ..tokenizer import Tokenizer
+from .loading import LoadedImage
+from .route import projector_problem
+
+log = logging.getLogger("miniapp.llamacpp")
+
+# Image embeddings are decoded in batches of this many positions. Some projectors (Gemma 3)
+# need all of one image's tokens in one batch; 512 holds the largest common ones (256).
+VISION_BATCH = 512
+IMAGE_MIME = "image/png"  # LoadedImage.png_bytes(): stb_image in llama.cpp reads PNG
+MARKER = mtmd_cpp.mtmd_default_marker().decode("utf-8")  # "<__media__>"
+MARKER_STAND_IN = "<_media_>"  # typed text must never be mistaken for an image position
+_GGML_WARN, _GGML_ERROR = 3, 4  # ggml_log_level
+
+# llama.cpp's projector loader reports why it failed only through its log; the last few
+# warnings and errors are kept to name the cause in a one-line error.
+_recent_problems: collections.deque[str] = collections.deque(maxlen=8)
+
+
+@llama_cpp.llama_log_callback
+def _route_mtmd_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
+    message = text.decode("utf-8", "replace").strip()
+    if not message:
+        return
+    log.debug("mtmd: %s", message)
+    if level in (_GGML_WARN, _GGML_ERROR):
+        _recent_problems.append(message)
+
+
+mtmd_cpp.mtmd_log_set(_route_mtmd_log, ctypes.c_void_p(0))
+mtmd_cpp.mtmd_helper_log_set(_route_mtmd_log, ctypes.c_void_p(0))
+
+
+@dataclass(frozen=True)
+class VisionMessage:
+    role: str  # "user" | "assistant"
+    text: str
+    images: tuple[bytes, ...] = ()  # PNG files, shown before the text in this order
+
+
+class _RenderedPromptHandler(MTMDChatHandler):
+    """MTMDChatHandler evaluating a prompt we rendered: its template step passes our text
+    through unchanged, and the image parts of the messages supply the pictures in order."""
+
+    PASSTHROUGH_TEMPLATE = "{{ messages[0]['content'] }}"
+
+    def __init__(self, mmproj_path: Path, use_gpu: bool):
+        super().__init__(clip_model_path=str(mmproj_path), verbose=False, use_gpu=use_gpu)
+        self.prompt = ""
+
+    def open(self, llama: Llama) -> None:
+        """Load the projector now (the handler would wait for the first message)."""
+        self._init_mtmd_context(llama)
+
+    def _get_chat_template(self, llama_model: Llama) -> str:
+        return self.PASSTHROUGH_TEMPLATE
+
+    def _get_template_messages(self, messages, media_marker: str) -> list[dict]:
+        return [{"role": "user", "content": self.prompt}]
+
+
+class _PrefilledRuntime(Runtime):
+    """The text-generation side of a vision chat, for engine.generation's loop: the prompt
+    (images included) is already in the context, so llama.cpp samples straight away."""
+
+    backend = "llamacpp"
+
+    def __init__(self, chat: LlamaCppVisionChat):
+        self._llama = chat.llama
+        self.model_path = chat.model_path
+        self.tokenizer = chat.tokenizer
+        self.n_ctx = chat.n_ctx
+        self.chat_template = chat.template.source
+        self.architecture = chat.architecture
+
+    def reusable_prefix(self, prompt: Sequence[int]) -> int:
+        return len(prompt)  # all of it: _prefill evaluated it just before
+
+    def generate_tokens(self, prompt: Sequence[int], params: SamplingParams) -> Iterator[int]:
+        seed = params.seed if params.seed is not None else random.randrange(2**31)
+        self._llama.set_seed(seed)
+        yield from self._llama.generate(
+            list(prompt),
+            temp=max(params.temperature, 0.0),
+            top_k=params.top_k,
+            top_p=params.top_p,
+            min_p=params.min_p,
+            repeat_penalty=params.repeat_penalty,
+        )
+
+    def reset(self) -> None:
+        self._llama.reset()
+
+    def logit_blocks(self, tokens, first=0, block=LOGIT_BLOCK):
+        raise MiniappError("a vision chat does not score text; use the llamacpp runtime")
+
+
+class LlamaCppVisionChat:
+    """A conversation with a vision model (text GGUF + mmproj GGUF) on llama.cpp."""
+
+    backend = "llamacpp"
+
+    def __init__(
+        self,
+        model_path: Path | str,
+        mmproj_path: Path | str,
+        n_ctx: int = DEFAULT_CTX,
+        threads: int | None = None,
+        system_prompt: str | None = None,
+        request: GenerationRequest | None = None,
+        history: Sequence[Message] = (),
+    ):
+        self.model_path, self.mmproj_path = Path(model_path), Path(mmproj_path)
+        gguf = GGUFFile(self.model_path)
+        width = gguf.arch_value("embedding_length")
+        problem = projector_problem(self.mmproj_path, width if isinstance(width, int) else None)
+        if problem:
+            raise ModelFileError(self.mmproj_path, problem)
+        self.n_ctx = n_ctx
+        self.system_prompt = system_prompt
+        self.request = request or GenerationRequest()
+        self._handler = _RenderedPromptHandler(self.mmproj_path, llama_supports_gpu_offload())
+        self.llama = self._load_model(gguf, threads or default_threads())
+        self._open_projector()
+        self.tokenizer = Tokenizer(self.model_path, llama=self.llama)
+        source = gguf.metadata.get("tokenizer.chat_template")
+        self.architecture = gguf.architecture
+        self.template = ChatTemplate.for_model(source, self.tokenizer, self.architecture)
+        self._runtime = _PrefilledRuntime(self)
+        self.messages: list[VisionMessage] = [
+            VisionMessage(m.role, m.content) for m in history if m.role != "system"
+        ]
+        self.last_prompt = ""  # the rendered prompt of the latest turn, markers included
+        self.last_stats: GenerationStats | None = None
+        self.dropped_turns = 0
+
+    def _load_model(self, gguf: GGUFFile, threads: int) -> Llama:
+        def load(gpu_layers: int) -> Llama:
+            return Llama(
+                str(self.model_path),
+                n_ctx=self.n_ctx,
+                n_batch=min(self.n_ctx, VISION_BATCH),
+                n_ubatch=min(self.n_ctx, VISION_BATCH),
+                n_threads=threads,
+                n_threads_batch=threads,
+                n_gpu_layers=gpu_layers,
+                chat_handler=self._handler,
+                verbose=False,
+            )
+
+        footprint = estimate_footprint(gguf, self.n_ctx)
+        plan = plan_llamacpp_offload(llama_supports_gpu_offload(), default_probe(), footprint)
+        try:
+            llama, _layers, fallbacks = load_with_fewer_layers(load, plan, footprint.n_layers)
+        except ValueError as exc:
+            raise ModelFileError(self.model_path, f"llama.cpp could not load it ({exc})") from exc
+        for fallback in fallbacks:
+            log.warning("llama.cpp: gave up %s: %s", fallback.step, fallback.reason)
+        return llama
+
+    def _open_projector(self) -> None:
+        _recent_problems.clear()
+        try:
+            self._handler.open(self.llama)
+        except ValueError as exc:
+            self.llama.close()
+            cause = _recent_problems[-1] if _recent_problems else str(exc)
+            raise ModelFileError(
+                self.mmproj_path, f"llama.cpp could not load this projector ({_one_line(cause)})"
+            ) from exc
+
+    # -- prompt -----------------------------------------------------------------------------
+
+    def render_prompt(self, text: str | None = None, images: int = 0) -> str:
+        """The conversation as the model reads it, each image shown as the media marker;
+        with `text`, as it would be after sending that message with `images` pictures."""
+        messages = list(self.messages)
+        if text is not None:
+            messages.append(VisionMessage("user", text, (b"",) * images))
+        chat = [Message(m.role, _content(m)) for m in messages]
+        if self.system_prompt:
+            chat.insert(0, Message("system", self.system_prompt))
+        return self.template.render(chat)
+
+    def _evaluated_text(self, rendered: str) -> str:
+        # MTMD adds the BOS token itself; a template that writes it too would give two.
+        bos = self.tokenizer.bos_text
+        if self.tokenizer.add_bos and bos and rendered.startswith(bos):
+            return rendered[len(bos) :]
+        return rendered
+
+    # -- chat -------------------------------------------------------------------------------
+
+    def send(
+        self,
+        text: str,
+        images: Sequence[LoadedImage] = (),
+        request: GenerationRequest | None = None,
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> Iterator[GenerationEvent]:
+        """Add a user message with its images and stream the answer (kept, even partial)."""
+        request = request or self.request
+        self._add_user_message(text, images)
+        try:
+            prompt, prefill_s = self._prefill()
+        except Exception:
+            self.messages.pop()
+            raise
+        answer: list[str] = []
+        try:
+            for event in generate(self._runtime, prompt, request, should_stop):
+                if isinstance(event, TextDelta):
+                    answer.append(event.text)
+                elif isinstance(event, Finished):
+                    event = Finished(event.reason, _with_prefill(event.stats, prefill_s))
+                    self.last_stats = event.stats
+                yield event
+        finally:
+            self.messages.append(VisionMessage("assistant", "".join(answer)))
+
+    def next_token_logits(self, text: str, images: Sequence[LoadedImage] = ()) -> np.ndarray:
+        """Evaluate the conversation plus this message (not kept) and return the logits of
+        the answer's first token, fp32 [vocab]: shows whether the pictures reach the model."""
+        self._add_user_message(text, images)
+        try:
+            self._prefill()
+            row = llama_cpp.llama_get_logits_ith(self.llama.ctx, -1)
+            return np.ctypeslib.as_array(row, shape=(self.tokenizer.n_vocab,)).copy()
+        finally:
+            self.messages.pop()
+
+    def _add_user_message(self, text: str, images: Sequence[LoadedImage]) -> None:
+        pictures = tuple(image.png_bytes() for image in images)
+        self.messages.append(VisionMessage("user", text.replace(MARKER, MARKER_STAND_IN), pictures))
+
+    def _prefill(self) -> tuple[list[int], float]:
+        """Evaluate the conversation, text and images, from scratch; returns the prompt as
+        the context now holds it and the seconds it took. Drops the oldest turns while the
+        conversation does not fit the context.
+
+        The handler evaluates the prompt when called and returns a lazy stream of the answer;
+        we close that unread and decode with our own loop (engine.generation), as the text
+        path does. (llama-cpp-python's loop can also run past max_tokens while the model
+        emits incomplete UTF-8.)"""
+        while True:
+            self.last_prompt = self.render_prompt()
+            self._handler.prompt = self._evaluated_text(self.last_prompt)
+            start = time.perf_counter()
+            try:
+                stream = self.llama.create_chat_completion(
+                    messages=[{"role": "user", "content": self._image_parts()}],
+                    stream=True,
+                    max_tokens=1,
+                )
+            except ValueError as exc:
+                if "exceeds n_ctx" not in str(exc):
+                    raise MiniappError(f"llama.cpp could not run the images ({exc})") from exc
+                if not self._drop_oldest_turn():
+                    raise ContextFullError(
+                        f"this message and its images do not fit the context of {self.n_ctx} "
+                        "tokens; raise --ctx"
+                    ) from exc
+                continue
+            stream.close()
+            prompt = self.llama.input_ids[: self.llama.n_tokens].tolist()
+            return prompt, time.perf_counter() - start
+
+    def _image_parts(self) -> list[dict]:
+        return [
+            {"type": "image_url", "image_url": {"url": _data_url(png)}}
+            for message in self.messages
+            for png in message.images
+        ]
+
+    def _drop_oldest_turn(self) -> bool:
+        """Remove the first exchange (user message and its answer); False if only the new
+        message is left."""
+        if len(self.messages) <= 1:
+            return False
+        del self.messages[0]
+        while len(self.messages) > 1 and self.messages[0].role != "user":
+            del self.messages[0]
+        self.dropped_turns += 1
+        return True
+
+    def reset(self) -> None:
+        self.messages.clear()
+        self.last_stats = None
+        self.dropped_turns = 0
+        self.llama.reset()
+
+    def close(self) -> None:
+        self.llama.close()  # frees the projector too (the handler registered it there)
+
+
+def _content(message: VisionMessage) -> str:
+    markers = "".join(f"{MARKER}\n" for _ in message.images)
+    return markers + message.text
+
+
+def _data_url(png: bytes) -> str:
+    return f"data:{IMAGE_MIME};base64," + base64.b64encode(png).decode("ascii")
+
+
+def _with_prefill(stats: GenerationStats, prefill_s: float) -> GenerationStats:
+    """The loop saw the prompt as cached; it was evaluated (with the images) just before."""
+    return replace(
+        stats,
+        cached_prompt_tokens=0,
+        ttft_s=prefill_s + stats.ttft_s,
+        prefill_tok_s=stats.prompt_tokens / prefill_s if prefill_s > 0 else 0.0,
+    )
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())[:200]
