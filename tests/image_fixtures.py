@@ -6,6 +6,7 @@ projector (mmproj) GGUF for llama.cpp's multimodal path.
 from __future__ import annotations
 
 import io
+import re
 import struct
 import zlib
 from dataclasses import dataclass
@@ -100,8 +101,9 @@ def _chunk(kind: bytes, data: bytes) -> bytes:
 
 
 def normalised(text: str) -> str:
-    """OCR output compared without spaces or case (the recogniser often drops spaces)."""
-    return "".join(text.split()).lower()
+    """OCR output compared by letters, digits and full stops only: the recogniser often
+    drops spaces, and sometimes adds a colon where a gap is wide."""
+    return re.sub(r"[^0-9a-z.]", "", text.lower())
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import collections
 import ctypes
 import logging
 import random
+import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -49,6 +50,10 @@ log = logging.getLogger("miniapp.llamacpp")
 # Image embeddings are decoded in batches of this many positions. Some projectors (Gemma 3)
 # need all of one image's tokens in one batch; 512 holds the largest common ones (256).
 VISION_BATCH = 512
+# llama.cpp rounds the context up to a multiple of this, while llama-cpp-python sizes its
+# token buffer to the number asked for; the handler then overruns that buffer near the end.
+# Asking for a multiple of it keeps the two equal.
+CONTEXT_PAD = 256
 IMAGE_MIME = "image/png"  # LoadedImage.png_bytes(): stb_image in llama.cpp reads PNG
 MARKER = mtmd_cpp.mtmd_default_marker().decode("utf-8")  # "<__media__>"
 MARKER_STAND_IN = "<_media_>"  # typed text must never be mistaken for an image position
@@ -158,7 +163,7 @@ class LlamaCppVisionChat:
         problem = projector_problem(self.mmproj_path, width if isinstance(width, int) else None)
         if problem:
             raise ModelFileError(self.mmproj_path, problem)
-        self.n_ctx = n_ctx
+        self.n_ctx = -(-n_ctx // CONTEXT_PAD) * CONTEXT_PAD
         self.system_prompt = system_prompt
         self.request = request or GenerationRequest()
         self._handler = _RenderedPromptHandler(self.mmproj_path, llama_supports_gpu_offload())
@@ -206,9 +211,9 @@ class LlamaCppVisionChat:
             self._handler.open(self.llama)
         except ValueError as exc:
             self.llama.close()
-            cause = _recent_problems[-1] if _recent_problems else str(exc)
+            cause = _native_cause(list(_recent_problems)) or str(exc)
             raise ModelFileError(
-                self.mmproj_path, f"llama.cpp could not load this projector ({_one_line(cause)})"
+                self.mmproj_path, f"llama.cpp could not load this projector ({cause})"
             ) from exc
 
     # -- prompt -----------------------------------------------------------------------------
@@ -244,7 +249,7 @@ class LlamaCppVisionChat:
         request = request or self.request
         self._add_user_message(text, images)
         try:
-            prompt, prefill_s = self._prefill()
+            prompt, prefill_s = self._prefill(min(request.max_tokens, self.n_ctx // 4))
         except Exception:
             self.messages.pop()
             raise
@@ -275,37 +280,45 @@ class LlamaCppVisionChat:
         pictures = tuple(image.png_bytes() for image in images)
         self.messages.append(VisionMessage("user", text.replace(MARKER, MARKER_STAND_IN), pictures))
 
-    def _prefill(self) -> tuple[list[int], float]:
+    def _prefill(self, reserve: int = 0) -> tuple[list[int], float]:
         """Evaluate the conversation, text and images, from scratch; returns the prompt as
         the context now holds it and the seconds it took. Drops the oldest turns while the
-        conversation does not fit the context.
+        conversation leaves fewer than `reserve` tokens to answer in (as ChatSession does).
 
         The handler evaluates the prompt when called and returns a lazy stream of the answer;
         we close that unread and decode with our own loop (engine.generation), as the text
         path does. (llama-cpp-python's loop can also run past max_tokens while the model
         emits incomplete UTF-8.)"""
         while True:
-            self.last_prompt = self.render_prompt()
-            self._handler.prompt = self._evaluated_text(self.last_prompt)
             start = time.perf_counter()
-            try:
-                stream = self.llama.create_chat_completion(
-                    messages=[{"role": "user", "content": self._image_parts()}],
-                    stream=True,
-                    max_tokens=1,
+            fits = self._evaluate()
+            alone = len(self.messages) <= 1
+            if fits and (self.llama.n_tokens + reserve <= self.n_ctx or alone):
+                if self.llama.n_tokens < self.n_ctx:  # at least one token of answer
+                    prompt = self.llama.input_ids[: self.llama.n_tokens].tolist()
+                    return prompt, time.perf_counter() - start
+            if not self._drop_oldest_turn():
+                raise ContextFullError(
+                    f"this message and its images do not fit the context of {self.n_ctx} "
+                    "tokens; raise --ctx"
                 )
-            except ValueError as exc:
-                if "exceeds n_ctx" not in str(exc):
-                    raise MiniappError(f"llama.cpp could not run the images ({exc})") from exc
-                if not self._drop_oldest_turn():
-                    raise ContextFullError(
-                        f"this message and its images do not fit the context of {self.n_ctx} "
-                        "tokens; raise --ctx"
-                    ) from exc
-                continue
-            stream.close()
-            prompt = self.llama.input_ids[: self.llama.n_tokens].tolist()
-            return prompt, time.perf_counter() - start
+
+    def _evaluate(self) -> bool:
+        """Run the handler over the current conversation; False if it overflowed."""
+        self.last_prompt = self.render_prompt()
+        self._handler.prompt = self._evaluated_text(self.last_prompt)
+        try:
+            stream = self.llama.create_chat_completion(
+                messages=[{"role": "user", "content": self._image_parts()}],
+                stream=True,
+                max_tokens=1,
+            )
+        except ValueError as exc:
+            if "exceeds n_ctx" in str(exc):
+                return False
+            raise MiniappError(f"llama.cpp could not run the images ({exc})") from exc
+        stream.close()
+        return True
 
     def _image_parts(self) -> list[dict]:
         return [
@@ -354,5 +367,14 @@ def _with_prefill(stats: GenerationStats, prefill_s: float) -> GenerationStats:
     )
 
 
-def _one_line(text: str) -> str:
+def _native_cause(lines: list[str]) -> str:
+    """The specific reason among llama.cpp's log lines, without its function-name prefixes:
+    "clip_init: failed to load model 'x': operator(): unable to find tensor v.blk.0..."
+    becomes "unable to find tensor v.blk.0...". The first line is the specific one; the
+    ones after it only say that loading failed."""
+    if not lines:
+        return ""
+    text = re.sub(r"^\w+: (error: )?", "", lines[0])
+    text = re.sub(r"^failed to load model '[^']*': ", "", text)
+    text = text.replace("operator(): ", "")
     return " ".join(text.split())[:200]
