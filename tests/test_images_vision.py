@@ -186,8 +186,10 @@ def test_later_turns_keep_earlier_images(chat):
 
 
 def test_typed_marker_is_not_an_image(chat):
+    chat.reset()
+    preview = chat.render_prompt(f"Is {MARKER} a picture?")
     finished = _run(chat, f"Is {MARKER} a picture?")
-    assert chat.last_prompt.count(MARKER) == 0
+    assert chat.last_prompt.count(MARKER) == 0 and chat.last_prompt == preview
     assert finished.stats.prompt_tokens > 0
 
 
@@ -225,6 +227,19 @@ def test_old_turns_make_room_for_new_images(vision_dir):
         assert small.last_prompt.count(MARKER) == sum(len(m.images) for m in small.messages)
     finally:
         small.close()
+
+
+def test_bundled_model_template_with_a_projector(default_model, tmp_path):
+    """The real chat template (SmolLM2's, with a system prompt) around an image marker."""
+    projector = write_tiny_projector(tmp_path / "mmproj-smol.gguf", TinyProjector(text_dim=576))
+    real = LlamaCppVisionChat(default_model, projector, n_ctx=512, threads=2, system_prompt="Hi.")
+    try:
+        events = list(real.send("What do you see?", [_picture("red")], GREEDY_8))
+        assert "".join(e.text for e in events[:-1])
+        assert real.last_prompt.startswith("<|im_start|>system\nHi.<|im_end|>\n")
+        assert f"<|im_start|>user\n{MARKER}\nWhat do you see?<|im_end|>" in real.last_prompt
+    finally:
+        real.close()
 
 
 def test_projector_llamacpp_refuses_is_one_line(vision_dir, tmp_path):

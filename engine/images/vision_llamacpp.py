@@ -223,7 +223,7 @@ class LlamaCppVisionChat:
         with `text`, as it would be after sending that message with `images` pictures."""
         messages = list(self.messages)
         if text is not None:
-            messages.append(VisionMessage("user", text, (b"",) * images))
+            messages.append(_user_message(text, (b"",) * images))
         chat = [Message(m.role, _content(m)) for m in messages]
         if self.system_prompt:
             chat.insert(0, Message("system", self.system_prompt))
@@ -278,7 +278,7 @@ class LlamaCppVisionChat:
 
     def _add_user_message(self, text: str, images: Sequence[LoadedImage]) -> None:
         pictures = tuple(image.png_bytes() for image in images)
-        self.messages.append(VisionMessage("user", text.replace(MARKER, MARKER_STAND_IN), pictures))
+        self.messages.append(_user_message(text, pictures))
 
     def _prefill(self, reserve: int = 0) -> tuple[list[int], float]:
         """Evaluate the conversation, text and images, from scratch; returns the prompt as
@@ -346,6 +346,10 @@ class LlamaCppVisionChat:
 
     def close(self) -> None:
         self.llama.close()  # frees the projector too (the handler registered it there)
+
+
+def _user_message(text: str, pictures: tuple[bytes, ...]) -> VisionMessage:
+    return VisionMessage("user", text.replace(MARKER, MARKER_STAND_IN), pictures)
 
 
 def _content(message: VisionMessage) -> str:
