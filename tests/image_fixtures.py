@@ -33,8 +33,11 @@ STORED_FOR_ORIENTATION = {
 }
 
 
-def font_path() -> Path | None:
-    return next((Path(p) for p in FONT_CANDIDATES if Path(p).exists()), None)
+def font_path() -> Path:
+    found = next((Path(p) for p in FONT_CANDIDATES if Path(p).exists()), None)
+    if found is None:  # fail, not skip: a missing font must not hide the OCR tests
+        raise RuntimeError("no TrueType font for the image tests; install fonts-dejavu-core")
+    return found
 
 
 def text_image(

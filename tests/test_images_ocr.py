@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from image_fixtures import camera_jpeg, encode, font_path, normalised, text_image
+from image_fixtures import camera_jpeg, encode, normalised, text_image
 from PIL import Image
 
 from miniapp.engine.images import (
@@ -21,10 +21,6 @@ from miniapp.engine.images import (
 )
 from miniapp.engine.images.attach import OCR_PREAMBLE
 from miniapp.engine.images.colours import colour_name, dominant_colours
-
-pytestmark = pytest.mark.skipif(
-    font_path() is None, reason="no TrueType font (the set-up installs fonts-dejavu-core)"
-)
 
 OCR_ROUTE = ImageRoute(ImagePath.OCR_FALLBACK, "no mmproj GGUF beside the model")
 
