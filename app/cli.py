@@ -168,7 +168,48 @@ def build_parser() -> argparse.ArgumentParser:
         "--answer-tokens", type=_positive_int, default=96, help="greedy answer length per prompt"
     )  # fmt: skip
     calibrate.add_argument("--json", action="store_true", help="print one JSON object")
+
+    _add_transcribe_parser(sub)
     return parser
+
+
+def _add_asr_model_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--asr-model", metavar="PATH",
+        help="a faster-whisper model folder (default: the bundled whisper tiny.en)",
+    )  # fmt: skip
+
+
+def _add_transcribe_parser(sub) -> None:
+    transcribe = sub.add_parser("transcribe", help="speech to text, every word with its times")
+    transcribe.add_argument("file", help="an audio file (anything FFmpeg reads)")
+    transcribe.add_argument(
+        "--stream", action="store_true",
+        help="feed the file in real-time-sized chunks through the streaming path",
+    )  # fmt: skip
+    formats = transcribe.add_mutually_exclusive_group()
+    for name in ("json", "srt", "vtt"):
+        formats.add_argument(
+            f"--{name}", dest="format", action="store_const", const=name,
+            help=f"print the words as {name.upper()}",
+        )  # fmt: skip
+    _add_asr_model_arg(transcribe)
+    transcribe.add_argument("--threads", type=_positive_int, help="CPU threads for recognition")
+    transcribe.add_argument(
+        "--chunk", type=_positive_float, default=0.5,
+        help="--stream: seconds of audio per streaming step (default 0.5)",
+    )  # fmt: skip
+    transcribe.add_argument(
+        "--no-refine", action="store_true",
+        help="keep Whisper's own word edges instead of snapping them to the speech",
+    )  # fmt: skip
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,6 +253,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from .calibrate import run_calibrate
 
         return run_calibrate(args)
+    if command == "transcribe":
+        from .transcribe import run_transcribe
+
+        return run_transcribe(args)
     raise AssertionError(command)
 
 

@@ -43,13 +43,14 @@ class ChatSession:
 
     def send(
         self,
-        text: str,
+        text: str | Message,
         request: GenerationRequest | None = None,
         should_stop: Callable[[], bool] = lambda: False,
     ) -> Iterator[GenerationEvent]:
-        """Add a user message and stream the answer; the answer (even a partial one) is kept."""
+        """Add a user message and stream the answer; the answer (even a partial one) is kept.
+        A Message (e.g. a spoken one, which carries its word times) is kept as it is."""
         request = request or self.request
-        self.messages.append(Message("user", text))
+        self.messages.append(text if isinstance(text, Message) else Message("user", text))
         try:
             prompt = self._fit_prompt(reserve=min(request.max_tokens, self.runtime.n_ctx // 4))
         except ContextFullError:

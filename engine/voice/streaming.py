@@ -1,0 +1,261 @@
+"""Streaming recognition: words while the speaker talks, on one stream clock.
+
+`StreamingTranscriber` is fed audio as it arrives (`insert_audio_chunk`), and on each
+`process_iter` re-transcribes its buffer (the audio since the last trim) with the committed
+text as the prompt. LocalAgreement-2 commits the words two hypotheses in a row agree on. Silero
+VAD skips the work while nobody speaks and ends an utterance after a long pause. The buffer
+is cut in a pause between committed words once it grows long, so its cost stays bounded.
+
+Every time is seconds from the start of the stream: the buffer's position is kept as an
+integer sample count, so trims and joins add no rounding drift.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from .agreement import LocalAgreement
+from .asr import WhisperASR
+from .audio import SAMPLE_RATE
+from .boundaries import refine_words
+from .events import EndOfUtterance, PartialText, VoiceEvent, Word, WordsCommitted, words_text
+from .vad import speech_spans
+
+CHUNK_S = 0.5  # how much new audio each iteration waits for
+SENTENCE_END = (".", "?", "!")
+
+
+@dataclass(frozen=True)
+class StreamingConfig:
+    beam_size: int = 1  # greedy: each iteration must be cheap
+    refine_boundaries: bool = True
+    # Whisper is unsure of a word (mean token probability below `sure_probability`) mostly
+    # when the audio after it is too short to tell ("the" heard as "her" until the next word
+    # is clear): such a word waits until `unsure_wait_s` of audio follows it.
+    sure_probability: float = 0.6
+    unsure_wait_s: float = 2.0
+    utterance_end_s: float = 1.0  # this much silence after speech ends an utterance
+    trim_after_s: float = 10.0  # a longer buffer is cut in a pause between committed words
+    max_buffer_s: float = 25.0  # past this, everything pending is committed and cut
+    min_cut_gap_s: float = 0.15  # a pause at least this long is a place to cut
+    idle_keep_s: float = 0.5  # while nobody speaks, keep this much (a word may be starting)
+    prompt_chars: int = 200  # committed text before the buffer, given as Whisper's prompt
+
+
+class WallClock:
+    """Seconds since the stream started (live input)."""
+
+    def __init__(self) -> None:
+        self._start = time.monotonic()
+
+    def __call__(self) -> float:
+        return time.monotonic() - self._start
+
+
+class ReplayClock:
+    """Stream time for audio replayed as if it arrived live, without waiting for it: time runs
+    with the real clock while work is done, and jumps ahead to when the next audio would have
+    arrived instead of sleeping. Latencies measured on it are those of a live stream."""
+
+    def __init__(self) -> None:
+        self._shift = -time.perf_counter()
+
+    def __call__(self) -> float:
+        return time.perf_counter() + self._shift
+
+    def wait_until(self, stream_time: float) -> None:
+        lag = stream_time - self()
+        if lag > 0:
+            self._shift += lag
+
+
+class StreamingTranscriber:
+    def __init__(
+        self,
+        asr: WhisperASR,
+        config: StreamingConfig | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self.asr = asr
+        self.config = config or StreamingConfig()
+        self.clock = clock or WallClock()
+        self.compute_s = 0.0  # time spent in process_iter and finish (for the real-time factor)
+        self._buffer = np.zeros(0, dtype=np.float32)
+        self._buffer_start = 0  # samples from the start of the stream
+        self._decoded_to = 0  # stream sample up to which the last hypothesis heard
+        self._agreement = LocalAgreement()
+        self._in_buffer: list[Word] = []  # committed words whose audio is still buffered
+        self._utterance: list[Word] = []
+        self._prompt: deque[str] = deque()
+        self._partial = ""
+
+    @property
+    def received_s(self) -> float:
+        """Stream time of the end of the audio received so far."""
+        return (self._buffer_start + len(self._buffer)) / SAMPLE_RATE
+
+    def insert_audio_chunk(self, samples: np.ndarray) -> None:
+        """Append 16 kHz mono float32 samples."""
+        self._buffer = np.concatenate([self._buffer, np.asarray(samples, dtype=np.float32)])
+
+    def process_iter(self) -> list[VoiceEvent]:
+        """Re-transcribe the buffer; the events of what changed."""
+        started = time.perf_counter()
+        try:
+            return self._process()
+        finally:
+            self.compute_s += time.perf_counter() - started
+
+    def finish(self) -> list[VoiceEvent]:
+        """The stream ended: transcribe what is left and commit everything."""
+        started = time.perf_counter()
+        try:
+            events: list[VoiceEvent] = []
+            if self._buffer_start + len(self._buffer) > self._decoded_to and self._has_speech():
+                events += self._transcribe_and_agree()
+            events += self._end_utterance()
+            self._cut(self._buffer_start + len(self._buffer))
+            return events
+        finally:
+            self.compute_s += time.perf_counter() - started
+
+    def _process(self) -> list[VoiceEvent]:
+        spans = speech_spans(self._buffer, self._offset)
+        last_speech_end = spans[-1].end if spans else self._offset
+        silent_for = self.received_s - last_speech_end
+        active = bool(self._utterance or self._agreement.pending)
+        if active and silent_for >= self.config.utterance_end_s:
+            # The last hypothesis already heard all of the speech and some silence after it.
+            events = self._end_utterance()
+            self._cut(self._sample(last_speech_end))
+            return events
+        if not spans:
+            self._drop_idle_audio()
+            return []
+        if not self._agreement.pending and self._sample(last_speech_end) <= self._decoded_to:
+            return []  # no speech since everything heard was committed: nothing can change
+        events = self._transcribe_and_agree()
+        self._trim()
+        return events
+
+    @property
+    def _offset(self) -> float:
+        return self._buffer_start / SAMPLE_RATE
+
+    def _sample(self, stream_time: float) -> int:
+        return int(round(stream_time * SAMPLE_RATE))
+
+    def _has_speech(self) -> bool:
+        return bool(speech_spans(self._buffer, self._offset))
+
+    def _transcribe_and_agree(self) -> list[VoiceEvent]:
+        prompt = " ".join(self._prompt)
+        words = self.asr.transcribe(
+            self._buffer, prompt=prompt, offset=self._offset, beam_size=self.config.beam_size
+        )
+        if self.config.refine_boundaries:
+            words = refine_words(words, self._buffer, self._offset)
+        self._decoded_to = self._buffer_start + len(self._buffer)
+        return self._committed_events(self._agreement.update(words, self.clock(), self._ready))
+
+    def _ready(self, word: Word) -> bool:
+        sure = word.probability is None or word.probability >= self.config.sure_probability
+        return sure or word.end <= self.received_s - self.config.unsure_wait_s
+
+    def _committed_events(self, newly: list[Word]) -> list[VoiceEvent]:
+        events: list[VoiceEvent] = []
+        if newly:
+            self._in_buffer += newly
+            self._utterance += newly
+            events.append(WordsCommitted(tuple(newly)))
+        partial = words_text(self._agreement.pending)
+        if partial != self._partial:
+            self._partial = partial
+            events.append(PartialText(partial))
+        return events
+
+    def _end_utterance(self) -> list[VoiceEvent]:
+        events = self._committed_events(self._agreement.flush(now=self.clock()))
+        if self._utterance:
+            events.append(EndOfUtterance(tuple(self._utterance)))
+            self._utterance = []
+        return events
+
+    def _drop_idle_audio(self) -> None:
+        keep = self._sample(self.config.idle_keep_s)
+        self._cut(max(self._buffer_start, self._buffer_start + len(self._buffer) - keep))
+
+    def _trim(self) -> None:
+        """Cut a long buffer in the latest pause between committed words."""
+        if len(self._buffer) <= self.config.trim_after_s * SAMPLE_RATE:
+            return
+        cut = self._cut_point()
+        if cut is None and len(self._buffer) > self.config.max_buffer_s * SAMPLE_RATE:
+            # No pause to cut in for far too long: stop waiting for agreement.
+            self._committed_events(self._agreement.flush(now=self.clock()))
+            cut = self._in_buffer[-1].end if self._in_buffer else self.received_s
+        if cut is not None:
+            self._cut(self._sample(cut))
+
+    def _cut_point(self) -> float | None:
+        """The middle of the latest pause after a committed word (or after a committed
+        sentence end) that no uncommitted word reaches into."""
+        following = [*self._in_buffer[1:], *self._agreement.pending[:1]]
+        for word, after in zip(reversed(self._in_buffer), reversed(following), strict=False):
+            gap = after.start - word.end
+            if gap >= self.config.min_cut_gap_s or word.word.endswith(SENTENCE_END):
+                return word.end + max(gap, 0.0) / 2
+        return None
+
+    def _cut(self, sample: int) -> None:
+        """Drop buffered audio before stream sample `sample`; committed words that end before
+        it become prompt text."""
+        sample = min(max(sample, self._buffer_start), self._buffer_start + len(self._buffer))
+        self._buffer = self._buffer[sample - self._buffer_start :].copy()
+        self._buffer_start = sample
+        cut_time = sample / SAMPLE_RATE
+        while self._in_buffer and self._in_buffer[0].end <= cut_time + 1e-9:
+            self._remember(self._in_buffer.pop(0).word)
+
+    def _remember(self, word: str) -> None:
+        self._prompt.append(word)
+        while sum(len(w) + 1 for w in self._prompt) > self.config.prompt_chars:
+            self._prompt.popleft()
+
+
+def replay(
+    transcriber: StreamingTranscriber,
+    clock: ReplayClock,
+    blocks: Iterable[np.ndarray],
+    chunk_s: float = CHUNK_S,
+) -> Iterator[VoiceEvent]:
+    """Feed a recording to `transcriber` (built on `clock`) in live-sized chunks: the events,
+    and their times, are those a live stream would give, but nothing waits."""
+    chunks = _rechunk(blocks, int(chunk_s * SAMPLE_RATE))
+    chunk = next(chunks, None)
+    while chunk is not None:
+        transcriber.insert_audio_chunk(chunk)
+        clock.wait_until(transcriber.received_s)
+        chunk = next(chunks, None)
+        # If work fell behind, the audio that arrived meanwhile joins this iteration.
+        while chunk is not None and transcriber.received_s + len(chunk) / SAMPLE_RATE <= clock():
+            transcriber.insert_audio_chunk(chunk)
+            chunk = next(chunks, None)
+        yield from transcriber.process_iter()
+    yield from transcriber.finish()
+
+
+def _rechunk(blocks: Iterable[np.ndarray], size: int) -> Iterator[np.ndarray]:
+    pending = np.zeros(0, dtype=np.float32)
+    for block in blocks:
+        pending = np.concatenate([pending, block])
+        while len(pending) >= size:
+            yield pending[:size]
+            pending = pending[size:]
+    if len(pending):
+        yield pending
