@@ -46,7 +46,8 @@ class CacheState:
 def _rotate_keys(keys: torch.Tensor, rope: Rope, delta: int) -> torch.Tensor:
     """keys [1, kv_heads, n, head_dim] rotated by `delta` more positions (RoPE composes)."""
     heads = keys[0].transpose(0, 1)  # [n, kv_heads, head_dim]
-    return apply_rope(heads, rope.shift_tables(delta)).transpose(0, 1)[None]
+    tables = rope.shift_tables(delta).to(keys.device)
+    return apply_rope(heads, tables).transpose(0, 1)[None]
 
 
 class KVCache:
@@ -62,13 +63,14 @@ class KVCache:
         max_tokens: int,
         rope: Rope | None = None,
         dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
     ):
         self.max_tokens = max_tokens
         self.rope = rope  # needed only by `forget`, to re-rotate shifted keys
         self.offset = 0
         shape = (1, n_kv_heads, min(max_tokens, self.INITIAL_TOKENS), head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype)
-        self.values = torch.zeros(shape, dtype=dtype)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
 
     @property
     def capacity(self) -> int:
@@ -193,7 +195,10 @@ class RotatingKVCache:
         slack: int,
         rope: Rope,
         dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
     ):
+        # Keys and values live on `device`; the bookkeeping (ring positions, masks) stays on
+        # the CPU, where it is cheap to build; the model moves masks to the layer's device.
         if window < 1:
             raise ValueError("window must be at least 1")
         self.sinks, self.window, self.slack, self.rope = sinks, window, slack, rope
@@ -206,8 +211,8 @@ class RotatingKVCache:
         self.frame = 0  # positions by which the frame sinks are rotated beyond their own
         allocated = min(self.ring_capacity, self.INITIAL_TOKENS)
         shape = (1, n_kv_heads, 2 * sinks + allocated, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype)
-        self.values = torch.zeros(shape, dtype=dtype)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.ring_pos = torch.full((allocated,), -1, dtype=torch.long)  # -1: empty
 
     # -- layout helpers
@@ -293,8 +298,9 @@ class RotatingKVCache:
         if rest:
             if plan.allocated > self._allocated:
                 self._grow(plan.allocated)
-            self._ring(self.keys).index_copy_(2, plan.slots, k[:, :, to_sinks:])
-            self._ring(self.values).index_copy_(2, plan.slots, v[:, :, to_sinks:])
+            slots = plan.slots.to(self.keys.device)
+            self._ring(self.keys).index_copy_(2, slots, k[:, :, to_sinks:])
+            self._ring(self.values).index_copy_(2, slots, v[:, :, to_sinks:])
             self.ring_pos[plan.slots] = plan.positions
             self.wrapped, self.ring_count = plan.wrapped, plan.ring_count
             self.ring_head = (self.ring_head + rest) % self.ring_capacity

@@ -55,9 +55,14 @@ class DeviceProbe(Protocol):
 
     def versions(self) -> dict[str, str | None]: ...
 
-    def place(self, model, plan: DevicePlan) -> None:
-        """Put a loaded model where the plan says; raises GpuPathUnavailable or
-        torch.OutOfMemoryError when that fails (the runtime then falls back)."""
+    def torch_device(self, plan: DevicePlan) -> str:
+        """The torch device that runs the plan's GPU part ("cuda:0"; ROCm builds of torch
+        name their GPUs "cuda" too)."""
+        ...
+
+    def watch(self, model, plan: DevicePlan) -> None:
+        """Called once a model is built for the plan: raises torch.OutOfMemoryError (or
+        GpuPathUnavailable) if it cannot run there, and may hook the model's passes."""
         ...
 
 
@@ -203,9 +208,11 @@ class TorchProbe:
 
         return {"torch": torch.__version__, "cuda": torch.version.cuda, "hip": torch.version.hip}
 
-    def place(self, model, plan: DevicePlan) -> None:
-        if plan.on_gpu:
-            raise GpuPathUnavailable("the torch engine does not run on GPUs yet")
+    def torch_device(self, plan: DevicePlan) -> str:
+        return "cuda:" + plan.device.split(":")[1] if plan.on_gpu else "cpu"
+
+    def watch(self, model, plan: DevicePlan) -> None:
+        model.fault_hook = None  # real failures raise from torch itself
 
 
 def _run_int4_kernel(torch, device: str) -> None:
@@ -283,9 +290,12 @@ class SimulatedProbe:
             return KernelCheck("int4 matmul", False, f"kernel missing {where} (simulated)")
         return KernelCheck("int4 matmul", True, "simulated")
 
-    def place(self, model, plan: DevicePlan) -> None:
-        """The simulated GPU computes on the CPU; what it adds is its failures: out of memory
-        at load, or at the Nth forward pass."""
+    def torch_device(self, plan: DevicePlan) -> str:
+        return "cpu"  # a simulated GPU computes on the CPU, with the GPU path's weight format
+
+    def watch(self, model, plan: DevicePlan) -> None:
+        """What a simulated GPU adds is its failures: out of memory at load, or at the Nth
+        forward pass."""
         import torch
 
         model.fault_hook = None

@@ -35,10 +35,29 @@ Q = GGMLQuantizationType
 # take and return bf16; the residual stream and norms stay fp32.
 COMPUTE_DTYPE = torch.bfloat16
 # The torch.* binding skips the op-overload lookup of torch.ops.aten.* (~1 us a call).
-_int4_mm = torch._weight_int4pack_mm_for_cpu
+_int4_mm_cpu = torch._weight_int4pack_mm_for_cpu
 INT4_ZERO_CODE = 8  # padding rows decode to zero weights
 _PACK_ROW_ALIGN = 16  # torch's CPU int4 packer needs the row count to be a multiple of 16
 _PACK_CHUNK_ROWS = 4096  # convert big matrices in slices so temporary copies stay small
+# torch's CUDA int4 packer tiles K by inner_k_tiles * 16 columns; it takes 2, 4 or 8.
+_CUDA_INNER_K_TILES = (8, 4, 2)
+_CUDA_K_TILE = 16
+
+
+@dataclass(frozen=True)
+class WeightTarget:
+    """Where a linear layer's weights live and in what form: 4-bit codes for the device's
+    int4 kernel, or dequantized to dense bf16 (a GPU without that kernel)."""
+
+    device: torch.device = torch.device("cpu")
+    dense: bool = False
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.device.type == "cpu"
+
+
+CPU_INT4 = WeightTarget()
 
 
 class Int4Linear:
@@ -63,6 +82,7 @@ class Int4Linear:
         self.layout = layout
         self.group = layout.group
         self.plain = not layout.interleave
+        self._mm = _int4_mm_cpu if packed.device.type == "cpu" else torch._weight_int4pack_mm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [tokens, in_features] (any float dtype) -> [tokens, out_features], bf16 without
@@ -71,7 +91,7 @@ class Int4Linear:
             x = x.to(COMPUTE_DTYPE)
         if not self.plain:
             x = expand_input(x, self.layout)
-        y = _int4_mm(x, self.packed, self.group, self.scales_zeros)
+        y = self._mm(x, self.packed, self.group, self.scales_zeros)
         if y.shape[-1] != self.out_features:
             y = y[:, : self.out_features]
         if self.bias is not None:
@@ -82,10 +102,11 @@ class Int4Linear:
 
 
 class _Int4Packer:
-    """Packs Int4Groups row blocks into torch's layout as they arrive, so converting a large
-    matrix never holds more than one block of unpacked codes."""
+    """Packs Int4Groups row blocks into torch's layout for the target device as they arrive,
+    so converting a large matrix never holds more than one block of unpacked codes."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device):
+        self.device = device
         self._pending: list[Int4Groups] = []
         self._pending_rows = 0
         self._packed: list[torch.Tensor] = []
@@ -114,12 +135,33 @@ class _Int4Packer:
         block = block.slice_rows(0, keep)
         if final and keep % _PACK_ROW_ALIGN:
             block = block.pad_rows(_PACK_ROW_ALIGN - keep % _PACK_ROW_ALIGN, INT4_ZERO_CODE)
-        self._packed.append(
-            torch._convert_weight_to_int4pack_for_cpu(block.codes.to(torch.int32), 1)
-        )
+        self._packed.append(pack_int4(block.codes, self.device))
         # torch wants [groups, rows, (scale, zero)]
         scales_zeros = torch.stack([block.scale, block.zero], dim=-1).transpose(0, 1)
-        self._scales_zeros.append(scales_zeros.to(COMPUTE_DTYPE).contiguous())
+        self._scales_zeros.append(scales_zeros.to(self.device, COMPUTE_DTYPE).contiguous())
+
+
+def pack_int4(codes: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """4-bit codes [rows, cols] (values 0..15) in the layout of the device's int4 kernel."""
+    if device.type == "cpu":
+        return torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+    pairs = code_pairs(codes).to(device)
+    return torch._convert_weight_to_int4pack(pairs, cuda_inner_k_tiles(codes.shape[1]))
+
+
+def code_pairs(codes: torch.Tensor) -> torch.Tensor:
+    """[rows, cols] codes -> uint8 [rows, cols / 2], two codes a byte, the first in the high
+    nibble: the input of torch's CUDA int4 packer."""
+    codes = codes.to(torch.uint8)
+    return codes[:, 0::2] << 4 | codes[:, 1::2]
+
+
+def cuda_inner_k_tiles(columns: int) -> int:
+    """The largest tiling torch's CUDA int4 kernel accepts for this many input columns."""
+    for tiles in _CUDA_INNER_K_TILES:
+        if columns % (tiles * _CUDA_K_TILE) == 0:
+            return tiles
+    raise ValueError(f"{columns} input columns do not tile for the CUDA int4 kernel")
 
 
 class DenseLinear:
@@ -153,16 +195,25 @@ _STORED_DTYPE = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloa
 
 
 def linear_from_raw(
-    parts: list[RawWeight], n_cols: int, bias: torch.Tensor | None = None
+    parts: list[RawWeight],
+    n_cols: int,
+    bias: torch.Tensor | None = None,
+    target: WeightTarget = CPU_INT4,
 ) -> Linear:
     """One linear from one or more weights sharing an input (stacked by rows, e.g. Q|K|V).
 
-    Quantized weights stay 4 to 8 bits a weight; float weights become a dense matmul. Parts
-    that need different kernel layouts become separate kernels, concatenated.
+    Quantized weights stay 4 to 8 bits a weight (unless the target wants them dense); float
+    weights become a dense matmul. Parts that need different kernel layouts become separate
+    kernels, concatenated.
     """
     types = {t for _, t in parts}
+    if bias is not None:
+        bias = bias.to(target.device)
+    if types <= QUANT_TYPES and target.dense:
+        weight = torch.cat([_dense_bf16(raw, t, n_cols, target.device) for raw, t in parts])
+        return DenseLinear(weight, bias)
     if types <= QUANT_TYPES and len({layout_for(t) for t in types}) == 1:
-        packer = _Int4Packer()
+        packer = _Int4Packer(target.device)
         for raw, ggml_type in parts:
             for start in range(0, raw.shape[0], _PACK_CHUNK_ROWS):
                 packer.add(to_int4(decode(raw[start : start + _PACK_CHUNK_ROWS], ggml_type)))
@@ -173,8 +224,22 @@ def linear_from_raw(
     if types <= FLOAT_TYPES:
         weight = torch.cat([dequantize_rows(raw, t, n_cols) for raw, t in parts])
         stored = _STORED_DTYPE[next(iter(types))] if len(types) == 1 else torch.float32
-        return DenseLinear(weight.to(stored), bias)
-    return _ConcatLinear([linear_from_raw([part], n_cols) for part in parts], bias)
+        return DenseLinear(weight.to(target.device, stored), bias)
+    return _ConcatLinear([linear_from_raw([p], n_cols, target=target) for p in parts], bias)
+
+
+def _dense_bf16(
+    raw: torch.Tensor, ggml_type: GGMLQuantizationType, n_cols: int, device: torch.device
+) -> torch.Tensor:
+    """Quantized rows dequantized to bf16 on `device`, a slice at a time so the fp32 copy
+    stays small."""
+    slices = [
+        dequantize_rows(raw[start : start + _PACK_CHUNK_ROWS], ggml_type, n_cols)
+        .to(COMPUTE_DTYPE)
+        .to(device)
+        for start in range(0, raw.shape[0], _PACK_CHUNK_ROWS)
+    ]
+    return torch.cat(slices)
 
 
 class _ConcatLinear:
@@ -325,6 +390,11 @@ class RopeTables:
     cos: torch.Tensor
     signed_sin: torch.Tensor
     rope: Rope
+
+    def to(self, device: torch.device) -> RopeTables:
+        if self.cos.device == device:
+            return self
+        return RopeTables(self.cos.to(device), self.signed_sin.to(device), self.rope)
 
 
 def apply_rope(heads: torch.Tensor, tables: RopeTables) -> torch.Tensor:

@@ -300,7 +300,7 @@ def expand_input(x: torch.Tensor, layout: KernelLayout) -> torch.Tensor:
     if not layout.interleave:
         return x
     grouped = x.view(x.shape[0], -1, 1, layout.interleave)
-    return (grouped * _INTERLEAVE_MULTIPLIERS.to(x.dtype)).reshape(x.shape[0], -1)
+    return (grouped * _INTERLEAVE_MULTIPLIERS.to(x.device, x.dtype)).reshape(x.shape[0], -1)
 
 
 _INTERLEAVE_MULTIPLIERS = torch.tensor([16.0, 1.0]).view(1, 1, 2, 1)

@@ -167,6 +167,84 @@ def test_out_of_memory_at_load_falls_back_to_the_cpu(default_model, cpu_answer):
     assert _greedy(runtime, PROMPT) == cpu_answer
 
 
+def _teacher_forced(runtime, tokens):
+    import torch
+
+    return torch.cat([torch.from_numpy(block) for _, block in runtime.logit_blocks(tokens)])
+
+
+@pytest.fixture(scope="module")
+def sample_tokens(torch_runtime):
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "assets" / "text" / "garden.txt").read_text()
+    return torch_runtime.tokenizer.encode(text)[:160]
+
+
+def test_a_gpu_without_the_int4_kernel_runs_dequantized_bf16_weights(
+    default_model, torch_runtime, sample_tokens
+):
+    import torch
+
+    from miniapp.engine.layers import DenseLinear
+    from miniapp.engine.runtimes.torch_runtime import TorchRuntime
+
+    runtime = TorchRuntime(default_model, n_ctx=512, spec="off",
+                           probe=SimulatedProbe("cuda:V100:32:7.0"))  # fmt: skip
+    assert (runtime.device_plan.weights, runtime.device_plan.gpu_layers) == ("bf16", 30)
+    wqkv = runtime.model.layers[0].attention.wqkv
+    assert isinstance(wqkv, DenseLinear) and wqkv.weight.dtype is torch.bfloat16
+    dense, packed = (_teacher_forced(r, sample_tokens) for r in (runtime, torch_runtime))
+    # The same weights, rounded once to bf16 instead of through the int4 kernel's groups.
+    spread = (packed.max(-1).values - packed.min(-1).values).mean()
+    assert (dense - packed).abs().max() < 0.05 * spread
+    assert (dense.argmax(-1) == packed.argmax(-1)).float().mean() >= 0.97
+
+
+@pytest.mark.parametrize("spec", ["off", "lookup"])
+def test_a_model_split_between_gpu_and_cpu_answers_as_the_cpu_does(default_model, cpu_answer, spec):
+    from miniapp.engine.runtimes.torch_runtime import TorchRuntime
+
+    # 0.6 GiB free leaves ~107 MB after the margin: most, not all, of the 122 MB model.
+    runtime = TorchRuntime(default_model, n_ctx=512, spec=spec,
+                           probe=SimulatedProbe("cuda:Small:0.6:8.6"))  # fmt: skip
+    plan = runtime.device_plan
+    assert plan.weights == "int4" and 0 < plan.gpu_layers < 30
+    assert runtime.model.placement.gpu_layers == plan.gpu_layers
+    assert _greedy(runtime, PROMPT) == cpu_answer
+
+
+def test_a_split_model_keeps_dense_gpu_layers_and_packed_cpu_layers(default_model):
+    from miniapp.engine.layers import DenseLinear, Int4Linear
+    from miniapp.engine.runtimes.torch_runtime import TorchRuntime
+
+    runtime = TorchRuntime(default_model, n_ctx=512, spec="off",
+                           probe=SimulatedProbe("cuda:Small:0.7:7.5"))  # fmt: skip
+    split = runtime.device_plan.gpu_layers
+    assert runtime.device_plan.weights == "bf16" and 0 < split < 30
+    layers = runtime.model.layers
+    assert isinstance(layers[split - 1].feed_forward.w_down, DenseLinear)
+    assert isinstance(layers[split].feed_forward.w_down, Int4Linear)
+    assert isinstance(runtime.model.output, Int4Linear)  # the head stays with the CPU layers
+    assert len(_greedy(runtime, PROMPT, n=8)) == 8
+
+
+def test_cuda_int4_packing_input_holds_two_codes_a_byte():
+    import torch
+
+    from miniapp.engine.layers import code_pairs, cuda_inner_k_tiles
+
+    codes = torch.randint(0, 16, (16, 96), generator=torch.Generator().manual_seed(1))
+    pairs = code_pairs(codes)
+    assert pairs.dtype is torch.uint8 and pairs.shape == (16, 48)
+    unpacked = torch.stack([pairs >> 4, pairs & 15], dim=-1).reshape(16, 96)
+    assert torch.equal(unpacked, codes.to(torch.uint8))
+    # SmolLM2's widths: 576 tiles by 4 x 16, 1536 by 8 x 16; 40 does not tile at all.
+    assert (cuda_inner_k_tiles(576), cuda_inner_k_tiles(1536)) == (4, 8)
+    with pytest.raises(ValueError):
+        cuda_inner_k_tiles(40)
+
+
 def test_chat_keeps_answering_through_an_out_of_memory(miniapp_exe):
     def chat(simulate=None):
         env = {k: v for k, v in os.environ.items() if k != "MINIAPP_SIMULATE_GPU"}

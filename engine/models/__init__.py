@@ -8,7 +8,14 @@ from ..errors import UnsupportedModelError
 from ..gguf_file import GGUFFile
 from ..quant import SUPPORTED_TYPES
 from . import gemma3, llama, phi3, qwen
-from .decoder import CachePolicy, DecoderConfig, DecoderModel, build_decoder
+from .decoder import (
+    CPU_PLACEMENT,
+    CachePolicy,
+    DecoderConfig,
+    DecoderModel,
+    Placement,
+    build_decoder,
+)
 
 CONFIGS: dict[str, Callable[[GGUFFile], DecoderConfig]] = {
     "llama": llama.config_from_gguf,
@@ -20,7 +27,7 @@ CONFIGS: dict[str, Callable[[GGUFFile], DecoderConfig]] = {
 
 SUPPORTED_ARCHITECTURES = tuple(sorted(CONFIGS))
 
-__all__ = ["CachePolicy", "DecoderModel", "build_model", "check_supported"]
+__all__ = ["CachePolicy", "DecoderModel", "Placement", "build_model", "check_supported"]
 
 
 def check_supported(gguf: GGUFFile) -> DecoderConfig:
@@ -42,5 +49,5 @@ def check_supported(gguf: GGUFFile) -> DecoderConfig:
     return CONFIGS[arch](gguf)
 
 
-def build_model(gguf: GGUFFile) -> DecoderModel:
-    return build_decoder(gguf, check_supported(gguf))
+def build_model(gguf: GGUFFile, placement: Placement = CPU_PLACEMENT) -> DecoderModel:
+    return build_decoder(gguf, check_supported(gguf), placement)

@@ -19,16 +19,20 @@ from ..cache import KVCache, RotatingKVCache
 from ..errors import ModelFileError, UnsupportedModelError
 from ..gguf_file import GGUFFile, TensorInfo
 from ..layers import (
+    CPU_INT4,
     BlockEmbedding,
     Linear,
     RMSNorm,
     Rope,
     RopeTables,
+    WeightTarget,
     apply_rope,
     linear_from_raw,
     rms_normalize,
 )
 from ..quant import dequantize_rows
+
+CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -210,15 +214,21 @@ class Attention:
 class RowMasks:
     """Decode-step masks for each row of an exact-rows pass. All caches of one kind hold
     the same positions, so the first layer of the kind computes each row's mask (just
-    before its own update, as a decode step would) and the later layers reuse it."""
+    before its own update, as a decode step would) and the later layers reuse it. Layers
+    on another device read copies through `to(device)`."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device = CPU, source: RowMasks | None = None):
+        self.device, self._source = device, source
         self._masks: list[torch.Tensor | None] = []
 
     def get(self, row: int, cache: Cache) -> torch.Tensor | None:
         if row == len(self._masks):
-            self._masks.append(cache.make_mask(1))
+            mask = cache.make_mask(1) if self._source is None else self._source.get(row, cache)
+            self._masks.append(None if mask is None else mask.to(self.device))
         return self._masks[row]
+
+    def to(self, device: torch.device) -> RowMasks:
+        return self if device == self.device else RowMasks(device, self)
 
 
 class FeedForward:
@@ -278,6 +288,28 @@ class CachePolicy:
 Cache = KVCache | RotatingKVCache
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where each part of the model lives: the first `gpu_layers` layers on `gpu` (with the
+    final norm and output head when every layer is there), the rest and the token embedding
+    on the CPU. GPU weights are 4-bit for the device's int4 kernel, or dense bf16."""
+
+    gpu: torch.device | None = None
+    gpu_layers: int = 0
+    dense_on_gpu: bool = False
+
+    def layer_target(self, layer: int) -> WeightTarget:
+        if self.gpu is None or layer >= self.gpu_layers:
+            return CPU_INT4
+        return WeightTarget(self.gpu, self.dense_on_gpu)
+
+    def head_target(self, n_layers: int) -> WeightTarget:
+        return self.layer_target(0) if self.gpu_layers >= n_layers else CPU_INT4
+
+
+CPU_PLACEMENT = Placement()
+
+
 class DecoderModel:
     def __init__(
         self,
@@ -287,9 +319,16 @@ class DecoderModel:
         norm,
         output,
         freq_factors: torch.Tensor | None = None,
+        placement: Placement = CPU_PLACEMENT,
     ):
         self.config = config
         self.embed, self.layers, self.norm, self.output = embed, layers, norm, output
+        self.placement = placement
+        self.layer_devices = [placement.layer_target(i).device for i in range(config.n_layers)]
+        self.head_device = placement.head_target(config.n_layers).device
+        # The one layer where the residual stream leaves the GPU for the CPU (a split model).
+        split = placement.gpu_layers if placement.gpu is not None else 0
+        self._split_at = split if 0 < split < config.n_layers else -1
         self.ropes = {
             False: _rope(config, config.rope, freq_factors),
             True: _rope(config, config.local_rope or config.rope, freq_factors),
@@ -309,18 +348,21 @@ class DecoderModel:
         c = self.config
         caches: list[Cache] = []
         for i in range(c.n_layers):
+            device = self.layer_devices[i]
             if c.is_local(i):
                 cache = RotatingKVCache(
                     c.n_kv_heads, c.head_dim, sinks=0, window=c.sliding_window,
-                    slack=PREFILL_CHUNK, rope=self.ropes[True],
+                    slack=PREFILL_CHUNK, rope=self.ropes[True], device=device,
                 )  # fmt: skip
             elif policy.streaming:
                 cache = RotatingKVCache(
                     c.n_kv_heads, c.head_dim, sinks=policy.sinks, window=policy.window_size,
-                    slack=ROLLBACK_SLACK, rope=self.ropes[False],
+                    slack=ROLLBACK_SLACK, rope=self.ropes[False], device=device,
                 )  # fmt: skip
             else:
-                cache = KVCache(c.n_kv_heads, c.head_dim, policy.ctx, rope=self.ropes[False])
+                cache = KVCache(
+                    c.n_kv_heads, c.head_dim, policy.ctx, rope=self.ropes[False], device=device
+                )
             caches.append(cache)
         return caches
 
@@ -339,12 +381,17 @@ class DecoderModel:
     __call__ = forward
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final hidden states [n, dim] -> fp32 logits [n, vocab]."""
-        logits = self.output.forward(hidden).float()
+        """Final hidden states [n, dim] -> fp32 logits [n, vocab], on the CPU (sampling and
+        acceptance run there whatever device the model is on)."""
+        logits = self.output.forward(hidden.to(self.head_device)).float()
         if self.config.final_logit_softcap:
             cap = self.config.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap
-        return logits
+        return logits.to(CPU)
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm, on the output head's device."""
+        return self.norm.forward(x.to(self.head_device))
 
     def hidden_states(
         self, tokens: torch.Tensor, caches: list[Cache], exact_rows: bool = False
@@ -354,7 +401,7 @@ class DecoderModel:
         to feeding the tokens one at a time (speculative verification)."""
         x = self.embed_tokens(tokens)
         x = self.run_layers(x, caches, 0, self.config.n_layers, exact_rows)
-        return self.norm.forward(x)
+        return self.final_norm(x)
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """int64 [n] -> the residual stream entering layer 0, fp32 [n, dim]."""
@@ -393,10 +440,23 @@ class DecoderModel:
             else:
                 rotations[local] = rope.tables(cache.offset, n_tokens)
                 masks[local] = cache.make_mask(n_tokens)
+        # Tables and masks are built on the CPU; a model on a GPU takes copies once a pass.
+        x, rotations, masks = _on_device(self.layer_devices[start], x, rotations, masks)
         for layer in range(start, stop):
+            if layer == self._split_at and layer != start:
+                x, rotations, masks = _on_device(CPU, x, rotations, masks)
             local = self._layer_is_local[layer]
             x = self.layers[layer].forward(x, rotations[local], caches[layer], masks[local])
         return x
+
+
+def _on_device(device: torch.device, x: torch.Tensor, rotations: dict, masks: dict):
+    """The residual stream, RoPE tables and masks of a pass, moved to `device`."""
+    if x.device == device and device == CPU:
+        return x, rotations, masks  # the usual case: nothing to move
+    rotations = {kind: tables.to(device) for kind, tables in rotations.items()}
+    masks = {kind: None if m is None else m.to(device) for kind, m in masks.items()}
+    return x.to(device), rotations, masks
 
 
 def _row_tables(rope: Rope, offset: int, n_tokens: int) -> RopeTables:
@@ -422,29 +482,37 @@ def _rope(config: DecoderConfig, rope: RopeConfig, freq_factors: torch.Tensor | 
 # ------------------------------------------------------------------------------ loading
 
 
-def build_decoder(gguf: GGUFFile, config: DecoderConfig) -> DecoderModel:
+def build_decoder(
+    gguf: GGUFFile, config: DecoderConfig, placement: Placement = CPU_PLACEMENT
+) -> DecoderModel:
     weights = WeightReader(gguf)
-    layers = [_build_block(weights, config, i) for i in range(config.n_layers)]
+    layers = [
+        _build_block(weights, config, i, placement.layer_target(i)) for i in range(config.n_layers)
+    ]
     # Many small models tie the output head to the embedding.
     head = "output.weight" if weights.has("output.weight") else "token_embd.weight"
-    output = weights.linear([head], bias="output.bias")
+    head_target = placement.head_target(config.n_layers)
+    output = weights.linear([head], bias="output.bias", target=head_target)
     embed = weights.embedding("token_embd.weight", config.dim)
-    norm = RMSNorm(weights.vector("output_norm.weight"), config.norm_eps)
+    norm_weight = weights.vector("output_norm.weight").to(head_target.device)
+    norm = RMSNorm(norm_weight, config.norm_eps)
     # Llama 3.1-style frequency factors: each RoPE frequency is divided by its factor.
     freq_factors = weights.vector("rope_freqs.weight") if weights.has("rope_freqs.weight") else None
     weights.check_all_used()
-    return DecoderModel(config, embed, layers, norm, output, freq_factors)
+    return DecoderModel(config, embed, layers, norm, output, freq_factors, placement)
 
 
-def _build_block(weights: WeightReader, config: DecoderConfig, i: int) -> Block:
+def _build_block(
+    weights: WeightReader, config: DecoderConfig, i: int, target: WeightTarget
+) -> Block:
     p = f"blk.{i}."
     eps = config.norm_eps
     if weights.has(p + "attn_qkv.weight"):
-        wqkv = weights.linear([p + "attn_qkv.weight"], bias=p + "attn_qkv.bias")
+        wqkv = weights.linear([p + "attn_qkv.weight"], p + "attn_qkv.bias", target)
     else:
         names = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
         biases = [p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"]
-        wqkv = weights.linear(names, bias=biases)
+        wqkv = weights.linear(names, biases, target)
     qk_norm = None
     if config.qk_norm:
         q_norm, k_norm = (
@@ -453,19 +521,19 @@ def _build_block(weights: WeightReader, config: DecoderConfig, i: int) -> Block:
         )
         qk_norm = torch.cat(
             [q_norm.expand(config.n_heads, -1), k_norm.expand(config.n_kv_heads, -1)]
-        ).contiguous()
-    wo = weights.linear([p + "attn_output.weight"], bias=p + "attn_output.bias")
+        )
+        qk_norm = qk_norm.to(target.device).contiguous()
+    wo = weights.linear([p + "attn_output.weight"], p + "attn_output.bias", target)
     attention = Attention(config, wqkv, wo, qk_norm)
     if weights.has(p + "ffn_gate.weight"):
-        gate_up = weights.linear([p + "ffn_gate.weight", p + "ffn_up.weight"])
+        gate_up = weights.linear([p + "ffn_gate.weight", p + "ffn_up.weight"], target=target)
     else:  # Phi-3 stores gate and up as one tensor of 2 * ffn_dim rows, gate first
-        gate_up = weights.linear([p + "ffn_up.weight"])
-    ffn = FeedForward(
-        gate_up, weights.linear([p + "ffn_down.weight"]), config.ffn_dim, config.activation
-    )
+        gate_up = weights.linear([p + "ffn_up.weight"], target=target)
+    down = weights.linear([p + "ffn_down.weight"], target=target)
+    ffn = FeedForward(gate_up, down, config.ffn_dim, config.activation)
 
     def norm(name: str) -> RMSNorm:
-        return RMSNorm(weights.vector(p + name), eps)
+        return RMSNorm(weights.vector(p + name).to(target.device), eps)
 
     post_attn = norm("post_attention_norm.weight") if config.post_norms else None
     post_ffn = norm("post_ffw_norm.weight") if config.post_norms else None
@@ -490,10 +558,15 @@ class WeightReader:
         self.used.add(name)
         return self.gguf.tensor(name)
 
-    def linear(self, names: list[str], bias: str | list[str] | None = None) -> Linear:
+    def linear(
+        self,
+        names: list[str],
+        bias: str | list[str] | None = None,
+        target: WeightTarget = CPU_INT4,
+    ) -> Linear:
         infos = [self._take(n) for n in names]
         raws = [(self.gguf.raw(i), i.ggml_type) for i in infos]
-        module = linear_from_raw(raws, infos[0].shape[-1], self._bias(bias, infos))
+        module = linear_from_raw(raws, infos[0].shape[-1], self._bias(bias, infos), target)
         self.gguf.release()
         return module
 

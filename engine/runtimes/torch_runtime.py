@@ -20,7 +20,7 @@ from ..devices import (
 )
 from ..gguf_file import GGUFFile
 from ..memory import limit_heap_fragmentation
-from ..models import CachePolicy, build_model
+from ..models import CachePolicy, DecoderModel, Placement, build_model
 from ..sampler import Sampler
 from ..sampling import SamplingParams
 from ..speculative import DraftController, EarlyExitDrafter, SpecMode, SpeculativeDecoder
@@ -56,10 +56,10 @@ class TorchRuntime(Runtime):
         limit_heap_fragmentation()
         torch.set_num_threads(threads or default_threads())
         gguf = gguf or GGUFFile(self.model_path)
+        self.gguf = gguf  # kept (memory-mapped) to rebuild the model on a fallback
         self.probe = probe or default_probe()
         self.device_plan = plan_device(device, self.probe, estimate_footprint(gguf, n_ctx))
-        self.model = build_model(gguf)
-        self._place()
+        self.model = self._load()
         self.chat_template = gguf.metadata.get("tokenizer.chat_template")
         self.architecture = gguf.architecture
         self.tokenizer = Tokenizer(self.model_path)
@@ -72,27 +72,47 @@ class TorchRuntime(Runtime):
         self.draft_controller = DraftController()
         self.early_exit = self._early_exit_drafter()
 
-    def _place(self) -> None:
-        """Put the model where the plan says, falling back to the CPU if that fails."""
+    def _placement(self) -> Placement:
         plan = self.device_plan
-        try:
-            self.probe.place(self.model, plan)
-        except GpuPathUnavailable as exc:
-            self._fall_back_to_cpu(f"{plan.weights} weights on {plan.device}", str(exc))
-        except torch.OutOfMemoryError as exc:
-            self._fall_back_to_cpu(f"loading on {plan.device}", f"out of memory at load: {exc}")
+        if not plan.on_gpu:
+            return Placement()
+        gpu = torch.device(self.probe.torch_device(plan))
+        return Placement(gpu, plan.gpu_layers, dense_on_gpu=plan.weights == "bf16")
 
-    def _fall_back_to_cpu(self, step: str, reason: str) -> None:
+    def _load(self) -> DecoderModel:
+        """Build the model where the plan says, falling back to the CPU if that fails."""
+        plan = self.device_plan
+        if not plan.on_gpu:
+            return self._build()
+        try:
+            return self._build()
+        except torch.OutOfMemoryError as exc:
+            step, reason = f"loading on {plan.device}", f"out of memory at load: {exc}"
+        except (GpuPathUnavailable, RuntimeError, ValueError) as exc:
+            step, reason = f"{plan.weights} weights on {plan.device}", _first_line(exc)
+        return self._fall_back_to_cpu(step, reason)
+
+    def _build(self) -> DecoderModel:
+        model = build_model(self.gguf, self._placement())
+        self.probe.watch(model, self.device_plan)
+        return model
+
+    def _fall_back_to_cpu(self, step: str, reason: str) -> DecoderModel:
         log.warning("falling back to the CPU from %s: %s", step, reason)
         fallbacks = [*self.device_plan.fallbacks, Fallback(step, reason)]
         self.device_plan = DevicePlan("cpu", "int4", 0, f"fell back: {reason}", fallbacks)
-        self.probe.place(self.model, self.device_plan)
+        self.model = None  # let the GPU copy go before building the CPU one
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return self._build()
 
     def _recover_from_oom(self, exc: torch.OutOfMemoryError) -> None:
         """Out of memory mid-decode: continue on the CPU with the same conversation. The
         caches are rebuilt there from the tokens fed so far."""
         step = f"decoding on {self.device_plan.device}"
-        self._fall_back_to_cpu(step, f"out of memory during decode: {exc}")
+        self.caches = []
+        self.model = self._fall_back_to_cpu(step, f"out of memory during decode: {exc}")
+        self.early_exit = self._early_exit_drafter()  # it drafts with the model's layers
         fed = list(self._tokens)
         self._truncate(0)
         if fed:
@@ -222,3 +242,8 @@ class TorchRuntime(Runtime):
         del self._tokens[n:]
         for cache in self.caches:
             cache.trim(cache.offset - n)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -25,6 +25,12 @@ class ExitAdapterModule:
         w_out = torch.zeros(dim, hidden)  # starts as the identity map
         return cls(torch.ones(dim), w_in, w_out)
 
+    def to(self, device: torch.device) -> ExitAdapterModule:
+        if self.w_in.device == device:
+            return self
+        moved = (t.to(device) for t in self.parameters())
+        return ExitAdapterModule(*moved, eps=self.eps)
+
     def parameters(self) -> list[torch.Tensor]:
         return [self.norm_weight, self.w_in, self.w_out]
 

@@ -96,9 +96,9 @@ def exit_states(
     states, done = {}, 0
     for layer in sorted(layers):
         x = model.run_layers(x, caches, done, layer)
-        states[layer], done = x.clone(), layer
+        states[layer], done = x.to("cpu", copy=True), layer
     x = model.run_layers(x, caches, done, model.config.n_layers)
-    return states, model.logits(model.norm.forward(x))
+    return states, model.logits(model.final_norm(x))
 
 
 def agreement_runs(draft_choice: torch.Tensor, target_choice: torch.Tensor) -> list[int]:
@@ -309,7 +309,7 @@ def train_exit_adapter(
         p.requires_grad_(True)
     optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
     generator = torch.Generator().manual_seed(seed)
-    norm_weight, eps = model.norm.weight, model.config.norm_eps
+    norm_weight, eps = model.norm.weight.cpu(), model.config.norm_eps  # training runs on the CPU
     for step in range(steps):
         batch = torch.randint(0, len(x_all), (ADAPTER_BATCH,), generator=generator)
         hidden = adapter.forward(x_all[batch])
@@ -330,5 +330,5 @@ def train_exit_adapter(
 def _dense_head(runtime: TorchRuntime) -> torch.Tensor:
     """The output head as a dense fp32 [vocab, dim] matrix (read back through its kernel)."""
     dim = runtime.model.config.dim
-    eye = torch.eye(dim)
-    return runtime.model.output.forward(eye).float().T.contiguous().clone()
+    eye = torch.eye(dim, device=runtime.model.head_device)
+    return runtime.model.output.forward(eye).float().T.cpu().contiguous().clone()

@@ -23,6 +23,10 @@ class ExitAdapter(Protocol):
         """Layer-E residual stream [n, dim] -> an estimate of the last layer's [n, dim]."""
         ...
 
+    def to(self, device: torch.device) -> ExitAdapter:
+        """The adapter with its weights on `device`."""
+        ...
+
 
 @dataclass
 class Draft:
@@ -43,14 +47,17 @@ class EarlyExitDrafter:
     ):
         if not 0 < layer < model.config.n_layers:
             raise ValueError(f"exit layer {layer} outside 1..{model.config.n_layers - 1}")
+        if adapter is not None:  # it runs beside the output head
+            adapter = adapter.to(model.head_device)
         self.model, self.layer, self.adapter = model, layer, adapter
         self.max_draft = max_draft  # None: as many as the controller likes
 
     def exit_logits(self, states: torch.Tensor) -> torch.Tensor:
         """Draft logits [n, vocab] from layer-E states [n, dim]."""
+        states = states.to(self.model.head_device)
         if self.adapter is not None:
             states = self.adapter.forward(states)
-        return self.model.logits(self.model.norm.forward(states))
+        return self.model.logits(self.model.final_norm(states))
 
     def draft(
         self,
@@ -85,7 +92,7 @@ class EarlyExitDrafter:
         states = torch.cat([draft.states, self.early_state(draft.tokens[-1], caches)])
         model = self.model
         out = model.run_layers(states, caches, self.layer, model.config.n_layers, exact_rows=True)
-        return model.logits(model.norm.forward(out))
+        return model.logits(model.final_norm(out))
 
     def early_state(self, token: int, caches: Sequence[Cache]) -> torch.Tensor:
         """Feed one token through the first layers (a decode step's exact computation)."""

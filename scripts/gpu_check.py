@@ -1,0 +1,237 @@
+"""The torch engine on a GPU against the same engine on the CPU, in a few minutes.
+
+For each GPU path (the int4 kernel, dequantized bf16 weights, a model split between GPU and
+CPU) it measures, against the CPU run of the same file: teacher-forced top-1 agreement and
+KL divergence, perplexity, and greedy decode tok/s with speculation off and on. It ends with
+a Markdown table (paste it into docs/BENCHMARKS.md) and writes the numbers as JSON.
+
+    scripts/gpu_check.sh [--model PATH] [--tokens 128] [--runs 3] [--json FILE]
+
+Without a GPU it still runs, on whatever `MINIAPP_SIMULATE_GPU` stands in (the test suite
+does this to keep the script working); the numbers then say nothing about a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLE_TEXT = REPO / "assets" / "text" / "garden.txt"
+AGREEMENT_CTX = 256
+PPL_CTX = 256
+QUOTE_ASK = "Quote the first two sentences of the text above exactly."
+SPLIT_SHARE = 0.5  # the split path gets room for about this share of the model's layers
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="GGUF (default: the bundled model, else random weights)")
+    parser.add_argument("--tokens", type=int, default=128, help="tokens per decode run")
+    parser.add_argument("--runs", type=int, default=3, help="decode runs per mode (median)")
+    parser.add_argument("--threads", type=int, help="CPU threads (default: all)")
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from miniapp.engine.devices import default_probe
+
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="miniapp-gpu-check-") as tmp:
+        model, model_note = _model(args.model, Path(tmp))
+        probe = default_probe()
+        print(_environment(torch, probe, model, model_note), flush=True)
+        text = SAMPLE_TEXT.read_text()
+        cpu = _open(model, args.threads, device="cpu")
+        rows = [_measure("cpu", cpu, None, text, args)]
+        for name, path_probe in _gpu_paths(probe, model):
+            try:
+                runtime = _open(model, args.threads, probe=path_probe)
+            except Exception as exc:  # a GPU path that cannot even load is a result too
+                rows.append({"path": name, "error": f"{type(exc).__name__}: {exc}"})
+                continue
+            rows.append(_measure(name, runtime, cpu, text, args))
+            del runtime
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    elapsed = time.perf_counter() - started
+    print(_table(rows))
+    print(f"\n{elapsed:.0f} s in all")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"model": model_note, "rows": rows}, indent=2))
+    return 0
+
+
+# ------------------------------------------------------------------ what runs
+
+
+def _model(arg: str | None, tmp: Path) -> tuple[Path, str]:
+    from miniapp.engine.model_store import DEFAULT_MODEL, bundled_path
+
+    if arg:
+        return Path(arg), Path(arg).name
+    bundled = bundled_path(DEFAULT_MODEL)
+    if bundled.exists():
+        return bundled, bundled.name
+    # A machine without the bundled model (it is too big to send to a lent GPU): the same
+    # shapes with random weights, so kernel correctness and speed are still measured.
+    sys.path.insert(0, str(REPO / "tests"))
+    from tiny_gguf import TinyModel, write_tiny_model
+
+    shapes = TinyModel(n_layers=30, dim=576, n_heads=9, n_kv_heads=3, head_dim=64,
+                       ffn_dim=1536, context=2048)  # fmt: skip
+    path = write_tiny_model(tmp / "smollm2-shaped-random.gguf", shapes)
+    return path, "random weights in SmolLM2-135M's shapes (Q4_1)"
+
+
+def _open(model: Path, threads: int | None, device: str = "auto", probe=None):
+    from miniapp.engine.runtimes.torch_runtime import TorchRuntime
+
+    return TorchRuntime(model, n_ctx=2048, threads=threads, spec="auto", device=device,
+                        probe=probe)  # fmt: skip
+
+
+def _gpu_paths(probe, model: Path):
+    """The GPU paths to try: the best one, then the two fallbacks forced."""
+    from miniapp.engine.devices import MIN_MARGIN_BYTES, estimate_footprint
+    from miniapp.engine.gguf_file import GGUFFile
+
+    if not probe.gpus():
+        print("no GPU visible: only the CPU is measured", flush=True)
+        return []
+    footprint = estimate_footprint(GGUFFile(model), 2048)
+    split_free = MIN_MARGIN_BYTES + int(SPLIT_SHARE * (footprint.int4_bytes + footprint.kv_bytes))
+    return [
+        ("gpu int4", probe),
+        ("gpu bf16", ForcedProbe(probe, int4=False)),
+        ("gpu split", ForcedProbe(probe, free_bytes=split_free)),
+    ]
+
+
+class ForcedProbe:
+    """The real probe with its int4 kernel or its free memory overridden, to force a
+    fallback path on a GPU that would not need it."""
+
+    def __init__(self, inner, int4: bool = True, free_bytes: int | None = None):
+        self.inner, self.int4, self.free_bytes = inner, int4, free_bytes
+
+    def gpus(self):
+        found = self.inner.gpus()
+        if self.free_bytes is None:
+            return found
+        return [dataclasses.replace(g, free_bytes=self.free_bytes) for g in found]
+
+    def check_int4(self, gpu):
+        from miniapp.engine.devices import KernelCheck
+
+        if gpu is not None and not self.int4:
+            return KernelCheck("int4 matmul", False, "switched off by gpu_check")
+        return self.inner.check_int4(gpu)
+
+    def versions(self):
+        return self.inner.versions()
+
+    def torch_device(self, plan):
+        return self.inner.torch_device(plan)
+
+    def watch(self, model, plan):
+        self.inner.watch(model, plan)
+
+
+# ------------------------------------------------------------------ measuring
+
+
+def _measure(name: str, runtime, reference, text: str, args) -> dict:
+    from miniapp.engine.perplexity import agreement, perplexity
+
+    plan = runtime.device_plan
+    row = {"path": name, "device": plan.device, "weights": plan.weights,
+           "gpu_layers": plan.gpu_layers, "reason": plan.reason}  # fmt: skip
+    if reference is not None:
+        agree = agreement(runtime, reference, text, AGREEMENT_CTX)
+        row.update(top1=agree.top1_agreement, kl=agree.mean_kl, max_diff=agree.max_abs_logit_diff)
+    row["ppl"] = perplexity(runtime, text, PPL_CTX).ppl
+    prompt = _quote_prompt(runtime, text)
+    for mode in ("off", "auto"):
+        runtime.spec_mode = type(runtime.spec_mode)(mode)
+        speeds, tokens = _decode_speeds(runtime, prompt, args.tokens, args.runs)
+        row[f"tok_s_spec_{mode}"] = statistics.median(speeds)
+        row[f"tokens_spec_{mode}"] = tokens
+    row["spec_identical"] = row.pop("tokens_spec_off") == row.pop("tokens_spec_auto")
+    print(f"  {name}: done", flush=True)
+    return row
+
+
+def _quote_prompt(runtime, text: str) -> list[int]:
+    from miniapp.engine.chat_template import ChatTemplate, Message
+
+    template = ChatTemplate.for_model(runtime.chat_template, runtime.tokenizer,
+                                      runtime.architecture)  # fmt: skip
+    rendered = template.render([Message("user", f"{text[:1500]}\n\n{QUOTE_ASK}")])
+    return runtime.tokenizer.encode_chat(rendered)
+
+
+def _decode_speeds(runtime, prompt: list[int], n_tokens: int, runs: int):
+    """Decode tok/s of `runs` greedy runs from an empty cache (after one warm-up)."""
+    from miniapp.engine.sampling import GREEDY
+
+    speeds, tokens = [], []
+    for run in range(runs + 1):
+        runtime.reset()
+        times, tokens = [], []
+        generator = runtime.generate_tokens(prompt, GREEDY)
+        try:
+            for token in generator:
+                times.append(time.perf_counter())
+                tokens.append(token)
+                if len(tokens) == n_tokens:
+                    break
+        finally:
+            generator.close()
+        if run and len(times) > 1:
+            speeds.append((len(times) - 1) / (times[-1] - times[0]))
+    return speeds or [0.0], tokens
+
+
+# ------------------------------------------------------------------ reporting
+
+
+def _environment(torch, probe, model: Path, model_note: str) -> str:
+    lines = [f"torch {torch.__version__}, CUDA {torch.version.cuda}, HIP {torch.version.hip}",
+             f"model: {model_note}"]  # fmt: skip
+    for gpu in probe.gpus():
+        kernel = probe.check_int4(gpu)
+        state = "OK" if kernel.ok else "missing"
+        lines.append(f"{gpu.label}: {gpu.name}, {gpu.total_bytes / 2**30:.0f} GiB, "
+                     f"int4 kernel {state} ({kernel.reason})")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _table(rows: list[dict]) -> str:
+    head = ("| path | device, weights, GPU layers | top-1 vs CPU | KL vs CPU | PPL | "
+            "decode tok/s | spec tok/s | spec/plain | spec identical |")  # fmt: skip
+    lines = [head, "|" + "---|" * 9]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['path']} | failed: {r['error']} |" + " |" * 7)
+            continue
+        where = f"{r['device']}, {r['weights']}, {r['gpu_layers']}"
+        top1 = f"{r['top1']:.4f}" if "top1" in r else "-"
+        kl = f"{r['kl']:.5f}" if "kl" in r else "-"
+        plain, spec = r["tok_s_spec_off"], r["tok_s_spec_auto"]
+        ratio = spec / plain if plain else 0.0
+        cells = [r["path"], where, top1, kl, f"{r['ppl']:.4f}", f"{plain:.1f}", f"{spec:.1f}",
+                 f"{ratio:.2f}x", str(r["spec_identical"])]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

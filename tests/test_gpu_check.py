@@ -1,0 +1,34 @@
+"""scripts/gpu_check.sh, kept working on a machine without a GPU: a simulated CUDA device
+computes on the CPU, so every GPU path must agree with the CPU (the int4 paths exactly)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+from tiny_gguf import LLAMA, write_tiny_model
+
+SCRIPT = Path(__file__).parents[1] / "scripts" / "gpu_check.sh"
+
+
+def test_gpu_check_measures_every_path_and_prints_its_table(tmp_path):
+    model = write_tiny_model(tmp_path / "tiny.gguf", LLAMA)
+    out = tmp_path / "check.json"
+    env = {**os.environ, "MINIAPP_SIMULATE_GPU": "cuda:Sim:24:8.9"}
+    done = subprocess.run(
+        [str(SCRIPT), "--model", str(model), "--tokens", "12", "--runs", "1", "--threads", "2",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {row["path"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"cpu", "gpu int4", "gpu bf16", "gpu split"}
+    assert rows["gpu int4"]["top1"] == 1.0 and rows["gpu int4"]["kl"] < 1e-9
+    assert rows["gpu split"]["top1"] == 1.0 and 0 < rows["gpu split"]["gpu_layers"] < 2
+    assert rows["gpu bf16"]["weights"] == "bf16" and rows["gpu bf16"]["top1"] >= 0.9
+    # Bit-identical speculation needs row-independent kernels: the int4 kernel is; a bf16
+    # GEMM may round a batch of rows differently from one row, so that path is only reported.
+    assert all(rows[path]["spec_identical"] for path in ("cpu", "gpu int4", "gpu split"))
+    assert "| gpu split | cuda:0, int4, 1 |" in done.stdout
