@@ -2,6 +2,8 @@
 
 Interactive on a terminal (line editing, /commands, Ctrl-C stops the answer, not the app);
 with piped input, the whole of stdin is one message and the answer is printed once.
+With --audio FILE the file's transcript is the (first) message; with --voice, Enter on an
+empty line records until the next Enter (push-to-talk). Spoken messages keep their word times.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TextIO
 
+from miniapp.engine.chat_template import Message
 from miniapp.engine.errors import MiniappError
 from miniapp.engine.events import Finished, FinishReason, TextDelta
 from miniapp.engine.generation import GenerationRequest
@@ -21,6 +24,8 @@ from miniapp.engine.model_store import resolve_model
 from miniapp.engine.runtimes import open_runtime
 from miniapp.engine.sampling import SamplingParams
 from miniapp.engine.session import ChatSession
+
+from .transcribe import VoiceInput, spoken_file
 
 PROMPT = ">>> "
 HELP = """commands:
@@ -45,6 +50,8 @@ def request_from_args(args: argparse.Namespace) -> GenerationRequest:
 def run_chat(args: argparse.Namespace) -> int:
     model_path = resolve_model(args.model)
     interactive = sys.stdin.isatty()
+    # A bad or silent audio file is a one-line error before the model loads.
+    spoken = spoken_file(args.audio, args.asr_model, args.threads) if args.audio else None
     if interactive:
         print(f"loading {model_path.name} on {args.backend}...", file=sys.stderr, flush=True)
     runtime = open_runtime(
@@ -55,13 +62,20 @@ def run_chat(args: argparse.Namespace) -> int:
     if interactive and plan is not None:
         print(f"running on {plan.device} ({plan.reason})", file=sys.stderr, flush=True)
     session = ChatSession(runtime, system_prompt=args.system, request=request_from_args(args))
+    voice = VoiceInput.for_chat(args, interactive)
+    if spoken is not None:
+        print(f"you said: {spoken.content}", flush=True)
+        if not interactive:
+            return _answer_piped(session, spoken, args.stats)
+        _stream_answer(session, spoken, threading.Event(), sys.stdout)
     if not interactive:
         return _answer_piped(session, sys.stdin.read(), args.stats)
-    return _interactive(session, model_path.name, args.stats)
+    return _interactive(session, model_path.name, args.stats, voice)
 
 
-def _answer_piped(session: ChatSession, text: str, show_stats: bool) -> int:
-    text = text.strip()
+def _answer_piped(session: ChatSession, text: str | Message, show_stats: bool) -> int:
+    if isinstance(text, str):
+        text = text.strip()
     if not text:
         print("miniapp: error: no input on stdin", file=sys.stderr)
         return 2
@@ -71,12 +85,16 @@ def _answer_piped(session: ChatSession, text: str, show_stats: bool) -> int:
     return 0
 
 
-def _interactive(session: ChatSession, model_name: str, show_stats: bool) -> int:
+def _interactive(
+    session: ChatSession, model_name: str, show_stats: bool, voice: VoiceInput | None = None
+) -> int:
     try:
         import readline  # noqa: F401 - line editing and history for input()
     except ImportError:
         pass
     print(f"miniapp chat - {model_name} on {session.runtime.backend}. /help for commands.")
+    if voice is not None:
+        print(voice.greeting)
     while True:
         try:
             line = input(PROMPT)
@@ -86,10 +104,14 @@ def _interactive(session: ChatSession, model_name: str, show_stats: bool) -> int
         except KeyboardInterrupt:
             print("\n(use /exit or Ctrl-D to quit)")
             continue
-        text = line.strip()
+        text: str | Message = line.strip()
+        if not text and voice is not None and voice.available:
+            text = voice.record(sys.stdout)
+            if text is None:
+                continue
         if not text:
             continue
-        if text.startswith("/"):
+        if isinstance(text, str) and text.startswith("/"):
             if _command(session, text) == "exit":
                 return 0
             continue
@@ -121,7 +143,9 @@ def _command(session: ChatSession, text: str) -> str | None:
     return None
 
 
-def _stream_answer(session: ChatSession, text: str, cancel: threading.Event, out: TextIO) -> None:
+def _stream_answer(
+    session: ChatSession, text: str | Message, cancel: threading.Event, out: TextIO
+) -> None:
     finish = None
     for event in session.send(text, should_stop=cancel.is_set):
         if isinstance(event, TextDelta):

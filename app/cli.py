@@ -104,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", help="system prompt")
     chat.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     chat.add_argument("--stats", action="store_true", help="print speed after every answer")
+    chat.add_argument(
+        "--voice", action="store_true",
+        help="push-to-talk: Enter on an empty line records until the next Enter",
+    )  # fmt: skip
+    chat.add_argument("--audio", metavar="FILE", help="send this audio file's transcript")
+    _add_asr_model_arg(chat)
     _add_spec_arg(chat)
 
     evaluate = sub.add_parser("eval", help="evaluate a model")
