@@ -131,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(compare, ctx_default=512)
     compare.add_argument("--json", action="store_true", help="print one JSON object")
 
+    _add_asr_eval_parser(eval_sub)
+
     bench = sub.add_parser("bench", help="our engine vs llama.cpp, side by side")
     _add_model_args(bench, ctx_default=None)
     bench.set_defaults(backend=None)
@@ -176,7 +178,22 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--json", action="store_true", help="print one JSON object")
 
     _add_transcribe_parser(sub)
+    _add_gui_parser(sub)
     return parser
+
+
+def _add_gui_parser(sub) -> None:
+    gui = sub.add_parser("gui", help="the desktop GUI in your browser (also plain `miniapp`)")
+    _add_model_args(gui, ctx_default=4096)
+    _add_spec_arg(gui)
+    gui.add_argument("--max-tokens", type=_positive_int, default=512)
+    gui.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    gui.add_argument("--top-p", type=float, default=0.95)
+    gui.add_argument("--system", help="system prompt")
+    _add_asr_model_arg(gui)
+    gui.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    gui.add_argument("--port", type=_positive_int, default=7860)
+    gui.add_argument("--no-browser", action="store_true", help="do not open a browser")
 
 
 def _add_asr_model_arg(parser: argparse.ArgumentParser) -> None:
@@ -184,6 +201,25 @@ def _add_asr_model_arg(parser: argparse.ArgumentParser) -> None:
         "--asr-model", metavar="PATH",
         help="a faster-whisper model folder (default: the bundled whisper tiny.en)",
     )  # fmt: skip
+
+
+def _add_asr_eval_parser(eval_sub) -> None:
+    asr = eval_sub.add_parser(
+        "asr", help="speech recognition on synthetic speech: WER, word times, latency, speed"
+    )
+    modes = asr.add_mutually_exclusive_group()
+    modes.add_argument("--stream", action="store_true", help="only the streaming path")
+    modes.add_argument("--offline", action="store_true", help="only offline recognition")
+    asr.add_argument("--set", choices=("clean", "hard"), default="clean", help="sentence set")
+    asr.add_argument("--sentences", type=_positive_int, help="use only the first N sentences")
+    _add_asr_model_arg(asr)
+    asr.add_argument("--asr-threads", type=_positive_int, help="CPU threads for recognition")
+    asr.add_argument(
+        "--no-answer", action="store_true",
+        help="skip end of speech -> first answer token (which loads the chat model)",
+    )  # fmt: skip
+    _add_model_args(asr, ctx_default=2048)
+    asr.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def _add_transcribe_parser(sub) -> None:
@@ -236,17 +272,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    command = args.command or "chat"
+    command = args.command or "gui"
+    if command == "gui":
+        from .gui.server import run_gui
+
+        if args.command is None:  # bare `miniapp`: the GUI with defaults
+            args = build_parser().parse_args(["gui"])
+        return run_gui(args)
     if command == "chat":
         from .chat import run_chat
 
-        if args.command is None:  # bare `miniapp`: chat with defaults
-            args = build_parser().parse_args(["chat"])
         return run_chat(args)
     if command == "eval":
-        from .evaluate import run_compare, run_ppl
+        from .evaluate import run_asr, run_compare, run_ppl
 
-        return run_ppl(args) if args.eval_command == "ppl" else run_compare(args)
+        handlers = {"ppl": run_ppl, "compare": run_compare, "asr": run_asr}
+        return handlers[args.eval_command](args)
     if command == "bench":
         from .bench import run_bench
 

@@ -84,3 +84,54 @@ def run_compare(args: argparse.Namespace) -> int:
             f"{result.max_abs_logit_diff:.3f}, mean KL(llama.cpp || ours) {result.mean_kl:.5f}"
         )
     return 0
+
+
+def run_asr(args: argparse.Namespace) -> int:
+    """`miniapp eval asr`: synthetic sentences with known word boundaries through offline and
+    streamed recognition (WER, boundary error with and without refinement, commit latency,
+    real-time factor), and end of speech to the first answer token."""
+    from miniapp.engine.voice.asr import load_asr
+    from miniapp.engine.voice.asr_benchmark import AsrBenchmark
+
+    asr = load_asr(args.asr_model, args.asr_threads)
+    modes = ("offline",) if args.offline else ("stream",) if args.stream else ("offline", "stream")
+    bench = AsrBenchmark(asr, args.set, args.sentences)
+    result = {"set": args.set, "sentences": bench.count, "asr_threads": asr.threads}
+    for mode in modes:
+        result[mode] = bench.run(mode)
+    if "stream" in modes and not args.no_answer:
+        runtime = _open(args, resolve_model(args.model), n_ctx=args.ctx or 2048)
+        result["answer"] = bench.answer_latency(runtime)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(_asr_table(result))
+    return 0
+
+
+def _asr_table(result: dict) -> str:
+    lines = [f"{result['sentences']} {result['set']} sentences, ASR on {result['asr_threads']} "
+             "threads (WER and MAE over all words; latencies are medians)"]  # fmt: skip
+    for mode in ("offline", "stream"):
+        if mode not in result:
+            continue
+        r = result[mode]
+        line = (
+            f"{mode:8} WER {r['wer']:.3f}  start/end MAE {_ms(r['start_mae_s'])}/"
+            f"{_ms(r['end_mae_s'])} ms (raw {_ms(r['raw_start_mae_s'])}/"
+            f"{_ms(r['raw_end_mae_s'])} ms)  RTF {r['rtf']:.3f}"
+        )
+        if mode == "stream":
+            line += f"  commit latency {r['median_commit_latency_s']:.2f} s"
+        lines.append(line)
+    if "answer" in result:
+        a = result["answer"]
+        lines.append(
+            f"end of speech -> first answer token {a['median_speech_end_to_first_token_s']:.2f} s "
+            f"(finish {a['median_finish_s']:.2f} s, model TTFT {a['median_ttft_s']:.2f} s)"
+        )
+    return "\n".join(lines)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f}"

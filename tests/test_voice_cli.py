@@ -152,3 +152,16 @@ def test_chat_voice_without_a_microphone_goes_on_by_text(miniapp_exe):
     finally:
         if child.isalive():
             child.terminate(force=True)
+
+
+def test_eval_asr_reports_every_measure(miniapp_exe):
+    require_tools()
+    done = _run(miniapp_exe, "eval", "asr", "--sentences", "1", "--no-answer", "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    for mode in ("offline", "stream"):
+        scores = result[mode]
+        assert scores["wer"] == 0
+        assert scores["start_mae_s"] < scores["raw_start_mae_s"]
+        assert 0 < scores["rtf"] < 1
+    assert result["stream"]["median_commit_latency_s"] > 0
