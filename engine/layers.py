@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from gguf.constants import GGMLQuantizationType
 
+from ..native import int4 as native_int4
+from .kernels import cpu_int4_kernel
 from .quant import (
     FLOAT_TYPES,
     PLAIN,
@@ -65,28 +67,40 @@ class Int4Linear:
 
     Wider codes are held as interleaved 4-bit planes; `layout` says how the kernel's groups
     and input are laid out for them (see `quant.KernelLayout`).
+
+    On the CPU the weight is packed either for torch's int4 kernel (`packed`, `scales_zeros`)
+    or for our own (`native`, see `kernels.py`), never both: one copy of the weights.
     """
 
     def __init__(
         self,
         packed: torch.Tensor,
-        scales_zeros: torch.Tensor,
+        scales_zeros: torch.Tensor | None,
         out_features: int,
         layout: KernelLayout = PLAIN,
         bias: torch.Tensor | None = None,
+        native: native_int4.PackedInt4 | None = None,
     ):
         self.packed, self.scales_zeros, self.bias = packed, scales_zeros, bias
-        slots = scales_zeros.shape[0] * layout.group
+        self.native = native
+        slots = native.shape.k if native is not None else scales_zeros.shape[0] * layout.group
         self.in_features = slots // 2 if layout.interleave else slots
         self.out_features = out_features
         self.layout = layout
         self.group = layout.group
         self.plain = not layout.interleave
+        # forward gives silu(gate) * up of gate|up rows (see `linear_from_raw`)
+        self.gated = native is not None and native.shape.gated
         self._mm = _int4_mm_cpu if packed.device.type == "cpu" else torch._weight_int4pack_mm
+        if native is not None and self.plain and bias is None:
+            self.forward = native.forward  # the common case, without a Python frame between
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [tokens, in_features] (any float dtype) -> [tokens, out_features], bf16 without
-        a bias and fp32 with one."""
+        """x: [tokens, in_features] (any float dtype) -> [tokens, out_features]: fp32 from our
+        own kernel or with a bias, bf16 from torch's kernel without one."""
+        if self.native is not None:
+            y = self.native.forward(x if self.plain else expand_input(x, self.layout))
+            return y if self.bias is None else y + self.bias
         if x.dtype is not COMPUTE_DTYPE:
             x = x.to(COMPUTE_DTYPE)
         if not self.plain:
@@ -98,19 +112,23 @@ class Int4Linear:
             y = y + self.bias
         return y
 
-    __call__ = forward
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward(x)
 
 
 class _Int4Packer:
     """Packs Int4Groups row blocks into torch's layout for the target device as they arrive,
-    so converting a large matrix never holds more than one block of unpacked codes."""
+    so converting a large matrix never holds more than one block of unpacked codes.
+    With a native library, packs into our own kernel's layout instead."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, native: native_int4.Library | None = None):
         self.device = device
+        self.native = native
         self._pending: list[Int4Groups] = []
         self._pending_rows = 0
         self._packed: list[torch.Tensor] = []
         self._scales_zeros: list[torch.Tensor] = []
+        self._columns = 0
         self.rows = 0
 
     def add(self, groups: Int4Groups) -> None:
@@ -120,9 +138,20 @@ class _Int4Packer:
         if self._pending_rows >= _PACK_CHUNK_ROWS:
             self._flush(final=False)
 
-    def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         self._flush(final=True)
+        if self.native is not None:
+            return torch.cat(self._packed), None
         return torch.cat(self._packed), torch.cat(self._scales_zeros, dim=1)
+
+    def linear(self, layout: KernelLayout, bias: torch.Tensor | None) -> Int4Linear:
+        packed, scales_zeros = self.finish()
+        native = None
+        if self.native is not None:
+            k = layout.kernel_columns(self._columns)
+            shape = native_int4.PackedShape(self.rows, k, layout.group)
+            native = native_int4.PackedInt4(self.native, packed, shape)
+        return Int4Linear(packed, scales_zeros, self.rows, layout, bias, native)
 
     def _flush(self, final: bool) -> None:
         if not self._pending:
@@ -133,6 +162,10 @@ class _Int4Packer:
         self._pending = [block.slice_rows(keep, rows)] if keep < rows else []
         self._pending_rows = rows - keep
         block = block.slice_rows(0, keep)
+        self._columns = block.shape[1] // 2 if block.layout.interleave else block.shape[1]
+        if self.native is not None:
+            self._packed.append(native_int4.pack(block.codes, block.scale, block.zero))
+            return
         if final and keep % _PACK_ROW_ALIGN:
             block = block.pad_rows(_PACK_ROW_ALIGN - keep % _PACK_ROW_ALIGN, INT4_ZERO_CODE)
         self._packed.append(pack_int4(block.codes, self.device))
@@ -199,33 +232,67 @@ def linear_from_raw(
     n_cols: int,
     bias: torch.Tensor | None = None,
     target: WeightTarget = CPU_INT4,
+    gated: bool = False,
 ) -> Linear:
     """One linear from one or more weights sharing an input (stacked by rows, e.g. Q|K|V).
 
     Quantized weights stay 4 to 8 bits a weight (unless the target wants them dense); float
     weights become a dense matmul. Parts that need different kernel layouts become separate
     kernels, concatenated.
+
+    `gated`: the rows are the gate and then the up projection of a SiLU-gated feed-forward
+    (two parts, or one part holding both). Where our own CPU kernel runs them, the result
+    computes silu(gate) * up in the same call (`Int4Linear.gated`); elsewhere it is the
+    plain gate|up linear and the caller applies the activation.
     """
     types = {t for _, t in parts}
     if bias is not None:
         bias = bias.to(target.device)
+    if gated and bias is None and (fused := _gated_int4(parts, n_cols, target)) is not None:
+        return fused
     if types <= QUANT_TYPES and target.dense:
         weight = torch.cat([_dense_bf16(raw, t, n_cols, target.device) for raw, t in parts])
         return DenseLinear(weight, bias)
     if types <= QUANT_TYPES and len({layout_for(t) for t in types}) == 1:
-        packer = _Int4Packer(target.device)
+        packer = _Int4Packer(target.device, cpu_int4_kernel().library if target.on_cpu else None)
         for raw, ggml_type in parts:
             for start in range(0, raw.shape[0], _PACK_CHUNK_ROWS):
                 packer.add(to_int4(decode(raw[start : start + _PACK_CHUNK_ROWS], ggml_type)))
-        out_features = packer.rows
-        packed, scales_zeros = packer.finish()
-        layout = layout_for(next(iter(types)))
-        return Int4Linear(packed, scales_zeros, out_features, layout, bias)
+        return packer.linear(layout_for(next(iter(types))), bias)
     if types <= FLOAT_TYPES:
         weight = torch.cat([dequantize_rows(raw, t, n_cols) for raw, t in parts])
         stored = _STORED_DTYPE[next(iter(types))] if len(types) == 1 else torch.float32
         return DenseLinear(weight.to(target.device, stored), bias)
     return _ConcatLinear([linear_from_raw([p], n_cols, target=target) for p in parts], bias)
+
+
+def _gated_int4(parts: list[RawWeight], n_cols: int, target: WeightTarget) -> Int4Linear | None:
+    """gate|up rows packed for the native kernel's silu(gate) * up, a slice at a time; None
+    where that does not apply (torch's kernel, wider codes, odd shapes)."""
+    library = cpu_int4_kernel().library if target.on_cpu else None
+    if library is None or any(t not in QUANT_TYPES or layout_for(t) != PLAIN for _, t in parts):
+        return None
+    if len(parts) == 1:  # Phi-3: one tensor, gate rows first
+        raw, ggml_type = parts[0]
+        half = raw.shape[0] // 2
+        parts = [(raw[:half], ggml_type), (raw[half:], ggml_type)]
+    if len(parts) != 2:
+        return None
+    (gate, gate_type), (up, up_type) = parts
+    ffn = gate.shape[0]
+    if up.shape[0] != ffn or ffn % native_int4.GATE_ROWS:
+        return None
+    packed = []
+    for start in range(0, ffn, _PACK_CHUNK_ROWS):
+        stop = start + _PACK_CHUNK_ROWS
+        both = Int4Groups.concat_rows(
+            [to_int4(decode(gate[start:stop], gate_type)), to_int4(decode(up[start:stop], up_type))]
+        )
+        order = native_int4.gate_up_order(both.shape[0])
+        packed.append(native_int4.pack(both.codes[order], both.scale[order], both.zero[order]))
+    data = torch.cat(packed)
+    shape = native_int4.PackedShape(2 * ffn, n_cols, PLAIN.group, gated=True)
+    return Int4Linear(data, None, ffn, PLAIN, None, native_int4.PackedInt4(library, data, shape))
 
 
 def _dense_bf16(

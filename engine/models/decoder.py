@@ -235,8 +235,12 @@ class FeedForward:
     def __init__(self, w_gate_up: Linear, w_down: Linear, ffn_dim: int, activation: str):
         self.w_gate_up, self.w_down, self.ffn_dim = w_gate_up, w_down, ffn_dim
         self.gelu = activation == "gelu_tanh"
+        # Our own CPU kernel applies the SiLU gating itself (one call instead of four ops).
+        self.fused = getattr(w_gate_up, "gated", False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return self.w_down.forward(self.w_gate_up.forward(x))
         gate_up = self.w_gate_up.forward(x)
         gate, up = gate_up[:, : self.ffn_dim], gate_up[:, self.ffn_dim :]
         gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
@@ -525,10 +529,12 @@ def _build_block(
         qk_norm = qk_norm.to(target.device).contiguous()
     wo = weights.linear([p + "attn_output.weight"], p + "attn_output.bias", target)
     attention = Attention(config, wqkv, wo, qk_norm)
+    gated = config.activation == "silu"  # the kernel may fuse silu(gate) * up
     if weights.has(p + "ffn_gate.weight"):
-        gate_up = weights.linear([p + "ffn_gate.weight", p + "ffn_up.weight"], target=target)
+        names = [p + "ffn_gate.weight", p + "ffn_up.weight"]
+        gate_up = weights.linear(names, target=target, gated=gated)
     else:  # Phi-3 stores gate and up as one tensor of 2 * ffn_dim rows, gate first
-        gate_up = weights.linear([p + "ffn_up.weight"], target=target)
+        gate_up = weights.linear([p + "ffn_up.weight"], target=target, gated=gated)
     down = weights.linear([p + "ffn_down.weight"], target=target)
     ffn = FeedForward(gate_up, down, config.ffn_dim, config.activation)
 
@@ -563,10 +569,12 @@ class WeightReader:
         names: list[str],
         bias: str | list[str] | None = None,
         target: WeightTarget = CPU_INT4,
+        gated: bool = False,
     ) -> Linear:
         infos = [self._take(n) for n in names]
         raws = [(self.gguf.raw(i), i.ggml_type) for i in infos]
-        module = linear_from_raw(raws, infos[0].shape[-1], self._bias(bias, infos), target)
+        bias_vector = self._bias(bias, infos)
+        module = linear_from_raw(raws, infos[0].shape[-1], bias_vector, target, gated)
         self.gguf.release()
         return module
 

@@ -1,0 +1,58 @@
+"""Which int4 matmul the engine runs on the CPU, and why.
+
+Our own kernel (`miniapp.native.int4`) when its library loads and the CPU has its
+instructions; torch's `_weight_int4pack_mm_for_cpu` otherwise. The choice is made once per
+process and never fails: every reason not to use the native kernel becomes the fallback's
+explanation, which `miniapp doctor` prints. `MINIAPP_NATIVE=0` forces torch's op (A/B
+benchmarks, an escape hatch); `MINIAPP_NATIVE=avx2` or `avx512` forces a native path.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..native import int4
+
+TORCH_OP = "torch _weight_int4pack_mm_for_cpu"
+_OFF = frozenset({"0", "off", "no", "false", "torch"})
+_FORCED_ISAS = frozenset(int4.ISA_NAMES.values())
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    library: int4.Library | None  # None: torch's op
+    reason: str  # why torch's op, or where the native library came from
+
+    @property
+    def native(self) -> bool:
+        return self.library is not None
+
+    def describe(self) -> str:
+        """One line for `miniapp doctor`."""
+        if self.library is None:
+            return f"{TORCH_OP} (native kernel: {self.reason})"
+        threads = torch.get_num_threads()
+        return f"native {self.library.isa_name} ({threads} thread{'s' * (threads != 1)})"
+
+
+def cpu_int4_kernel() -> KernelChoice:
+    """The CPU int4 kernel for weights packed now (read at model load)."""
+    setting = os.environ.get(int4.ENV_SWITCH, "").strip().lower()
+    if setting in _OFF:
+        return KernelChoice(None, f"switched off by {int4.ENV_SWITCH}={setting}")
+    return _load(setting if setting in _FORCED_ISAS else None)
+
+
+@functools.cache
+def _load(isa: str | None) -> KernelChoice:
+    try:
+        library = int4.load(isa)
+    except int4.NativeUnavailable as exc:
+        return KernelChoice(None, str(exc))
+    except OSError as exc:  # the library exists but the loader refused it
+        return KernelChoice(None, f"cannot load the library: {exc}")
+    return KernelChoice(library, f"loaded {library.path}")

@@ -1,0 +1,538 @@
+// Small-batch int4 GEMM on the CPU: y[m, n] = sum_k x[m, k] * w[n, k] for 1..16 rows of x,
+// with w held as 4-bit codes and, per group of `group` input columns, a bf16 scale and zero:
+// w = (code - 8) * scale + zero (the engine's int4 convention, see engine/quant.py).
+//
+// Why this exists: torch's CPU int4 matmul re-reads every weight for each row of x, so
+// verifying 8 speculative drafts costs ~3x a decode step. Here each 4-bit block is decoded
+// once per pass and multiplied into up to kMaxTile rows of x at once.
+//
+// Packed layout (built by miniapp.native.int4.pack): output rows in blocks of kBlockRows
+// (padded with zero-weight rows). For each block, its groups follow one another, and each
+// group is `group / kChunkCols` chunks of 64 bytes, then 16 bf16 scales, then 16 bf16 zeros.
+// A chunk is 32 little-endian 16-bit words; word 2r + h holds, for row r of the block, the
+// codes of columns 8c + h, 8c + 2 + h, 8c + 4 + h, 8c + 6 + h in its four nibbles (lowest
+// first). One shift and one 16-bit table lookup turn a nibble position into 16 rows x 2
+// adjacent columns of bf16 weights: exactly one AVX-512 BF16 dot product against a broadcast
+// pair of x, with one output row per lane (no horizontal sums at all).
+//
+// Row independence: each output element is summed in an order fixed by the layout alone
+// (nibble by nibble, chunk by chunk, then group by group), never by the number of rows, the
+// tile or the thread, so a row of an 8-row call is bit-identical to the same row computed
+// alone. Scalar code is built with -ffp-contract=off so the compiler cannot fuse it
+// differently per tile.
+
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifndef MINIAPP_SOURCE_HASH
+#define MINIAPP_SOURCE_HASH "unknown"
+#endif
+
+#define TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+namespace {
+
+constexpr int kAbiVersion = 2;
+constexpr int kBlockRows = 16;  // output rows per block: one AVX-512 fp32 lane each
+constexpr int kChunkCols = 8;   // input columns per chunk: 4 nibbles x 2 adjacent columns
+constexpr int kChunkBytes = 64;  // 16 rows x 8 columns x 4 bits
+constexpr int kNibbles = 4;  // nibbles per 16-bit word
+constexpr int kScaleBytes = 2 * kBlockRows;  // one bf16 per row of the block
+constexpr int kCodeOffset = 8;  // w = (code - 8) * scale + zero
+constexpr int kGateRows = kBlockRows / 2;  // SiLU-gated blocks: 8 gate rows, then 8 up rows
+// Below this many multiply-adds a second thread costs more to wake than it saves.
+constexpr int64_t kMinParallelMacs = 1 << 16;
+
+enum Isa { kIsaNone = 0, kIsaAvx2 = 1, kIsaAvx512 = 2 };
+enum XType { kFloat32 = 0, kBFloat16 = 1 };
+enum Epilogue { kStore = 0, kSiluMul = 1 };
+
+struct Problem {
+  const uint8_t* packed;
+  int64_t n_blocks;
+  int64_t k;
+  int64_t group;
+  int64_t n_groups;
+  int64_t group_bytes;
+  int64_t m;
+  float* y;
+  int64_t ldy;
+  int64_t n;  // valid output columns (rows of w, or gated outputs with kSiluMul)
+  int epilogue;
+  const uint16_t* xb;  // x rounded to bf16 [m, k] (AVX-512 path)
+  const float* xf;     // the same values as fp32 [m, k] (AVX2 path)
+  const float* xsum;   // per row of x, per group: the sum of its bf16 values (AVX-512 path)
+};
+
+// ------------------------------------------------------------------ scratch for x
+
+struct Scratch {
+  void* ptr;
+  size_t size;
+};
+// One buffer per calling thread, grown as needed and kept (a few hundred KB at most).
+thread_local Scratch scratch = {nullptr, 0};
+
+void* scratch_bytes(size_t size) {
+  if (size > scratch.size) {
+    free(scratch.ptr);
+    size_t rounded = (size + 63) / 64 * 64;
+    scratch.ptr = aligned_alloc(64, rounded);
+    scratch.size = scratch.ptr ? rounded : 0;
+  }
+  return scratch.ptr;
+}
+
+// fp32 -> bf16, round to nearest even, as torch converts (NaN stays a quiet NaN).
+constexpr uint32_t kBf16QuietNan = 0x7fc0;
+constexpr uint32_t kRoundingBias = 0x7fff;
+
+uint16_t to_bf16(float value) {
+  uint32_t bits;
+  memcpy(&bits, &value, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return kBf16QuietNan;
+  bits += kRoundingBias + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+float from_bf16(uint16_t value) {
+  uint32_t bits = static_cast<uint32_t>(value) << 16;
+  float out;
+  memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+// Scalar tail of a row (columns from `col` on): bf16 bits to `xb` and/or values to `xf`.
+void round_tail(const void* x, int x_type, int64_t col, int64_t k, uint16_t* xb, float* xf) {
+  for (; col < k; ++col) {
+    uint16_t b = x_type == kBFloat16 ? static_cast<const uint16_t*>(x)[col]
+                                     : to_bf16(static_cast<const float*>(x)[col]);
+    if (xb) xb[col] = b;
+    if (xf) xf[col] = from_bf16(b);
+  }
+}
+
+// ------------------------------------------------------------------ epilogues
+
+// e^x for 8 lanes: 2^n * e^r with n = round(x / ln 2) and |r| <= ln 2 / 2, e^r by its Taylor
+// series to degree 6 (truncation error below 2e-7, about one ulp). x is clamped so that
+// 2^n stays a normal float: silu needs no more range than that.
+constexpr float kExpMin = -87.0f, kExpMax = 88.0f;
+constexpr float kLog2E = 1.44269504f;
+constexpr float kLn2High = 0.693145752f, kLn2Low = 1.42860677e-6f;  // ln 2 = high + low
+constexpr float kExpCoefficients[] = {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+constexpr int kFloatExponentBias = 127, kFloatMantissaBits = 23;
+
+TARGET_AVX2 __m256 exp_avx2(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(kExpMin)), _mm256_set1_ps(kExpMax));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2E)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2High), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Low), r);
+  __m256 poly = _mm256_set1_ps(kExpCoefficients[0]);
+  constexpr int kTerms = sizeof kExpCoefficients / sizeof kExpCoefficients[0];
+  for (int i = 1; i < kTerms; ++i) poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(kExpCoefficients[i]));
+  __m256i exponent = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(kFloatExponentBias));
+  __m256 two_to_n = _mm256_castsi256_ps(_mm256_slli_epi32(exponent, kFloatMantissaBits));
+  return _mm256_mul_ps(poly, two_to_n);
+}
+
+// silu(gate) * up = gate / (1 + e^-gate) * up, 8 lanes.
+TARGET_AVX2 __m256 silu_mul_avx2(__m256 gate, __m256 up) {
+  __m256 denominator = _mm256_add_ps(_mm256_set1_ps(1.0f), exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), gate)));
+  return _mm256_mul_ps(_mm256_div_ps(gate, denominator), up);
+}
+
+// tile: [rows][kBlockRows] results of one block for `rows` rows of x starting at m0. The
+// gated epilogue uses AVX2 (both paths have it), so both paths round it alike.
+TARGET_AVX2 void finish_tile(const Problem& p, int64_t block, int64_t m0, int rows,
+                             const float* tile) {
+  for (int r = 0; r < rows; ++r) {
+    const float* t = tile + r * kBlockRows;
+    float* out = p.y + (m0 + r) * p.ldy;
+    if (p.epilogue == kSiluMul) {
+      const int64_t first = block * kGateRows;
+      const int64_t count = p.n - first < kGateRows ? p.n - first : kGateRows;
+      alignas(32) float gated[kGateRows];
+      _mm256_store_ps(gated, silu_mul_avx2(_mm256_loadu_ps(t), _mm256_loadu_ps(t + kGateRows)));
+      memcpy(out + first, gated, count * sizeof(float));
+    } else {
+      const int64_t first = block * kBlockRows;
+      const int64_t count = p.n - first < kBlockRows ? p.n - first : kBlockRows;
+      memcpy(out + first, t, count * sizeof(float));
+    }
+  }
+}
+
+// ------------------------------------------------------------------ AVX-512 BF16 path
+
+TARGET_AVX512 __m512i to_bf16_avx512(__m512 values) {
+  __m512i bits = _mm512_castps_si512(values);
+  __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(kRoundingBias)));
+  __mmask16 nan = _mm512_cmp_ps_mask(values, values, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(kBf16QuietNan << 16));
+  return _mm512_srli_epi32(rounded, 16);
+}
+
+TARGET_AVX512 __m512 widen_bf16_avx512(const uint16_t* at) {
+  __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// x as bf16 [m, k] and the sum of each group of it, in one order fixed per row.
+TARGET_AVX512 bool prepare_x_avx512(Problem& p, const void* x, int64_t ldx, int x_type) {
+  const size_t bytes = p.m * p.k * sizeof(uint16_t) + p.m * p.n_groups * sizeof(float);
+  float* xsum = static_cast<float*>(scratch_bytes(bytes));
+  if (!xsum) return false;
+  uint16_t* xb = reinterpret_cast<uint16_t*>(xsum + p.m * p.n_groups);
+  constexpr int kLanes = 16;
+  for (int64_t row = 0; row < p.m; ++row) {
+    uint16_t* out = xb + row * p.k;
+    int64_t col = 0;
+    if (x_type == kFloat32) {
+      const float* in = static_cast<const float*>(x) + row * ldx;
+      for (; col + kLanes <= p.k; col += kLanes) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + col),
+                            _mm512_cvtepi32_epi16(to_bf16_avx512(_mm512_loadu_ps(in + col))));
+      }
+      round_tail(in, x_type, col, p.k, out, nullptr);
+    } else {
+      memcpy(out, static_cast<const uint16_t*>(x) + row * ldx, p.k * sizeof(uint16_t));
+    }
+    for (int64_t g = 0; g < p.n_groups; ++g) {
+      const uint16_t* values = out + g * p.group;
+      float sum = 0.0f;
+      int64_t i = 0;
+      if (p.group % kLanes == 0) {
+        __m512 acc = _mm512_setzero_ps();
+        for (; i < p.group; i += kLanes) acc = _mm512_add_ps(acc, widen_bf16_avx512(values + i));
+        sum = _mm512_reduce_add_ps(acc);
+      }
+      for (; i < p.group; ++i) sum += from_bf16(values[i]);
+      xsum[row * p.n_groups + g] = sum;
+    }
+  }
+  p.xb = xb;
+  p.xsum = xsum;
+  return true;
+}
+
+// bf16(c - 8) for every 4-bit code c. vpermw reads an index's low 5 bits, so the table
+// repeats: a word shifted right by 4j then indexes by nibble j without masking.
+TARGET_AVX512 __m512i code_table_avx512() {
+  alignas(64) uint16_t table[32];
+  for (int i = 0; i < 32; ++i) table[i] = to_bf16(static_cast<float>((i & 15) - kCodeOffset));
+  return _mm512_load_si512(table);
+}
+
+TARGET_AVX512 __m512bh pair_of(const uint16_t* at) {
+  int32_t bits;
+  memcpy(&bits, at, sizeof bits);
+  return (__m512bh)_mm512_set1_epi32(bits);
+}
+
+// Rows of x per pass over a block: the dot products of a row alternate between two
+// accumulators (even and odd nibbles), so 8 rows take 16 of AVX-512's 32 registers.
+constexpr int kMaxTile = 8;
+constexpr int kMaxBlocksAtOnce = 4;
+// Decode streams every weight from DRAM once; two cores alone do not keep enough reads in
+// flight to reach the memory's bandwidth, so each stream is prefetched this far ahead
+// (measured: 1-2 KB ahead took a cold 1536x576 matrix from ~27 us to ~17 us).
+constexpr int kPrefetchBytes = 2048;
+
+// One pass over NB consecutive blocks for MT rows of x (from m0); adds each block's results
+// into tile[b][r][16] (zeroed here). A dot product's latency is several cycles, so fewer than
+// ~8 independent accumulators leave the unit idle: with few rows, several blocks are
+// interleaved instead (which changes nothing in any element's summation order).
+template <int MT, int NB>
+TARGET_AVX512 void tile_avx512(const Problem& p, int64_t block, int64_t m0, float* tile) {
+  const __m512i table = code_table_avx512();
+  const uint8_t* base = p.packed + block * p.n_groups * p.group_bytes;
+  const int64_t block_bytes = p.n_groups * p.group_bytes;
+  const int64_t chunks = p.group / kChunkCols;
+  for (int i = 0; i < NB * MT; ++i) _mm512_storeu_ps(tile + i * kBlockRows, _mm512_setzero_ps());
+  for (int64_t g = 0; g < p.n_groups; ++g) {
+    const uint16_t* xg = p.xb + m0 * p.k + g * p.group;
+    __m512 even[NB][MT], odd[NB][MT];
+    for (int b = 0; b < NB; ++b) {
+      for (int r = 0; r < MT; ++r) even[b][r] = odd[b][r] = _mm512_setzero_ps();
+    }
+    for (int64_t c = 0; c < chunks; ++c) {
+      for (int b = 0; b < NB; ++b) {
+        const uint8_t* chunk = base + b * block_bytes + g * p.group_bytes + c * kChunkBytes;
+        _mm_prefetch(reinterpret_cast<const char*>(chunk) + kPrefetchBytes, _MM_HINT_T0);
+        __m512i words = _mm512_loadu_si512(chunk);
+        __m512bh w[kNibbles];
+        for (int j = 0; j < kNibbles; ++j) {
+          w[j] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4 * j), table);
+        }
+        for (int r = 0; r < MT; ++r) {
+          const uint16_t* xc = xg + r * p.k + c * kChunkCols;
+          even[b][r] = _mm512_dpbf16_ps(even[b][r], w[0], pair_of(xc));
+          odd[b][r] = _mm512_dpbf16_ps(odd[b][r], w[1], pair_of(xc + 2));
+          even[b][r] = _mm512_dpbf16_ps(even[b][r], w[2], pair_of(xc + 4));
+          odd[b][r] = _mm512_dpbf16_ps(odd[b][r], w[3], pair_of(xc + 6));
+        }
+      }
+    }
+    for (int b = 0; b < NB; ++b) {
+      const uint8_t* codes = base + b * block_bytes + g * p.group_bytes;
+      const uint16_t* scales = reinterpret_cast<const uint16_t*>(codes + chunks * kChunkBytes);
+      __m512 scale = widen_bf16_avx512(scales);
+      __m512 zero = widen_bf16_avx512(scales + kBlockRows);
+      for (int r = 0; r < MT; ++r) {
+        float* total = tile + (b * MT + r) * kBlockRows;
+        __m512 part = _mm512_add_ps(even[b][r], odd[b][r]);
+        __m512 sum = _mm512_fmadd_ps(part, scale, _mm512_loadu_ps(total));
+        __m512 xsum = _mm512_set1_ps(p.xsum[(m0 + r) * p.n_groups + g]);
+        _mm512_storeu_ps(total, _mm512_fmadd_ps(zero, xsum, sum));
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------ AVX2 path
+
+// AVX2 has no bf16 dot product: codes are dequantized to fp32 once per pass (shared by the
+// rows of x), four block rows at a time, each lane holding one row's even or odd columns.
+constexpr int kAvx2Rows = 4;  // block rows per pass: 8 fp32 lanes = 4 rows x 2 parities
+constexpr int kAvx2MaxTile = 8;  // 16 ymm registers: 8 accumulators + codes and constants
+
+TARGET_AVX2 bool prepare_x_avx2(Problem& p, const void* x, int64_t ldx, int x_type) {
+  float* xf = static_cast<float*>(scratch_bytes(p.m * p.k * sizeof(float)));
+  if (!xf) return false;
+  constexpr int kLanes = 8;
+  const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(kRoundingBias);
+  const __m256i high_half = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t row = 0; row < p.m; ++row) {
+    float* out = xf + row * p.k;
+    int64_t col = 0;
+    if (x_type == kFloat32) {
+      const float* in = static_cast<const float*>(x) + row * ldx;
+      for (; col + kLanes <= p.k; col += kLanes) {
+        __m256 values = _mm256_loadu_ps(in + col);
+        __m256i bits = _mm256_castps_si256(values);
+        __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), one);
+        __m256i rounded = _mm256_and_si256(_mm256_add_epi32(bits, _mm256_add_epi32(odd, bias)), high_half);
+        __m256 nan = _mm256_cmp_ps(values, values, _CMP_UNORD_Q);
+        __m256 quiet = _mm256_castsi256_ps(_mm256_set1_epi32(kBf16QuietNan << 16));
+        _mm256_storeu_ps(out + col, _mm256_blendv_ps(_mm256_castsi256_ps(rounded), quiet, nan));
+      }
+      round_tail(in, x_type, col, p.k, nullptr, out);
+    } else {
+      round_tail(static_cast<const uint16_t*>(x) + row * ldx, x_type, 0, p.k, nullptr, out);
+    }
+  }
+  p.xf = xf;
+  return true;
+}
+
+TARGET_AVX2 __m256 row_pairs_avx2(const uint16_t* bf16x4) {
+  __m128i wide = _mm_cvtepu16_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bf16x4)));
+  __m256 rows = _mm256_castps128_ps256(_mm_castsi128_ps(_mm_slli_epi32(wide, 16)));
+  return _mm256_permutevar8x32_ps(rows, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+}
+
+template <int MT>
+TARGET_AVX2 void quarter_avx2(const Problem& p, int64_t block, int64_t m0, int quarter,
+                              float* tile) {
+  const __m256i low_nibble = _mm256_set1_epi32(0x0f);
+  const __m256 offset = _mm256_set1_ps(static_cast<float>(kCodeOffset));
+  const uint8_t* base = p.packed + block * p.n_groups * p.group_bytes;
+  const int64_t chunks = p.group / kChunkCols;
+  const int word0 = quarter * kAvx2Rows * 2;  // 2 words per row in each chunk
+  __m256 acc[MT];
+  for (int r = 0; r < MT; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < p.n_groups; ++g) {
+    const uint8_t* codes = base + g * p.group_bytes;
+    const uint16_t* scales = reinterpret_cast<const uint16_t*>(codes + chunks * kChunkBytes);
+    __m256 scale = row_pairs_avx2(scales + quarter * kAvx2Rows);
+    // (c - 8) * s + z = c * s + (z - 8 s)
+    __m256 zero = row_pairs_avx2(scales + kBlockRows + quarter * kAvx2Rows);
+    __m256 shifted_zero = _mm256_fnmadd_ps(offset, scale, zero);
+    const float* xg = p.xf + m0 * p.k + g * p.group;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const uint16_t* chunk = reinterpret_cast<const uint16_t*>(codes + c * kChunkBytes);
+      __m256i words = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + word0)));
+      for (int j = 0; j < kNibbles; ++j) {
+        __m256i nibble = _mm256_and_si256(_mm256_srli_epi32(words, 4 * j), low_nibble);
+        __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(nibble), scale, shifted_zero);
+        for (int r = 0; r < MT; ++r) {
+          const float* xc = xg + r * p.k + c * kChunkCols + 2 * j;
+          __m256 pair = _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(xc)));
+          acc[r] = _mm256_fmadd_ps(w, pair, acc[r]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < MT; ++r) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc[r]);
+    for (int row = 0; row < kAvx2Rows; ++row) {
+      tile[r * kBlockRows + quarter * kAvx2Rows + row] = lanes[2 * row] + lanes[2 * row + 1];
+    }
+  }
+}
+
+template <int MT>
+TARGET_AVX2 void tile_avx2(const Problem& p, int64_t block, int64_t m0, float* tile) {
+  for (int quarter = 0; quarter < kBlockRows / kAvx2Rows; ++quarter) {
+    quarter_avx2<MT>(p, block, m0, quarter, tile);
+  }
+}
+
+// ------------------------------------------------------------------ dispatch
+
+typedef void (*TileFn)(const Problem&, int64_t, int64_t, float*);
+
+struct Pass {
+  TileFn fn;
+  int blocks;  // blocks it covers at once
+};
+
+struct Path {
+  Pass (*pick)(int rows, int64_t blocks_left);
+  int max_tile;
+};
+
+template <int MT>
+Pass avx512_pass(int64_t blocks_left) {
+  // ~8 or more accumulators in flight
+  if constexpr (MT == 1) {
+    if (blocks_left >= 4) return {tile_avx512<MT, 4>, 4};
+  }
+  if constexpr (MT <= 3) {
+    if (blocks_left >= 2) return {tile_avx512<MT, 2>, 2};
+  }
+  return {tile_avx512<MT, 1>, 1};
+}
+
+Pass pick_avx512(int rows, int64_t blocks_left) {
+  switch (rows) {
+    case 1: return avx512_pass<1>(blocks_left);
+    case 2: return avx512_pass<2>(blocks_left);
+    case 3: return avx512_pass<3>(blocks_left);
+    case 4: return avx512_pass<4>(blocks_left);
+    case 5: return avx512_pass<5>(blocks_left);
+    case 6: return avx512_pass<6>(blocks_left);
+    case 7: return avx512_pass<7>(blocks_left);
+    default: return avx512_pass<8>(blocks_left);
+  }
+}
+
+Pass pick_avx2(int rows, int64_t) {
+  static const TileFn tiles[kAvx2MaxTile + 1] = {
+      nullptr,      tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4>,
+      tile_avx2<5>, tile_avx2<6>, tile_avx2<7>, tile_avx2<8>};
+  return {tiles[rows], 1};
+}
+
+// Rows of x are split into equal tiles (9 rows: 5 + 4), each at most max_tile. Blocks are
+// taken kMaxBlocksAtOnce at a time, and every tile runs over them while they are in cache.
+void run_blocks(const Problem& p, const Path& path, int64_t first, int64_t last) {
+  alignas(64) float tile[kMaxBlocksAtOnce * kMaxTile * kBlockRows];
+  const int64_t n_tiles = (p.m + path.max_tile - 1) / path.max_tile;
+  for (int64_t start = first; start < last; start += kMaxBlocksAtOnce) {
+    const int64_t stop = start + kMaxBlocksAtOnce < last ? start + kMaxBlocksAtOnce : last;
+    for (int64_t t = 0; t < n_tiles; ++t) {
+      const int64_t m0 = p.m * t / n_tiles;
+      const int rows = static_cast<int>(p.m * (t + 1) / n_tiles - m0);
+      for (int64_t block = start; block < stop;) {
+        const Pass pass = path.pick(rows, stop - block);
+        pass.fn(p, block, m0, tile);
+        for (int b = 0; b < pass.blocks; ++b) {
+          finish_tile(p, block + b, m0, rows, tile + b * rows * kBlockRows);
+        }
+        block += pass.blocks;
+      }
+    }
+  }
+}
+
+bool cpu_has(int isa) {
+  __builtin_cpu_init();
+  if (isa == kIsaAvx512) {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+  }
+  if (isa == kIsaAvx2) {
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+  }
+  return false;
+}
+
+}  // namespace
+
+extern "C" {
+
+int miniapp_native_abi(void) { return kAbiVersion; }
+
+const char* miniapp_native_source_hash(void) { return MINIAPP_SOURCE_HASH; }
+
+// Whether this CPU runs the given path (kIsaAvx512 = 2, kIsaAvx2 = 1).
+int miniapp_int4_cpu_has(int isa) { return cpu_has(isa) ? 1 : 0; }
+
+// A packed weight, described once (Python keeps one per weight and passes its address).
+struct Int4Weight {
+  const uint8_t* packed;
+  int64_t n_blocks;
+  int64_t k;
+  int64_t group;
+  int64_t n;  // outputs: rows of w, or gated outputs (half the rows) with kSiluMul
+  int32_t epilogue;
+  int32_t isa;
+};
+
+// y [m, n] (contiguous) for x [m, k] (fp32 or bf16, row stride ldx). With kSiluMul, blocks
+// hold 8 gate rows then 8 up rows and y gets silu(gate) * up.
+// Returns 0, or -1 for arguments it does not take (nothing is written then).
+int miniapp_int4_gemm(const Int4Weight* w, const void* x, int64_t ldx, int x_type, int64_t m,
+                      float* y, int threads) {
+  const int isa = w->isa, epilogue = w->epilogue;
+  const int64_t n_blocks = w->n_blocks, k = w->k, group = w->group, n = w->n;
+  if (!cpu_has(isa) || group <= 0 || group % kChunkCols || k % group || m < 0) return -1;
+  if (x_type != kFloat32 && x_type != kBFloat16) return -1;
+  if (epilogue != kStore && epilogue != kSiluMul) return -1;
+  const int64_t rows_per_block = epilogue == kSiluMul ? kGateRows : kBlockRows;
+  if (n > n_blocks * rows_per_block || n <= (n_blocks - 1) * rows_per_block) return -1;
+  if (m == 0) return 0;
+  Problem p = {};
+  p.packed = w->packed;
+  p.n_blocks = n_blocks;
+  p.k = k;
+  p.group = group;
+  p.n_groups = k / group;
+  p.group_bytes = kBlockRows * group / 2 + 2 * kScaleBytes;
+  p.m = m;
+  p.y = y;
+  p.ldy = n;
+  p.n = n;
+  p.epilogue = epilogue;
+  const bool avx512 = isa == kIsaAvx512;
+  if (!(avx512 ? prepare_x_avx512(p, x, ldx, x_type) : prepare_x_avx2(p, x, ldx, x_type))) {
+    return -1;
+  }
+  const Path path = avx512 ? Path{pick_avx512, kMaxTile} : Path{pick_avx2, kAvx2MaxTile};
+  const int64_t macs = n_blocks * kBlockRows * k * m;
+  if (threads > n_blocks) threads = static_cast<int>(n_blocks);
+  if (threads <= 1 || macs < kMinParallelMacs) {
+    run_blocks(p, path, 0, n_blocks);
+    return 0;
+  }
+#pragma omp parallel num_threads(threads)
+  {
+    // Contiguous ranges of blocks: each thread streams its own part of the weight.
+    const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
+    run_blocks(p, path, n_blocks * t / count, n_blocks * (t + 1) / count);
+  }
+  return 0;
+}
+
+}  // extern "C"
