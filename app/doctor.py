@@ -8,6 +8,7 @@ from dataclasses import asdict
 
 from miniapp.engine.devices import GIB, default_probe, estimate_footprint, plan_device
 from miniapp.engine.gguf_file import GGUFFile
+from miniapp.engine.kernels import cpu_int4_kernel
 from miniapp.engine.model_store import resolve_model
 
 
@@ -24,6 +25,7 @@ def run_doctor(args: argparse.Namespace) -> int:
             "cpu": asdict(probe.check_int4(None)),
             **{g.label: asdict(probe.check_int4(g)) for g in gpus},
         },
+        "cpu_int4_kernel": cpu_int4_kernel().describe(),
         "model": str(model),
         "footprint": asdict(footprint),
         "plan": asdict(plan),
@@ -84,6 +86,7 @@ def _print_report(report: dict) -> None:
     for where, check in report["kernels"].items():
         state = "OK" if check["ok"] else "unavailable"
         print(f"int4 kernel on {where}: {state} ({check['reason']})")
+    print(f"int4 matmul on the CPU: {report['cpu_int4_kernel']}")
     plan, footprint = report["plan"], report["footprint"]
     print(
         f"model {report['model']}: weights {footprint['int4_bytes'] / GIB:.2f} GiB as packed, "
