@@ -7,13 +7,14 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 MODELS_STAMP := $(VENV)/.models
 
-SYSTEM_PACKAGES := espeak-ng sox libportaudio2
+# espeak-ng, sox: speech for the voice tests; libportaudio2: the microphone; chromium: the GUI's
+# browser tests; libgl1, libglib2.0-0: OpenCV under the OCR; fonts-dejavu-core: text images.
+SYSTEM_PACKAGES := espeak-ng sox libportaudio2 chromium libgl1 libglib2.0-0 fonts-dejavu-core
 
 .PHONY: setup system-packages run test lint bench clean
 
 setup: system-packages $(STAMP) $(MODELS_STAMP)
 
-# Voice input needs PortAudio (microphone); its tests synthesize speech with espeak-ng and sox.
 # As root on Debian the missing ones are installed; elsewhere this says what to install.
 system-packages:
 	@missing=""; for pkg in $(SYSTEM_PACKAGES); do \
@@ -24,7 +25,7 @@ system-packages:
 	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 		apt-get update && apt-get install -y $$missing; \
 	else \
-		echo "voice input needs these system packages:$$missing (Debian/Ubuntu:" \
+		echo "miniapp needs these system packages:$$missing (Debian/Ubuntu:" \
 			"sudo apt-get install$$missing; macOS: brew install espeak-ng sox portaudio)"; \
 	fi
 
@@ -38,8 +39,9 @@ $(MODELS_STAMP): $(STAMP) engine/model_store.py
 	$(BIN)/python -m miniapp.engine.model_store install
 	touch $@
 
+# The GUI on the default model: prints its URL, and opens a browser when there is a display.
 run: setup
-	$(BIN)/miniapp chat
+	$(BIN)/miniapp gui
 
 test: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q

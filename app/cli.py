@@ -178,7 +178,22 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--json", action="store_true", help="print one JSON object")
 
     _add_transcribe_parser(sub)
+    _add_gui_parser(sub)
     return parser
+
+
+def _add_gui_parser(sub) -> None:
+    gui = sub.add_parser("gui", help="the desktop GUI in your browser (also plain `miniapp`)")
+    _add_model_args(gui, ctx_default=4096)
+    _add_spec_arg(gui)
+    gui.add_argument("--max-tokens", type=_positive_int, default=512)
+    gui.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    gui.add_argument("--top-p", type=float, default=0.95)
+    gui.add_argument("--system", help="system prompt")
+    _add_asr_model_arg(gui)
+    gui.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    gui.add_argument("--port", type=_positive_int, default=7860)
+    gui.add_argument("--no-browser", action="store_true", help="do not open a browser")
 
 
 def _add_asr_model_arg(parser: argparse.ArgumentParser) -> None:
@@ -257,12 +272,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    command = args.command or "chat"
+    command = args.command or "gui"
+    if command == "gui":
+        from .gui.server import run_gui
+
+        if args.command is None:  # bare `miniapp`: the GUI with defaults
+            args = build_parser().parse_args(["gui"])
+        return run_gui(args)
     if command == "chat":
         from .chat import run_chat
 
-        if args.command is None:  # bare `miniapp`: chat with defaults
-            args = build_parser().parse_args(["chat"])
         return run_chat(args)
     if command == "eval":
         from .evaluate import run_asr, run_compare, run_ppl

@@ -1,0 +1,1 @@
+"""The desktop GUI (Gradio): `miniapp` or `miniapp gui`."""

@@ -1,0 +1,313 @@
+"""What the GUI does, without the GUI: the loaded model, settings, answers and attachments.
+
+The Gradio layer (`ui.py`) only turns widget values into calls here and results back into
+widget values, so everything below can be reasoned about (and tested) as plain Python.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from enum import StrEnum
+from pathlib import Path
+
+from miniapp.engine.chat_template import Message
+from miniapp.engine.errors import MiniappError
+from miniapp.engine.events import Finished, GenerationStats, TextDelta
+from miniapp.engine.generation import GenerationRequest
+from miniapp.engine.model_store import BUNDLED, DEFAULT_MODEL, models_dir, resolve_model
+from miniapp.engine.runtimes import open_runtime
+from miniapp.engine.runtimes.base import DEFAULT_CTX, Runtime
+from miniapp.engine.sampling import SamplingParams
+from miniapp.engine.session import ChatSession
+
+from .history import Conversation, SavedMessage
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".gif"}
+AUDIO_SUFFIXES = {".wav", ".mp3", ".flac", ".ogg", ".m4a", ".webm", ".opus"}
+LOAD_WAIT_S = 600.0  # an answer waits this long at most for a model that is still loading
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    """Everything the settings panel controls. A change applies to the next message; the
+    fields in `load_key` need the model loaded again."""
+
+    model: str = DEFAULT_MODEL
+    backend: str = "torch"
+    device: str = "auto"
+    spec: str = "auto"
+    ctx: int = DEFAULT_CTX
+    window: int | None = None
+    sinks: int | None = None
+    threads: int | None = None
+    system_prompt: str = ""
+    temperature: float = 0.7
+    top_p: float = 0.95
+    max_tokens: int = 512
+
+    @property
+    def load_key(self) -> tuple:
+        return (self.model, self.backend, self.device, self.spec, self.ctx, self.window,
+                self.sinks, self.threads)  # fmt: skip
+
+    def request(self) -> GenerationRequest:
+        sampling = SamplingParams(temperature=self.temperature, top_p=self.top_p)
+        return GenerationRequest(max_tokens=self.max_tokens, sampling=sampling)
+
+
+class LoadState(StrEnum):
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    state: LoadState
+    message: str  # one line for the status bar
+
+
+class ModelLoadError(MiniappError):
+    pass
+
+
+class ModelHost:
+    """The one loaded model. Loads run in a background thread; a load that fails leaves the
+    previous model in place, and its one-line error is the status. One generation runs at a
+    time (`generation_lock`); the swap to a newly loaded model waits for it."""
+
+    def __init__(self, opener: Callable[..., Runtime] = open_runtime):
+        self._opener = opener
+        self.generation_lock = threading.Lock()
+        self._changed = threading.Condition()
+        self._runtime: Runtime | None = None
+        self._loaded_key: tuple | None = None
+        self._wanted_key: tuple | None = None
+        self._status = ModelStatus(LoadState.FAILED, "no model loaded")
+        self._ready_status = self._status  # the loaded model's, to return to
+        self._started = 0.0
+
+    @property
+    def status(self) -> ModelStatus:
+        status = self._status
+        if status.state is LoadState.LOADING:
+            elapsed = time.monotonic() - self._started
+            return replace(status, message=f"{status.message} ({elapsed:.0f} s)")
+        return status
+
+    @property
+    def runtime(self) -> Runtime | None:
+        return self._runtime
+
+    def request(self, settings: ChatSettings) -> None:
+        """Start loading the model these settings need, unless it is loaded or loading."""
+        key = settings.load_key
+        with self._changed:
+            if key == self._loaded_key:  # back to the loaded model: nothing to wait for
+                self._wanted_key, self._status = None, self._ready_status
+                self._changed.notify_all()
+                return
+            if key == self._wanted_key:
+                return
+            self._wanted_key, self._started = key, time.monotonic()
+            label = Path(settings.model).name
+            self._status = ModelStatus(LoadState.LOADING, f"loading {label} on {settings.backend}")
+        threading.Thread(target=self._load, args=(settings, key), daemon=True).start()
+
+    def _load(self, settings: ChatSettings, key: tuple) -> None:
+        try:
+            runtime = self._opener(
+                settings.backend, resolve_model(settings.model), n_ctx=settings.ctx,
+                threads=settings.threads, sinks=settings.sinks, window=settings.window,
+                spec=settings.spec, device=settings.device,
+            )  # fmt: skip
+        except (MiniappError, OSError, ValueError, RuntimeError) as exc:
+            with self._changed:
+                if self._wanted_key == key:
+                    self._wanted_key = None
+                    kept = " (the previous model stays loaded)" if self._runtime else ""
+                    self._status = ModelStatus(LoadState.FAILED, f"model failed to load: "
+                                                                 f"{exc}{kept}")  # fmt: skip
+                self._changed.notify_all()
+            return
+        with self.generation_lock, self._changed:
+            if self._wanted_key != key:
+                return  # superseded by a newer request while loading
+            self._runtime, self._loaded_key, self._wanted_key = runtime, key, None
+            self._status = ModelStatus(LoadState.READY, describe_runtime(runtime, settings))
+            self._ready_status = self._status
+            self._changed.notify_all()
+
+    def wait_for(self, settings: ChatSettings, timeout: float = LOAD_WAIT_S) -> Runtime:
+        """The runtime for these settings, loading it first if needed."""
+        self.request(settings)
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while self._loaded_key != settings.load_key:
+                if self._wanted_key != settings.load_key:
+                    raise ModelLoadError(self._status.message)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise ModelLoadError("the model is still loading; try again shortly")
+                self._changed.wait(remaining)
+            assert self._runtime is not None
+            return self._runtime
+
+
+def describe_runtime(runtime: Runtime, settings: ChatSettings) -> str:
+    """'SmolLM2-135M-Instruct.Q4_1.gguf on torch, cpu (int4): no GPU visible to torch'."""
+    name = Path(getattr(runtime, "model_path", settings.model)).name
+    plan = getattr(runtime, "device_plan", None)
+    if plan is None:
+        return f"{name} on {runtime.backend}"
+    return f"{name} on {runtime.backend}, {plan.device} ({plan.weights}): {plan.reason}"
+
+
+def model_choices() -> list[tuple[str, str]]:
+    """(label, value) for the model picker: the bundled models, then GGUFs in the models
+    folder that are not bundled ones."""
+    choices = [(f"{name} (bundled)", name) for name in BUNDLED]
+    bundled_files = {m.filename for m in BUNDLED.values()}
+    folder = models_dir()
+    if folder.is_dir():
+        for path in sorted(folder.glob("*.gguf")):
+            if path.name not in bundled_files and "mmproj" not in path.name.lower():
+                choices.append((path.name, str(path)))
+    return choices
+
+
+# ------------------------------------------------------------------ answers
+
+
+@dataclass(frozen=True)
+class AnswerUpdate:
+    text: str  # the answer so far
+    figures: str  # live figures for this answer
+    finished: bool = False
+
+
+def figures_line(stats: GenerationStats, runtime: Runtime, elapsed_s: float | None = None) -> str:
+    """TTFT, tok/s, draft acceptance, device path and cache fill, in one line."""
+    parts = [f"TTFT {stats.ttft_s * 1000:.0f} ms", f"{stats.decode_tok_s:.1f} tok/s"]
+    if stats.speculation is not None and stats.speculation.drafted:
+        spec = stats.speculation
+        parts.append(f"drafts accepted {spec.acceptance_rate:.0%} ({spec.mode})")
+    plan = getattr(runtime, "device_plan", None)
+    parts.append(f"{plan.device} ({plan.weights})" if plan else runtime.backend)
+    held = min(stats.prompt_tokens + stats.generated_tokens, runtime.n_ctx)
+    parts.append(f"context {held}/{runtime.n_ctx}")
+    return " · ".join(parts)
+
+
+def stream_answer(
+    host: ModelHost,
+    conversation: Conversation,
+    settings: ChatSettings,
+    should_stop: Callable[[], bool],
+) -> Iterator[AnswerUpdate]:
+    """Answer the conversation's last message (a user message), appending the answer to it.
+    The model sees the conversation's `content`s; old turns it cannot fit are dropped for the
+    model only, the saved conversation keeps them."""
+    runtime = host.wait_for(settings)
+    with host.generation_lock:
+        session = ChatSession(runtime, settings.system_prompt or None, settings.request())
+        *earlier, last = conversation.messages
+        session.messages = [Message(m.role, m.content) for m in earlier]
+        answer, figures = [], ""
+        started = time.monotonic()
+        for event in session.send(last.content, should_stop=should_stop):
+            if isinstance(event, TextDelta):
+                answer.append(event.text)
+                rate = len(answer) / max(time.monotonic() - started, 1e-3)
+                yield AnswerUpdate("".join(answer), f"generating… {rate:.0f} pieces/s")
+            elif isinstance(event, Finished):
+                figures = figures_line(event.stats, runtime)
+                if event.reason.value == "cancelled":
+                    figures = "stopped · " + figures
+    text = "".join(answer)
+    conversation.messages.append(SavedMessage("assistant", text, stats=figures))
+    yield AnswerUpdate(text, figures, finished=True)
+
+
+# ------------------------------------------------------------------ attachments
+
+
+class UnsupportedUploadError(MiniappError):
+    pass
+
+
+class Transcriber:
+    """The speech recogniser, loaded on first use and shared by every browser session."""
+
+    def __init__(self, asr_model: str | None = None, threads: int | None = None):
+        self.asr_model, self.threads = asr_model, threads
+        self._asr = None
+        self._lock = threading.Lock()
+
+    def asr(self):
+        with self._lock:
+            if self._asr is None:
+                from miniapp.engine.voice.asr import load_asr
+
+                self._asr = load_asr(self.asr_model, self.threads)
+            return self._asr
+
+    def file(self, path: Path):
+        """A spoken message from an audio file (AudioFileError, one line, if unusable)."""
+        from miniapp.engine.voice.audio import AudioFileError, iter_audio
+        from miniapp.engine.voice.events import SpokenMessage
+        from miniapp.engine.voice.offline import transcribe_blocks
+
+        words = list(transcribe_blocks(self.asr(), iter_audio(str(path))))
+        if not words:
+            raise AudioFileError(f"{path.name}: no speech found")
+        return SpokenMessage.from_words(words)
+
+
+def prepare_user_message(
+    typed: str, files: list[Path], settings: ChatSettings, transcriber: Transcriber
+) -> SavedMessage:
+    """The user message for typed text plus uploads: audio files become their transcript
+    (word times kept), images their OCR label (or go to a vision model). Raises a one-line
+    MiniappError for a file that cannot be used; nothing is sent then."""
+    images = [f for f in files if f.suffix.lower() in IMAGE_SUFFIXES]
+    audio = [f for f in files if f.suffix.lower() in AUDIO_SUFFIXES]
+    for other in set(files) - set(images) - set(audio):
+        raise UnsupportedUploadError(
+            f"{other.name}: unsupported file type (images: PNG, JPEG, WebP, GIF; audio: "
+            "WAV, MP3, FLAC, OGG, M4A, WebM)"
+        )
+    notes: list[str] = []
+    words: list[dict] = []
+    spoken_parts = []
+    for path in audio:
+        spoken = transcriber.file(path)
+        spoken_parts.append(spoken.content)
+        words += [w.to_dict() for w in spoken.words]
+        span = f"{spoken.words[0].start:.2f}-{spoken.words[-1].end:.2f} s"
+        notes.append(f"{path.name}: transcribed, {len(spoken.words)} words ({span})")
+    text = " ".join([*spoken_parts, typed.strip()]).strip()
+    shown = typed.strip() if spoken_parts else None
+    if images:
+        text, image_notes = _with_images(text, images, settings)
+        notes += image_notes
+        shown = typed.strip()
+    if not text:
+        raise MiniappError("nothing to send: type a message or attach a file")
+    if shown is not None and spoken_parts:
+        shown = " ".join([*spoken_parts, shown]).strip()
+    return SavedMessage("user", text, shown=shown, notes=notes, words=words or None)
+
+
+def _with_images(text: str, images: list[Path], settings: ChatSettings) -> tuple[str, list[str]]:
+    from miniapp.engine.images import attach_image, build_user_message, choose_route
+
+    # The GUI keeps the backend the user picked: images reach a vision model only on the
+    # llamacpp backend with a projector beside the model; otherwise OCR, said so.
+    route = choose_route(resolve_model(settings.model), settings.backend,
+                         allow_backend_switch=False)  # fmt: skip
+    attachments = [attach_image(path, route, name=path.name) for path in images]
+    return build_user_message(text, attachments), [a.notice() for a in attachments]

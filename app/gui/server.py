@@ -1,0 +1,65 @@
+"""Starting the GUI server: loads the model in the background, binds 127.0.0.1 by default,
+never makes a public share link, and opens a browser when there is a display."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+# Gradio reports usage to its makers unless told not to; miniapp is offline.
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 7860
+MAX_UPLOAD = "50mb"  # Gradio refuses larger uploads with a message; images cap at 50 MB too
+MAX_UPLOAD_ENV = "MINIAPP_MAX_UPLOAD"  # e.g. "1mb", to try the limit without a huge file
+
+
+def settings_from_args(args: argparse.Namespace):
+    from .controller import ChatSettings
+
+    defaults = ChatSettings()
+    return ChatSettings(
+        model=args.model or defaults.model, backend=args.backend, device=args.device,
+        spec=args.spec, ctx=args.ctx or defaults.ctx, window=args.window, sinks=args.sinks,
+        threads=args.threads, system_prompt=args.system or "",
+        temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+    )  # fmt: skip
+
+
+def run_gui(args: argparse.Namespace) -> int:
+    import gradio as gr
+
+    from .controller import ModelHost, Transcriber
+    from .history import ConversationStore
+    from .ui import GuiContext, build_ui
+
+    settings = settings_from_args(args)
+    context = GuiContext(ModelHost(), ConversationStore(),
+                         Transcriber(args.asr_model, args.threads), settings)  # fmt: skip
+    context.host.request(settings)  # loads while the page comes up
+    demo = build_ui(context)
+    demo.queue(default_concurrency_limit=1)
+    theme = gr.themes.Default(font=["system-ui", "sans-serif"], font_mono=["monospace"])
+    demo.launch(
+        server_name=args.host, server_port=args.port, share=False, inbrowser=_has_display(args),
+        max_file_size=os.environ.get(MAX_UPLOAD_ENV, MAX_UPLOAD), prevent_thread_lock=True,
+        quiet=True, theme=theme, footer_links=[],
+    )  # fmt: skip
+    print(f"miniapp GUI: {demo.local_url}", flush=True)
+    try:
+        demo.block_thread()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        demo.close()
+    return 0
+
+
+def _has_display(args: argparse.Namespace) -> bool:
+    if args.no_browser:
+        return False
+    return sys.platform in ("darwin", "win32") or bool(
+        os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")
+    )

@@ -1,0 +1,320 @@
+"""The Gradio layout and its events. Each handler turns widget values into controller calls
+(`controller.py`) and the results back into widget values; nothing here talks to the engine."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import gradio as gr
+
+from miniapp.engine.devices import DEVICE_CHOICES
+from miniapp.engine.errors import MiniappError
+from miniapp.engine.runtimes import BACKENDS
+from miniapp.engine.spec_modes import SPEC_MODES
+
+from .controller import (
+    AUDIO_SUFFIXES,
+    IMAGE_SUFFIXES,
+    ChatSettings,
+    ModelHost,
+    ModelLoadError,
+    Transcriber,
+    model_choices,
+    prepare_user_message,
+    stream_answer,
+)
+from .history import Conversation, ConversationStore
+
+GENERATION_QUEUE = "generation"  # every event that generates shares one queue
+STATUS_POLL_S = 1.0
+UPLOAD_TYPES = sorted(IMAGE_SUFFIXES | AUDIO_SUFFIXES)
+EMPTY_BOX = {"text": "", "files": []}
+
+
+@dataclass
+class GuiContext:
+    """What every browser session shares."""
+
+    host: ModelHost
+    store: ConversationStore
+    transcriber: Transcriber
+    defaults: ChatSettings
+    stops: dict[str, threading.Event] = field(default_factory=dict)
+
+    def stop_flag(self, conversation_id: str) -> threading.Event:
+        return self.stops.setdefault(conversation_id, threading.Event())
+
+
+# ------------------------------------------------------------------ conversions
+
+
+def chat_messages(conversation: Conversation) -> list[dict]:
+    """The conversation as Gradio's chatbot shows it (notes under the message)."""
+    shown = []
+    for message in conversation.messages:
+        text = message.display
+        if message.notes:
+            text += "\n\n" + "\n".join(f"> {note}" for note in message.notes)
+        if message.words:
+            text += "\n\n" + _word_times(message.words)
+        shown.append({"role": message.role, "content": text})
+    return shown
+
+
+def _word_times(words: list[dict]) -> str:
+    timed = " ".join(f"{w['word']}`[{w['start']:.2f}–{w['end']:.2f}]`" for w in words)
+    return f"<details><summary>word times</summary>\n\n{timed}\n\n</details>"
+
+
+def history_choices(store: ConversationStore) -> list[tuple[str, str]]:
+    return [(c.title, c.id) for c in store.list()]
+
+
+def settings_from(values: list) -> ChatSettings:
+    """Settings from the panel's widgets (ValueError, one line, for a value out of range)."""
+    (model, custom, backend, device, spec, ctx, window, sinks, system, temperature, top_p,
+     max_tokens) = values  # fmt: skip
+    return ChatSettings(
+        model=(custom or "").strip() or model,
+        backend=backend, device=device, spec=spec, ctx=_count("context", ctx, 64),
+        window=_optional_count("window", window, 1), sinks=_optional_count("sinks", sinks, 0),
+        system_prompt=system or "", temperature=float(temperature), top_p=float(top_p),
+        max_tokens=_count("max tokens", max_tokens, 1),
+    )  # fmt: skip
+
+
+def _blank(value: int | None) -> str:
+    return "" if value is None else str(value)
+
+
+def _count(name: str, value, minimum: int) -> int:
+    try:
+        number = int(float(value))
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: expected a whole number, got {value!r}") from None
+    if number < minimum:
+        raise ValueError(f"{name}: must be at least {minimum}, got {number}")
+    return number
+
+
+def _optional_count(name: str, value, minimum: int) -> int | None:
+    text = "" if value is None else str(value).strip()
+    return None if not text else _count(name, text, minimum)
+
+
+# ------------------------------------------------------------------ layout
+
+
+def build_ui(ctx: GuiContext) -> gr.Blocks:
+    d = ctx.defaults
+    with gr.Blocks(title="miniapp") as demo:
+        conversation_id = gr.State("")
+        with gr.Row():
+            with gr.Column(scale=1, min_width=220):
+                new_chat = gr.Button("New chat", variant="primary", elem_id="new-chat")
+                saved = gr.Dropdown(label="Saved chats", choices=history_choices(ctx.store),
+                                    elem_id="saved-chats")  # fmt: skip
+                with gr.Row():
+                    open_saved = gr.Button("Open", size="sm", elem_id="open-chat")
+                    delete_saved = gr.Button("Delete", size="sm", elem_id="delete-chat")
+                with gr.Row():
+                    export_md = gr.Button("Export .md", size="sm")
+                    export_json = gr.Button("Export .json", size="sm")
+                exported = gr.File(label="Export", visible=True, interactive=False)
+            with gr.Column(scale=3):
+                chatbot = gr.Chatbot(label="miniapp", height=520, elem_id="chatbot")
+                box = gr.MultimodalTextbox(
+                    placeholder="Message, or attach images and audio files…",
+                    file_types=UPLOAD_TYPES, file_count="multiple", sources=["upload"],
+                    elem_id="message-box", show_label=False,
+                )  # fmt: skip
+                with gr.Row():
+                    stop = gr.Button("Stop", elem_id="stop")
+                    regenerate = gr.Button("Regenerate", elem_id="regenerate")
+                    edit_last = gr.Button("Edit last message", elem_id="edit-last")
+                figures = gr.Markdown("", elem_id="figures")
+                notice = gr.Markdown("", elem_id="notice")
+                with gr.Accordion("Speak", open=False):
+                    microphone = gr.Audio(sources=["microphone"], streaming=True,
+                                          type="numpy", label="Microphone")  # fmt: skip
+                    transcript = gr.Markdown("", elem_id="live-transcript")
+            with gr.Column(scale=1, min_width=260):
+                status = gr.Markdown(ctx.host.status.message, elem_id="model-status")
+                with gr.Accordion("Settings", open=True):
+                    model = gr.Dropdown(label="Model", choices=model_choices(), value=d.model,
+                                        elem_id="model")  # fmt: skip
+                    custom = gr.Textbox(label="…or a GGUF path", elem_id="model-path")
+                    backend = gr.Radio(list(BACKENDS), value=d.backend, label="Backend")
+                    device = gr.Dropdown(list(DEVICE_CHOICES), value=d.device, label="Device")
+                    spec = gr.Dropdown(list(SPEC_MODES), value=d.spec, label="Speculative")
+                    system = gr.Textbox(label="System prompt", value=d.system_prompt, lines=2,
+                                        elem_id="system-prompt")  # fmt: skip
+                    temperature = gr.Slider(0, 2, value=d.temperature, step=0.05,
+                                            label="Temperature", elem_id="temperature")  # fmt: skip
+                    top_p = gr.Slider(0.05, 1, value=d.top_p, step=0.05, label="Top-p")
+                    max_tokens = gr.Number(value=d.max_tokens, precision=0, minimum=1,
+                                           label="Max tokens", elem_id="max-tokens")  # fmt: skip
+                    ctx_size = gr.Number(value=d.ctx, precision=0, minimum=64, label="Context")
+                    window = gr.Textbox(value=_blank(d.window), label="Window (blank: auto)")
+                    sinks = gr.Textbox(value=_blank(d.sinks), label="Sinks (blank: 4)")
+        settings_inputs = [model, custom, backend, device, spec, ctx_size, window, sinks, system,
+                           temperature, top_p, max_tokens]  # fmt: skip
+        _wire(ctx, locals())
+    return demo
+
+
+def _wire(ctx: GuiContext, w: dict) -> None:
+    """Connect the events (w: the widgets built in build_ui, by name)."""
+    settings_inputs = w["settings_inputs"]
+    answer_outputs = [w["chatbot"], w["figures"], w["notice"], w["saved"], w["conversation_id"]]
+
+    def send(message: dict, conversation_id: str, *values):
+        try:
+            settings = settings_from(list(values))
+        except ValueError as exc:
+            yield gr.update(), gr.update(), f"⚠️ {exc}", gr.update(), conversation_id, gr.update()
+            return
+        conversation = _conversation(ctx, conversation_id, settings)
+        files = [Path(f) for f in (message or {}).get("files", [])]
+        try:
+            user = prepare_user_message((message or {}).get("text", ""), files, settings,
+                                        ctx.transcriber)  # fmt: skip
+        except MiniappError as exc:
+            yield *_view(ctx, conversation, notice=f"⚠️ {exc}"), gr.update()
+            return
+        conversation.messages.append(user)
+        conversation.retitle()
+        ctx.store.save(conversation)  # the question is saved before the answer starts
+        yield *_view(ctx, conversation, notice="; ".join(user.notes)), EMPTY_BOX
+        for view in _answer(ctx, conversation, settings, notes=user.notes):
+            yield *view, gr.update()
+
+    def regenerate(conversation_id: str, *values):
+        try:
+            settings = settings_from(list(values))
+        except ValueError as exc:
+            yield gr.update(), gr.update(), f"⚠️ {exc}", gr.update(), conversation_id
+            return
+        conversation = _conversation(ctx, conversation_id, settings)
+        while conversation.messages and conversation.messages[-1].role == "assistant":
+            conversation.messages.pop()
+        if not conversation.messages:
+            yield _view(ctx, conversation, notice="nothing to regenerate")
+            return
+        yield from _answer(ctx, conversation, settings)
+
+    def edit_last(conversation_id: str):
+        conversation = _conversation(ctx, conversation_id, ctx.defaults)
+        users = [i for i, m in enumerate(conversation.messages) if m.role == "user"]
+        if not users:
+            return gr.update(), gr.update(), gr.update()
+        last = conversation.messages[users[-1]]
+        del conversation.messages[users[-1] :]
+        ctx.store.save(conversation)
+        return chat_messages(conversation), {"text": last.display, "files": []}, ""
+
+    def stop_answer(conversation_id: str):
+        if conversation_id:
+            ctx.stop_flag(conversation_id).set()
+
+    def new_chat():
+        return [], "", "", ""
+
+    def open_chat(chosen: str | None):
+        if not chosen:
+            return gr.update(), gr.update(), "choose a saved chat first"
+        try:
+            conversation = ctx.store.load(chosen)
+        except (OSError, ValueError) as exc:
+            return gr.update(), gr.update(), f"⚠️ cannot open that chat: {exc}"
+        return chat_messages(conversation), conversation.id, f"opened “{conversation.title}”"
+
+    def delete_chat(chosen: str | None, conversation_id: str):
+        if chosen:
+            ctx.store.delete(chosen)
+        cleared = chosen == conversation_id
+        choices = gr.update(choices=history_choices(ctx.store), value=None)
+        return choices, ([] if cleared else gr.update()), ("" if cleared else conversation_id)
+
+    def export(chosen: str | None, conversation_id: str, kind: str):
+        target = chosen or conversation_id
+        if not target:
+            return None
+        conversation = ctx.store.load(target)
+        folder = ctx.store.folder.parent / "exports"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{conversation.id}.{kind}"
+        text = conversation.to_markdown() if kind == "md" else conversation.to_json()
+        path.write_text(text, encoding="utf-8")
+        return str(path)
+
+    def settings_changed(*values):
+        try:
+            ctx.host.request(settings_from(list(values)))
+        except (MiniappError, ValueError) as exc:
+            return f"⚠️ {exc}"
+        return ctx.host.status.message
+
+    box, cid = w["box"], w["conversation_id"]
+    box.submit(send, [box, cid, *settings_inputs], [*answer_outputs, box],
+               concurrency_id=GENERATION_QUEUE, concurrency_limit=1)  # fmt: skip
+    w["regenerate"].click(regenerate, [cid, *settings_inputs], answer_outputs,
+                          concurrency_id=GENERATION_QUEUE, concurrency_limit=1)  # fmt: skip
+    w["edit_last"].click(edit_last, cid, [w["chatbot"], box, w["figures"]])
+    w["stop"].click(stop_answer, cid, None, queue=False)
+    w["new_chat"].click(new_chat, None, [w["chatbot"], cid, w["figures"], w["notice"]])
+    w["open_saved"].click(open_chat, w["saved"], [w["chatbot"], cid, w["notice"]])
+    w["delete_saved"].click(delete_chat, [w["saved"], cid], [w["saved"], w["chatbot"], cid])
+    w["export_md"].click(lambda s, c: export(s, c, "md"), [w["saved"], cid], w["exported"])
+    w["export_json"].click(lambda s, c: export(s, c, "json"), [w["saved"], cid], w["exported"])
+    for widget in (w["model"], w["custom"], w["backend"], w["device"], w["spec"], w["ctx_size"],
+                   w["window"], w["sinks"]):  # fmt: skip
+        widget.change(settings_changed, settings_inputs, w["status"])
+    timer = gr.Timer(STATUS_POLL_S)
+    timer.tick(lambda: ctx.host.status.message, None, w["status"], queue=False)
+    _wire_microphone(ctx, w)
+
+
+def _wire_microphone(ctx: GuiContext, w: dict) -> None:
+    """Live transcript while the user speaks; on stop, the transcript goes into the box."""
+    from .voice import LiveTranscripts
+
+    live = LiveTranscripts(ctx.transcriber)
+    mic, cid = w["microphone"], w["conversation_id"]
+    mic.start_recording(live.start, cid, w["transcript"])
+    mic.stream(live.chunk, [mic, cid], w["transcript"], stream_every=0.5,
+               concurrency_limit=None)  # fmt: skip
+    mic.stop_recording(live.finish, cid, [w["transcript"], w["box"]])
+
+
+def _conversation(ctx: GuiContext, conversation_id: str, settings: ChatSettings) -> Conversation:
+    if conversation_id:
+        try:
+            return ctx.store.load(conversation_id)
+        except (OSError, ValueError):
+            pass
+    return Conversation.new(Path(settings.model).name)
+
+
+def _view(ctx: GuiContext, conversation: Conversation, figures: str = "", notice: str = ""):
+    choices = gr.update(choices=history_choices(ctx.store))
+    return chat_messages(conversation), figures, notice, choices, conversation.id
+
+
+def _answer(ctx: GuiContext, conversation: Conversation, settings: ChatSettings, notes=()):
+    stop = ctx.stop_flag(conversation.id)
+    stop.clear()
+    shown = chat_messages(conversation)
+    notice = "; ".join(notes)
+    try:
+        for update in stream_answer(ctx.host, conversation, settings, stop.is_set):
+            bubble = {"role": "assistant", "content": update.text}
+            if update.finished:
+                ctx.store.save(conversation)
+                yield _view(ctx, conversation, update.figures, notice)
+            else:
+                yield shown + [bubble], update.figures, notice, gr.update(), conversation.id
+    except (ModelLoadError, MiniappError) as exc:
+        yield _view(ctx, conversation, notice=f"⚠️ {exc}")

@@ -1,0 +1,271 @@
+"""The GUI end to end: a real `miniapp gui` server on loopback, driven by headless Chromium
+(Debian's, through Playwright). Each test saves a screenshot in its output folder."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from image_fixtures import encode, text_image
+from speech_synth import CLEAN_SENTENCES, require_tools, synthesize, wav
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update"]  # fmt: skip
+STARTUP_S = 120
+ANSWER_S = 120
+MESSAGE = "Name three colours."
+MAX_TOKENS = 24
+READY = ".gguf on torch"  # the status line of a loaded model
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class GuiServer:
+    """`miniapp gui` in a subprocess, on its own data folder (kept across restarts)."""
+
+    def __init__(self, exe: str, data_dir: Path):
+        self.exe, self.data_dir = exe, data_dir
+        self.process: subprocess.Popen | None = None
+        self.url = ""
+
+    def start(self) -> GuiServer:
+        port = _free_port()
+        env = {**os.environ, "MINIAPP_DATA_DIR": str(self.data_dir), "MINIAPP_MAX_UPLOAD": "2mb"}
+        env.pop("DISPLAY", None)
+        self.process = subprocess.Popen(
+            [self.exe, "gui", "--port", str(port), "--no-browser", "--threads", "2",
+             "--temperature", "0", "--max-tokens", str(MAX_TOKENS)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        )  # fmt: skip
+        deadline = time.monotonic() + STARTUP_S
+        for line in self.process.stdout:
+            if line.startswith("miniapp GUI: "):
+                self.url = line.split(": ", 1)[1].strip()
+                return self
+            assert time.monotonic() < deadline, "the GUI did not start"
+        raise AssertionError(f"the GUI exited with {self.process.wait()}")
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("gui-data")
+
+
+@pytest.fixture(scope="module")
+def server(miniapp_exe, data_dir):
+    running = GuiServer(miniapp_exe, data_dir).start()
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        launched = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield launched
+        launched.close()
+
+
+@pytest.fixture
+def page(browser, server, tmp_path):
+    opened = browser.new_page(viewport={"width": 1280, "height": 1100})
+    opened.goto(server.url)
+    opened.wait_for_selector("#message-box textarea", timeout=STARTUP_S * 1000)
+    _wait_for_text(opened, "#model-status", READY)
+    yield opened
+    opened.screenshot(path=str(tmp_path / "screenshot.png"), full_page=True)
+    opened.close()
+
+
+def _wait_for_text(page, selector: str, text: str, timeout_s: float = ANSWER_S) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = page.inner_text(selector)
+        if text in found:
+            return found
+        time.sleep(0.1)
+    shown = page.inner_text(selector)
+    raise AssertionError(f"{selector} never showed {text!r}; it shows {shown!r}")
+
+
+def _send(page, text: str, files: list[Path] = ()) -> None:
+    if files:
+        page.set_input_files("#message-box input[type=file]", [str(f) for f in files])
+        thumbnails = page.locator('#message-box [aria-label="File thumbnail"]')
+        deadline = time.monotonic() + 30
+        while thumbnails.count() < len(files):  # uploaded to the server
+            assert time.monotonic() < deadline, "the upload did not finish"
+            time.sleep(0.1)
+    page.fill("#message-box textarea", text)
+    page.press("#message-box textarea", "Enter")
+
+
+def _answer(page) -> str:
+    """The last answer, once its figures are shown."""
+    _wait_for_text(page, "#figures", "tok/s")
+    return page.locator("#chatbot .bot").last.inner_text().strip()
+
+
+def _words(text: str) -> list[str]:
+    """The words of a text, as rendered Markdown keeps them (list numbers become layout)."""
+    return re.findall(r"[A-Za-z']+", text)
+
+
+def _terminal_answer(exe: str, text: str, max_tokens: int) -> str:
+    done = subprocess.run(
+        [exe, "chat", "--threads", "2", "--temperature", "0", "--max-tokens", str(max_tokens)],
+        input=text, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_a_message_streams_its_answer(page, miniapp_exe):
+    _send(page, MESSAGE)
+    lengths = set()
+    deadline = time.monotonic() + ANSWER_S
+    while "tok/s" not in page.inner_text("#figures") and time.monotonic() < deadline:
+        bubbles = page.locator("#chatbot .bot")
+        if bubbles.count():
+            lengths.add(len(bubbles.last.inner_text()))
+        time.sleep(0.02)
+    answer = _answer(page)
+    assert len(lengths - {0}) >= 2, "the answer arrived in one piece, not streamed"
+    # Same model, same greedy settings: the GUI answers exactly as the terminal does.
+    assert _words(answer) == _words(_terminal_answer(miniapp_exe, MESSAGE, MAX_TOKENS))
+    figures = page.inner_text("#figures")
+    assert re.search(r"TTFT \d+ ms · [\d.]+ tok/s", figures) and "context" in figures
+
+
+def test_a_settings_change_applies_to_the_next_message(page, miniapp_exe):
+    page.fill("#max-tokens input", "5")
+    page.press("#max-tokens input", "Tab")
+    _send(page, MESSAGE)
+    answer = _answer(page)
+    assert _words(answer) == _words(_terminal_answer(miniapp_exe, MESSAGE, 5))
+    assert "context" in page.inner_text("#figures")
+
+
+def test_an_image_goes_through_ocr_and_says_so(page, tmp_path):
+    image = tmp_path / "receipt.png"
+    image.write_bytes(encode(text_image(["CAFE LUNA", "TOTAL 42.50"]), "PNG"))
+    _send(page, "What is the total?", [image])
+    _answer(page)
+    user = page.locator("#chatbot .user").last.inner_text()
+    assert "receipt.png" in user and "read by OCR" in user
+    assert "read by OCR" in page.inner_text("#notice")
+
+
+def test_an_audio_file_becomes_its_transcript(page, tmp_path):
+    require_tools()
+    sentence = CLEAN_SENTENCES[0]
+    audio = wav(tmp_path / "question.wav", synthesize(sentence, seed=3))
+    _send(page, "", [audio])
+    _answer(page)
+    user = page.locator("#chatbot .user").last.inner_text()
+    said = user.split("question.wav:")[0]
+    assert _words(said.lower()) == _words(sentence.lower())
+    assert f"question.wav: transcribed, {len(sentence.split())} words" in user
+    assert "word times" in user
+
+
+def test_a_corrupt_upload_is_an_error_and_the_chat_goes_on(page, tmp_path):
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"\x89PNG\r\n\x1a\n" + b"not really" * 20)
+    _send(page, "Look at this", [broken])
+    notice = _wait_for_text(page, "#notice", "⚠️")
+    assert "broken.png" in notice and "\n" not in notice.strip()
+    page.click('#message-box [aria-label="Remove file"]')  # the input was kept to fix
+    _send(page, MESSAGE)
+    assert _answer(page)
+
+
+def test_an_oversized_upload_is_refused(page, tmp_path):
+    big = tmp_path / "huge.png"
+    big.write_bytes(os.urandom(3 * 2**20))  # the test server's limit is 2 MB
+    page.set_input_files("#message-box input[type=file]", [str(big)])
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        body = page.inner_text("body").lower()
+        if "too large" in body or "exceed" in body or "maximum" in body:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError("no message refused the oversized upload")
+
+
+def test_a_model_that_fails_to_load_is_shown_and_the_old_one_stays(page):
+    page.fill("#model-path textarea, #model-path input", "/nonexistent/model.gguf")
+    page.press("#model-path textarea, #model-path input", "Tab")
+    _wait_for_text(page, "#model-status", "failed to load")
+    assert "previous model stays loaded" in page.inner_text("#model-status")
+    page.fill("#model-path textarea, #model-path input", "")
+    page.press("#model-path textarea, #model-path input", "Tab")
+    _wait_for_text(page, "#model-status", READY)
+    _send(page, MESSAGE)
+    assert _answer(page)
+
+
+def test_history_survives_a_restart(browser, miniapp_exe, data_dir, tmp_path):
+    first = GuiServer(miniapp_exe, data_dir).start()
+    try:
+        page = browser.new_page()
+        page.goto(first.url)
+        page.wait_for_selector("#message-box textarea", timeout=STARTUP_S * 1000)
+        _send(page, "Remember the word lighthouse.")
+        answer = _answer(page)
+        page.close()
+    finally:
+        first.stop()
+    second = GuiServer(miniapp_exe, data_dir).start()
+    try:
+        page = browser.new_page(viewport={"width": 1280, "height": 1100})
+        page.goto(second.url)
+        page.wait_for_selector("#saved-chats", timeout=STARTUP_S * 1000)
+        page.click("#saved-chats input")
+        page.get_by_role("option", name=re.compile("Remember the word lighthouse")).click()
+        page.click("#open-chat")
+        text = _wait_for_text(page, "#chatbot", "Remember the word lighthouse.")
+        assert answer[:40] in text
+        page.screenshot(path=str(tmp_path / "screenshot.png"), full_page=True)
+        page.close()
+    finally:
+        second.stop()
+
+
+def test_a_second_request_queues_and_sees_its_position(browser, server, tmp_path):
+    first, second = (browser.new_page(viewport={"width": 1280, "height": 1100}) for _ in "ab")
+    for opened in (first, second):
+        opened.goto(server.url)
+        opened.wait_for_selector("#message-box textarea", timeout=STARTUP_S * 1000)
+        _wait_for_text(opened, "#model-status", READY)
+    first.fill("#max-tokens input", "400")
+    first.press("#max-tokens input", "Tab")
+    _send(first, "Write a long story about a dragon.")
+    _wait_for_text(first, "#figures", "generating")
+    _send(second, MESSAGE)
+    queued = _wait_for_text(second, "#chatbot", "queue: 1/1", timeout_s=30)
+    second.screenshot(path=str(tmp_path / "screenshot.png"), full_page=True)
+    assert "queue" in queued
+    first.click("#stop")  # the stopped answer ends early; then the queued one runs
+    _wait_for_text(first, "#figures", "stopped")
+    assert _answer(second)
+    for opened in (first, second):
+        opened.close()
