@@ -6,6 +6,7 @@ widget values, so everything below can be reasoned about (and tested) as plain P
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,7 +24,7 @@ from miniapp.engine.runtimes.base import DEFAULT_CTX, Runtime
 from miniapp.engine.sampling import SamplingParams
 from miniapp.engine.session import ChatSession
 
-from .history import Conversation, SavedMessage
+from .history import Conversation, SavedMessage, data_dir, write_atomically_bytes
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".gif"}
 AUDIO_SUFFIXES = {".wav", ".mp3", ".flac", ".ogg", ".m4a", ".webm", ".opus"}
@@ -88,6 +89,8 @@ class ModelHost:
         self._wanted_key: tuple | None = None
         self._status = ModelStatus(LoadState.FAILED, "no model loaded")
         self._ready_status = self._status  # the loaded model's, to return to
+        self._vision = None  # a LlamaCppVisionChat, loaded when a picture first needs it
+        self._vision_key: tuple | None = None
         self._started = 0.0
 
     @property
@@ -156,6 +159,22 @@ class ModelHost:
             assert self._runtime is not None
             return self._runtime
 
+    def vision_chat(self, settings: ChatSettings, mmproj: Path):
+        """The vision model for these settings (call with `generation_lock` held). It is a
+        second copy of the model, on llama.cpp with its projector, kept for later pictures."""
+        from miniapp.engine.images.vision_llamacpp import LlamaCppVisionChat
+
+        key = (settings.model, str(mmproj), settings.ctx, settings.threads)
+        if self._vision_key != key:
+            if self._vision is not None:
+                self._vision.close()
+                self._vision, self._vision_key = None, None
+            model = resolve_model(settings.model)
+            self._vision = LlamaCppVisionChat(model, mmproj, n_ctx=settings.ctx,
+                                              threads=settings.threads)  # fmt: skip
+            self._vision_key = key
+        return self._vision
+
 
 def describe_runtime(runtime: Runtime, settings: ChatSettings) -> str:
     """'SmolLM2-135M-Instruct.Q4_1.gguf on torch, cpu (int4): no GPU visible to torch'."""
@@ -213,12 +232,16 @@ def stream_answer(
     model only, the saved conversation keeps them."""
     runtime = host.wait_for(settings)
     with host.generation_lock:
-        session = ChatSession(runtime, settings.system_prompt or None, settings.request())
         *earlier, last = conversation.messages
-        session.messages = [Message(m.role, m.content) for m in earlier]
+        if last.images:
+            runtime, events = _vision_events(host, earlier, last, settings, should_stop)
+        else:
+            session = ChatSession(runtime, settings.system_prompt or None, settings.request())
+            session.messages = [Message(m.role, m.content) for m in earlier]
+            events = session.send(last.content, should_stop=should_stop)
         answer, figures = [], ""
         started = time.monotonic()
-        for event in session.send(last.content, should_stop=should_stop):
+        for event in events:
             if isinstance(event, TextDelta):
                 answer.append(event.text)
                 rate = len(answer) / max(time.monotonic() - started, 1e-3)
@@ -230,6 +253,24 @@ def stream_answer(
     text = "".join(answer)
     conversation.messages.append(SavedMessage("assistant", text, stats=figures))
     yield AnswerUpdate(text, figures, finished=True)
+
+
+def _vision_events(host, earlier, last, settings: ChatSettings, should_stop):
+    """A message with pictures: through llama.cpp's multimodal path. Earlier turns go in as
+    their text (pictures of earlier turns are not sent again)."""
+    from miniapp.engine.images import choose_route, load_image
+    from miniapp.engine.images.vision_llamacpp import VisionMessage
+
+    route = choose_route(resolve_model(settings.model), settings.backend,
+                         allow_backend_switch=False)  # fmt: skip
+    if route.mmproj is None:
+        raise MiniappError(f"this message has pictures for a vision model, but {route.reason}")
+    chat = host.vision_chat(settings, route.mmproj)
+    chat.reset()
+    chat.system_prompt = settings.system_prompt or None
+    chat.messages = [VisionMessage(m.role, m.content) for m in earlier]
+    images = [load_image(Path(p)) for p in last.images]
+    return chat, chat.send(last.content, images, settings.request(), should_stop)
 
 
 # ------------------------------------------------------------------ attachments
@@ -291,15 +332,18 @@ def prepare_user_message(
         notes.append(f"{path.name}: transcribed, {len(spoken.words)} words ({span})")
     text = " ".join([*spoken_parts, typed.strip()]).strip()
     shown = typed.strip() if spoken_parts else None
+    pictures = None
     if images:
         text, image_notes = _with_images(text, images, settings)
         notes += image_notes
         shown = typed.strip()
-    if not text:
+        pictures = _pictures_to_keep(images, settings)
+    if not text and not images:
         raise MiniappError("nothing to send: type a message or attach a file")
     if shown is not None and spoken_parts:
         shown = " ".join([*spoken_parts, shown]).strip()
-    return SavedMessage("user", text, shown=shown, notes=notes, words=words or None)
+    return SavedMessage("user", text, shown=shown, notes=notes, words=words or None,
+                        images=pictures)  # fmt: skip
 
 
 def _with_images(text: str, images: list[Path], settings: ChatSettings) -> tuple[str, list[str]]:
@@ -311,3 +355,24 @@ def _with_images(text: str, images: list[Path], settings: ChatSettings) -> tuple
                          allow_backend_switch=False)  # fmt: skip
     attachments = [attach_image(path, route, name=path.name) for path in images]
     return build_user_message(text, attachments), [a.notice() for a in attachments]
+
+
+def _pictures_to_keep(images: list[Path], settings: ChatSettings) -> list[str] | None:
+    """Copies of the pictures a vision model will see, kept beside the saved chats (the
+    upload folder is temporary); None on the OCR path, whose text is the message."""
+    from miniapp.engine.images import ImagePath, choose_route
+
+    route = choose_route(resolve_model(settings.model), settings.backend,
+                         allow_backend_switch=False)  # fmt: skip
+    if route.path is not ImagePath.VISION_MODEL:
+        return None
+    folder = data_dir() / "images"
+    folder.mkdir(parents=True, exist_ok=True)
+    kept = []
+    for path in images:
+        data = path.read_bytes()
+        target = folder / (hashlib.sha256(data).hexdigest()[:32] + path.suffix.lower())
+        if not target.exists():
+            write_atomically_bytes(target, data)
+        kept.append(str(target))
+    return kept

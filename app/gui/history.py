@@ -30,6 +30,7 @@ class SavedMessage:
     notes: list[str] = field(default_factory=list)  # which image path, transcript facts
     words: list[dict] | None = None  # spoken messages: [{"word", "start", "end"}]
     stats: str | None = None  # answers: speed figures
+    images: list[str] | None = None  # pictures for a vision model (saved copies' paths)
 
     @property
     def display(self) -> str:
@@ -116,9 +117,13 @@ class ConversationStore:
 
 
 def write_atomically(path: Path, text: str) -> None:
+    write_atomically_bytes(path, text.encode("utf-8"))
+
+
+def write_atomically_bytes(path: Path, data: bytes) -> None:
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with temporary.open("w", encoding="utf-8") as handle:
-        handle.write(text)
+    with temporary.open("wb") as handle:
+        handle.write(data)
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(temporary, path)

@@ -136,6 +136,9 @@ def build_ui(ctx: GuiContext) -> gr.Blocks:
                     edit_last = gr.Button("Edit last message", elem_id="edit-last")
                 figures = gr.Markdown("", elem_id="figures")
                 notice = gr.Markdown("", elem_id="notice")
+                with gr.Accordion("Camera", open=False):
+                    camera = gr.Image(sources=["webcam"], type="filepath", label="Webcam")
+                    attach_photo = gr.Button("Attach photo to the message", size="sm")
                 with gr.Accordion("Speak", open=False):
                     microphone = gr.Audio(sources=["microphone"], streaming=True,
                                           type="numpy", label="Microphone")  # fmt: skip
@@ -264,6 +267,7 @@ def _wire(ctx: GuiContext, w: dict) -> None:
                           concurrency_id=GENERATION_QUEUE, concurrency_limit=1)  # fmt: skip
     w["edit_last"].click(edit_last, cid, [w["chatbot"], box, w["figures"]])
     w["stop"].click(stop_answer, cid, None, queue=False)
+    w["attach_photo"].click(_attach_photo, [w["camera"], box], box)
     w["new_chat"].click(new_chat, None, [w["chatbot"], cid, w["figures"], w["notice"]])
     w["open_saved"].click(open_chat, w["saved"], [w["chatbot"], cid, w["notice"]])
     w["delete_saved"].click(delete_chat, [w["saved"], cid], [w["saved"], w["chatbot"], cid])
@@ -287,6 +291,14 @@ def _wire_microphone(ctx: GuiContext, w: dict) -> None:
     mic.stream(live.chunk, [mic, cid], w["transcript"], stream_every=0.5,
                concurrency_limit=None)  # fmt: skip
     mic.stop_recording(live.finish, cid, [w["transcript"], w["box"]])
+
+
+def _attach_photo(photo: str | None, message: dict | None):
+    """A webcam snapshot joins the files of the message being written."""
+    message = message or {"text": "", "files": []}
+    if not photo:
+        return message
+    return {"text": message.get("text", ""), "files": [*message.get("files", []), photo]}
 
 
 def _conversation(ctx: GuiContext, conversation_id: str, settings: ChatSettings) -> Conversation:
