@@ -242,59 +242,51 @@ TARGET_AVX512 __m512bh pair_of(const uint16_t* at) {
 // verifying up to 11 drafts decodes each weight once (measured on a streamed 1536x576
 // weight, 9 rows: 35 us as 5 + 4 rows, 27 us in one pass).
 constexpr int kMaxTile = 12;
-constexpr int kMaxBlocksAtOnce = 4;
+constexpr int kBlocksPerBatch = 4;  // blocks every tile of rows runs over while in cache
 // Decode streams every weight from DRAM once; two cores alone do not keep enough reads in
 // flight to reach the memory's bandwidth, so each stream is prefetched this far ahead
 // (measured: 1-2 KB ahead took a cold 1536x576 matrix from ~27 us to ~17 us).
 constexpr int kPrefetchBytes = 2048;
 
-// One pass over NB consecutive blocks for MT rows of x (from m0); adds each block's results
-// into tile[b][r][16] (zeroed here). A dot product's latency is several cycles, so fewer than
-// ~8 independent accumulators leave the unit idle: with few rows, several blocks are
-// interleaved instead (which changes nothing in any element's summation order).
-template <int MT, int NB>
+// One pass over a block for MT rows of x (from m0); writes tile[r][16]. Each block is one
+// sequential stream: interleaving 2-4 blocks for more independent accumulators helped
+// only when the weight was already in cache, and cost 10-20% when it streamed from memory.
+template <int MT>
 TARGET_AVX512 void tile_avx512(const Problem& p, int64_t block, int64_t m0, float* tile) {
   const __m512i table = code_table_avx512();
   const uint8_t* base = p.packed + block * p.n_groups * p.group_bytes;
-  const int64_t block_bytes = p.n_groups * p.group_bytes;
   const int64_t chunks = p.group / kChunkCols;
-  for (int i = 0; i < NB * MT; ++i) _mm512_storeu_ps(tile + i * kBlockRows, _mm512_setzero_ps());
+  for (int r = 0; r < MT; ++r) _mm512_storeu_ps(tile + r * kBlockRows, _mm512_setzero_ps());
   for (int64_t g = 0; g < p.n_groups; ++g) {
+    const uint8_t* codes = base + g * p.group_bytes;
     const uint16_t* xg = p.xb + m0 * p.k + g * p.group;
-    __m512 even[NB][MT], odd[NB][MT];
-    for (int b = 0; b < NB; ++b) {
-      for (int r = 0; r < MT; ++r) even[b][r] = odd[b][r] = _mm512_setzero_ps();
-    }
+    __m512 even[MT], odd[MT];
+    for (int r = 0; r < MT; ++r) even[r] = odd[r] = _mm512_setzero_ps();
     for (int64_t c = 0; c < chunks; ++c) {
-      for (int b = 0; b < NB; ++b) {
-        const uint8_t* chunk = base + b * block_bytes + g * p.group_bytes + c * kChunkBytes;
-        _mm_prefetch(reinterpret_cast<const char*>(chunk) + kPrefetchBytes, _MM_HINT_T0);
-        __m512i words = _mm512_loadu_si512(chunk);
-        __m512bh w[kNibbles];
-        for (int j = 0; j < kNibbles; ++j) {
-          w[j] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4 * j), table);
-        }
-        for (int r = 0; r < MT; ++r) {
-          const uint16_t* xc = xg + r * p.k + c * kChunkCols;
-          even[b][r] = _mm512_dpbf16_ps(even[b][r], w[0], pair_of(xc));
-          odd[b][r] = _mm512_dpbf16_ps(odd[b][r], w[1], pair_of(xc + 2));
-          even[b][r] = _mm512_dpbf16_ps(even[b][r], w[2], pair_of(xc + 4));
-          odd[b][r] = _mm512_dpbf16_ps(odd[b][r], w[3], pair_of(xc + 6));
-        }
+      const uint8_t* chunk = codes + c * kChunkBytes;
+      _mm_prefetch(reinterpret_cast<const char*>(chunk) + kPrefetchBytes, _MM_HINT_T0);
+      __m512i words = _mm512_loadu_si512(chunk);
+      __m512bh w[kNibbles];
+      for (int j = 0; j < kNibbles; ++j) {
+        w[j] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4 * j), table);
+      }
+      for (int r = 0; r < MT; ++r) {
+        const uint16_t* xc = xg + r * p.k + c * kChunkCols;
+        even[r] = _mm512_dpbf16_ps(even[r], w[0], pair_of(xc));
+        odd[r] = _mm512_dpbf16_ps(odd[r], w[1], pair_of(xc + 2));
+        even[r] = _mm512_dpbf16_ps(even[r], w[2], pair_of(xc + 4));
+        odd[r] = _mm512_dpbf16_ps(odd[r], w[3], pair_of(xc + 6));
       }
     }
-    for (int b = 0; b < NB; ++b) {
-      const uint8_t* codes = base + b * block_bytes + g * p.group_bytes;
-      const uint16_t* scales = reinterpret_cast<const uint16_t*>(codes + chunks * kChunkBytes);
-      __m512 scale = widen_bf16_avx512(scales);
-      __m512 zero = widen_bf16_avx512(scales + kBlockRows);
-      for (int r = 0; r < MT; ++r) {
-        float* total = tile + (b * MT + r) * kBlockRows;
-        __m512 part = _mm512_add_ps(even[b][r], odd[b][r]);
-        __m512 sum = _mm512_fmadd_ps(part, scale, _mm512_loadu_ps(total));
-        __m512 xsum = _mm512_set1_ps(p.xsum[(m0 + r) * p.n_groups + g]);
-        _mm512_storeu_ps(total, _mm512_fmadd_ps(zero, xsum, sum));
-      }
+    const uint16_t* scales = reinterpret_cast<const uint16_t*>(codes + chunks * kChunkBytes);
+    __m512 scale = widen_bf16_avx512(scales);
+    __m512 zero = widen_bf16_avx512(scales + kBlockRows);
+    for (int r = 0; r < MT; ++r) {
+      float* total = tile + r * kBlockRows;
+      __m512 part = _mm512_add_ps(even[r], odd[r]);
+      __m512 sum = _mm512_fmadd_ps(part, scale, _mm512_loadu_ps(total));
+      __m512 xsum = _mm512_set1_ps(p.xsum[(m0 + r) * p.n_groups + g]);
+      _mm512_storeu_ps(total, _mm512_fmadd_ps(zero, xsum, sum));
     }
   }
 }
@@ -393,69 +385,32 @@ TARGET_AVX2 void tile_avx2(const Problem& p, int64_t block, int64_t m0, float* t
 
 typedef void (*TileFn)(const Problem&, int64_t, int64_t, float*);
 
-struct Pass {
-  TileFn fn;
-  int blocks;  // blocks it covers at once
-};
-
 struct Path {
-  Pass (*pick)(int rows, int64_t blocks_left);
+  const TileFn* tiles;  // tiles[rows] for 1..max_tile rows of x
   int max_tile;
 };
 
-template <int MT>
-Pass avx512_pass(int64_t blocks_left) {
-  // ~8 or more accumulators in flight
-  if constexpr (MT == 1) {
-    if (blocks_left >= 4) return {tile_avx512<MT, 4>, 4};
-  }
-  if constexpr (MT <= 3) {
-    if (blocks_left >= 2) return {tile_avx512<MT, 2>, 2};
-  }
-  return {tile_avx512<MT, 1>, 1};
-}
+const TileFn kAvx512Tiles[kMaxTile + 1] = {
+    nullptr,         tile_avx512<1>, tile_avx512<2>,  tile_avx512<3>,  tile_avx512<4>,
+    tile_avx512<5>,  tile_avx512<6>, tile_avx512<7>,  tile_avx512<8>,  tile_avx512<9>,
+    tile_avx512<10>, tile_avx512<11>, tile_avx512<12>};
+const TileFn kAvx2Tiles[kAvx2MaxTile + 1] = {
+    nullptr,      tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4>,
+    tile_avx2<5>, tile_avx2<6>, tile_avx2<7>, tile_avx2<8>};
 
-Pass pick_avx512(int rows, int64_t blocks_left) {
-  switch (rows) {
-    case 1: return avx512_pass<1>(blocks_left);
-    case 2: return avx512_pass<2>(blocks_left);
-    case 3: return avx512_pass<3>(blocks_left);
-    case 4: return avx512_pass<4>(blocks_left);
-    case 5: return avx512_pass<5>(blocks_left);
-    case 6: return avx512_pass<6>(blocks_left);
-    case 7: return avx512_pass<7>(blocks_left);
-    case 8: return avx512_pass<8>(blocks_left);
-    case 9: return avx512_pass<9>(blocks_left);
-    case 10: return avx512_pass<10>(blocks_left);
-    case 11: return avx512_pass<11>(blocks_left);
-    default: return avx512_pass<12>(blocks_left);
-  }
-}
-
-Pass pick_avx2(int rows, int64_t) {
-  static const TileFn tiles[kAvx2MaxTile + 1] = {
-      nullptr,      tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4>,
-      tile_avx2<5>, tile_avx2<6>, tile_avx2<7>, tile_avx2<8>};
-  return {tiles[rows], 1};
-}
-
-// Rows of x are split into equal tiles (9 rows: 5 + 4), each at most max_tile. Blocks are
-// taken kMaxBlocksAtOnce at a time, and every tile runs over them while they are in cache.
+// Rows of x are split into equal tiles (16 rows: 8 + 8), each at most max_tile. Blocks are
+// taken kBlocksPerBatch at a time, and every tile runs over them while they are in cache.
 void run_blocks(const Problem& p, const Path& path, int64_t first, int64_t last) {
-  alignas(64) float tile[kMaxBlocksAtOnce * kMaxTile * kBlockRows];
+  alignas(64) float tile[kMaxTile * kBlockRows];
   const int64_t n_tiles = (p.m + path.max_tile - 1) / path.max_tile;
-  for (int64_t start = first; start < last; start += kMaxBlocksAtOnce) {
-    const int64_t stop = start + kMaxBlocksAtOnce < last ? start + kMaxBlocksAtOnce : last;
+  for (int64_t start = first; start < last; start += kBlocksPerBatch) {
+    const int64_t stop = start + kBlocksPerBatch < last ? start + kBlocksPerBatch : last;
     for (int64_t t = 0; t < n_tiles; ++t) {
       const int64_t m0 = p.m * t / n_tiles;
       const int rows = static_cast<int>(p.m * (t + 1) / n_tiles - m0);
-      for (int64_t block = start; block < stop;) {
-        const Pass pass = path.pick(rows, stop - block);
-        pass.fn(p, block, m0, tile);
-        for (int b = 0; b < pass.blocks; ++b) {
-          finish_tile(p, block + b, m0, rows, tile + b * rows * kBlockRows);
-        }
-        block += pass.blocks;
+      for (int64_t block = start; block < stop; ++block) {
+        path.tiles[rows](p, block, m0, tile);
+        finish_tile(p, block, m0, rows, tile);
       }
     }
   }
@@ -525,7 +480,7 @@ int miniapp_int4_gemm(const Int4Weight* w, const void* x, int64_t ldx, int x_typ
   if (!(avx512 ? prepare_x_avx512(p, x, ldx, x_type) : prepare_x_avx2(p, x, ldx, x_type))) {
     return -1;
   }
-  const Path path = avx512 ? Path{pick_avx512, kMaxTile} : Path{pick_avx2, kAvx2MaxTile};
+  const Path path = avx512 ? Path{kAvx512Tiles, kMaxTile} : Path{kAvx2Tiles, kAvx2MaxTile};
   const int64_t macs = n_blocks * kBlockRows * k * m;
   if (threads > n_blocks) threads = static_cast<int>(n_blocks);
   if (threads <= 1 || macs < kMinParallelMacs) {
