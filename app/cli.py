@@ -179,7 +179,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_transcribe_parser(sub)
     _add_gui_parser(sub)
+    _add_models_parser(sub)
     return parser
+
+
+def _add_models_parser(sub) -> None:
+    models = sub.add_parser("models", help="the models folder: list, pull, rm, info")
+    models_sub = models.add_subparsers(dest="models_command", required=True)
+    listing = models_sub.add_parser("list", help="bundled models and the models folder")
+    listing.add_argument("--json", action="store_true", help="print JSON")
+    pull = models_sub.add_parser(
+        "pull", help="download one GGUF (and its projector) from Hugging Face"
+    )
+    pull.add_argument("spec", metavar="REPO[:QUANT]", help="e.g. owner/name:Q4_K_M (default)")
+    remove = models_sub.add_parser("rm", help="delete a model from the models folder")
+    remove.add_argument("name", help="a file name in the models folder, or a bundled name")
+    info = models_sub.add_parser("info", help="GGUF metadata and the chat template")
+    info.add_argument("name", help="a GGUF path, a file in the models folder, or a bundled name")
+    info.add_argument("--json", action="store_true", help="print JSON")
 
 
 def _add_gui_parser(sub) -> None:
@@ -300,6 +317,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from .calibrate import run_calibrate
 
         return run_calibrate(args)
+    if command == "models":
+        from .models_cmd import run_models
+
+        return run_models(args)
     if command == "transcribe":
         from .transcribe import run_transcribe
 
