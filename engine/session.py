@@ -50,7 +50,7 @@ class ChatSession:
         """Add a user message and stream the answer; the answer (even a partial one) is kept.
         A Message (e.g. a spoken one, which carries its word times) is kept as it is."""
         request = request or self.request
-        self.messages.append(text if isinstance(text, Message) else Message("user", text))
+        self.messages.append(_user_message(text))
         try:
             prompt = self._fit_prompt(reserve=min(request.max_tokens, self.runtime.n_ctx // 4))
         except ContextFullError:
@@ -67,9 +67,17 @@ class ChatSession:
         finally:
             self.messages.append(Message("assistant", "".join(answer)))
 
+    def render(self, messages: list[Message]) -> str:
+        """The prompt text for these messages, system prompt and template included."""
+        return self.template.render(self._with_system(messages))
+
+    def preview(self, text: str | Message) -> str:
+        """The prompt the next send(text) renders (before any old turns are dropped to fit
+        the context): what `--show-prompt` prints."""
+        return self.render([*self.messages, _user_message(text)])
+
     def prompt_tokens(self, messages: list[Message]) -> list[int]:
-        text = self.template.render(self._with_system(messages))
-        return self.runtime.tokenizer.encode_chat(text)
+        return self.runtime.tokenizer.encode_chat(self.render(messages))
 
     def _with_system(self, messages: list[Message]) -> list[Message]:
         if self.system_prompt:
@@ -107,3 +115,7 @@ class ChatSession:
         while self.messages and self.messages[0].role != "user":
             del self.messages[0]
         self.dropped_turns += 1
+
+
+def _user_message(text: str | Message) -> Message:
+    return text if isinstance(text, Message) else Message("user", text)
