@@ -4,6 +4,8 @@ Interactive on a terminal (line editing, /commands, Ctrl-C stops the answer, not
 with piped input, the whole of stdin is one message and the answer is printed once.
 With --audio FILE the file's transcript is the (first) message; with --voice, Enter on an
 empty line records until the next Enter (push-to-talk). Spoken messages keep their word times.
+Images (--image, /image) go with the next message: as OCR text, or to a vision model
+(chat_images.py).
 """
 
 from __future__ import annotations
@@ -12,24 +14,34 @@ import argparse
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TextIO
 
 from miniapp.engine.chat_template import Message
 from miniapp.engine.errors import MiniappError
-from miniapp.engine.events import Finished, FinishReason, TextDelta
+from miniapp.engine.events import (
+    Finished,
+    FinishReason,
+    GenerationEvent,
+    GenerationStats,
+    TextDelta,
+)
 from miniapp.engine.generation import GenerationRequest
+from miniapp.engine.images import ImageAttachment, ImagePath
 from miniapp.engine.model_store import resolve_model
 from miniapp.engine.runtimes import open_runtime
 from miniapp.engine.sampling import SamplingParams
 from miniapp.engine.session import ChatSession
 
+from .chat_images import ChatImages, image_paths, print_prompt, with_image_labels
 from .transcribe import VoiceInput, spoken_file
 
 PROMPT = ">>> "
 HELP = """commands:
-  /reset   start a new conversation
+  /image PATH  attach an image to your next message (repeatable; /image lists them)
+  /reset   start a new conversation (attached images are dropped too)
   /stats   speed of the last answer
   /exit    quit (also Ctrl-D)
 Ctrl-C stops an answer."""
@@ -47,11 +59,111 @@ def request_from_args(args: argparse.Namespace) -> GenerationRequest:
     return GenerationRequest(max_tokens=args.max_tokens, sampling=sampling, stop=tuple(args.stop))
 
 
+class ChatTurns:
+    """One chat's turns: text through the ChatSession, a message with pictures for a vision
+    model through ChatImages. The session (the model) is opened on first use, so a piped
+    message with pictures for a vision model never loads the text model."""
+
+    def __init__(
+        self, open_session: Callable[[], ChatSession], images: ChatImages, show_prompt: bool
+    ):
+        self._open_session = open_session
+        self._session: ChatSession | None = None
+        self.images = images
+        self.show_prompt = show_prompt
+        self.last_stats: GenerationStats | None = None
+
+    @property
+    def session(self) -> ChatSession:
+        if self._session is None:
+            self._session = self._open_session()
+        return self._session
+
+    def send(
+        self, text: str | Message, should_stop: Callable[[], bool]
+    ) -> Iterator[GenerationEvent]:
+        for event in self._events(text, should_stop):
+            if isinstance(event, Finished):
+                self.last_stats = event.stats
+            yield event
+
+    def _events(
+        self, text: str | Message, should_stop: Callable[[], bool]
+    ) -> Iterator[GenerationEvent]:
+        attachments = self.images.take()
+        if any(a.path == ImagePath.VISION_MODEL for a in attachments):
+            history = self._session.messages if self._session else []
+            content = text.content if isinstance(text, Message) else text
+            return self.images.vision_turn(
+                history, content, attachments, should_stop, self.show_prompt
+            )
+        message = with_image_labels(text, attachments)
+        if self.show_prompt:
+            print_prompt(self.session.preview(message))
+        return self.session.send(message, should_stop=should_stop)
+
+    def reset(self) -> None:
+        self.session.reset()
+        self.images.take()
+        self.last_stats = None
+
+
 def run_chat(args: argparse.Namespace) -> int:
     model_path = resolve_model(args.model)
     interactive = sys.stdin.isatty()
-    # A bad or silent audio file is a one-line error before the model loads.
+    request = request_from_args(args)
+    # Bad images, a bad --mmproj and bad or silent audio are one-line errors (exit 2)
+    # before the model loads.
+    images = _startup_images(model_path, args, request)
     spoken = spoken_file(args.audio, args.asr_model, args.threads) if args.audio else None
+    piped = None if interactive else _piped_message(spoken, images)
+
+    def open_session() -> ChatSession:
+        runtime = _open_runtime(args, model_path, interactive)
+        return ChatSession(runtime, system_prompt=args.system, request=request)
+
+    turns = ChatTurns(open_session, images, args.show_prompt)
+    if piped is not None:
+        _say_spoken(spoken)
+        return _answer_piped(turns, piped, args.stats)
+    turns.session  # noqa: B018 - load the model before greeting
+    voice = VoiceInput.for_chat(args, interactive)
+    if spoken is not None:
+        _say_spoken(spoken)
+        _stream_answer(turns.send(spoken, threading.Event().is_set), sys.stdout)
+    return _interactive(turns, model_path.name, args.stats, voice)
+
+
+def _startup_images(
+    model_path: Path, args: argparse.Namespace, request: GenerationRequest
+) -> ChatImages:
+    images = ChatImages(model_path, args, request)
+    if args.mmproj:
+        _ = images.route  # checks the projector now
+    for path in args.image:
+        _report_attached(images.attach(path))
+    return images
+
+
+def _say_spoken(spoken: Message | None) -> None:
+    if spoken is not None:
+        print(f"you said: {spoken.content}", flush=True)
+
+
+def _report_attached(attachment: ImageAttachment) -> None:
+    print(attachment.notice(), file=sys.stderr, flush=True)
+
+
+def _piped_message(spoken: Message | None, images: ChatImages) -> str | Message:
+    if spoken is not None:
+        return spoken
+    text = sys.stdin.read().strip()
+    if not text and not images.pending:  # pictures alone are a message
+        raise MiniappError("no input on stdin")
+    return text
+
+
+def _open_runtime(args: argparse.Namespace, model_path: Path, interactive: bool):
     if interactive:
         print(f"loading {model_path.name} on {args.backend}...", file=sys.stderr, flush=True)
     runtime = open_runtime(
@@ -61,38 +173,24 @@ def run_chat(args: argparse.Namespace) -> int:
     plan = getattr(runtime, "device_plan", None)
     if interactive and plan is not None:
         print(f"running on {plan.device} ({plan.reason})", file=sys.stderr, flush=True)
-    session = ChatSession(runtime, system_prompt=args.system, request=request_from_args(args))
-    voice = VoiceInput.for_chat(args, interactive)
-    if spoken is not None:
-        print(f"you said: {spoken.content}", flush=True)
-        if not interactive:
-            return _answer_piped(session, spoken, args.stats)
-        _stream_answer(session, spoken, threading.Event(), sys.stdout)
-    if not interactive:
-        return _answer_piped(session, sys.stdin.read(), args.stats)
-    return _interactive(session, model_path.name, args.stats, voice)
+    return runtime
 
 
-def _answer_piped(session: ChatSession, text: str | Message, show_stats: bool) -> int:
-    if isinstance(text, str):
-        text = text.strip()
-    if not text:
-        print("miniapp: error: no input on stdin", file=sys.stderr)
-        return 2
-    _stream_answer(session, text, threading.Event(), sys.stdout)
-    if show_stats and session.last_stats:
-        print(session.last_stats.summary(), file=sys.stderr)
+def _answer_piped(turns: ChatTurns, message: str | Message, show_stats: bool) -> int:
+    finish = _stream_answer(turns.send(message, lambda: False), sys.stdout)
+    if show_stats and finish is not None:
+        print(finish.stats.summary(), file=sys.stderr)
     return 0
 
 
 def _interactive(
-    session: ChatSession, model_name: str, show_stats: bool, voice: VoiceInput | None = None
+    turns: ChatTurns, model_name: str, show_stats: bool, voice: VoiceInput | None = None
 ) -> int:
     try:
         import readline  # noqa: F401 - line editing and history for input()
     except ImportError:
         pass
-    print(f"miniapp chat - {model_name} on {session.runtime.backend}. /help for commands.")
+    print(f"miniapp chat - {model_name} on {turns.session.runtime.backend}. /help for commands.")
     if voice is not None:
         print(voice.greeting)
     while True:
@@ -112,30 +210,33 @@ def _interactive(
         if not text:
             continue
         if isinstance(text, str) and text.startswith("/"):
-            if _command(session, text) == "exit":
+            if _command(turns, text) == "exit":
                 return 0
             continue
         cancel = threading.Event()
         try:
             with _sigint_sets(cancel):
-                _stream_answer(session, text, cancel, sys.stdout)
+                _stream_answer(turns.send(text, cancel.is_set), sys.stdout)
         except MiniappError as exc:
             print(f"error: {exc}")
             continue
-        if show_stats and session.last_stats:
-            print(session.last_stats.summary())
+        if show_stats and turns.last_stats:
+            print(turns.last_stats.summary())
 
 
-def _command(session: ChatSession, text: str) -> str | None:
-    name = text.split()[0].lower()
+def _command(turns: ChatTurns, text: str) -> str | None:
+    name, _, argument = text.partition(" ")
+    name = name.lower()
     if name in ("/exit", "/quit", "/bye"):
         return "exit"
     if name == "/reset":
-        session.reset()
+        turns.reset()
         print("(new conversation)")
     elif name == "/stats":
-        stats = session.last_stats
+        stats = turns.last_stats
         print(stats.summary() if stats else "(no answer yet)")
+    elif name == "/image":
+        _image_command(turns.images, argument)
     elif name == "/help":
         print(HELP)
     else:
@@ -143,11 +244,22 @@ def _command(session: ChatSession, text: str) -> str | None:
     return None
 
 
-def _stream_answer(
-    session: ChatSession, text: str | Message, cancel: threading.Event, out: TextIO
-) -> None:
+def _image_command(images: ChatImages, argument: str) -> None:
+    """`/image PATH...` attaches; a file that cannot be used is a one-line error and the
+    chat goes on without it. Plain `/image` lists what is attached."""
+    paths = image_paths(argument)
+    if not paths:
+        print(images.listing())
+    for path in paths:
+        try:
+            _report_attached(images.attach(path))
+        except MiniappError as exc:
+            print(f"error: {exc}")
+
+
+def _stream_answer(events: Iterator[GenerationEvent], out: TextIO) -> Finished | None:
     finish = None
-    for event in session.send(text, should_stop=cancel.is_set):
+    for event in events:
         if isinstance(event, TextDelta):
             out.write(event.text)
             out.flush()
@@ -159,6 +271,7 @@ def _stream_answer(
     elif finish and finish.reason == FinishReason.CONTEXT_FULL:
         out.write("(context full: /reset or raise --ctx)\n")
     out.flush()
+    return finish
 
 
 @contextmanager

@@ -109,6 +109,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="push-to-talk: Enter on an empty line records until the next Enter",
     )  # fmt: skip
     chat.add_argument("--audio", metavar="FILE", help="send this audio file's transcript")
+    chat.add_argument(
+        "--image", metavar="PATH", action="append", default=[],
+        help="attach an image to the first message (repeatable): read by OCR, or shown to a "
+        "vision model when the model has a projector",
+    )  # fmt: skip
+    chat.add_argument(
+        "--mmproj", metavar="PATH",
+        help="the vision projector (mmproj GGUF) for the model (default: one beside the model)",
+    )  # fmt: skip
+    chat.add_argument(
+        "--show-prompt", action="store_true",
+        help="print each fully rendered prompt (template, image text, history) to stderr",
+    )  # fmt: skip
     _add_asr_model_arg(chat)
     _add_spec_arg(chat)
 
