@@ -11,7 +11,7 @@ MODELS_STAMP := $(VENV)/.models
 # browser tests; libgl1, libglib2.0-0: OpenCV under the OCR; fonts-dejavu-core: text images.
 SYSTEM_PACKAGES := espeak-ng sox libportaudio2 chromium libgl1 libglib2.0-0 fonts-dejavu-core
 
-.PHONY: setup system-packages run test lint bench clean
+.PHONY: setup system-packages run test package package-test lint bench clean
 
 setup: system-packages $(STAMP) $(MODELS_STAMP)
 
@@ -44,7 +44,16 @@ run: setup
 	$(BIN)/miniapp gui
 
 test: setup
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not package"
+
+# A one-folder desktop build in dist/miniapp/ (PyInstaller; several minutes), and its smoke test.
+package: setup
+	$(BIN)/python -m pip install -q "pyinstaller>=6"
+	$(BIN)/pyinstaller packaging/miniapp.spec --distpath dist --workpath build/pyinstaller \
+		--noconfirm --log-level WARN
+
+package-test: package
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m package
 
 lint: setup
 	$(BIN)/ruff check app engine native assets tests
@@ -54,4 +63,4 @@ bench: setup
 	$(BIN)/miniapp bench --threads 2
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache

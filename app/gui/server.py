@@ -45,7 +45,7 @@ def run_gui(args: argparse.Namespace) -> int:
     demo.launch(
         server_name=args.host, server_port=args.port, share=False, inbrowser=_has_display(args),
         max_file_size=os.environ.get(MAX_UPLOAD_ENV, MAX_UPLOAD), prevent_thread_lock=True,
-        quiet=True, theme=theme, footer_links=[],
+        quiet=True, theme=theme, footer_links=[], favicon_path=_icon(),
     )  # fmt: skip
     print(f"miniapp GUI: {demo.local_url}", flush=True)
     try:
@@ -55,6 +55,13 @@ def run_gui(args: argparse.Namespace) -> int:
     finally:
         demo.close()
     return 0
+
+
+def _icon() -> str | None:
+    from importlib.resources import files
+
+    icon = files("miniapp.assets") / "icon.png"
+    return str(icon) if icon.is_file() else None
 
 
 def _has_display(args: argparse.Namespace) -> bool:
