@@ -40,10 +40,10 @@ from .transcribe import VoiceInput, spoken_file
 
 PROMPT = ">>> "
 HELP = """commands:
-  /image PATH  attach an image to your next message (repeatable; /image lists them)
-  /reset   start a new conversation (attached images are dropped too)
-  /stats   speed of the last answer
-  /exit    quit (also Ctrl-D)
+  /image PATH   attach an image to your next message (repeatable; /image lists them)
+  /reset        start a new conversation (attached images are dropped too)
+  /stats        speed of the last answer
+  /exit         quit (also Ctrl-D)
 Ctrl-C stops an answer."""
 
 
