@@ -16,6 +16,9 @@ from miniapp.engine.errors import MiniappError
 from miniapp.engine.runtimes import BACKENDS
 from miniapp.engine.spec_modes import SPEC_MODES
 
+from .settings import add_flags as add_setting_flags
+from .settings import apply as apply_settings
+
 EXIT_USAGE = 2
 TASKS = ("summarize", "quote", "chat")
 EXIT_INTERRUPTED = 130
@@ -93,15 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
 
     chat = sub.add_parser("chat", help="chat in the terminal")
-    _add_model_args(chat, ctx_default=4096)
-    chat.add_argument("--max-tokens", type=_positive_int, default=512)
-    chat.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    chat.add_argument("--top-k", type=int, default=40)
-    chat.add_argument("--top-p", type=float, default=0.95)
-    chat.add_argument("--min-p", type=float, default=0.05)
-    chat.add_argument("--repeat-penalty", type=float, default=1.0)
-    chat.add_argument("--seed", type=int)
-    chat.add_argument("--system", help="system prompt")
+    # Model, sampling and cache flags come from the settings model (flags > environment >
+    # config file > defaults; `miniapp config show`).
+    add_setting_flags(chat, "chat")
     chat.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     chat.add_argument("--stats", action="store_true", help="print speed after every answer")
     chat.add_argument(
@@ -122,8 +119,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--show-prompt", action="store_true",
         help="print each fully rendered prompt (template, image text, history) to stderr",
     )  # fmt: skip
-    _add_asr_model_arg(chat)
-    _add_spec_arg(chat)
 
     evaluate = sub.add_parser("eval", help="evaluate a model")
     eval_sub = evaluate.add_subparsers(dest="eval_command", required=True)
@@ -193,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_transcribe_parser(sub)
     _add_gui_parser(sub)
     _add_models_parser(sub)
+    _add_config_parser(sub)
     return parser
 
 
@@ -214,16 +210,18 @@ def _add_models_parser(sub) -> None:
 
 def _add_gui_parser(sub) -> None:
     gui = sub.add_parser("gui", help="the desktop GUI in your browser (also plain `miniapp`)")
-    _add_model_args(gui, ctx_default=4096)
-    _add_spec_arg(gui)
-    gui.add_argument("--max-tokens", type=_positive_int, default=512)
-    gui.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    gui.add_argument("--top-p", type=float, default=0.95)
-    gui.add_argument("--system", help="system prompt")
-    _add_asr_model_arg(gui)
-    gui.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
-    gui.add_argument("--port", type=_positive_int, default=7860)
+    add_setting_flags(gui, "gui")
     gui.add_argument("--no-browser", action="store_true", help="do not open a browser")
+
+
+def _add_config_parser(sub) -> None:
+    config = sub.add_parser("config", help="settings: show, set, path")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    config_sub.add_parser("show", help="every setting, its value and where it came from")
+    setter = config_sub.add_parser("set", help="store a setting in the config file")
+    setter.add_argument("name")
+    setter.add_argument("value", nargs="?", help="leave out to go back to the default")
+    config_sub.add_parser("path", help="print the config file's path")
 
 
 def _add_asr_model_arg(parser: argparse.ArgumentParser) -> None:
@@ -306,13 +304,19 @@ def _dispatch(args: argparse.Namespace) -> int:
     if command == "gui":
         from .gui.server import run_gui
 
-        if args.command is None:  # bare `miniapp`: the GUI with defaults
+        if args.command is None:  # bare `miniapp`: the GUI with the settings
             args = build_parser().parse_args(["gui"])
+        apply_settings(args, "gui")
         return run_gui(args)
     if command == "chat":
         from .chat import run_chat
 
+        apply_settings(args, "chat")
         return run_chat(args)
+    if command == "config":
+        from .settings import run_config
+
+        return run_config(args)
     if command == "eval":
         from .evaluate import run_asr, run_compare, run_ppl
 

@@ -89,6 +89,7 @@ def test_multi_turn_stats_reset_and_exit(chat):
 def test_ctrl_c_stops_the_answer_not_the_app(long_chat):
     chat = long_chat
     chat.sendline("Write a very long story about a dragon, with many chapters.")
+    chat.expect_exact("many chapters.")  # the terminal's echo of the question
     chat.expect(r"\w+ \w+ \w+")  # the answer is streaming
     time.sleep(0.3)
     chat.kill(signal.SIGINT)

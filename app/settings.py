@@ -1,0 +1,212 @@
+"""The one settings model: it makes the `chat` and `gui` command-line flags, the GUI's
+defaults, and the TOML file in the user config folder (`miniapp config show|set|path`).
+
+Each value comes from, highest first: a command-line flag, an environment variable
+(`MINIAPP_` + the name in capitals, e.g. MINIAPP_TEMPERATURE=0.2), the config file, the
+default here. `Settings.sources` says where each value came from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import platformdirs
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from miniapp.engine.errors import MiniappError
+
+CONFIG_ENV = "MINIAPP_CONFIG"  # a config file elsewhere (tests, several profiles)
+ENV_PREFIX = "MINIAPP_"
+COMMANDS = ("chat", "gui")
+Backend = Literal["torch", "llamacpp"]
+Device = Literal["auto", "cuda", "rocm", "cpu"]
+Spec = Literal["off", "auto", "early-exit", "lookup"]
+
+
+def _field(default, help: str, commands: tuple[str, ...] = COMMANDS, **limits):  # noqa: A002
+    return Field(default, description=help, json_schema_extra={"commands": commands}, **limits)
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    model: str = _field("smollm2-135m-instruct", "GGUF path or bundled model name")
+    backend: Backend = _field("torch", "our engine or llama.cpp")
+    device: Device = _field("auto", "torch engine: auto (a GPU if torch sees one), cuda, rocm, cpu")
+    threads: int | None = _field(None, "CPU threads (default: all)", gt=0)
+    ctx: int = _field(4096, "context size in tokens", gt=0)
+    window: int | None = _field(None, "torch engine: recent tokens kept once the context is "
+                                "full (default: ctx - sinks)", gt=0)  # fmt: skip
+    sinks: int | None = _field(None, "torch engine: first tokens kept as attention sinks "
+                               "(default: 4)", ge=0)  # fmt: skip
+    spec: Spec = _field("auto", "speculative decoding (torch engine; output unchanged)")
+    max_tokens: int = _field(512, "most tokens in one answer", gt=0)
+    temperature: float = _field(0.8, "0 = greedy", ge=0)
+    top_k: int = _field(40, "sample from the k most likely tokens (0 = all)", ("chat",), ge=0)
+    top_p: float = _field(0.95, "nucleus sampling", gt=0, le=1)
+    min_p: float = _field(0.05, "drop tokens below this share of the best", ("chat",), ge=0)
+    repeat_penalty: float = _field(1.0, "llama.cpp's repetition penalty", ("chat",), gt=0)
+    seed: int | None = _field(None, "sampling seed", ("chat",))
+    system: str | None = _field(None, "system prompt")
+    asr_model: str | None = _field(None, "a faster-whisper model folder (default: the bundled "
+                                   "tiny.en)")  # fmt: skip
+    host: str = _field("127.0.0.1", "GUI: address to bind (default: loopback)", ("gui",))
+    port: int = _field(7860, "GUI: port", ("gui",), gt=0, lt=65536)
+
+    @classmethod
+    def fields_for(cls, command: str) -> list[str]:
+        return [name for name, info in cls.model_fields.items()
+                if command in info.json_schema_extra["commands"]]  # fmt: skip
+
+
+# ------------------------------------------------------------------ the file
+
+
+def config_path() -> Path:
+    override = os.environ.get(CONFIG_ENV)
+    return Path(override) if override else platformdirs.user_config_path("miniapp") / "config.toml"
+
+
+def read_file(path: Path | None = None) -> dict[str, Any]:
+    path = path or config_path()
+    if not path.exists():
+        return {}
+    try:
+        values = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise MiniappError(f"{path}: not a readable TOML settings file ({exc})") from None
+    unknown = sorted(set(values) - set(Settings.model_fields))
+    if unknown:
+        raise MiniappError(f"{path}: unknown setting '{unknown[0]}'")
+    return values
+
+
+def write_file(values: dict[str, Any], path: Path | None = None) -> Path:
+    """Only the values set in the file are written (defaults stay defaults)."""
+    from .gui.history import write_atomically
+
+    path = path or config_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = ["# miniapp settings: `miniapp config set NAME VALUE` edits this file"]
+    lines += [f"{name} = {_toml_value(value)}" for name, value in sorted(values.items())]
+    write_atomically(path, "\n".join(lines) + "\n")
+    return path
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    text = str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{text}"'
+
+
+# ------------------------------------------------------------------ resolving
+
+
+def resolve(flags: dict[str, Any] | None = None, file: dict[str, Any] | None = None,
+            environ: dict[str, str] | None = None) -> tuple[Settings, dict[str, str]]:  # fmt: skip
+    """The settings and, per name, where its value came from."""
+    environ = os.environ if environ is None else environ
+    given = {k: v for k, v in (flags or {}).items() if k in Settings.model_fields}
+    layers = [("file", read_file() if file is None else file),
+              ("environment", _from_env(environ)), ("flag", given)]  # fmt: skip
+    values: dict[str, Any] = {}
+    sources = dict.fromkeys(Settings.model_fields, "default")
+    for source, layer in layers:
+        for name, value in layer.items():
+            values[name], sources[name] = value, source
+    try:
+        return Settings(**values), sources
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        name = error["loc"][0] if error["loc"] else "?"
+        raise MiniappError(f"setting {name} (from the {sources.get(name, '?')}): "
+                           f"{error['msg']}") from None  # fmt: skip
+
+
+def _from_env(environ) -> dict[str, Any]:
+    found = {}
+    for name in Settings.model_fields:
+        raw = environ.get(ENV_PREFIX + name.upper())
+        if raw is not None:
+            found[name] = None if raw == "" else raw
+    return found
+
+
+def _check_name(name: str) -> None:
+    if name not in Settings.model_fields:
+        choices = ", ".join(Settings.model_fields)
+        raise MiniappError(f"unknown setting '{name}' (settings: {choices})")
+
+
+def parse_value(name: str, text: str) -> Any:
+    """A value typed on the command line (`config set`), checked against the model."""
+    _check_name(name)
+    try:
+        return getattr(Settings(**{name: text}), name)
+    except ValidationError as exc:
+        raise MiniappError(f"setting {name}: {exc.errors()[0]['msg']}") from None
+
+
+# ------------------------------------------------------------------ command-line flags
+
+
+def add_flags(parser: argparse.ArgumentParser, command: str) -> None:
+    """One flag per setting of this command. Defaults are left out of the namespace, so that
+    an absent flag lets the environment, the file or the default decide."""
+    for name in Settings.fields_for(command):
+        info = Settings.model_fields[name]
+        options: dict[str, Any] = {"help": info.description, "default": argparse.SUPPRESS}
+        choices = _choices(info.annotation)
+        if choices:
+            options["choices"] = choices
+        else:
+            options["type"] = _base_type(info.annotation)
+        parser.add_argument("--" + name.replace("_", "-"), **options)
+
+
+def _choices(annotation) -> tuple[str, ...] | None:
+    return get_args(annotation) if get_origin(annotation) is Literal else None
+
+
+def _base_type(annotation):
+    inner = [a for a in get_args(annotation) if a is not type(None)] or [annotation]
+    return inner[0] if inner[0] in (int, float) else str
+
+
+def apply(args: argparse.Namespace, command: str) -> Settings:
+    """Fill the namespace with the resolved settings of this command (flags already parsed)."""
+    flags = {name: value for name, value in vars(args).items() if name in Settings.model_fields}
+    settings, _ = resolve(flags)
+    for name in Settings.fields_for(command):
+        setattr(args, name, getattr(settings, name))
+    return settings
+
+
+# ------------------------------------------------------------------ `miniapp config`
+
+
+def run_config(args: argparse.Namespace) -> int:
+    if args.config_command == "path":
+        print(config_path())
+        return 0
+    if args.config_command == "set":
+        values = read_file()
+        if args.value is None:  # `config set NAME` alone: back to the default
+            _check_name(args.name)
+            values.pop(args.name, None)
+        else:
+            values[args.name] = parse_value(args.name, args.value)
+        print(write_file(values))
+        return 0
+    settings, sources = resolve()
+    width = max(map(len, Settings.model_fields))
+    for name in Settings.model_fields:
+        print(f"{name.ljust(width)}  {getattr(settings, name)!r}  ({sources[name]})")
+    return 0
