@@ -65,8 +65,11 @@ struct Problem {
   int64_t n;  // valid output columns (rows of w, or gated outputs with kSiluMul)
   int epilogue;
   const uint16_t* xb;  // x rounded to bf16 [m, k] (AVX-512 path)
-  const float* xf;     // the same values as fp32 [m, k] (AVX2 path)
   const float* xsum;   // per row of x, per group: the sum of its bf16 values (AVX-512 path)
+  const int16_t* xq;   // x quantized to int16 per group [m, k] (AVX2 path)
+  const float* dx;     // per row of x, per group: the int16 step (AVX2 path)
+  const float* dx_sum;  // per row of x, per group: step * sum of q (AVX2 path)
+  const int32_t* q_sum;  // per row of x, per group: the sum of q (AVX2 path)
 };
 
 // ------------------------------------------------------------------ scratch for x
@@ -107,14 +110,9 @@ float from_bf16(uint16_t value) {
   return out;
 }
 
-// Scalar tail of a row (columns from `col` on): bf16 bits to `xb` and/or values to `xf`.
-void round_tail(const void* x, int x_type, int64_t col, int64_t k, uint16_t* xb, float* xf) {
-  for (; col < k; ++col) {
-    uint16_t b = x_type == kBFloat16 ? static_cast<const uint16_t*>(x)[col]
-                                     : to_bf16(static_cast<const float*>(x)[col]);
-    if (xb) xb[col] = b;
-    if (xf) xf[col] = from_bf16(b);
-  }
+// Scalar tail of a row of fp32 x (columns from `col` on) rounded to bf16.
+void round_tail(const float* x, int64_t col, int64_t k, uint16_t* xb) {
+  for (; col < k; ++col) xb[col] = to_bf16(x[col]);
 }
 
 // ------------------------------------------------------------------ epilogues
@@ -201,7 +199,7 @@ TARGET_AVX512 bool prepare_x_avx512(Problem& p, const void* x, int64_t ldx, int 
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + col),
                             _mm512_cvtepi32_epi16(to_bf16_avx512(_mm512_loadu_ps(in + col))));
       }
-      round_tail(in, x_type, col, p.k, out, nullptr);
+      round_tail(in, col, p.k, out);
     } else {
       memcpy(out, static_cast<const uint16_t*>(x) + row * ldx, p.k * sizeof(uint16_t));
     }
@@ -293,92 +291,137 @@ TARGET_AVX512 void tile_avx512(const Problem& p, int64_t block, int64_t m0, floa
 
 // ------------------------------------------------------------------ AVX2 path
 
-// AVX2 has no bf16 dot product: codes are dequantized to fp32 once per pass (shared by the
-// rows of x), four block rows at a time, each lane holding one row's even or odd columns.
-constexpr int kAvx2Rows = 4;  // block rows per pass: 8 fp32 lanes = 4 rows x 2 parities
+// AVX2 has no bf16 dot product, and dequantizing to fp32 costs more than torch's own AVX2
+// kernel. Instead x is quantized to int16 per group (15 bits against the group's largest
+// |x|, finer than bf16's 8 for all but values 128x smaller than that), and vpmaddwd
+// multiplies 16-bit codes by it exactly: each 32-bit lane sums one row's even and odd
+// column, so 8 block rows fill a register, and the group's integer dot product is exact.
+constexpr int kAvx2Rows = 8;  // block rows per pass: one int32 lane each
 constexpr int kAvx2MaxTile = 8;  // 16 ymm registers: 8 accumulators + codes and constants
+constexpr float kInt16Max = 32767.0f;
 
+TARGET_AVX2 __m256 widen_bf16_avx2(const uint16_t* at) {
+  __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+TARGET_AVX2 float max_lane_avx2(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+TARGET_AVX2 int32_t sum_lanes_avx2(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+}
+
+// Per row of x and group: q = round(x / dx) as int16 with dx = max |x| / 32767 (round to
+// nearest even, as torch.round), and per group dx, the sum of q, and dx times that sum (the
+// zero term's input sum). A NaN anywhere in a group makes dx NaN: NaN in, NaN out.
 TARGET_AVX2 bool prepare_x_avx2(Problem& p, const void* x, int64_t ldx, int x_type) {
-  float* xf = static_cast<float*>(scratch_bytes(p.m * p.k * sizeof(float)));
-  if (!xf) return false;
   constexpr int kLanes = 8;
-  const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(kRoundingBias);
-  const __m256i high_half = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
-  for (int64_t row = 0; row < p.m; ++row) {
-    float* out = xf + row * p.k;
-    int64_t col = 0;
-    if (x_type == kFloat32) {
-      const float* in = static_cast<const float*>(x) + row * ldx;
-      for (; col + kLanes <= p.k; col += kLanes) {
-        __m256 values = _mm256_loadu_ps(in + col);
-        __m256i bits = _mm256_castps_si256(values);
-        __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), one);
-        __m256i rounded = _mm256_and_si256(_mm256_add_epi32(bits, _mm256_add_epi32(odd, bias)), high_half);
-        __m256 nan = _mm256_cmp_ps(values, values, _CMP_UNORD_Q);
-        __m256 quiet = _mm256_castsi256_ps(_mm256_set1_epi32(kBf16QuietNan << 16));
-        _mm256_storeu_ps(out + col, _mm256_blendv_ps(_mm256_castsi256_ps(rounded), quiet, nan));
+  const int64_t per_group = p.m * p.n_groups;
+  const size_t bytes = per_group * (2 * sizeof(float) + sizeof(int32_t)) + p.k * sizeof(float) +
+                       p.m * p.k * sizeof(int16_t);
+  float* dx = static_cast<float*>(scratch_bytes(bytes));
+  if (!dx) return false;
+  float* dx_sum = dx + per_group;
+  int32_t* q_sum = reinterpret_cast<int32_t*>(dx_sum + per_group);
+  float* row = reinterpret_cast<float*>(q_sum + per_group);  // one row of x as fp32
+  int16_t* xq = reinterpret_cast<int16_t*>(row + p.k);
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int64_t r = 0; r < p.m; ++r) {
+    const float* in = static_cast<const float*>(x) + r * ldx;
+    if (x_type == kBFloat16) {
+      for (int64_t col = 0; col < p.k; ++col) {
+        row[col] = from_bf16(static_cast<const uint16_t*>(x)[r * ldx + col]);
       }
-      round_tail(in, x_type, col, p.k, nullptr, out);
-    } else {
-      round_tail(static_cast<const uint16_t*>(x) + row * ldx, x_type, 0, p.k, nullptr, out);
+      in = row;
+    }
+    for (int64_t g = 0; g < p.n_groups; ++g) {
+      const float* values = in + g * p.group;
+      __m256 largest = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+      for (int64_t i = 0; i < p.group; i += kLanes) {
+        __m256 v = _mm256_loadu_ps(values + i);
+        largest = _mm256_max_ps(largest, _mm256_and_ps(v, magnitude));
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      }
+      const bool has_nan = _mm256_movemask_ps(nan) != 0;
+      const float step = has_nan ? NAN : max_lane_avx2(largest) / kInt16Max;
+      const __m256 step_v = _mm256_set1_ps(step);
+      __m256i sum = _mm256_setzero_si256();
+      int16_t* out = xq + r * p.k + g * p.group;
+      for (int64_t i = 0; i < p.group; i += kLanes) {
+        __m256i q = _mm256_setzero_si256();
+        if (step > 0.0f) {
+          __m256 scaled = _mm256_div_ps(_mm256_loadu_ps(values + i), step_v);
+          q = _mm256_cvtps_epi32(_mm256_round_ps(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        }
+        sum = _mm256_add_epi32(sum, q);
+        __m128i packed = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), packed);
+      }
+      const int64_t at = r * p.n_groups + g;
+      dx[at] = step;
+      q_sum[at] = sum_lanes_avx2(sum);
+      dx_sum[at] = step * static_cast<float>(q_sum[at]);
     }
   }
-  p.xf = xf;
+  p.xq = xq;
+  p.dx = dx;
+  p.dx_sum = dx_sum;
+  p.q_sum = q_sum;
   return true;
 }
 
-TARGET_AVX2 __m256 row_pairs_avx2(const uint16_t* bf16x4) {
-  __m128i wide = _mm_cvtepu16_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bf16x4)));
-  __m256 rows = _mm256_castps128_ps256(_mm_castsi128_ps(_mm_slli_epi32(wide, 16)));
-  return _mm256_permutevar8x32_ps(rows, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
-}
-
 template <int MT>
-TARGET_AVX2 void quarter_avx2(const Problem& p, int64_t block, int64_t m0, int quarter,
-                              float* tile) {
-  const __m256i low_nibble = _mm256_set1_epi32(0x0f);
-  const __m256 offset = _mm256_set1_ps(static_cast<float>(kCodeOffset));
+TARGET_AVX2 void half_avx2(const Problem& p, int64_t block, int64_t m0, int half, float* tile) {
+  const __m256i low_nibble = _mm256_set1_epi16(0x0f);
   const uint8_t* base = p.packed + block * p.n_groups * p.group_bytes;
   const int64_t chunks = p.group / kChunkCols;
-  const int word0 = quarter * kAvx2Rows * 2;  // 2 words per row in each chunk
-  __m256 acc[MT];
-  for (int r = 0; r < MT; ++r) acc[r] = _mm256_setzero_ps();
+  const int byte0 = half * kChunkBytes / 2;  // rows 0-7 in the chunk's first 32 bytes
+  __m256 total[MT];
+  for (int r = 0; r < MT; ++r) total[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < p.n_groups; ++g) {
     const uint8_t* codes = base + g * p.group_bytes;
-    const uint16_t* scales = reinterpret_cast<const uint16_t*>(codes + chunks * kChunkBytes);
-    __m256 scale = row_pairs_avx2(scales + quarter * kAvx2Rows);
-    // (c - 8) * s + z = c * s + (z - 8 s)
-    __m256 zero = row_pairs_avx2(scales + kBlockRows + quarter * kAvx2Rows);
-    __m256 shifted_zero = _mm256_fnmadd_ps(offset, scale, zero);
-    const float* xg = p.xf + m0 * p.k + g * p.group;
+    const int16_t* xg = p.xq + m0 * p.k + g * p.group;
+    __m256i dot[MT];
+    for (int r = 0; r < MT; ++r) dot[r] = _mm256_setzero_si256();
     for (int64_t c = 0; c < chunks; ++c) {
-      const uint16_t* chunk = reinterpret_cast<const uint16_t*>(codes + c * kChunkBytes);
-      __m256i words = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + word0)));
+      const uint8_t* chunk = codes + c * kChunkBytes + byte0;
+      _mm_prefetch(reinterpret_cast<const char*>(chunk) + kPrefetchBytes, _MM_HINT_T0);
+      __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
       for (int j = 0; j < kNibbles; ++j) {
-        __m256i nibble = _mm256_and_si256(_mm256_srli_epi32(words, 4 * j), low_nibble);
-        __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(nibble), scale, shifted_zero);
+        __m256i nibble = _mm256_and_si256(_mm256_srli_epi16(words, 4 * j), low_nibble);
         for (int r = 0; r < MT; ++r) {
-          const float* xc = xg + r * p.k + c * kChunkCols + 2 * j;
-          __m256 pair = _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(xc)));
-          acc[r] = _mm256_fmadd_ps(w, pair, acc[r]);
+          int32_t pair;
+          memcpy(&pair, xg + r * p.k + c * kChunkCols + 2 * j, sizeof pair);
+          dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(nibble, _mm256_set1_epi32(pair)));
         }
       }
     }
-  }
-  for (int r = 0; r < MT; ++r) {
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, acc[r]);
-    for (int row = 0; row < kAvx2Rows; ++row) {
-      tile[r * kBlockRows + quarter * kAvx2Rows + row] = lanes[2 * row] + lanes[2 * row + 1];
+    // sum ((c - 8) s + z) x = s dx sum (c - 8) q + z dx sum q. The integer sum is exact
+    // (|sum (c - 8) q| <= 8 * 32767 * 64 < 2^24, so even its conversion is), and only the
+    // fp32 steps below round.
+    const uint16_t* scales = reinterpret_cast<const uint16_t*>(codes + chunks * kChunkBytes);
+    __m256 scale = widen_bf16_avx2(scales + half * kAvx2Rows);
+    __m256 zero = widen_bf16_avx2(scales + kBlockRows + half * kAvx2Rows);
+    for (int r = 0; r < MT; ++r) {
+      const int64_t at = (m0 + r) * p.n_groups + g;
+      __m256i centred = _mm256_sub_epi32(dot[r], _mm256_set1_epi32(kCodeOffset * p.q_sum[at]));
+      __m256 dot_x = _mm256_mul_ps(_mm256_cvtepi32_ps(centred), _mm256_set1_ps(p.dx[at]));
+      total[r] = _mm256_fmadd_ps(dot_x, scale, total[r]);
+      total[r] = _mm256_fmadd_ps(zero, _mm256_set1_ps(p.dx_sum[at]), total[r]);
     }
   }
+  for (int r = 0; r < MT; ++r) _mm256_storeu_ps(tile + r * kBlockRows + half * kAvx2Rows, total[r]);
 }
 
 template <int MT>
 TARGET_AVX2 void tile_avx2(const Problem& p, int64_t block, int64_t m0, float* tile) {
-  for (int quarter = 0; quarter < kBlockRows / kAvx2Rows; ++quarter) {
-    quarter_avx2<MT>(p, block, m0, quarter, tile);
-  }
+  for (int half = 0; half < kBlockRows / kAvx2Rows; ++half) half_avx2<MT>(p, block, m0, half, tile);
 }
 
 // ------------------------------------------------------------------ dispatch

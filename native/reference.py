@@ -1,8 +1,8 @@
 """Plain-torch references for the native kernels: what each computes, for the tests.
 
-Computed in float64 from x rounded to bf16 (the kernels' input precision) and scales and
-zeros rounded to bf16 (their storage), so the only difference left is the kernels' own fp32
-accumulation order.
+Computed in float64 from x as the kernel's path takes it (rounded to bf16 on the AVX-512
+path, quantized to int16 per group on the AVX2 path) and from scales and zeros rounded to
+bf16 (their storage), so the only difference left is the kernel's own fp32 arithmetic.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 
 CODE_OFFSET = 8
+INT16_MAX = 32767.0
+BF16, INT16 = "bf16", "int16"  # how a path takes x
 
 
 def int4_weight(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
@@ -20,27 +22,52 @@ def int4_weight(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) ->
     return (codes.double() - CODE_OFFSET) * scale + zero
 
 
+def kernel_input(x: torch.Tensor, group: int, activations: str = BF16) -> torch.Tensor:
+    """x as the kernel multiplies it, float64: bf16-rounded, or q * dx with q = round(x / dx)
+    an int16 and dx = max |x| / 32767 per group of columns (fp32 steps, as the kernel)."""
+    if activations == BF16:
+        return x.to(torch.bfloat16).double()
+    grouped = x.float().reshape(x.shape[0], -1, group)
+    step = grouped.abs().amax(dim=-1, keepdim=True) / INT16_MAX
+    q = torch.where(step > 0, torch.round(grouped / step), torch.zeros_like(grouped))
+    return (q.double() * step.double()).reshape(x.shape)
+
+
 def int4_matmul(
-    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    activations: str = BF16,
 ) -> torch.Tensor:
     """y = x @ w.T, float64 [M, rows]."""
-    return x.to(torch.bfloat16).double() @ int4_weight(codes, scale, zero).T
+    group = codes.shape[1] // scale.shape[1]
+    return kernel_input(x, group, activations) @ int4_weight(codes, scale, zero).T
 
 
 def gated_int4_matmul(
-    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    activations: str = BF16,
 ) -> torch.Tensor:
     """silu(x @ gate.T) * (x @ up.T) for w = gate rows then up rows, float64 [M, rows / 2]."""
-    y = int4_matmul(x, codes, scale, zero)
+    y = int4_matmul(x, codes, scale, zero, activations)
     gate, up = y.chunk(2, dim=1)
     return torch.nn.functional.silu(gate) * up
 
 
 def error_bound(
-    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    activations: str = BF16,
 ) -> torch.Tensor:
     """A bound on an fp32 accumulation's error for each output: k * 2^-23 * sum |w x|
     (twice the textbook recursive-summation bound k * u, u = 2^-24). A wrong code, scale or
     row moves an output by about one |w x| term, far above this."""
-    magnitude = x.to(torch.bfloat16).double().abs() @ int4_weight(codes, scale, zero).abs().T
+    group = codes.shape[1] // scale.shape[1]
+    magnitude = kernel_input(x, group, activations).abs() @ int4_weight(codes, scale, zero).abs().T
     return codes.shape[1] * 2.0**-23 * magnitude

@@ -5,8 +5,8 @@ and column counts that are not a multiple of the 64 columns of a chunk pair. Out
 poisoned with NaN first, so an element the kernel forgets to write fails the test.
 
 Tolerance: `reference.error_bound`, k * 2^-23 * sum |w x| per output: twice the textbook
-bound on an fp32 accumulation of k products, computed in float64 from the same bf16-rounded
-x, scales and zeros the kernel uses. A wrong code, scale, zero or row moves an output by a
+bound on an fp32 accumulation of k products, computed in float64 from the same x (bf16 on
+the AVX-512 path, int16 per group on the AVX2 path), scales and zeros the kernel uses. A wrong code, scale, zero or row moves an output by a
 whole |w x| term, orders of magnitude above it. The gated (silu(gate) * up) outputs add the
 error that propagates through SiLU, plus 2^-20 relative for the kernel's exp.
 """
@@ -52,6 +52,7 @@ def _isas() -> list[int]:
 
 
 ISAS = pytest.mark.parametrize("isa", _isas(), ids=lambda isa: int4.ISA_NAMES[isa])
+ACTIVATIONS = {int4.ISA_AVX512: reference.BF16, int4.ISA_AVX2: reference.INT16}
 
 
 def random_weight(rows: int, k: int, group: int, seed: int = 0):
@@ -81,12 +82,14 @@ def poisoned(m: int, n: int) -> torch.Tensor:
 def test_matches_reference(library, isa, rows, k, group):
     codes, scale, zero = random_weight(rows, k, group, seed=rows + k)
     weight = packed(library, codes, scale, zero, isa)
+    activations = ACTIVATIONS[isa]
     for m in M_VALUES:
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         y = weight.forward(x, out=poisoned(m, rows))
         assert torch.isfinite(y).all(), f"unwritten outputs at M={m}"
-        error = (y.double() - reference.int4_matmul(x, codes, scale, zero)).abs()
-        bound = reference.error_bound(x, codes, scale, zero)
+        expected = reference.int4_matmul(x, codes, scale, zero, activations)
+        error = (y.double() - expected).abs()
+        bound = reference.error_bound(x, codes, scale, zero, activations)
         assert (error <= bound).all(), f"M={m}: worst error/bound {(error / bound).max():.3g}"
 
 
@@ -114,15 +117,16 @@ def test_rows_are_bit_identical_to_single_row_calls(library, isa, gated):
 def test_gated_matches_reference(library, isa, rows, k):
     codes, scale, zero = random_weight(rows, k, 32, seed=rows)
     weight = packed(library, codes, scale, zero, isa, gated=True)
+    activations = ACTIVATIONS[isa]
     for m in (1, 4, 9, 17):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         y = weight.forward(x, out=poisoned(m, rows // 2))
         assert torch.isfinite(y).all(), f"unwritten outputs at M={m}"
-        linear = reference.int4_matmul(x, codes, scale, zero)
-        bound = reference.error_bound(x, codes, scale, zero)
+        linear = reference.int4_matmul(x, codes, scale, zero, activations)
+        bound = reference.error_bound(x, codes, scale, zero, activations)
         gate, up = linear.chunk(2, dim=1)
         gate_bound, up_bound = bound.chunk(2, dim=1)
-        expected = reference.gated_int4_matmul(x, codes, scale, zero)
+        expected = reference.gated_int4_matmul(x, codes, scale, zero, activations)
         allowed = (
             SILU_SLOPE_MAX * up.abs() * gate_bound
             + torch.nn.functional.silu(gate).abs() * up_bound
@@ -133,15 +137,28 @@ def test_gated_matches_reference(library, isa, rows, k):
 
 @ISAS
 def test_input_dtypes_and_strides_give_the_same_result(library, isa):
-    """x is rounded to bf16 first, so bf16 input gives bit-identical output; a row stride
-    other than k (a slice of a wider tensor) is read in place."""
+    """bf16 input gives what its fp32 values give; a row stride other than k (a slice of a
+    wider tensor) is read in place; on the AVX-512 path, which rounds x to bf16 first, fp32
+    input gives what its bf16 rounding gives."""
     weight = packed(library, *random_weight(64, 96, 32), isa)
     wide = torch.randn(5, 200)
     x = wide[:, 40:136]
     expected = weight.forward(x.contiguous())
     assert torch.equal(weight.forward(x), expected)
-    assert torch.equal(weight.forward(x.contiguous().bfloat16()), expected)
     assert torch.equal(weight.forward(x.double()), expected)
+    rounded = x.bfloat16()
+    assert torch.equal(weight.forward(rounded), weight.forward(rounded.float()))
+    if ACTIVATIONS[isa] == reference.BF16:
+        assert torch.equal(weight.forward(rounded), expected)
+
+
+@ISAS
+def test_nan_input_gives_nan_rows(library, isa):
+    weight = packed(library, *random_weight(32, 64, 32), isa)
+    x = torch.randn(3, 64)
+    x[1, 5] = float("nan")
+    y = weight.forward(x)
+    assert torch.isnan(y[1]).all() and torch.isfinite(y[[0, 2]]).all()
 
 
 def test_bad_calls_are_refused(library):
