@@ -87,10 +87,9 @@ def find_mmproj(model_path: Path | str, explicit: Path | str | None = None) -> M
     """The projector for a model: `explicit` if given (checked, errors raised), else a GGUF
     beside the model with "mmproj" in its name that is a vision projector of the right width."""
     model_path = Path(model_path)
-    width = _embedding_width(model_path)
     if explicit is not None:
         explicit = Path(explicit)
-        problem = projector_problem(explicit, width)
+        problem = projector_problem(explicit, _embedding_width(model_path))
         if problem:
             raise ModelFileError(explicit, problem)
         return MmprojSearch(explicit, f"projector {explicit.name} from --mmproj")
@@ -99,6 +98,8 @@ def find_mmproj(model_path: Path | str, explicit: Path | str | None = None) -> M
     )
     if not candidates:
         return MmprojSearch(None, "no mmproj GGUF beside the model")
+    # Reading the model's header parses its whole vocabulary: only when there is a candidate.
+    width = _embedding_width(model_path)
     usable, rejected = [], []
     for candidate in candidates:
         problem = projector_problem(candidate, width)
