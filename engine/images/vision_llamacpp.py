@@ -16,7 +16,6 @@ import base64
 import collections
 import ctypes
 import logging
-import random
 import re
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -40,6 +39,7 @@ from ..generation import GenerationRequest, generate
 from ..gguf_file import GGUFFile
 from ..llamacpp_lib import Llama, llama_cpp, llama_supports_gpu_offload
 from ..runtimes.base import DEFAULT_CTX, LOGIT_BLOCK, Runtime, default_threads
+from ..runtimes.llamacpp_runtime import sample_with_llamacpp
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
 from .loading import LoadedImage
@@ -124,16 +124,7 @@ class _PrefilledRuntime(Runtime):
         return len(prompt)  # all of it: _prefill evaluated it just before
 
     def generate_tokens(self, prompt: Sequence[int], params: SamplingParams) -> Iterator[int]:
-        seed = params.seed if params.seed is not None else random.randrange(2**31)
-        self._llama.set_seed(seed)
-        yield from self._llama.generate(
-            list(prompt),
-            temp=max(params.temperature, 0.0),
-            top_k=params.top_k,
-            top_p=params.top_p,
-            min_p=params.min_p,
-            repeat_penalty=params.repeat_penalty,
-        )
+        return sample_with_llamacpp(self._llama, prompt, params)
 
     def reset(self) -> None:
         self._llama.reset()

@@ -76,16 +76,7 @@ class LlamaCppRuntime(Runtime):
         return min(common_prefix(cached, prompt), len(prompt) - 1)
 
     def generate_tokens(self, prompt: Sequence[int], params: SamplingParams) -> Iterator[int]:
-        seed = params.seed if params.seed is not None else random.randrange(2**31)
-        self._llm.set_seed(seed)
-        yield from self._llm.generate(
-            list(prompt),
-            temp=max(params.temperature, 0.0),
-            top_k=params.top_k,
-            top_p=params.top_p,
-            min_p=params.min_p,
-            repeat_penalty=params.repeat_penalty,
-        )
+        return sample_with_llamacpp(self._llm, prompt, params)
 
     def reset(self) -> None:
         self._llm.reset()
@@ -103,3 +94,19 @@ class LlamaCppRuntime(Runtime):
 
     def close(self) -> None:
         self._llm.close()
+
+
+def sample_with_llamacpp(
+    llm: Llama, prompt: Sequence[int], params: SamplingParams
+) -> Iterator[int]:
+    """Tokens after `prompt` from llama.cpp's own sampler, with our sampling parameters."""
+    seed = params.seed if params.seed is not None else random.randrange(2**31)
+    llm.set_seed(seed)
+    yield from llm.generate(
+        list(prompt),
+        temp=max(params.temperature, 0.0),
+        top_k=params.top_k,
+        top_p=params.top_p,
+        min_p=params.min_p,
+        repeat_penalty=params.repeat_penalty,
+    )
