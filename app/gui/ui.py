@@ -286,11 +286,23 @@ def _wire_microphone(ctx: GuiContext, w: dict) -> None:
     from .voice import LiveTranscripts
 
     live = LiveTranscripts(ctx.transcriber)
-    mic, cid = w["microphone"], w["conversation_id"]
-    mic.start_recording(live.start, cid, w["transcript"])
-    mic.stream(live.chunk, [mic, cid], w["transcript"], stream_every=0.5,
-               concurrency_limit=None)  # fmt: skip
-    mic.stop_recording(live.finish, cid, [w["transcript"], w["box"]])
+    mic = w["microphone"]
+
+    def start(request: gr.Request):
+        return live.start(request.session_hash)
+
+    def chunk(audio, request: gr.Request):
+        return live.chunk(audio, request.session_hash)
+
+    def finish(request: gr.Request):
+        return live.finish(request.session_hash)
+
+    # Start, chunks and the end share one queue, so they run in order; every chunk is kept
+    # ("multiple"): dropping one would cut words out of the audio.
+    mic.start_recording(start, None, w["transcript"], concurrency_id="microphone")
+    mic.stream(chunk, mic, w["transcript"], stream_every=0.5, trigger_mode="multiple",
+               concurrency_limit=1, concurrency_id="microphone")  # fmt: skip
+    mic.stop_recording(finish, None, [w["transcript"], w["box"]], concurrency_id="microphone")
 
 
 def _attach_photo(photo: str | None, message: dict | None):

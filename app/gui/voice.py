@@ -14,28 +14,44 @@ from miniapp.engine.voice.events import EndOfUtterance, PartialText, Word, Words
 from .controller import Transcriber
 
 INT16_SCALE = 32768.0
+# The browser sends short chunks (0.1 s); recognising after each would fall behind, so the
+# transcriber runs once this much new audio has arrived.
+PROCESS_EVERY_S = 0.5
 
 
 class LiveTranscripts:
+    """One stream per browser session (Gradio's session hash). Chunks may arrive before the
+    start event has finished (loading the recogniser takes seconds), so a chunk opens the
+    stream itself rather than being dropped."""
+
     def __init__(self, transcriber: Transcriber):
         self.transcriber = transcriber
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
 
-    def start(self, key: str) -> str:
+    def _stream(self, key: str, fresh: bool = False) -> _Stream:
         from miniapp.engine.voice.streaming import StreamingTranscriber
 
         with self._lock:
-            self._streams[key] = _Stream(StreamingTranscriber(self.transcriber.asr()))
+            if fresh or key not in self._streams:
+                self._streams[key] = _Stream(StreamingTranscriber(self.transcriber.asr()))
+            return self._streams[key]
+
+    def start(self, key: str) -> str:
+        self._stream(key, fresh=True)
         return "*listening…*"
 
     def chunk(self, audio: tuple[int, np.ndarray] | None, key: str) -> str:
-        stream = self._streams.get(key)
-        if stream is None or audio is None:
+        if audio is None:
             return ""
+        stream = self._stream(key)
         rate, samples = audio
-        stream.transcriber.insert_audio_chunk(to_16k_mono(rate, samples))
-        stream.apply(stream.transcriber.process_iter())
+        chunk = to_16k_mono(rate, samples)
+        stream.transcriber.insert_audio_chunk(chunk)
+        stream.unprocessed_s += len(chunk) / SAMPLE_RATE
+        if stream.unprocessed_s >= PROCESS_EVERY_S:
+            stream.unprocessed_s = 0.0
+            stream.apply(stream.transcriber.process_iter())
         return stream.render()
 
     def finish(self, key: str):
@@ -53,6 +69,7 @@ class _Stream:
         self.transcriber = transcriber
         self.words: list[Word] = []
         self.partial = ""
+        self.unprocessed_s = 0.0  # audio received since the transcriber last ran
 
     def apply(self, events) -> None:
         for event in events:
