@@ -13,6 +13,8 @@ Sections (all by default):
            ratio of back-to-back pairs.
 
     .venv/bin/python scripts/bench_kernels.py --threads 2 [--section kernels] [--json FILE]
+    ATEN_CPU_CAPABILITY=avx2 MINIAPP_NATIVE=avx2 .venv/bin/python scripts/bench_kernels.py \
+        --section kernels          # both kernels' AVX2 code on an AVX-512 machine
 """
 
 from __future__ import annotations
@@ -35,7 +37,10 @@ from miniapp.engine.layers import linear_from_raw
 from miniapp.engine.model_store import resolve_model
 from miniapp.native.int4 import ENV_SWITCH
 
-KERNELS = {"native": "", "torch": "0"}  # MINIAPP_NATIVE for each
+# MINIAPP_NATIVE for each; a path forced in the environment (MINIAPP_NATIVE=avx2) is kept.
+# With ATEN_CPU_CAPABILITY=avx2 too, both kernels run their AVX2 code.
+_FORCED = os.environ.get(ENV_SWITCH, "") if os.environ.get(ENV_SWITCH) in ("avx2", "avx512") else ""
+KERNELS = {"native": _FORCED, "torch": "0"}
 M_VALUES = (1, 4, 8, 9, 16)
 STREAM_BYTES = 96 << 20  # copies per weight for the streamed regime: 3x this CPU's L3
 HOT_CALLS = 300
@@ -261,7 +266,10 @@ def bench_decode(model: Path, args) -> dict:
 
 
 def print_report(results: dict) -> None:
-    print(f"kernel: {results['kernel']}; threads {results['threads']}; model {results['model']}")
+    print(
+        f"kernel: {results['kernel']}; torch's op: {results['torch_cpu_capability']}; "
+        f"threads {results['threads']}; model {results['model']}"
+    )
     if "kernels" in results:
         print("\n| weight | shape | regime | M | native µs | torch µs | torch / native |")
         print("|---|---|---|---|---|---|---|")
@@ -310,8 +318,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     model = resolve_model(args.model)
     sections = args.section or ["kernels", "verify", "decode"]
+    with with_kernel("native"):
+        described = cpu_int4_kernel().describe()
     results: dict = {
-        "kernel": cpu_int4_kernel().describe(),
+        "kernel": described,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "threads": args.threads,
         "model": model.name,
     }
