@@ -53,6 +53,6 @@ def _load(isa: str | None) -> KernelChoice:
         library = int4.load(isa)
     except int4.NativeUnavailable as exc:
         return KernelChoice(None, str(exc))
-    except OSError as exc:  # the library exists but the loader refused it
+    except (OSError, AttributeError) as exc:  # the loader refused it, or a symbol is missing
         return KernelChoice(None, f"cannot load the library: {exc}")
     return KernelChoice(library, f"loaded {library.path}")

@@ -69,9 +69,12 @@ def build(output: Path, source: Path = SOURCE) -> Path:
     compiler = find_compiler()
     if compiler is None:
         raise BuildError("no C++ compiler (set CXX or install g++)")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    fd, partial = tempfile.mkstemp(suffix=".so.partial", dir=output.parent)
-    os.close(fd)
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        fd, partial = tempfile.mkstemp(suffix=".so.partial", dir=output.parent)
+        os.close(fd)
+    except OSError as exc:
+        raise BuildError(f"cannot write the library to {output.parent}: {exc}") from exc
     command = [compiler, *COMPILE_FLAGS, hash_define(source), str(source), *LINK_FLAGS]
     try:
         done = subprocess.run(

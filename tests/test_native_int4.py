@@ -279,3 +279,10 @@ def test_doctor_says_which_kernel(miniapp_exe, switch, library):
         assert "torch _weight_int4pack_mm_for_cpu (native kernel: switched off" in line
     else:
         assert line.startswith(f"int4 matmul on the CPU: native {library.isa_name} (")
+
+
+def test_unwritable_cache_is_a_build_error(tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    with pytest.raises(build.BuildError, match="cannot write the library"):
+        build.build(blocked / "native" / "lib.so")
