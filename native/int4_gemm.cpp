@@ -1,4 +1,4 @@
-// Small-batch int4 GEMM on the CPU: y[m, n] = sum_k x[m, k] * w[n, k] for 1..16 rows of x,
+// Small-batch int4 GEMM on the CPU: y[m, n] = sum_k x[m, k] * w[n, k] for a few rows of x,
 // with w held as 4-bit codes and, per group of `group` input columns, a bf16 scale and zero:
 // w = (code - 8) * scale + zero (the engine's int4 convention, see engine/quant.py).
 //
@@ -15,11 +15,14 @@
 // adjacent columns of bf16 weights: exactly one AVX-512 BF16 dot product against a broadcast
 // pair of x, with one output row per lane (no horizontal sums at all).
 //
+// The AVX2 path (no bf16 dot product there) reads the same layout with 16-bit integer
+// multiply-adds against x quantized to int16 per group; see its section.
+//
 // Row independence: each output element is summed in an order fixed by the layout alone
-// (nibble by nibble, chunk by chunk, then group by group), never by the number of rows, the
-// tile or the thread, so a row of an 8-row call is bit-identical to the same row computed
-// alone. Scalar code is built with -ffp-contract=off so the compiler cannot fuse it
-// differently per tile.
+// (nibble by nibble, chunk by chunk, then group by group; the AVX2 path's integer group sums
+// are exact in any order), never by the number of rows, the tile or the thread, so a row of
+// an 8-row call is bit-identical to the same row computed alone. Scalar code is built with
+// -ffp-contract=off so the compiler cannot fuse it differently per tile.
 
 #include <immintrin.h>
 #include <math.h>
