@@ -271,11 +271,10 @@ def test_a_second_request_queues_and_sees_its_position(browser, server, tmp_path
         opened.close()
 
 
-def test_the_microphone_streams_a_live_transcript_with_word_times(server, tmp_path):
+def test_the_microphone_streams_a_live_transcript_with_word_times(browser, server, tmp_path):
     """Chromium's fake capture device plays a synthetic sentence (in a loop) as the
     microphone; the transcript grows while it plays, each word with its stream times."""
     import numpy as np
-    from playwright.sync_api import sync_playwright
 
     require_tools()
     sentence = CLEAN_SENTENCES[1]
@@ -284,10 +283,11 @@ def test_the_microphone_streams_a_live_transcript_with_word_times(server, tmp_pa
     played = wav(tmp_path / "microphone.wav", np.concatenate([speech.audio, pause]))
     fake_microphone = ["--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
                        f"--use-file-for-fake-audio-capture={played}"]  # fmt: skip
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM,
-                                             args=CHROMIUM_ARGS + fake_microphone)  # fmt: skip
-        page = browser.new_context(permissions=["microphone"]).new_page()
+    # A second Chromium from the same Playwright: the capture device is a launch option.
+    listening = browser.browser_type.launch(executable_path=CHROMIUM,
+                                            args=CHROMIUM_ARGS + fake_microphone)  # fmt: skip
+    try:
+        page = listening.new_context(permissions=["microphone"]).new_page()
         page.goto(server.url)
         page.wait_for_selector("#message-box textarea", timeout=STARTUP_S * 1000)
         page.get_by_text("Speak").click()
@@ -308,7 +308,8 @@ def test_the_microphone_streams_a_live_transcript_with_word_times(server, tmp_pa
         transcript = page.inner_text("#live-transcript")
         page.screenshot(path=str(tmp_path / "screenshot.png"), full_page=True)
         said = box.input_value()
-        browser.close()
+    finally:
+        listening.close()
     assert len(growing) >= 3, "the transcript did not grow while the speech played"
     # The sentence was heard. Not word for word: the browser sends 0.1 s chunks and, on a
     # loaded 2-core machine, recognition can fall behind the fake device's loop.
