@@ -190,6 +190,9 @@ def _interactive(
         import readline  # noqa: F401 - line editing and history for input()
     except ImportError:
         pass
+    # A process started in the background of a script inherits SIGINT ignored, and Python
+    # then leaves it so; in the terminal chat Ctrl-C must always reach us.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     print(f"miniapp chat - {model_name} on {turns.session.runtime.backend}. /help for commands.")
     if voice is not None:
         print(voice.greeting)
