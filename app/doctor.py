@@ -6,7 +6,13 @@ import argparse
 import json
 from dataclasses import asdict
 
-from miniapp.engine.devices import GIB, default_probe, estimate_footprint, plan_device
+from miniapp.engine.devices import (
+    GIB,
+    decode_step_path,
+    default_probe,
+    estimate_footprint,
+    plan_device,
+)
 from miniapp.engine.gguf_file import GGUFFile
 from miniapp.engine.kernels import cpu_int4_kernel
 from miniapp.engine.model_store import resolve_model
@@ -29,6 +35,7 @@ def run_doctor(args: argparse.Namespace) -> int:
         "model": str(model),
         "footprint": asdict(footprint),
         "plan": asdict(plan),
+        "decode_step": decode_step_path(probe, plan, footprint.n_layers)[1],
         "llama_cpp": _llama_cpp_report(probe, footprint),
         "audio_inputs": _audio_inputs(),
     }
@@ -98,6 +105,7 @@ def _print_report(report: dict) -> None:
     )
     for fallback in plan["fallbacks"]:
         print(f"  fell back from {fallback['step']}: {fallback['reason']}")
+    print(f"decode step: {report['decode_step']}")
     llama = report["llama_cpp"]
     print(
         f"llama.cpp {llama['version']}: GPU offload {'yes' if llama['gpu_offload'] else 'no'}; "

@@ -8,8 +8,15 @@ Interface every cache provides:
   `update_and_fetch` returns (None when every query may see everything);
 * `max_chunk()`: how many tokens the next update may take at once;
 * `trim(n)`: forget the newest n positions (prompt-prefix reuse, speculative roll-back);
+* `clear()`: forget everything, keeping the storage (and its address: see below);
 * `forget(start, end)`: drop positions start..end-1 and close the gap (chat turn eviction);
 * `state` / `restore(state)`: snapshot and reload, for chat sessions.
+
+For decode steps of fixed shape (a GPU replaying a captured graph, see
+`models/static_step.py`): `reserve()` allocates the full storage once, `static_ready()`
+says whether the next token can take such a step, `advance_one()` does the step's
+bookkeeping and says where its keys go, `static_span()` is the fixed span of storage
+attention reads and `static_extent()` how much of it is in use.
 
 Two kinds: `KVCache` holds every position up to a fixed maximum; `RotatingKVCache` keeps the
 first `sinks` tokens plus a sliding window of the most recent ones, in constant memory.
@@ -35,6 +42,15 @@ class _Update:
     ring_count: int  # tokens held in the ring afterwards
     wrapped: bool
     allocated: int  # ring slots allocated afterwards
+
+
+@dataclass(frozen=True)
+class StaticStep:
+    """The bookkeeping of one fixed-shape decode step (see `advance_one`)."""
+
+    write_at: int  # storage index (token axis) of the new token's keys and values
+    mask: torch.Tensor  # bool [1, span]: which of `static_span` the new query sees
+    frame: int  # positions by which the frame sinks are rotated (0 without sinks)
 
 
 @dataclass(frozen=True)
@@ -130,6 +146,9 @@ class KVCache:
         self.offset -= n
         return n
 
+    def clear(self) -> None:
+        self.offset = 0
+
     def forget(self, start: int, end: int) -> None:
         """Drop positions start..end-1; later keys move down and are re-rotated to match, as
         llama.cpp's context shift does, so nothing is evaluated again."""
@@ -143,6 +162,30 @@ class KVCache:
                 moved = _rotate_keys(moved, self.rope, -gap)
             data[:, :, start : self.offset - gap] = moved
         self.offset -= gap
+
+    # -- fixed-shape decode steps
+
+    def reserve(self) -> None:
+        """Allocate all `max_tokens` now, so the storage never moves again."""
+        if self.capacity < self.max_tokens:
+            self._grow(self.max_tokens)
+
+    def static_span(self) -> tuple[int, int]:
+        return 0, self.max_tokens
+
+    def static_ready(self) -> bool:
+        return self.capacity == self.max_tokens and self.offset < self.max_tokens
+
+    def static_extent(self) -> int:
+        """Slots of the span in use (the newest token's included)."""
+        return self.offset
+
+    def advance_one(self, with_mask: bool = True) -> StaticStep:
+        """Account for one token whose keys and values the caller writes at `write_at`."""
+        at = self.offset
+        self.offset += 1
+        mask = torch.arange(self.max_tokens).unsqueeze(0) <= at if with_mask else None
+        return StaticStep(at, mask, 0)
 
     @property
     def state(self) -> CacheState:
@@ -315,10 +358,17 @@ class RotatingKVCache:
         return self.ring_count < self._allocated or self._allocated == self.ring_capacity
 
     def _append_one(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        slot = self.ring_head
-        at = 2 * self.sinks + slot
+        at = 2 * self.sinks + self._take_slot()
         self.keys[:, :, at : at + 1] = k
         self.values[:, :, at : at + 1] = v
+        if self.sinks:
+            self._move_frame()
+        end = self.sinks + self._fetch_length()
+        return self.keys[:, :, self.sinks : end], self.values[:, :, self.sinks : end]
+
+    def _take_slot(self) -> int:
+        """Bookkeeping of one token entering the ring; returns its slot."""
+        slot = self.ring_head
         self.ring_pos[slot] = self.offset
         self.ring_head = (slot + 1) % self.ring_capacity
         if self.ring_count < self.ring_capacity:
@@ -326,25 +376,25 @@ class RotatingKVCache:
         else:
             self.wrapped = True
         self.offset += 1
-        if self.sinks:
-            self._move_frame()
-        end = self.sinks + self._fetch_length()
-        return self.keys[:, :, self.sinks : end], self.values[:, :, self.sinks : end]
+        return slot
 
     def _move_frame(self) -> None:
         """Rotate the sinks so that they sit right before the newest query's window."""
         if not self.sinks_held:
             return
-        # The ring holds contiguous positions ending at the newest; the newest query sees the
-        # last `window` of them, so its position within the cache is sinks + visible - 1.
-        newest = self.offset - 1
-        visible = min(self.window, self.ring_count)
-        frame = newest - (self.sinks_held + visible - 1)
+        frame = self._frame_needed()
         if frame != self.frame:
             held = self.sinks_held
             stored = self.keys[:, :, :held]
             self.keys[:, :, self.sinks : self.sinks + held] = _rotate_keys(stored, self.rope, frame)
             self.frame = frame
+
+    def _frame_needed(self) -> int:
+        # The ring holds contiguous positions ending at the newest; the newest query sees the
+        # last `window` of them, so its position within the cache is sinks + visible - 1.
+        newest = self.offset - 1
+        visible = min(self.window, self.ring_count)
+        return newest - (self.sinks_held + visible - 1)
 
     def make_mask(self, n_new: int) -> torch.Tensor | None:
         """Boolean [n_new, keys fetched] for the next update of `n_new` tokens: each query
@@ -424,6 +474,12 @@ class RotatingKVCache:
             self._move_frame()  # the sinks back where the newest remaining query needs them
         return n
 
+    def clear(self) -> None:
+        """Empty, as a new cache: stale storage is never read (nothing maps to it)."""
+        self.offset = self.sinks_held = self.ring_count = self.ring_head = self.frame = 0
+        self.wrapped = False
+        self.ring_pos.fill_(-1)
+
     def forget(self, start: int, end: int) -> None:
         """Drop positions start..end-1 (after the sinks) and close the gap, re-rotating the
         later keys; only before the ring first wraps, while positions are still in order."""
@@ -445,6 +501,41 @@ class RotatingKVCache:
         self.ring_count -= gap
         self.ring_head = self.ring_count
         self.offset -= gap
+
+    # -- fixed-shape decode steps
+
+    def reserve(self) -> None:
+        """Allocate the whole ring now, so the storage never moves again."""
+        if self._allocated < self.ring_capacity:
+            self._grow(self.ring_capacity)
+
+    def static_span(self) -> tuple[int, int]:
+        """[frame sinks | whole ring], as `update_and_fetch` reads once the ring is full."""
+        return self.sinks, self.sinks + self.ring_capacity
+
+    def static_ready(self) -> bool:
+        return self.sinks_held == self.sinks and self._allocated == self.ring_capacity
+
+    def static_extent(self) -> int:
+        """Slots of the span in use (the newest token's included): the ring fills in order
+        until it wraps."""
+        return self.sinks + (self.ring_capacity if self.wrapped else self.ring_count)
+
+    def advance_one(self, with_mask: bool = True) -> StaticStep:
+        """Account for one token whose keys and values the caller writes at `write_at`, and
+        whose step re-rotates the sinks by `frame` (`self.frame` already says so)."""
+        slot = self._take_slot()
+        if self.sinks:
+            self.frame = self._frame_needed()
+        mask = None
+        if with_mask:
+            query = self.offset - 1
+            # Empty slots hold -1; the new token's own slot is already recorded.
+            positions = self.ring_pos
+            in_window = (positions >= 0) & (positions > query - self.window)
+            sinks = torch.ones(self.sinks, dtype=torch.bool)
+            mask = torch.cat([sinks, in_window]).unsqueeze(0)
+        return StaticStep(2 * self.sinks + slot, mask, self.frame)
 
     @property
     def state(self) -> CacheState:

@@ -5,6 +5,9 @@ Chain per GPU: the int4 kernel on the GPU (torch's int4-packed matmul: CUDA sm80
 it exists), else dequantized bf16 weights on the GPU, else as many layers on the GPU as fit
 with the rest on the CPU, else the CPU. Every step down is recorded with its reason.
 
+On a GPU holding the whole model, decode steps run as a captured graph (CUDA graphs; HIP
+graphs on ROCm): one replay instead of a few hundred kernel launches from Python per token.
+
 Everything reads devices through a `DeviceProbe`, so tests (and `MINIAPP_SIMULATE_GPU`) can
 stand in a CUDA or ROCm device, a missing kernel or a small memory on a CPU-only machine.
 """
@@ -12,6 +15,7 @@ stand in a CUDA or ROCm device, a missing kernel or a small memory on a CPU-only
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -19,6 +23,8 @@ from .errors import DeviceUnavailableError, MiniappError
 
 DEVICE_CHOICES = ("auto", "cuda", "rocm", "cpu")
 SIMULATE_ENV = "MINIAPP_SIMULATE_GPU"
+GRAPH_ENV = "MINIAPP_DECODE_GRAPH"  # "0" runs GPU decode steps eagerly (A/B, an escape hatch)
+_OFF = frozenset({"0", "off", "no", "false"})
 MIN_INT4_CAPABILITY = (8, 0)  # torch's CUDA int4 matmul needs Ampere or newer
 MEMORY_MARGIN = 0.10  # of the free memory, left for activations, allocator slack, the driver
 MIN_MARGIN_BYTES = 512 * 2**20
@@ -63,6 +69,11 @@ class DeviceProbe(Protocol):
     def watch(self, model, plan: DevicePlan) -> None:
         """Called once a model is built for the plan: raises torch.OutOfMemoryError (or
         GpuPathUnavailable) if it cannot run there, and may hook the model's passes."""
+        ...
+
+    def step_runner(self, plan: DevicePlan) -> tuple[Callable | None, str]:
+        """What runs a fixed-shape decode step on the plan's GPU (a graph capturer, see
+        `models/static_step.py`), or None for ordinary steps; and why, in a few words."""
         ...
 
 
@@ -163,6 +174,18 @@ def _no_such_gpu(requested: str, versions: dict[str, str | None]) -> str:
     )
 
 
+def decode_step_path(probe: DeviceProbe, plan: DevicePlan, n_layers: int):
+    """How decode steps will run for this plan: (runner or None, reason)."""
+    if not plan.on_gpu:
+        return None, "eager steps on the CPU"
+    if plan.gpu_layers < n_layers:
+        return None, "eager steps: the model is split between the GPU and the CPU"
+    setting = os.environ.get(GRAPH_ENV, "").strip().lower()
+    if setting in _OFF:
+        return None, f"eager steps: graphs switched off by {GRAPH_ENV}={setting}"
+    return probe.step_runner(plan)
+
+
 # ------------------------------------------------------------------------------ probes
 
 
@@ -213,6 +236,16 @@ class TorchProbe:
 
     def watch(self, model, plan: DevicePlan) -> None:
         model.fault_hook = None  # real failures raise from torch itself
+
+    def step_runner(self, plan: DevicePlan) -> tuple[Callable | None, str]:
+        import torch
+
+        from .models.static_step import CudaGraphRunner
+
+        if not (plan.on_gpu and torch.cuda.is_available()):
+            return None, "eager steps: no GPU"
+        kind = "HIP" if torch.version.hip else "CUDA"
+        return CudaGraphRunner, f"{kind} graph of the whole step, captured once per set of caches"
 
 
 def _run_int4_kernel(torch, device: str) -> None:
@@ -314,6 +347,12 @@ class SimulatedProbe:
                     raise torch.OutOfMemoryError(f"simulated: {plan.device} out of memory")
 
             model.fault_hook = count_pass
+
+    def step_runner(self, plan: DevicePlan) -> tuple[Callable | None, str]:
+        """The fixed-shape step a real GPU would capture, run as ordinary code on the CPU."""
+        from .models.static_step import eager_runner
+
+        return eager_runner, "fixed-shape steps, run eagerly (simulated GPU: no graph)"
 
     def versions(self) -> dict[str, str | None]:
         versions = TorchProbe().versions()

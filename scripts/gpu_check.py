@@ -2,7 +2,8 @@
 
 For each GPU path (the int4 kernel, dequantized bf16 weights, a model split between GPU and
 CPU) it measures, against the CPU run of the same file: teacher-forced top-1 agreement and
-KL divergence, perplexity, and greedy decode tok/s with speculation off and on. It ends with
+KL divergence, perplexity, and greedy decode tok/s with speculation off and on, and with
+the decode step replayed as a graph and taken op by op. It ends with
 a Markdown table (paste it into docs/BENCHMARKS.md) and writes the numbers as JSON.
 
     scripts/gpu_check.sh [--model PATH] [--tokens 128] [--runs 3] [--json FILE]
@@ -144,6 +145,9 @@ class ForcedProbe:
     def watch(self, model, plan):
         self.inner.watch(model, plan)
 
+    def step_runner(self, plan):
+        return self.inner.step_runner(plan)
+
 
 # ------------------------------------------------------------------ measuring
 
@@ -165,6 +169,13 @@ def _measure(name: str, runtime, reference, text: str, args) -> dict:
         row[f"tok_s_spec_{mode}"] = statistics.median(speeds)
         row[f"tokens_spec_{mode}"] = tokens
     row["spec_identical"] = row.pop("tokens_spec_off") == row.pop("tokens_spec_auto")
+    row["decode_step"] = runtime.decode_step_note
+    graphed, runtime.static_step = runtime.static_step, None  # the same decode, step by step
+    if graphed is not None:
+        runtime.spec_mode = type(runtime.spec_mode)("off")
+        speeds, tokens = _decode_speeds(runtime, prompt, args.tokens, args.runs)
+        row["tok_s_eager_steps"] = statistics.median(speeds)
+        row["graphs_captured"] = graphed.captured
     print(f"  {name}: done", flush=True)
     return row
 
@@ -215,22 +226,24 @@ def _environment(torch, probe, model: Path, model_note: str) -> str:
 
 
 def _table(rows: list[dict]) -> str:
-    head = ("| path | device, weights, GPU layers | top-1 vs CPU | KL vs CPU | PPL | "
-            "decode tok/s | spec tok/s | spec/plain | spec identical |")  # fmt: skip
-    lines = [head, "|" + "---|" * 9]
+    head = ("| path | device, weights, GPU layers | top-1 vs CPU | KL vs CPU | PPL | decode tok/s"
+            " | eager-step tok/s | spec tok/s | spec/plain | spec identical |")  # fmt: skip
+    lines = [head, "|" + "---|" * 10]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['path']} | failed: {r['error']} |" + " |" * 7)
+            lines.append(f"| {r['path']} | failed: {r['error']} |" + " |" * 8)
             continue
         where = f"{r['device']}, {r['weights']}, {r['gpu_layers']}"
         top1 = f"{r['top1']:.4f}" if "top1" in r else "-"
         kl = f"{r['kl']:.5f}" if "kl" in r else "-"
         plain, spec = r["tok_s_spec_off"], r["tok_s_spec_auto"]
+        eager = f"{r['tok_s_eager_steps']:.1f}" if "tok_s_eager_steps" in r else "-"
         ratio = spec / plain if plain else 0.0
-        cells = [r["path"], where, top1, kl, f"{r['ppl']:.4f}", f"{plain:.1f}", f"{spec:.1f}",
-                 f"{ratio:.2f}x", str(r["spec_identical"])]  # fmt: skip
+        cells = [r["path"], where, top1, kl, f"{r['ppl']:.4f}", f"{plain:.1f}", eager,
+                 f"{spec:.1f}", f"{ratio:.2f}x", str(r["spec_identical"])]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    notes = [f"- {r['path']}: {r['decode_step']}" for r in rows if r.get("decode_step")]
+    return "\n".join(lines + ["", "Decode steps:", *notes])
 
 
 if __name__ == "__main__":

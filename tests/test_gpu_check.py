@@ -32,3 +32,7 @@ def test_gpu_check_measures_every_path_and_prints_its_table(tmp_path):
     # GEMM may round a batch of rows differently from one row, so that path is only reported.
     assert all(rows[path]["spec_identical"] for path in ("cpu", "gpu int4", "gpu split"))
     assert "| gpu split | cuda:0, int4, 1 |" in done.stdout
+    # A whole-model GPU path also decodes op by op, for the graph's gain.
+    assert "fixed-shape" in rows["gpu int4"]["decode_step"]
+    assert rows["gpu int4"]["tok_s_eager_steps"] > 0 and rows["gpu int4"]["graphs_captured"] >= 1
+    assert "tok_s_eager_steps" not in rows["gpu split"]

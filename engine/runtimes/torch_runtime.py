@@ -14,6 +14,7 @@ from ..devices import (
     DeviceProbe,
     Fallback,
     GpuPathUnavailable,
+    decode_step_path,
     default_probe,
     estimate_footprint,
     plan_device,
@@ -21,6 +22,7 @@ from ..devices import (
 from ..gguf_file import GGUFFile
 from ..memory import limit_heap_fragmentation
 from ..models import CachePolicy, DecoderModel, Placement, build_model
+from ..models.static_step import StaticDecodeStep
 from ..sampler import Sampler
 from ..sampling import SamplingParams
 from ..speculative import DraftController, EarlyExitDrafter, SpecMode, SpeculativeDecoder
@@ -65,7 +67,7 @@ class TorchRuntime(Runtime):
         self.tokenizer = Tokenizer(self.model_path)
         self.n_ctx = n_ctx
         self.policy = CachePolicy(n_ctx, sinks=sinks, window=window)
-        self.caches = self.model.make_caches(self.policy)
+        self._new_caches()
         self._tokens: list[int] = []  # every token fed, in order (the caches may keep fewer)
         self.spec_mode = SpecMode(spec)
         # Kept across answers: what drafting costs and earns is learned as the chat goes.
@@ -106,17 +108,51 @@ class TorchRuntime(Runtime):
             torch.cuda.empty_cache()
         return self._build()
 
+    def _new_caches(self) -> None:
+        """Fresh caches for the model, and the fixed-shape decode step over them when the
+        device replays one as a graph (its caches are allocated in full, once)."""
+        self.caches, self.static_step = [], None  # the old ones go first (GPU memory)
+        self.caches = self.model.make_caches(self.policy)
+        runner, self.decode_step_note = decode_step_path(
+            self.probe, self.device_plan, self.model.config.n_layers
+        )
+        if runner is not None:
+            for cache in self.caches:
+                cache.reserve()
+            self.static_step = StaticDecodeStep(self.model, self.caches, runner)
+
     def _recover_from_oom(self, exc: torch.OutOfMemoryError) -> None:
         """Out of memory mid-decode: continue on the CPU with the same conversation. The
         caches are rebuilt there from the tokens fed so far."""
         step = f"decoding on {self.device_plan.device}"
-        self.caches = []
+        self.caches, self.static_step = [], None
         self.model = self._fall_back_to_cpu(step, f"out of memory during decode: {exc}")
         self.early_exit = self._early_exit_drafter()  # it drafts with the model's layers
         fed = list(self._tokens)
-        self._truncate(0)
+        self._new_caches()
+        self._tokens.clear()
         if fed:
             self._feed(fed)
+
+    def _decode_one(self, token: int) -> torch.Tensor:
+        """One decode step (the token is not recorded in `_tokens`); fp32 logits [vocab]."""
+        step = self.static_step
+        if step is not None and step.ready():
+            try:
+                return step(token)[0]
+            except torch.OutOfMemoryError:
+                raise
+            except RuntimeError as exc:  # capture failed: ordinary steps from now on
+                self._give_up_static_steps(exc)
+        hidden = self.model.hidden_states(torch.tensor([token]), self.caches)
+        return self.model.logits(hidden)[0]
+
+    def _give_up_static_steps(self, exc: RuntimeError) -> None:
+        reason = _first_line(exc)
+        log.warning("decode steps run eagerly from now on: the graph failed: %s", reason)
+        self.static_step = None
+        self.decode_step_note = f"eager steps: the graph failed: {reason}"
+        self.device_plan.fallbacks.append(Fallback("graph of the decode step", reason))
 
     def _early_exit_drafter(self) -> EarlyExitDrafter | None:
         if self.spec_mode not in (SpecMode.AUTO, SpecMode.EARLY_EXIT):
@@ -167,6 +203,7 @@ class TorchRuntime(Runtime):
                 self.model, self.caches, self._tokens, sampler, self.draft_controller,
                 use_lookup=self.spec_mode in (SpecMode.AUTO, SpecMode.LOOKUP),
                 early_exit=self.early_exit, mode=self.spec_mode.value,
+                decode_one=self._decode_one,
             )  # fmt: skip
             self.last_speculation = decoder.stats
             yield from decoder.run(logits, history)
@@ -226,6 +263,10 @@ class TorchRuntime(Runtime):
     @torch.inference_mode()
     def _feed(self, tokens: Sequence[int]) -> torch.Tensor:
         """Append tokens to the caches; returns fp32 logits [vocab] after the last one."""
+        if len(tokens) == 1:
+            logits = self._decode_one(tokens[0])
+            self._tokens.append(tokens[0])
+            return logits
         hidden, done = None, 0
         for hidden in self._hidden_chunks(tokens, self.caches):
             self._tokens.extend(tokens[done : done + len(hidden)])
@@ -237,8 +278,9 @@ class TorchRuntime(Runtime):
     def _truncate(self, n: int) -> None:
         """Keep the first n tokens. Each cache is trimmed by its own offset: a step cut
         short (Ctrl-C inside a forward pass) leaves the first layers one token ahead."""
-        if n == 0:  # fresh caches: a rotated ring cannot be emptied in place
-            self.caches = self.model.make_caches(self.policy)
+        if n == 0:  # a rotated ring cannot be trimmed back to empty; cleared, it keeps its storage
+            for cache in self.caches:
+                cache.clear()
         del self._tokens[n:]
         for cache in self.caches:
             cache.trim(cache.offset - n)

@@ -10,7 +10,7 @@ rounding.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -40,8 +40,12 @@ class SpeculativeDecoder:
         use_lookup: bool,
         early_exit: EarlyExitDrafter | None,
         mode: str,
+        decode_one: Callable[[int], torch.Tensor] | None = None,
     ):
+        """`decode_one(token) -> logits [vocab]` takes a plain step (the runtime's may replay a
+        graph); by default an ordinary pass over `caches`."""
         self.model, self.caches, self.fed = model, caches, fed
+        self.decode_one = decode_one or self._ordinary_step
         self.sampler, self.controller = sampler, controller
         self.lookup = PromptLookup() if use_lookup else None
         self.early_exit = early_exit
@@ -83,11 +87,15 @@ class SpeculativeDecoder:
                 return self._verify_early_exit(pending, count, history)
         return [self._plain(pending, history)]
 
+    def _ordinary_step(self, token: int) -> torch.Tensor:
+        hidden = self.model.hidden_states(torch.tensor([token]), self.caches)
+        return self.model.logits(hidden)[0]
+
     def _plain(self, pending: int, history: list[int]) -> int:
         start = time.perf_counter()
-        hidden = self.model.hidden_states(torch.tensor([pending]), self.caches)
+        logits = self.decode_one(pending)
         self.fed.append(pending)
-        token = self.sampler(self.model.logits(hidden)[0], history)
+        token = self.sampler(logits, history)
         self.controller.record_plain(time.perf_counter() - start)
         self.stats.steps += 1
         return token

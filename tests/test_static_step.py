@@ -1,0 +1,226 @@
+"""The fixed-shape decode step a GPU captures as a graph (`models/static_step.py`), run on the
+CPU: it must give the ordinary decode step's logits across window wraps, sink rotation,
+sliding-window layers and speculative roll-backs, and it must be capturable - traced whole,
+with nothing in it that changes from one step to the next (checked with torch.compile, which
+errors on a graph break or a recompilation)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from generation_helpers import first_tokens
+from tiny_gguf import GEMMA3, LLAMA, write_tiny_model
+
+from miniapp.engine.devices import SimulatedProbe
+from miniapp.engine.gguf_file import GGUFFile
+from miniapp.engine.models import CachePolicy, build_model
+from miniapp.engine.models.static_step import StaticDecodeStep, span_bucket
+from miniapp.engine.runtimes.torch_runtime import TorchRuntime
+
+# A small streaming cache, so a few dozen tokens wrap the ring and move the sinks' frame.
+POLICY = CachePolicy(ctx=20, sinks=4, window=12)
+PROMPT = [1, 72, 101, 108, 108, 111, 44, 32]
+STEPS = 90  # past the ring of window + slack (76), so it wraps
+
+
+@pytest.fixture(scope="module", params=[LLAMA, GEMMA3], ids=["llama", "gemma3"])
+def tiny_path(request, tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("static") / "tiny.gguf", request.param)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_path):
+    return build_model(GGUFFile(tiny_path))
+
+
+def _prefilled(model, policy=POLICY):
+    caches = model.make_caches(policy)
+    for cache in caches:
+        cache.reserve()
+    with torch.inference_mode():
+        model(torch.tensor(PROMPT), caches)
+    return caches
+
+
+def _eager_step(model, caches, token):
+    with torch.inference_mode():
+        return model(torch.tensor([token]), caches)
+
+
+def _tokens(step_logits, n=STEPS):
+    """Greedy tokens and their logits from a step function token -> logits [1, vocab]."""
+    token, tokens, logits = PROMPT[-1], [], []
+    for _ in range(n):
+        row = step_logits(token)
+        logits.append(row)
+        token = int(row.argmax())
+        tokens.append(token)
+    return tokens, torch.cat(logits)
+
+
+def _static_logits(step):
+    def run(token):
+        assert step.ready()
+        with torch.inference_mode():
+            return step(token)
+
+    return run
+
+
+def test_static_steps_give_the_ordinary_steps_logits(model):
+    eager_caches, static_caches = _prefilled(model), _prefilled(model)
+    want, want_logits = _tokens(lambda t: _eager_step(model, eager_caches, t))
+    step = StaticDecodeStep(model, static_caches)
+    got, got_logits = _tokens(_static_logits(step))
+    assert got == want
+    # Masked-out keys add exact zeros; only the length of the reductions differs.
+    assert (got_logits - want_logits).abs().max() < 1e-4
+    # A global layer's ring did turn over (the sliding-window layers' rings are bigger).
+    assert any(c.wrapped for c in eager_caches) and any(c.wrapped for c in static_caches)
+    for eager, static in zip(eager_caches, static_caches, strict=True):
+        assert (eager.offset, eager.ring_head, eager.frame) == (
+            static.offset, static.ring_head, static.frame
+        )  # fmt: skip
+
+
+def test_static_and_ordinary_steps_share_caches_through_roll_backs(model):
+    """Speculative decoding mixes them: drafts fed eagerly, trimmed, then static steps."""
+    eager_caches, mixed_caches = _prefilled(model), _prefilled(model)
+    step = StaticDecodeStep(model, mixed_caches)
+    token = PROMPT[-1]
+    for round_ in range(8):
+        drafts = [token, (token * 7 + round_) % 250 + 3, (token * 11) % 250 + 3]
+        for caches in (eager_caches, mixed_caches):
+            with torch.inference_mode():
+                model(torch.tensor(drafts), caches)
+            for cache in caches:
+                cache.trim(2)  # two drafts rejected
+        want = _eager_step(model, eager_caches, drafts[1])
+        assert step.ready()
+        with torch.inference_mode():
+            got = step(drafts[1])
+        assert (got - want).abs().max() < 1e-4
+        token = int(want.argmax())
+
+
+def test_a_fixed_context_cache_takes_static_steps(model):
+    policy = CachePolicy(ctx=64, streaming=False)
+    eager_caches, static_caches = _prefilled(model, policy), _prefilled(model, policy)
+    want, _ = _tokens(lambda t: _eager_step(model, eager_caches, t), n=20)
+    got, _ = _tokens(_static_logits(StaticDecodeStep(model, static_caches)), n=20)
+    assert got == want
+
+
+def test_a_cleared_cache_answers_as_a_new_one(model):
+    """A new chat clears the caches in place (their storage, and a GPU's graphs, stay)."""
+    used = _prefilled(model)
+    _tokens(lambda t: _eager_step(model, used, t))  # wraps the ring, moves the frame
+    for cache in used:
+        cache.clear()
+    fresh = model.make_caches(POLICY)
+    with torch.inference_mode():
+        want = model(torch.tensor(PROMPT * 3), fresh, all_logits=True)
+        got = model(torch.tensor(PROMPT * 3), used, all_logits=True)
+    assert torch.equal(got, want)
+    want_next, _ = _tokens(lambda t: _eager_step(model, fresh, t))
+    got_next, _ = _tokens(lambda t: _eager_step(model, used, t))
+    assert got_next == want_next
+
+
+def test_new_storage_means_the_step_is_not_ready(model):
+    caches = _prefilled(model)
+    step = StaticDecodeStep(model, caches)
+    assert step.ready()
+    caches[0].restore(caches[0].state)  # restore copies into new tensors
+    assert not step.ready()
+    fresh = model.make_caches(POLICY)  # not reserved, sinks empty
+    assert not StaticDecodeStep(model, fresh).ready()
+
+
+def test_the_static_step_traces_whole_without_recompiling(tiny_path, monkeypatch):
+    """What a CUDA graph needs, checked where there is no GPU: torch.compile with
+    fullgraph=True fails on any graph break, and a recompile limit of 1 on any value the
+    step would bake in (a Python int that changes from step to step)."""
+    import torch._dynamo
+
+    monkeypatch.setenv("MINIAPP_NATIVE", "0")  # our ctypes kernel is opaque to the tracer
+    traced_model = build_model(GGUFFile(tiny_path))
+    eager_caches, static_caches = _prefilled(traced_model), _prefilled(traced_model)
+    want, want_logits = _tokens(lambda t: _eager_step(traced_model, eager_caches, t), n=24)
+    torch._dynamo.reset()
+
+    def compiled(body):
+        return torch.compile(body, fullgraph=True, backend="aot_eager")
+
+    step = StaticDecodeStep(traced_model, static_caches, runner=compiled)
+    # One compiled graph allowed: a second (a recompilation) is an error.
+    with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
+        got, got_logits = _tokens(_static_logits(step), n=24)
+    torch._dynamo.reset()
+    assert got == want
+    assert (got_logits - want_logits).abs().max() < 1e-4
+
+
+# ------------------------------------------------------------------ in the runtime
+
+
+class _GraphProbe(SimulatedProbe):
+    """A simulated GPU whose step runner records what it is given, or fails to capture."""
+
+    def __init__(self, fail: bool = False):
+        super().__init__("cuda:Sim:24:8.9")
+        self.fail, self.built = fail, 0
+
+    def step_runner(self, plan):
+        def runner(body):
+            self.built += 1
+            if not self.fail:
+                return body
+
+            def broken():
+                raise RuntimeError("operation not permitted when stream is capturing")
+
+            return broken
+
+        return runner, "test runner"
+
+
+def _answer(runtime, n=60):
+    return first_tokens(runtime, list(range(3, 40)), n)
+
+
+@pytest.fixture(scope="module")
+def cpu_tokens(tiny_path):
+    return _answer(TorchRuntime(tiny_path, n_ctx=48, spec="off", device="cpu"))
+
+
+@pytest.mark.parametrize("spec", ["off", "lookup"])
+def test_a_gpu_runtime_decodes_through_the_static_step(tiny_path, cpu_tokens, spec):
+    probe = _GraphProbe()
+    runtime = TorchRuntime(tiny_path, n_ctx=48, spec=spec, probe=probe)
+    assert runtime.static_step is not None and runtime.decode_step_note == "test runner"
+    assert _answer(runtime) == cpu_tokens
+    assert probe.built >= 1 and runtime.static_step.captured == probe.built
+    runtime.reset()  # a new chat keeps the caches' storage, so the built steps stay valid
+    assert _answer(runtime) == cpu_tokens
+    assert runtime.static_step.captured == probe.built
+
+
+def test_a_failed_capture_falls_back_to_ordinary_steps(tiny_path, cpu_tokens):
+    runtime = TorchRuntime(tiny_path, n_ctx=48, spec="off", probe=_GraphProbe(fail=True))
+    assert _answer(runtime) == cpu_tokens  # the failed step is taken again, eagerly
+    assert runtime.static_step is None
+    assert runtime.device_plan.fallbacks[-1].step == "graph of the decode step"
+    assert "stream is capturing" in runtime.decode_step_note
+
+
+def test_graphs_can_be_switched_off_and_a_cpu_never_takes_static_steps(tiny_path, monkeypatch):
+    assert TorchRuntime(tiny_path, n_ctx=48, device="cpu").static_step is None
+    monkeypatch.setenv("MINIAPP_DECODE_GRAPH", "0")
+    runtime = TorchRuntime(tiny_path, n_ctx=48, probe=_GraphProbe())
+    assert runtime.static_step is None and "MINIAPP_DECODE_GRAPH=0" in runtime.decode_step_note
+
+
+def test_span_buckets_grow_by_powers_of_two():
+    assert [span_bucket(n, 5000) for n in (1, 256, 257, 1000, 4097)] == [256, 256, 512, 1024, 5000]
+    assert span_bucket(10, 76) == 76
