@@ -224,3 +224,43 @@ def test_graphs_can_be_switched_off_and_a_cpu_never_takes_static_steps(tiny_path
 def test_span_buckets_grow_by_powers_of_two():
     assert [span_bucket(n, 5000) for n in (1, 256, 257, 1000, 4097)] == [256, 256, 512, 1024, 5000]
     assert span_bucket(10, 76) == 76
+
+
+def test_the_cuda_graph_runner_warms_up_captures_once_and_replays(monkeypatch):
+    """The capture sequence, with torch.cuda's stream and graph objects simulated (this
+    machine has no GPU): warm-up runs, one capture in thread-local mode, then replays."""
+    from contextlib import contextmanager
+
+    from miniapp.engine.models import static_step
+
+    events = []
+
+    class FakeStream:
+        def wait_stream(self, other):
+            events.append("wait")
+
+    class FakeGraph:
+        def replay(self):
+            events.append("replay")
+
+    @contextmanager
+    def on_stream(stream):
+        events.append("side stream")
+        yield
+
+    @contextmanager
+    def capturing(graph, capture_error_mode):
+        events.append(f"capture ({capture_error_mode})")
+        yield
+
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "stream", on_stream)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", capturing)
+    runner = static_step.CudaGraphRunner(lambda: events.append("body"))
+    runner()
+    runner()
+    warm = ["body"] * static_step.WARMUP_STEPS
+    assert events == ["wait", "side stream", *warm, "wait", "capture (thread_local)", "body",
+                      "replay", "replay"]  # fmt: skip

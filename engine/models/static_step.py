@@ -119,7 +119,8 @@ class CudaGraphRunner:
                 self.body()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: CUDA work on other threads (a GUI, speech) does not spoil the capture.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self.body()
         self.graph = graph
 
