@@ -63,4 +63,4 @@ bench: setup
 	$(BIN)/miniapp bench --threads 2
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache .gpu_site native/*.so
