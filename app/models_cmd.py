@@ -11,10 +11,17 @@ from pathlib import Path
 from miniapp.engine.chat_template import ChatTemplate, Message, fallback_template
 from miniapp.engine.errors import MiniappError, ModelFileError
 from miniapp.engine.gguf_file import GGUFFile
-from miniapp.engine.model_store import BUNDLED, models_dir, resolve_model
+from miniapp.engine.model_store import (
+    ASR_REQUIRED_FILES,
+    BUNDLED,
+    BUNDLED_FOLDERS,
+    models_dir,
+    resolve_model,
+)
 
 LONG_ARRAY = 8  # metadata arrays longer than this are summarised, not printed
 LONG_TEXT = 200
+SPEECH = "whisper (faster-whisper)"  # how a speech-recognition folder is listed
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,23 @@ def list_models() -> list[ModelEntry]:
             continue
         name = bundled_files.get(path.name, path.name)
         entries.append(_describe(path, name, bundled=path.name in bundled_files))
+    return entries + _speech_models(folder)
+
+
+def _speech_models(folder: Path) -> list[ModelEntry]:
+    """Speech-recognition models: folders of faster-whisper files (the bundled one too)."""
+    entries = []
+    for name, bundle in BUNDLED_FOLDERS.items():
+        if not (folder / bundle.folder).is_dir():
+            size = sum(f.size for f in bundle.files) / 1e6
+            entries.append(ModelEntry(name, str(folder / bundle.folder), size, SPEECH, "-",
+                                      None, True, False))  # fmt: skip
+    bundled = {bundle.folder for bundle in BUNDLED_FOLDERS.values()}
+    for path in sorted(folder.iterdir()) if folder.is_dir() else []:
+        if path.is_dir() and all((path / f).is_file() for f in ASR_REQUIRED_FILES):
+            size = sum(f.stat().st_size for f in path.iterdir() if f.is_file()) / 1e6
+            entries.append(ModelEntry(path.name, str(path), size, SPEECH, "CTranslate2", None,
+                                      path.name in bundled, True))  # fmt: skip
     return entries
 
 

@@ -50,6 +50,17 @@ def test_pull_picks_the_quant_and_the_projector_and_checks_them(miniapp_exe, tmp
     mine = next(e for e in listed if e["name"] == "tiny-Q4_K_M.gguf")
     assert mine["architecture"] == "llama" and mine["projector"] == "mmproj-tiny-f16.gguf"
     assert mine["quant_types"].startswith("Q4_1")
+    # The speech model is listed too: missing here, and a user's faster-whisper folder found.
+    whisper = next(e for e in listed if e["name"] == "whisper-tiny.en")
+    assert whisper["bundled"] and not whisper["installed"]
+    speech = models / "whisper-small"
+    speech.mkdir()
+    for name in ("model.bin", "config.json", "tokenizer.json"):
+        (speech / name).write_bytes(b"x" * 1000)
+    listed = json.loads(_run(miniapp_exe, models, "list", "--json").stdout)
+    mine = next(e for e in listed if e["name"] == "whisper-small")
+    assert mine["architecture"].startswith("whisper") and mine["installed"]
+    assert mine["size_mb"] == 0.003
 
 
 def test_pull_resumes_an_interrupted_download(miniapp_exe, tmp_path):
