@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -161,6 +162,71 @@ def test_a_settings_change_applies_to_the_next_message(page, miniapp_exe):
     answer = _answer(page)
     assert _words(answer) == _words(_terminal_answer(miniapp_exe, MESSAGE, 5))
     assert "context" in page.inner_text("#figures")
+
+
+def _set_max_tokens(page, n: int) -> None:
+    page.fill("#max-tokens input", str(n))
+    page.press("#max-tokens input", "Tab")
+
+
+def test_regenerate_replaces_the_answer_and_edit_takes_the_message_back(page, miniapp_exe):
+    _set_max_tokens(page, 3)
+    _send(page, MESSAGE)
+    short = _words(_answer(page))
+    # Regenerate with new settings: greedy again, so the longer answer starts as the short one.
+    _set_max_tokens(page, 8)
+    page.click("#regenerate")
+    bubbles = page.locator("#chatbot .bot")
+    deadline = time.monotonic() + ANSWER_S
+    while time.monotonic() < deadline:
+        done = "tok/s" in page.inner_text("#figures") and bubbles.count() == 1
+        if done and len(_words(bubbles.last.inner_text())) > len(short):
+            break
+        time.sleep(0.1)
+    longer = _words(bubbles.last.inner_text())
+    assert bubbles.count() == 1, "the regenerated answer was added, not put in place"
+    assert longer == _words(_terminal_answer(miniapp_exe, MESSAGE, 8))
+    assert longer[: len(short)] == short and len(longer) > len(short)
+    page.click("#edit-last")
+    deadline = time.monotonic() + 30
+    while bubbles.count() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert bubbles.count() == 0
+    assert page.input_value("#message-box textarea") == MESSAGE
+
+
+def _file_containing(folder: Path, pattern: str, text: str) -> Path:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for path in folder.glob(pattern) if folder.is_dir() else []:
+            if text in path.read_text(encoding="utf-8"):
+                return path
+        time.sleep(0.1)
+    raise AssertionError(f"no {pattern} in {folder} holds {text!r}")
+
+
+def test_a_chat_exports_to_markdown_and_json_and_is_deleted(page, data_dir):
+    message = "Say the word apricot."
+    _set_max_tokens(page, 4)
+    _send(page, message)
+    answer = _answer(page)
+    page.get_by_role("button", name="Export .md").click()
+    markdown = _file_containing(data_dir / "exports", "*.md", message)
+    assert _words(answer)[0] in markdown.read_text(encoding="utf-8")
+    page.get_by_role("button", name="Export .json").click()
+    exported = json.loads(_file_containing(data_dir / "exports", "*.json", message).read_text())
+    assert [m["role"] for m in exported["messages"]] == ["user", "assistant"]
+    saved = data_dir / "conversations" / f"{markdown.stem}.json"
+    assert saved.exists()
+    page.reload()  # a new visit lists the chats saved since the server started
+    page.wait_for_selector("#saved-chats input", timeout=STARTUP_S * 1000)
+    page.click("#saved-chats input")
+    page.get_by_role("option", name=message).click()
+    page.click("#delete-chat")
+    deadline = time.monotonic() + 30
+    while saved.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not saved.exists()
 
 
 def test_an_image_goes_through_ocr_and_says_so(page, tmp_path):

@@ -276,6 +276,8 @@ def _wire(ctx: GuiContext, w: dict) -> None:
     for widget in (w["model"], w["custom"], w["backend"], w["device"], w["spec"], w["ctx_size"],
                    w["window"], w["sinks"]):  # fmt: skip
         widget.change(settings_changed, settings_inputs, w["status"])
+    # The list built with the page is the server's at start-up: each visit reads it afresh.
+    w["demo"].load(lambda: gr.update(choices=history_choices(ctx.store)), None, w["saved"])
     timer = gr.Timer(STATUS_POLL_S)
     timer.tick(lambda: ctx.host.status.message, None, w["status"], queue=False)
     _wire_microphone(ctx, w)
