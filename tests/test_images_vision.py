@@ -259,3 +259,31 @@ def test_projector_for_another_model_is_refused_before_loading(vision_dir, tmp_p
     wrong = write_tiny_projector(tmp_path / "mmproj-wide.gguf", TinyProjector(text_dim=128))
     with pytest.raises(ModelFileError, match="outputs 128-wide embeddings, the model takes 64"):
         LlamaCppVisionChat(vision_dir / "tiny.gguf", wrong, n_ctx=256, threads=2)
+
+
+def test_a_follow_up_reuses_the_context_and_answers_as_a_fresh_evaluation(chat):
+    first = _run(chat, "What is this?", [_picture("red"), _picture("green")])
+    assert first.stats.cached_prompt_tokens == 0
+    held = chat.llama.n_tokens
+    follow_up = chat.next_token_logits("And the second one?")
+    # Everything up to the first answer stayed in the context, the images included.
+    assert chat.last_reused >= first.stats.prompt_tokens
+    assert chat.last_reused <= held
+    conversation = list(chat.messages)
+    chat.reset()
+    chat.messages = conversation
+    fresh = chat.next_token_logits("And the second one?")
+    assert chat.last_reused == 0
+    np.testing.assert_allclose(follow_up, fresh, rtol=0, atol=1e-3)
+    assert follow_up.argmax() == fresh.argmax()
+
+
+def test_a_changed_picture_is_evaluated_again(chat):
+    chat.reset()
+    red = chat.next_token_logits("Which colour?", [_picture("red")])
+    chat.next_token_logits("Which shape?", [_picture("red")])
+    same_picture = chat.last_reused  # the text before the picture, and the picture
+    blue = chat.next_token_logits("Which shape?", [_picture("blue")])
+    other_picture = chat.last_reused  # only the text before it
+    assert 0 < other_picture and same_picture >= other_picture + PROJECTOR.image_tokens
+    assert np.abs(red - blue).max() > 1e-3

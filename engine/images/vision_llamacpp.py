@@ -2,19 +2,22 @@
 llama-cpp-python's MTMDChatHandler.
 
 We render the conversation with the model's own chat template ourselves (the same renderer
-as text chats, fallbacks included), with llama.cpp's media marker where each image goes; the
-handler then cuts the text at the markers, encodes each image with the projector and feeds
-text and image embeddings to the model in order. So `--show-prompt` shows exactly what ran.
+as text chats, fallbacks included), with llama.cpp's media marker where each image goes;
+MTMD then cuts the text at the markers into chunks (text tokens, and one chunk per image) and
+we feed them to the model in order, encoding each image with the projector. So
+`--show-prompt` shows exactly what ran.
 
-The handler evaluates the whole conversation afresh on every turn (images included): there
-is no prefix reuse on this path.
+Each turn evaluates only what changed: the conversation's chunks are compared with what the
+context already holds (text token by token, images by a hash of their pixels), and
+evaluation starts after the common prefix. Encoding an image is the slow part on a CPU, so a
+follow-up question about a picture does not pay for the picture again.
 """
 
 from __future__ import annotations
 
-import base64
 import collections
 import ctypes
+import hashlib
 import logging
 import re
 import time
@@ -54,7 +57,6 @@ VISION_BATCH = 512
 # token buffer to the number asked for; the handler then overruns that buffer near the end.
 # Asking for a multiple of it keeps the two equal.
 CONTEXT_PAD = 256
-IMAGE_MIME = "image/png"  # LoadedImage.png_bytes(): stb_image in llama.cpp reads PNG
 MARKER = mtmd_cpp.mtmd_default_marker().decode("utf-8")  # "<__media__>"
 MARKER_STAND_IN = "<_media_>"  # typed text must never be mistaken for an image position
 _GGML_WARN, _GGML_ERROR = 3, 4  # ggml_log_level
@@ -79,31 +81,95 @@ mtmd_cpp.mtmd_helper_log_set(_route_mtmd_log, ctypes.c_void_p(0))
 
 
 @dataclass(frozen=True)
+class _ImageUnit:
+    """An image's place in the context: its pixels' hash and the positions it takes."""
+
+    key: bytes
+    n_pos: int
+
+
+_Unit = int | _ImageUnit  # a text token, or a whole image
+
+
+def _positions(units: Sequence[_Unit]) -> int:
+    return sum(u.n_pos if isinstance(u, _ImageUnit) else 1 for u in units)
+
+
+def _common_prefix(held: Sequence[_Unit], wanted: Sequence[_Unit]) -> int:
+    count = 0
+    for a, b in zip(held, wanted, strict=False):
+        if a != b:
+            break
+        count += 1
+    return count
+
+
+class _Chunks:
+    """The conversation cut into MTMD chunks (tokenized text, preprocessed images), and the
+    units they make; freed on exit."""
+
+    def __init__(self, handler: MTMDChatHandler, text: str, pictures: Sequence[bytes]):
+        self.handler, self.text, self.pictures = handler, text, pictures
+        self.units: list[_Unit] = []
+        self.image_chunks: dict[int, object] = {}  # unit index -> its image chunk
+
+    def __enter__(self) -> _Chunks:
+        ctx = self.handler.mtmd_ctx
+        self._bitmaps = []
+        self._chunks = mtmd_cpp.mtmd_input_chunks_init()
+        for png in self.pictures:
+            bitmap = self.handler._create_bitmap_from_bytes(png)
+            self._bitmaps.append(bitmap)
+            mtmd_cpp.mtmd_bitmap_set_id(bitmap, hashlib.sha256(png).hexdigest()[:32].encode())
+        text = mtmd_cpp.mtmd_input_text()
+        encoded = self.text.encode("utf-8")
+        text.text, text.text_len = encoded, len(encoded)
+        text.add_special = text.parse_special = True
+        bitmaps = (mtmd_cpp.mtmd_bitmap_p_ctypes * len(self._bitmaps))(*self._bitmaps)
+        status = mtmd_cpp.mtmd_tokenize(ctx, self._chunks, ctypes.byref(text), bitmaps,
+                                        len(self._bitmaps))  # fmt: skip
+        if status != 0:
+            self.__exit__()
+            raise MiniappError(f"llama.cpp could not read the images (tokenize error {status})")
+        for i in range(mtmd_cpp.mtmd_input_chunks_size(self._chunks)):
+            self._add(mtmd_cpp.mtmd_input_chunks_get(self._chunks, i))
+        return self
+
+    def _add(self, chunk) -> None:
+        if mtmd_cpp.mtmd_input_chunk_get_type(chunk) == mtmd_cpp.MTMD_INPUT_CHUNK_TYPE_TEXT:
+            count = ctypes.c_size_t()
+            tokens = mtmd_cpp.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(count))
+            self.units.extend(tokens[i] for i in range(count.value))
+            return
+        # An image without an id (never seen so far) matches nothing, so it is never reused.
+        key = mtmd_cpp.mtmd_input_chunk_get_id(chunk) or f"unnamed-{id(chunk)}".encode()
+        self.image_chunks[len(self.units)] = chunk
+        self.units.append(_ImageUnit(key, mtmd_cpp.mtmd_input_chunk_get_n_pos(chunk)))
+
+    def __exit__(self, *_exc) -> None:
+        mtmd_cpp.mtmd_input_chunks_free(self._chunks)
+        for bitmap in self._bitmaps:
+            mtmd_cpp.mtmd_bitmap_free(bitmap)
+
+
+@dataclass(frozen=True)
 class VisionMessage:
     role: str  # "user" | "assistant"
     text: str
     images: tuple[bytes, ...] = ()  # PNG files, shown before the text in this order
 
 
-class _RenderedPromptHandler(MTMDChatHandler):
-    """MTMDChatHandler evaluating a prompt we rendered: its template step passes our text
-    through unchanged, and the image parts of the messages supply the pictures in order."""
-
-    PASSTHROUGH_TEMPLATE = "{{ messages[0]['content'] }}"
+class _ProjectorHandler(MTMDChatHandler):
+    """llama-cpp-python's MTMD handler, used for what it owns: the projector's context
+    (freed with the model) and turning PNG bytes into bitmaps. We evaluate the chunks
+    ourselves (`LlamaCppVisionChat._evaluate`), keeping what the context already holds."""
 
     def __init__(self, mmproj_path: Path, use_gpu: bool):
         super().__init__(clip_model_path=str(mmproj_path), verbose=False, use_gpu=use_gpu)
-        self.prompt = ""
 
     def open(self, llama: Llama) -> None:
         """Load the projector now (the handler would wait for the first message)."""
         self._init_mtmd_context(llama)
-
-    def _get_chat_template(self, llama_model: Llama) -> str:
-        return self.PASSTHROUGH_TEMPLATE
-
-    def _get_template_messages(self, messages, media_marker: str) -> list[dict]:
-        return [{"role": "user", "content": self.prompt}]
 
 
 class _PrefilledRuntime(Runtime):
@@ -157,7 +223,7 @@ class LlamaCppVisionChat:
         self.n_ctx = -(-n_ctx // CONTEXT_PAD) * CONTEXT_PAD
         self.system_prompt = system_prompt
         self.request = request or GenerationRequest()
-        self._handler = _RenderedPromptHandler(self.mmproj_path, llama_supports_gpu_offload())
+        self._handler = _ProjectorHandler(self.mmproj_path, llama_supports_gpu_offload())
         self.llama = self._load_model(gguf, threads or default_threads())
         self._open_projector()
         self.tokenizer = Tokenizer(self.model_path, llama=self.llama)
@@ -171,6 +237,9 @@ class LlamaCppVisionChat:
         self.last_prompt = ""  # the rendered prompt of the latest turn, markers included
         self.last_stats: GenerationStats | None = None
         self.dropped_turns = 0
+        # What the context holds, as evaluated by the last prefill (answers come after it).
+        self._in_context: list[_Unit] = []
+        self.last_reused = 0  # positions of the latest prompt found already in the context
 
     def _load_model(self, gguf: GGUFFile, threads: int) -> Llama:
         def load(gpu_layers: int) -> Llama:
@@ -250,7 +319,8 @@ class LlamaCppVisionChat:
                 if isinstance(event, TextDelta):
                     answer.append(event.text)
                 elif isinstance(event, Finished):
-                    event = Finished(event.reason, _with_prefill(event.stats, prefill_s))
+                    stats = _with_prefill(event.stats, prefill_s, self.last_reused)
+                    event = Finished(event.reason, stats)
                     self.last_stats = event.stats
                 yield event
         finally:
@@ -268,18 +338,16 @@ class LlamaCppVisionChat:
             self.messages.pop()
 
     def _add_user_message(self, text: str, images: Sequence[LoadedImage]) -> None:
+        # PNG: llama.cpp decodes images with stb_image, which reads it.
         pictures = tuple(image.png_bytes() for image in images)
         self.messages.append(_user_message(text, pictures))
 
     def _prefill(self, reserve: int = 0) -> tuple[list[int], float]:
-        """Evaluate the conversation, text and images, from scratch; returns the prompt as
-        the context now holds it and the seconds it took. Drops the oldest turns while the
-        conversation leaves fewer than `reserve` tokens to answer in (as ChatSession does).
-
-        The handler evaluates the prompt when called and returns a lazy stream of the answer;
-        we close that unread and decode with our own loop (engine.generation), as the text
-        path does. (llama-cpp-python's loop can also run past max_tokens while the model
-        emits incomplete UTF-8.)"""
+        """Evaluate the conversation, text and images, after what the context already
+        holds of it; returns the prompt as the context now holds it and the seconds it took.
+        Drops the oldest turns while the conversation leaves fewer than `reserve` tokens to
+        answer in (as ChatSession does). The answer is decoded by our own loop
+        (engine.generation), as on the text path."""
         while True:
             start = time.perf_counter()
             fits = self._evaluate()
@@ -295,28 +363,56 @@ class LlamaCppVisionChat:
                 )
 
     def _evaluate(self) -> bool:
-        """Run the handler over the current conversation; False if it overflowed."""
+        """Bring the context up to the current conversation; False if it would overflow
+        (the context is then left as it was)."""
         self.last_prompt = self.render_prompt()
-        self._handler.prompt = self._evaluated_text(self.last_prompt)
-        try:
-            stream = self.llama.create_chat_completion(
-                messages=[{"role": "user", "content": self._image_parts()}],
-                stream=True,
-                max_tokens=1,
-            )
-        except ValueError as exc:
-            if "exceeds n_ctx" in str(exc):
+        text = self._evaluated_text(self.last_prompt)
+        pictures = [png for message in self.messages for png in message.images]
+        with _Chunks(self._handler, text, pictures) as chunks:
+            wanted = chunks.units
+            # At least the last unit is evaluated again: the answer needs fresh logits.
+            keep = min(_common_prefix(self._held_units(), wanted), len(wanted) - 1)
+            start = _positions(wanted[:keep])
+            if start + _positions(wanted[keep:]) > self.n_ctx:
                 return False
-            raise MiniappError(f"llama.cpp could not run the images ({exc})") from exc
-        stream.close()
+            self.llama._ctx.kv_cache_seq_rm(-1, start, -1)
+            self.llama.n_tokens = start
+            self._in_context = wanted[:keep]  # what stays valid if evaluation fails
+            self._eval_units(wanted, keep, chunks.image_chunks)
+        self._in_context = wanted
+        self.last_reused = start
         return True
 
-    def _image_parts(self) -> list[dict]:
-        return [
-            {"type": "image_url", "image_url": {"url": _data_url(png)}}
-            for message in self.messages
-            for png in message.images
-        ]
+    def _held_units(self) -> list[_Unit]:
+        """What the context holds now: the last prefill, then the tokens decoded after it."""
+        prefilled = _positions(self._in_context)
+        if self.llama.n_tokens < prefilled:  # reset, or cut short
+            return []
+        decoded = self.llama.input_ids[prefilled : self.llama.n_tokens].tolist()
+        return [*self._in_context, *decoded]
+
+    def _eval_units(self, units: list[_Unit], start: int, image_chunks: dict) -> None:
+        """Evaluate units[start:], text tokens in runs and each image through MTMD."""
+        run: list[int] = []
+        for index in range(start, len(units)):
+            unit = units[index]
+            if not isinstance(unit, _ImageUnit):
+                run.append(unit)
+                continue
+            if run:
+                self.llama.eval(run)
+                run = []
+            n_past = llama_cpp.llama_pos(0)
+            status = mtmd_cpp.mtmd_helper_eval_chunk_single(
+                self._handler.mtmd_ctx, self.llama._ctx.ctx, image_chunks[index],
+                llama_cpp.llama_pos(self.llama.n_tokens), llama_cpp.llama_seq_id(0),
+                self.llama.n_batch, False, ctypes.byref(n_past),
+            )  # fmt: skip
+            if status != 0:
+                raise MiniappError(f"llama.cpp could not run an image (error {status})")
+            self.llama.n_tokens = n_past.value
+        if run:
+            self.llama.eval(run)
 
     def _drop_oldest_turn(self) -> bool:
         """Remove the first exchange (user message and its answer); False if only the new
@@ -333,6 +429,7 @@ class LlamaCppVisionChat:
         self.messages.clear()
         self.last_stats = None
         self.dropped_turns = 0
+        self._in_context = []
         self.llama.reset()
 
     def close(self) -> None:
@@ -348,17 +445,15 @@ def _content(message: VisionMessage) -> str:
     return markers + message.text
 
 
-def _data_url(png: bytes) -> str:
-    return f"data:{IMAGE_MIME};base64," + base64.b64encode(png).decode("ascii")
-
-
-def _with_prefill(stats: GenerationStats, prefill_s: float) -> GenerationStats:
-    """The loop saw the prompt as cached; it was evaluated (with the images) just before."""
+def _with_prefill(stats: GenerationStats, prefill_s: float, reused: int) -> GenerationStats:
+    """The loop saw the prompt as cached; all but `reused` positions of it were evaluated
+    (with the images) just before."""
+    evaluated = stats.prompt_tokens - reused
     return replace(
         stats,
-        cached_prompt_tokens=0,
+        cached_prompt_tokens=reused,
         ttft_s=prefill_s + stats.ttft_s,
-        prefill_tok_s=stats.prompt_tokens / prefill_s if prefill_s > 0 else 0.0,
+        prefill_tok_s=evaluated / prefill_s if prefill_s > 0 else 0.0,
     )
 
 
