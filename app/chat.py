@@ -72,11 +72,15 @@ class ChatTurns:
         self.images = images
         self.show_prompt = show_prompt
         self.last_stats: GenerationStats | None = None
+        # The conversation while no text session is open (pictures only so far).
+        self._vision_history: list[Message] = []
 
     @property
     def session(self) -> ChatSession:
         if self._session is None:
             self._session = self._open_session()
+            self._session.messages.extend(self._vision_history)  # turns taken before it
+            self._vision_history = self._session.messages
         return self._session
 
     def send(
@@ -91,8 +95,9 @@ class ChatTurns:
         self, text: str | Message, should_stop: Callable[[], bool]
     ) -> Iterator[GenerationEvent]:
         attachments = self.images.take()
-        if any(a.path == ImagePath.VISION_MODEL for a in attachments):
-            history = self._session.messages if self._session else []
+        vision = any(a.path == ImagePath.VISION_MODEL for a in attachments)
+        if vision or self.images.vision_active:
+            history = self._vision_history  # the session's messages, once it is open
             content = text.content if isinstance(text, Message) else text
             return self.images.vision_turn(
                 history, content, attachments, should_stop, self.show_prompt
@@ -104,7 +109,8 @@ class ChatTurns:
 
     def reset(self) -> None:
         self.session.reset()
-        self.images.take()
+        self.images.reset()
+        self._vision_history.clear()
         self.last_stats = None
 
 

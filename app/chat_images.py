@@ -3,8 +3,10 @@
 Without a vision model (the offline default) an image becomes text: OCR, size, colours and
 EXIF in a labelled line of the message. With a projector (--mmproj, or an mmproj GGUF beside
 the model) the turn that carries images is answered by llama.cpp's multimodal path, even
-when the chat runs on the torch engine; the conversation's text history goes with it, and
-the exchange is added back to the chat, so later text turns see it.
+when the chat runs on the torch engine; the conversation's text history goes with it. From
+then on the conversation stays there, so follow-up questions still see the pictures (the
+vision chat keeps them in its context and evaluates only what each turn adds); every
+exchange is also added to the chat's history.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class ChatImages:
         self.request = request
         self.pending: list[ImageAttachment] = []
         self._vision = None
+        self.vision_active = False  # the conversation has pictures on the vision chat
 
     @cached_property
     def route(self) -> ImageRoute:
@@ -80,14 +83,17 @@ class ChatImages:
         should_stop: Callable[[], bool],
         show_prompt: bool,
     ) -> Iterator[GenerationEvent]:
-        """Answer a message with pictures on the vision chat, which starts from `history`'s
-        text (pictures of earlier turns are not sent again); the exchange, even a partial
-        one, is then appended to `history`."""
+        """Answer a message on the vision chat: one with pictures, or any later one of a
+        conversation that has them. The chat keeps its own messages (pictures included)
+        while they match `history`; otherwise it starts again from `history`'s text. The
+        exchange, even a partial one, is then appended to `history`."""
         chat = self._vision_chat()
-        if self.route.switches_backend:
-            print(f"images: sent to the vision model ({self.route.reason}); "
-                  "this turn runs on llama.cpp", file=sys.stderr, flush=True)  # fmt: skip
-        _start_from(chat, history)
+        if self.route.switches_backend and not self.vision_active:
+            print(f"images: sent to the vision model ({self.route.reason}); the rest of this "
+                  "conversation runs on llama.cpp", file=sys.stderr, flush=True)  # fmt: skip
+        if not (self.vision_active and _matches(chat, history)):
+            _start_from(chat, history)
+        self.vision_active = True
         if show_prompt:
             print_prompt(chat.render_prompt(text, images=len(attachments)))
         answer: list[str] = []
@@ -112,12 +118,26 @@ class ChatImages:
             )  # fmt: skip
         return self._vision
 
+    def reset(self) -> None:
+        """A new conversation: attachments dropped, and text turns back on the session."""
+        self.pending = []
+        self.vision_active = False
+        if self._vision is not None:
+            self._vision.reset()
+
 
 def _start_from(chat, history: list[Message]) -> None:
+    """The vision chat's messages from the history's text; what its context already holds
+    of them is kept (only what differs is evaluated)."""
     from miniapp.engine.images.vision_llamacpp import VisionMessage
 
-    chat.reset()
     chat.messages = [VisionMessage(m.role, m.content) for m in history if m.role != "system"]
+
+
+def _matches(chat, history: list[Message]) -> bool:
+    """Whether the vision chat's messages are the history's (text and roles)."""
+    text = [(m.role, m.content) for m in history if m.role != "system"]
+    return [(m.role, m.text) for m in chat.messages] == text
 
 
 def with_image_labels(text: str | Message, attachments: list[ImageAttachment]) -> str | Message:

@@ -3,6 +3,7 @@ llama.cpp's vision path for a tiny random-weight model with a projector beside i
 
 from __future__ import annotations
 
+import re
 import subprocess
 
 import pexpect
@@ -158,25 +159,34 @@ def test_piped_image_goes_to_the_vision_model(miniapp_exe, files, vision_model):
     )
     assert lines[1] == (
         "images: sent to the vision model (projector mmproj-tiny-f16.gguf beside the model); "
-        "this turn runs on llama.cpp"
+        "the rest of this conversation runs on llama.cpp"
     )
     assert f"{MARKER}\nWhat is it?" in _shown_prompt(done.stderr)
 
 
-def test_history_carries_across_the_switch_to_llamacpp(miniapp_exe, files, vision_model):
-    """An image turn on the vision chat, then text turns on the torch engine that see it."""
+def test_follow_ups_stay_with_the_pictures_until_a_reset(miniapp_exe, files, vision_model):
+    """An image turn moves the conversation to the vision chat: a follow-up still sees the
+    picture, and only what it adds is evaluated; /reset brings text back to the torch engine."""
     chat = _spawn(miniapp_exe, "--model", vision_model, "--max-tokens", 4)
     try:
+        _ask(chat, "Hello.")  # a text turn on the torch engine first: the history carries
         _ask(chat, f"/image {files / 'pic.png'}")
         first = _ask(chat, "Describe the picture.")
-        assert "this turn runs on llama.cpp" in first
+        assert "the rest of this conversation runs on llama.cpp" in first
         assert _shown_prompt(first).count(MARKER) == 1
         assert "llamacpp: prompt" in _ask(chat, "/stats")
         second = _ask(chat, "And the colour?")
-        assert "runs on llama.cpp" not in second
+        assert "runs on llama.cpp" not in second  # said once
         history = _shown_prompt(second)
-        assert MARKER not in history
+        assert history.count(MARKER) == 1  # the picture is still in the conversation
+        assert history.index("Hello.") < history.index("Describe the picture.")
         assert history.index("Describe the picture.") < history.index("And the colour?")
+        stats = _ask(chat, "/stats")
+        cached = int(re.search(r"\((\d+) cached\)", stats).group(1))
+        assert "llamacpp: prompt" in stats and cached > 20  # the picture was not run again
+        _ask(chat, "/reset")
+        third = _ask(chat, "Hi again.")
+        assert MARKER not in _shown_prompt(third) and "Describe" not in _shown_prompt(third)
         assert "torch: prompt" in _ask(chat, "/stats")
         _exit(chat)
     finally:

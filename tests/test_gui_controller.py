@@ -46,6 +46,27 @@ def test_pictures_reach_the_vision_model_on_the_llamacpp_backend(vision_model, t
     assert "context" in updates[-1].figures
 
 
+def test_a_follow_up_still_sees_the_picture_and_reuses_the_context(vision_model, tmp_path):
+    from miniapp.app.gui.history import SavedMessage
+    from miniapp.engine.images.vision_llamacpp import MARKER
+
+    settings = ChatSettings(model=str(vision_model), backend="llamacpp", ctx=512, threads=2,
+                            max_tokens=6, temperature=0.0)  # fmt: skip
+    host = ModelHost()
+    conversation = Conversation.new()
+    conversation.messages.append(
+        prepare_user_message("What does it say?", [_picture(tmp_path)], settings, Transcriber())
+    )
+    list(stream_answer(host, conversation, settings, lambda: False))
+    vision = host._vision
+    first_prompt = vision.llama.n_tokens
+    conversation.messages.append(SavedMessage("user", "Are you sure?"))
+    updates = list(stream_answer(host, conversation, settings, lambda: False))
+    assert updates[-1].finished and conversation.messages[-1].role == "assistant"
+    assert vision.last_prompt.count(MARKER) == 1  # the picture is still shown
+    assert vision.last_reused >= first_prompt - 8  # and was not evaluated again
+
+
 def test_the_torch_backend_reads_pictures_by_ocr_and_says_why(vision_model, tmp_path):
     settings = ChatSettings(model=str(vision_model), backend="torch")
     user = prepare_user_message("", [_picture(tmp_path)], settings, Transcriber())

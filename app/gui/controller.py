@@ -233,8 +233,11 @@ def stream_answer(
     runtime = host.wait_for(settings)
     with host.generation_lock:
         *earlier, last = conversation.messages
-        if last.images:
-            runtime, events = _vision_events(host, earlier, last, settings, should_stop)
+        vision = None
+        if last.images or any(m.images for m in earlier):
+            vision = _vision_events(host, earlier, last, settings, should_stop)
+        if vision is not None:
+            runtime, events = vision
         else:
             session = ChatSession(runtime, settings.system_prompt or None, settings.request())
             session.messages = [Message(m.role, m.content) for m in earlier]
@@ -256,21 +259,38 @@ def stream_answer(
 
 
 def _vision_events(host, earlier, last, settings: ChatSettings, should_stop):
-    """A message with pictures: through llama.cpp's multimodal path. Earlier turns go in as
-    their text (pictures of earlier turns are not sent again)."""
+    """A conversation with pictures, through llama.cpp's multimodal path: the last message's
+    pictures and the earlier ones still on disk. The vision chat keeps what its context
+    already holds of the conversation, so a follow-up evaluates only what it adds. None
+    when there is no vision model for a follow-up without pictures (it goes as text)."""
     from miniapp.engine.images import choose_route, load_image
     from miniapp.engine.images.vision_llamacpp import VisionMessage
 
     route = choose_route(resolve_model(settings.model), settings.backend,
                          allow_backend_switch=False)  # fmt: skip
     if route.mmproj is None:
+        if not last.images:
+            return None
         raise MiniappError(f"this message has pictures for a vision model, but {route.reason}")
     chat = host.vision_chat(settings, route.mmproj)
-    chat.reset()
     chat.system_prompt = settings.system_prompt or None
-    chat.messages = [VisionMessage(m.role, m.content) for m in earlier]
-    images = [load_image(Path(p)) for p in last.images]
+    chat.messages = [VisionMessage(m.role, m.content, _saved_pictures(m)) for m in earlier]
+    images = [load_image(Path(p)) for p in last.images or ()]
     return chat, chat.send(last.content, images, settings.request(), should_stop)
+
+
+def _saved_pictures(message: SavedMessage) -> tuple[bytes, ...]:
+    """An earlier message's pictures as PNG bytes; ones no longer readable are left out
+    (the message still goes, as text)."""
+    from miniapp.engine.images import load_image
+
+    pictures = []
+    for path in message.images or ():
+        try:
+            pictures.append(load_image(Path(path)).png_bytes())
+        except MiniappError:
+            continue
+    return tuple(pictures)
 
 
 # ------------------------------------------------------------------ attachments
