@@ -1,4 +1,4 @@
-"""Which int4 matmul the engine runs on the CPU, and why.
+"""Which int4 matmul (and decode attention) the engine runs on the CPU, and why.
 
 Our own kernel (`miniapp.native.int4`) when its library loads and the CPU has its
 instructions; torch's `_weight_int4pack_mm_for_cpu` otherwise. The choice is made once per
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..native import int4
+from ..native.attention import NativeAttention
 
 TORCH_OP = "torch _weight_int4pack_mm_for_cpu"
 _OFF = frozenset({"0", "off", "no", "false", "torch"})
@@ -56,3 +57,14 @@ def _load(isa: str | None) -> KernelChoice:
     except (OSError, AttributeError) as exc:  # the loader refused it, or a symbol is missing
         return KernelChoice(None, f"cannot load the library: {exc}")
     return KernelChoice(library, f"loaded {library.path}")
+
+
+def cpu_attention_kernel() -> NativeAttention | None:
+    """The native decode attention, when the native library is in use (None: torch's)."""
+    choice = cpu_int4_kernel()
+    return None if choice.library is None else _attention(choice.library)
+
+
+@functools.cache
+def _attention(library: int4.Library) -> NativeAttention:
+    return NativeAttention(library)

@@ -20,7 +20,7 @@ import torch
 
 from . import build
 
-ABI_VERSION = 2  # must match kAbiVersion in int4_gemm.cpp
+ABI_VERSION = 3  # must match kAbiVersion in int4_gemm.cpp
 BLOCK_ROWS = 16  # output rows per packed block
 GATE_ROWS = BLOCK_ROWS // 2  # gated blocks: 8 gate rows, then the 8 matching up rows
 CHUNK_COLS = 8  # input columns per 64-byte chunk of a block
@@ -47,6 +47,7 @@ class Library:
     def __init__(self, path: Path, isa: int | None = None):
         self.path = path
         cdll = ctypes.CDLL(str(path))
+        self.cdll = cdll  # other kernels of the library bind their own functions
         if cdll.miniapp_native_abi() != ABI_VERSION:
             raise NativeUnavailable(f"{path.name} has another ABI version")
         cdll.miniapp_native_source_hash.restype = ctypes.c_char_p

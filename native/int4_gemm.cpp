@@ -23,6 +23,10 @@
 // are exact in any order), never by the number of rows, the tile or the thread, so a row of
 // an 8-row call is bit-identical to the same row computed alone. Scalar code is built with
 // -ffp-contract=off so the compiler cannot fuse it differently per tile.
+//
+// The same library holds the decode-shaped attention of the torch engine on the CPU
+// (`miniapp_attend_rows`, section "Attention" below): a few query rows, each over its own
+// keys, in an order that depends only on that row's keys.
 
 #include <immintrin.h>
 #include <math.h>
@@ -40,7 +44,7 @@
 
 namespace {
 
-constexpr int kAbiVersion = 2;
+constexpr int kAbiVersion = 3;
 constexpr int kBlockRows = 16;  // output rows per block: one AVX-512 fp32 lane each
 constexpr int kChunkCols = 8;   // input columns per chunk: 4 nibbles x 2 adjacent columns
 constexpr int kChunkBytes = 64;  // 16 rows x 8 columns x 4 bits
@@ -539,6 +543,235 @@ int miniapp_int4_gemm(const Int4Weight* w, const void* x, int64_t ldx, int x_typ
     const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
     run_blocks(p, path, n_blocks * t / count, n_blocks * (t + 1) / count);
   }
+  return 0;
+}
+
+}  // extern "C"
+
+namespace {
+
+// ----------------------------------------------------------------------------- Attention
+//
+// softmax(q k^T * scale) v for a few query rows (decode steps, speculative verification),
+// each row over its own visible keys: the first lengths[r] keys, or those its mask row
+// marks. Keys and values are fp32 [kv_heads, tokens, head_dim] with rows of head_dim
+// contiguous; query head h reads kv head h / (n_heads / kv_heads) (grouped-query attention).
+//
+// Why: torch's CPU attention runs a decode row at ~14 GB/s over an fp32 cache and, with
+// grouped heads, reads each key once per query head. Here the query heads of a group share
+// each key and value load, and long rows are split into independent parts that both
+// threads stream.
+//
+// Row independence, as for the GEMM: a row's result depends only on its own scanned keys
+// (lengths[r], or the mask row's length). The keys are cut into parts of kKeysPerPart in
+// order; each part gives (max, sum of exp, sum of exp * v), merged in part order. No part
+// boundary depends on the batch, the other rows or the thread count, so a row attended in a
+// batch of 9 is bit-identical to the same row attended alone (which verification needs).
+
+constexpr int64_t kKeysPerPart = 256;
+constexpr int kMaxGroup = 16;  // query heads per kv head
+constexpr int kMaxHeadDim = 512;
+constexpr int64_t kMinParallelKeyMacs = 1 << 15;
+
+struct AttendProblem {
+  const float* q;
+  const float* k;
+  const float* v;
+  int64_t kv_head_stride;  // floats between kv heads in k and v
+  const int32_t* lengths;
+  const uint8_t* mask;  // [rows, mask_keys] or null
+  int64_t mask_keys;
+  int64_t n_heads, kv_heads, group, head_dim;
+  float scale;
+  float* out;
+};
+
+struct AttendTask {
+  int64_t row, kv_head, first, last;  // keys first..last-1 of the row's scan
+  float* partial;  // group x (2 + head_dim): max, sum, then the unnormalised output
+};
+
+// exp(x) for x <= 0 (scores minus their maximum), Cephes-style: 2^n * e^r, |r| <= ln2/2,
+// with a degree-5 polynomial for e^r (relative error ~2e-7). Below -87 it gives ~0.
+TARGET_AVX2 inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  __m256 n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, log2e), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+  r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                    _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+
+TARGET_AVX2 inline float sum8(__m256 x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// One part of one row for one group of query heads.
+TARGET_AVX2 void attend_part(const AttendProblem& p, const AttendTask& t) {
+  const int64_t d = p.head_dim, g = p.group, chunks = d / 8;
+  const float* k = p.k + t.kv_head * p.kv_head_stride;
+  const float* v = p.v + t.kv_head * p.kv_head_stride;
+  const float* q = p.q + (t.row * p.n_heads + t.kv_head * g) * d;
+  const uint8_t* mask = p.mask ? p.mask + t.row * p.mask_keys : nullptr;
+  int32_t keys[kKeysPerPart];
+  int64_t n = 0;
+  for (int64_t j = t.first; j < t.last; ++j) {
+    if (!mask || mask[j]) keys[n++] = static_cast<int32_t>(j);
+  }
+  alignas(32) float scores[kMaxGroup][kKeysPerPart + 8];
+  for (int64_t i = 0; i < n; ++i) {
+    const float* kj = k + keys[i] * d;
+    __m256 acc[kMaxGroup];
+    for (int64_t h = 0; h < g; ++h) acc[h] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m256 kc = _mm256_loadu_ps(kj + 8 * c);
+      for (int64_t h = 0; h < g; ++h) {
+        acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * d + 8 * c), kc, acc[h]);
+      }
+    }
+    for (int64_t h = 0; h < g; ++h) scores[h][i] = sum8(acc[h]) * p.scale;
+  }
+  for (int64_t h = 0; h < g; ++h) {
+    float* part = t.partial + h * (2 + d);
+    float* sc = scores[h];
+    float top = -INFINITY;
+    for (int64_t i = 0; i < n; ++i) top = sc[i] > top ? sc[i] : top;
+    const int64_t padded = (n + 7) / 8 * 8;
+    for (int64_t i = n; i < padded; ++i) sc[i] = top;  // exp'd, then zeroed below
+    __m256 total = _mm256_setzero_ps();
+    const __m256 top8 = _mm256_set1_ps(top);
+    for (int64_t i = 0; i < padded; i += 8) {
+      __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_load_ps(sc + i), top8));
+      _mm256_store_ps(sc + i, e);
+    }
+    for (int64_t i = n; i < padded; ++i) sc[i] = 0.0f;
+    for (int64_t i = 0; i < padded; i += 8) total = _mm256_add_ps(total, _mm256_load_ps(sc + i));
+    part[0] = top;
+    part[1] = n ? sum8(total) : 0.0f;
+    float* o = part + 2;
+    for (int64_t c = 0; c < d; ++c) o[c] = 0.0f;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const float* vj = v + keys[i] * d;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m256 vc = _mm256_loadu_ps(vj + 8 * c);
+      for (int64_t h = 0; h < g; ++h) {
+        float* o = t.partial + h * (2 + d) + 2 + 8 * c;
+        _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_set1_ps(scores[h][i]), vc,
+                                            _mm256_loadu_ps(o)));
+      }
+    }
+  }
+}
+
+// Parts of one row and kv head, merged in order into the output.
+void merge_parts(const AttendProblem& p, int64_t row, int64_t kv_head, const float* parts,
+                 int64_t n_parts) {
+  const int64_t d = p.head_dim, g = p.group, stride = g * (2 + d);
+  for (int64_t h = 0; h < g; ++h) {
+    float top = -INFINITY;
+    for (int64_t s = 0; s < n_parts; ++s) {
+      const float m = parts[s * stride + h * (2 + d)];
+      top = m > top ? m : top;
+    }
+    float* out = p.out + (row * p.n_heads + kv_head * g + h) * d;
+    float total = 0.0f;
+    for (int64_t c = 0; c < d; ++c) out[c] = 0.0f;
+    for (int64_t s = 0; s < n_parts; ++s) {
+      const float* part = parts + s * stride + h * (2 + d);
+      if (part[1] == 0.0f) continue;  // no visible key in this part
+      const float w = n_parts == 1 ? 1.0f : expf(part[0] - top);
+      total += part[1] * w;
+      for (int64_t c = 0; c < d; ++c) out[c] += part[2 + c] * w;
+    }
+    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+    for (int64_t c = 0; c < d; ++c) out[c] *= inv;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// out [rows, n_heads, head_dim] = attention of q [rows, n_heads, head_dim] (contiguous fp32)
+// over k, v (fp32, [kv_heads, tokens, head_dim], head rows contiguous, kv_head_stride floats
+// between heads). There are mask_keys keys: row r sees the keys its mask row marks (mask:
+// [rows, mask_keys] bytes), else its first lengths[r], else all of them. Returns 0, or -1
+// for shapes it does not take.
+int miniapp_attend_rows(const float* q, const float* k, const float* v, int64_t kv_head_stride,
+                        const int32_t* lengths, const uint8_t* mask, int64_t mask_keys,
+                        int64_t rows, int64_t n_heads, int64_t kv_heads, int64_t head_dim,
+                        float scale, float* out, int threads) {
+  if (!cpu_has(kIsaAvx2) || rows < 0 || kv_heads <= 0 || n_heads % kv_heads) return -1;
+  if (head_dim % 8 || head_dim > kMaxHeadDim || n_heads / kv_heads > kMaxGroup) return -1;
+  if (rows == 0) return 0;
+  AttendProblem p = {q, k, v, kv_head_stride, lengths, mask, mask_keys, n_heads, kv_heads,
+                     n_heads / kv_heads, head_dim, scale, out};
+  // Tasks: every part of every row, for each kv head, in a fixed order.
+  int64_t n_tasks = 0, key_macs = 0;
+  int64_t* first_task = static_cast<int64_t*>(malloc(sizeof(int64_t) * (rows + 1)));
+  if (!first_task) return -1;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t scanned = lengths && !mask ? lengths[r] : mask_keys;
+    first_task[r] = n_tasks;
+    n_tasks += kv_heads * ((scanned + kKeysPerPart - 1) / kKeysPerPart);
+    key_macs += scanned * n_heads * head_dim;
+  }
+  first_task[rows] = n_tasks;
+  const int64_t partial_floats = p.group * (2 + head_dim);
+  float* partials = static_cast<float*>(malloc(sizeof(float) * partial_floats * (n_tasks + 1)));
+  AttendTask* tasks = static_cast<AttendTask*>(malloc(sizeof(AttendTask) * (n_tasks + 1)));
+  if (!partials || !tasks) {
+    free(first_task);
+    free(partials);
+    free(tasks);
+    return -1;
+  }
+  for (int64_t r = 0, i = 0; r < rows; ++r) {
+    const int64_t scanned = lengths && !mask ? lengths[r] : mask_keys;
+    const int64_t parts = (scanned + kKeysPerPart - 1) / kKeysPerPart;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      for (int64_t s = 0; s < parts; ++s, ++i) {
+        const int64_t last = (s + 1) * kKeysPerPart < scanned ? (s + 1) * kKeysPerPart : scanned;
+        tasks[i] = {r, h, s * kKeysPerPart, last, partials + i * partial_floats};
+      }
+    }
+  }
+  if (threads > n_tasks) threads = static_cast<int>(n_tasks);
+  if (threads <= 1 || key_macs < kMinParallelKeyMacs) {
+    for (int64_t i = 0; i < n_tasks; ++i) attend_part(p, tasks[i]);
+  } else {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < n_tasks; ++i) attend_part(p, tasks[i]);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t parts_per_head = (first_task[r + 1] - first_task[r]) / kv_heads;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      if (parts_per_head == 0) {  // no keys: zeros, as an empty softmax gives nothing
+        for (int64_t c = 0; c < p.group * head_dim; ++c) {
+          out[(r * n_heads + h * p.group) * head_dim + c] = 0.0f;
+        }
+        continue;
+      }
+      const float* parts = partials + (first_task[r] + h * parts_per_head) * partial_floats;
+      merge_parts(p, r, h, parts, parts_per_head);
+    }
+  }
+  free(first_task);
+  free(partials);
+  free(tasks);
   return 0;
 }
 

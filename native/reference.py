@@ -71,3 +71,29 @@ def error_bound(
     group = codes.shape[1] // scale.shape[1]
     magnitude = kernel_input(x, group, activations).abs() @ int4_weight(codes, scale, zero).abs().T
     return codes.shape[1] * 2.0**-23 * magnitude
+
+
+def attend_rows(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scale: float,
+    lengths: list[int] | None = None,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """What `miniapp_attend_rows` computes, in float64: queries [rows, heads, head_dim] over
+    keys and values [kv_heads, tokens, head_dim]; row r sees its first lengths[r] keys, or
+    those mask[r] marks. A row that sees nothing gives zeros."""
+    rows, n_heads, _ = queries.shape
+    group = n_heads // keys.shape[0]
+    out = torch.zeros(queries.shape, dtype=torch.float64)
+    for row in range(rows):
+        visible = mask[row] if mask is not None else torch.arange(keys.shape[1]) < lengths[row]
+        if not visible.any():
+            continue
+        for head in range(n_heads):
+            k = keys[head // group][visible].double()
+            v = values[head // group][visible].double()
+            weights = torch.softmax(k @ queries[row, head].double() * scale, dim=0)
+            out[row, head] = weights @ v
+    return out

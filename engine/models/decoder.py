@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from ..cache import KVCache, RotatingKVCache
 from ..errors import ModelFileError, UnsupportedModelError
 from ..gguf_file import GGUFFile, TensorInfo
+from ..kernels import cpu_attention_kernel
 from ..layers import (
     CPU_INT4,
     BlockEmbedding,
@@ -152,6 +153,10 @@ class Attention:
         # [n_heads + n_kv_heads, head_dim]: the query norm's weight per query head, then the
         # key norm's per key head, so one normalisation covers both.
         self.qk_norm_weight = qk_norm_weight
+        native = cpu_attention_kernel()
+        takes = native is not None and native.takes(config.n_heads, config.n_kv_heads,
+                                                     config.head_dim)  # fmt: skip
+        self.native = native if takes else None
 
     def forward(
         self,
@@ -179,10 +184,26 @@ class Attention:
 
     def _attend(self, qk, v, cache: Cache, mask: torch.Tensor | None) -> torch.Tensor:
         keys, values = cache.update_and_fetch(qk[self.n_heads :][None], v[None])
+        queries = qk[: self.n_heads]
+        if self._native_for(queries, keys):  # every row sees all keys, or as the mask says
+            return self._attend_natively(queries, keys, values, None, mask)
         return F.scaled_dot_product_attention(
-            qk[: self.n_heads][None], keys, values, attn_mask=mask, enable_gqa=True,
-            scale=self.scale,
-        )  # fmt: skip
+            queries[None], keys, values, attn_mask=mask, enable_gqa=True, scale=self.scale
+        )
+
+    def _native_for(self, queries: torch.Tensor, keys: torch.Tensor) -> bool:
+        return (
+            self.native is not None
+            and keys.device.type == "cpu"
+            and queries.shape[1] <= NATIVE_ATTENTION_ROWS
+        )
+
+    def _attend_natively(self, queries, keys, values, lengths, mask) -> torch.Tensor:
+        """queries [heads, rows, head_dim] over keys [1, kv_heads, tokens, head_dim] ->
+        [1, heads, rows, head_dim], as scaled_dot_product_attention returns it."""
+        rows_first = queries.transpose(0, 1).contiguous()
+        out = self.native(rows_first, keys[0], values[0], self.scale, lengths, mask)
+        return out.transpose(0, 1)[None]
 
     def _attend_rows(self, qk, v, cache: Cache, masks: RowMasks) -> torch.Tensor:
         """One token at a time, exactly as decoding would: a batched attention call rounds
@@ -192,7 +213,11 @@ class Attention:
             # Each row's decode step would see a prefix of one storage: write all rows at
             # once, then attend row by row over those prefixes.
             keys, values = cache.update_and_fetch(qk[self.n_heads :][None], v[None])
-            queries, before = qk[: self.n_heads][None], keys.shape[2] - n_rows
+            before = keys.shape[2] - n_rows
+            if self._native_for(qk, keys):  # one call: each row over its own prefix
+                lengths = torch.arange(before + 1, before + n_rows + 1, dtype=torch.int32)
+                return self._attend_natively(qk[: self.n_heads], keys, values, lengths, None)
+            queries = qk[: self.n_heads][None]
             rows = [
                 F.scaled_dot_product_attention(
                     queries[:, :, row : row + 1],
@@ -266,6 +291,9 @@ class Block:
 
 
 PREFILL_CHUNK = 512  # bounds the attention mask and activations of a long prompt
+# Up to this many query rows (decode steps, verification) attend through the native kernel on
+# the CPU; longer prompt chunks go through torch's attention, which batches them better.
+NATIVE_ATTENTION_ROWS = 16
 ROLLBACK_SLACK = 64  # tokens a rotating cache can trim exactly (speculative roll-back)
 
 
