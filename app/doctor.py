@@ -14,7 +14,7 @@ from miniapp.engine.devices import (
     plan_device,
 )
 from miniapp.engine.gguf_file import GGUFFile
-from miniapp.engine.kernels import cpu_int4_kernel
+from miniapp.engine.kernels import cpu_attention_kernel, cpu_int4_kernel
 from miniapp.engine.model_store import resolve_model
 
 
@@ -32,6 +32,9 @@ def run_doctor(args: argparse.Namespace) -> int:
             **{g.label: asdict(probe.check_int4(g)) for g in gpus},
         },
         "cpu_int4_kernel": cpu_int4_kernel().describe(),
+        "cpu_attention": "native"
+        if cpu_attention_kernel()
+        else "torch (scaled_dot_product_attention)",
         "model": str(model),
         "footprint": asdict(footprint),
         "plan": asdict(plan),
@@ -94,6 +97,7 @@ def _print_report(report: dict) -> None:
         state = "OK" if check["ok"] else "unavailable"
         print(f"int4 kernel on {where}: {state} ({check['reason']})")
     print(f"int4 matmul on the CPU: {report['cpu_int4_kernel']}")
+    print(f"decode attention on the CPU: {report['cpu_attention']}")
     plan, footprint = report["plan"], report["footprint"]
     print(
         f"model {report['model']}: weights {footprint['int4_bytes'] / GIB:.2f} GiB as packed, "
