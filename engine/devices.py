@@ -245,7 +245,7 @@ class TorchProbe:
         if not (plan.on_gpu and torch.cuda.is_available()):
             return None, "eager steps: no GPU"
         kind = "HIP" if torch.version.hip else "CUDA"
-        return CudaGraphRunner, f"{kind} graph of the whole step, captured once per set of caches"
+        return CudaGraphRunner, f"{kind} graph of the whole step, captured once per span bucket"
 
 
 def _run_int4_kernel(torch, device: str) -> None:

@@ -725,6 +725,10 @@ int miniapp_attend_rows(const float* q, const float* k, const float* v, int64_t 
   if (!first_task) return -1;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t scanned = lengths && !mask ? lengths[r] : mask_keys;
+    if (scanned < 0 || scanned > mask_keys) {  // a row may not see past the keys given
+      free(first_task);
+      return -1;
+    }
     first_task[r] = n_tasks;
     n_tasks += kv_heads * ((scanned + kKeysPerPart - 1) / kKeysPerPart);
     key_macs += scanned * n_heads * head_dim;

@@ -102,3 +102,9 @@ def test_without_lengths_or_mask_every_row_sees_every_key(attend):
     everything = attend(queries, keys, values, 0.125)
     by_length = attend(queries, keys, values, 0.125, lengths=torch.tensor([300, 300]))
     assert torch.equal(everything, by_length)
+
+
+def test_a_row_longer_than_the_keys_is_refused(attend):
+    keys, values = _cache(3, 50, 64)
+    with pytest.raises(ValueError, match="refused"):
+        attend(_queries(1, 9, 64), keys, values, 0.125, lengths=torch.tensor([51]))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import hashlib
+import itertools
 import logging
 import re
 import time
@@ -89,6 +90,7 @@ class _ImageUnit:
 
 
 _Unit = int | _ImageUnit  # a text token, or a whole image
+_UNNAMED = itertools.count()
 
 
 def _positions(units: Sequence[_Unit]) -> int:
@@ -114,9 +116,16 @@ class _Chunks:
         self.image_chunks: dict[int, object] = {}  # unit index -> its image chunk
 
     def __enter__(self) -> _Chunks:
-        ctx = self.handler.mtmd_ctx
         self._bitmaps = []
         self._chunks = mtmd_cpp.mtmd_input_chunks_init()
+        try:
+            self._tokenize()
+        except (ValueError, MiniappError) as exc:
+            self.__exit__()
+            raise MiniappError(f"llama.cpp could not read the images ({exc})") from exc
+        return self
+
+    def _tokenize(self) -> None:
         for png in self.pictures:
             bitmap = self.handler._create_bitmap_from_bytes(png)
             self._bitmaps.append(bitmap)
@@ -126,14 +135,12 @@ class _Chunks:
         text.text, text.text_len = encoded, len(encoded)
         text.add_special = text.parse_special = True
         bitmaps = (mtmd_cpp.mtmd_bitmap_p_ctypes * len(self._bitmaps))(*self._bitmaps)
-        status = mtmd_cpp.mtmd_tokenize(ctx, self._chunks, ctypes.byref(text), bitmaps,
-                                        len(self._bitmaps))  # fmt: skip
+        status = mtmd_cpp.mtmd_tokenize(self.handler.mtmd_ctx, self._chunks, ctypes.byref(text),
+                                        bitmaps, len(self._bitmaps))  # fmt: skip
         if status != 0:
-            self.__exit__()
-            raise MiniappError(f"llama.cpp could not read the images (tokenize error {status})")
+            raise MiniappError(f"tokenize error {status}")
         for i in range(mtmd_cpp.mtmd_input_chunks_size(self._chunks)):
             self._add(mtmd_cpp.mtmd_input_chunks_get(self._chunks, i))
-        return self
 
     def _add(self, chunk) -> None:
         if mtmd_cpp.mtmd_input_chunk_get_type(chunk) == mtmd_cpp.MTMD_INPUT_CHUNK_TYPE_TEXT:
@@ -141,8 +148,8 @@ class _Chunks:
             tokens = mtmd_cpp.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(count))
             self.units.extend(tokens[i] for i in range(count.value))
             return
-        # An image without an id (never seen so far) matches nothing, so it is never reused.
-        key = mtmd_cpp.mtmd_input_chunk_get_id(chunk) or f"unnamed-{id(chunk)}".encode()
+        # An image without an id matches nothing, so it is never taken for another.
+        key = mtmd_cpp.mtmd_input_chunk_get_id(chunk) or f"unnamed-{next(_UNNAMED)}".encode()
         self.image_chunks[len(self.units)] = chunk
         self.units.append(_ImageUnit(key, mtmd_cpp.mtmd_input_chunk_get_n_pos(chunk)))
 

@@ -15,8 +15,8 @@ one, so attention reads a prefix of the span rounded up to a power of two (`span
 and each bucket gets its own graph: a handful of captures over a long conversation.
 
 On a CPU the static step is plain eager code (it is how the simulated GPUs run it, and how the
-tests check it against the ordinary step); `CudaGraphRunner` captures it once per set of
-caches and replays it on CUDA and ROCm.
+tests check it against the ordinary step); `CudaGraphRunner` captures it once per span
+bucket and replays it on CUDA and ROCm.
 """
 
 from __future__ import annotations
