@@ -97,8 +97,11 @@ def load(isa: str | None = None) -> Library:
     library = None
     installed = installed_path()
     if installed is not None:
-        library = Library(installed, forced)
-        if expected is not None and library.source_hash != expected:
+        try:
+            library = Library(installed, forced)
+        except NativeUnavailable:  # another ABI: built from an older source
+            library = None
+        if library is not None and expected is not None and library.source_hash != expected:
             library = None  # built from an older source (an editable checkout)
     if library is None:
         if expected is None:

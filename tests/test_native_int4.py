@@ -234,6 +234,18 @@ def test_stale_installed_library_is_rebuilt(library, monkeypatch, tmp_path):
     assert built == [tmp_path / "native" / "int4_gemm-0123456789abcdef.so"]
 
 
+def test_installed_library_of_another_abi_is_rebuilt(library, monkeypatch, tmp_path):
+    """A library from before an ABI change (an old editable build) is rebuilt, not refused."""
+    monkeypatch.setenv(int4.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(int4, "installed_path", lambda: library.path)
+    monkeypatch.setattr(int4, "ABI_VERSION", int4.ABI_VERSION + 1)
+    built = []
+    monkeypatch.setattr(build, "build", lambda output, source=None: built.append(output))
+    with pytest.raises(OSError):  # the stub built nothing: loading the new path fails
+        int4.load()
+    assert built == [int4.cache_path()]
+
+
 def test_switch_off_gives_torch_op_and_same_results(library, monkeypatch):
     """MINIAPP_NATIVE=0 packs for torch's kernel; both agree within the int4 tests' bound."""
     from gguf.constants import GGMLQuantizationType as Q
