@@ -42,7 +42,7 @@ from ..events import Finished, GenerationEvent, GenerationStats, TextDelta
 from ..generation import GenerationRequest, generate
 from ..gguf_file import GGUFFile
 from ..llamacpp_lib import Llama, llama_cpp, llama_supports_gpu_offload
-from ..runtimes.base import DEFAULT_CTX, LOGIT_BLOCK, Runtime, default_threads
+from ..runtimes.base import DEFAULT_CTX, LOGIT_BLOCK, Runtime, common_prefix, default_threads
 from ..runtimes.llamacpp_runtime import sample_with_llamacpp
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
@@ -95,15 +95,6 @@ _UNNAMED = itertools.count()
 
 def _positions(units: Sequence[_Unit]) -> int:
     return sum(u.n_pos if isinstance(u, _ImageUnit) else 1 for u in units)
-
-
-def _common_prefix(held: Sequence[_Unit], wanted: Sequence[_Unit]) -> int:
-    count = 0
-    for a, b in zip(held, wanted, strict=False):
-        if a != b:
-            break
-        count += 1
-    return count
 
 
 class _Chunks:
@@ -378,7 +369,7 @@ class LlamaCppVisionChat:
         with _Chunks(self._handler, text, pictures) as chunks:
             wanted = chunks.units
             # At least the last unit is evaluated again: the answer needs fresh logits.
-            keep = min(_common_prefix(self._held_units(), wanted), len(wanted) - 1)
+            keep = min(common_prefix(self._held_units(), wanted), len(wanted) - 1)
             start = _positions(wanted[:keep])
             if start + _positions(wanted[keep:]) > self.n_ctx:
                 return False

@@ -23,7 +23,8 @@ def default_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)))
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence, b: Sequence) -> int:
+    """How many leading items (tokens, or any comparable units) a and b share."""
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
