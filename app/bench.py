@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -22,8 +21,8 @@ from miniapp.engine.model_store import resolve_model
 from miniapp.engine.models import check_supported
 from miniapp.engine.tokenizer import Tokenizer
 
-from .bench_worker import EXIT_USAGE
 from .evaluate import read_text
+from .worker_process import WorkerProcess, worker_arguments
 
 BACKENDS = ("torch", "llamacpp")
 CTX_ROUNDING = 256
@@ -94,7 +93,7 @@ def run_bench(args: argparse.Namespace) -> int:
         prompts_path = Path(tmp) / "prompts.json"
         prompts_path.write_text(json.dumps(prompts))
         workers = {
-            name: _Worker(backend, model, prompts_path, contexts[backend], args, spec_mode)
+            name: _start_worker(backend, model, prompts_path, contexts[backend], args, spec_mode)
             for name, (backend, spec_mode) in variants.items()
         }
         try:
@@ -108,8 +107,8 @@ def run_bench(args: argparse.Namespace) -> int:
                 for name, worker in workers.items():
                     if not args.json and sys.stderr.isatty():
                         print(f"run {run + 1}/{args.repeat}: {name}", file=sys.stderr)
-                    _, speed, digest = worker.ask("run", expect="done").split()
-                    speeds[name].append(float(speed))
+                    speed, digest = worker.run()
+                    speeds[name].append(speed)
                     digests[name].append(digest)
             results = {name: json.loads(w.ask("result")) for name, w in workers.items()}
         finally:
@@ -133,58 +132,19 @@ def _pair_ratio(ours: list[float], theirs: list[float], summary=statistics.media
     return summary(a / max(b, 1e-9) for a, b in zip(ours, theirs, strict=True))
 
 
-class _Worker:
-    """A `bench_worker` subprocess holding one loaded backend."""
-
-    def __init__(self, backend: str, model: Path, prompts: Path, ctx: int, args, spec: str):
-        self.backend = backend
-        command = [
-            sys.executable, "-m", "miniapp.app.bench_worker",
-            "--backend", backend, "--model", str(model), "--prompts", str(prompts),
-            "--tokens", str(args.tokens), "--ctx", str(ctx), "--spec", spec,
-        ]  # fmt: skip
-        if args.task:
-            command.append("--stop-at-end-of-turn")
-        if args.threads:
-            command += ["--threads", str(args.threads)]
-        if backend == "torch":
-            command += ["--device", args.device]
-            for flag in ("sinks", "window"):
-                if getattr(args, flag) is not None:
-                    command += [f"--{flag}", str(getattr(args, flag))]
-        self._stderr = tempfile.TemporaryFile(mode="w+")
-        self._process = subprocess.Popen(
-            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
-            text=True,
-        )  # fmt: skip
-
-    def wait_ready(self) -> None:
-        self._read(expect="ready")
-
-    def ask(self, command: str, expect: str | None = None) -> str:
-        self._process.stdin.write(command + "\n")
-        self._process.stdin.flush()
-        return self._read(expect)
-
-    def _read(self, expect: str | None = None) -> str:
-        line = self._process.stdout.readline().strip()
-        if not line or (expect and line.split()[0] != expect):
-            self._fail()
-        return line
-
-    def _fail(self) -> None:
-        code = self._process.wait()
-        self._stderr.seek(0)
-        last = (self._stderr.read().strip().splitlines() or ["no output"])[-1]
-        if code == EXIT_USAGE:  # the worker's own one-line error
-            raise MiniappError(last)
-        raise MiniappError(f"{self.backend} benchmark failed: {last}")
-
-    def stop(self) -> None:
-        if self._process.poll() is None:
-            self._process.kill()
-        self._process.wait()
-        self._stderr.close()
+def _start_worker(backend: str, model: Path, prompts: Path, ctx: int, args, spec: str):
+    """A worker subprocess holding one loaded backend, with this run's flags."""
+    arguments = worker_arguments(model, prompts, args.tokens, ctx, spec)
+    if args.task:
+        arguments.append("--stop-at-end-of-turn")
+    if args.threads:
+        arguments += ["--threads", str(args.threads)]
+    if backend == "torch":
+        arguments += ["--device", args.device]
+        for flag in ("sinks", "window"):
+            if getattr(args, flag) is not None:
+                arguments += [f"--{flag}", str(getattr(args, flag))]
+    return WorkerProcess(backend, arguments)
 
 
 def _print_table(model: Path, results: dict) -> None:

@@ -9,6 +9,7 @@ A user-fixable error is printed to stderr as one line, with exit code 2.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import hashlib
 import json
 import sys
@@ -17,10 +18,13 @@ from pathlib import Path
 from miniapp.engine.benchmark import BenchSession
 from miniapp.engine.errors import MiniappError
 
-EXIT_USAGE = 2
+from .worker_process import EXIT_USAGE
 
 
 def main() -> int:
+    # A native crash leaves the stack of every thread on stderr (the parent reports it in
+    # one line and keeps this for debugging).
+    faulthandler.enable()
     parser = argparse.ArgumentParser()
     parser.add_argument("--backend", required=True)
     parser.add_argument("--model", required=True, type=Path)

@@ -6,6 +6,7 @@ import argparse
 import json
 from dataclasses import asdict
 
+from miniapp.engine.cpu_features import cpu_features
 from miniapp.engine.devices import (
     GIB,
     decode_step_path,
@@ -24,17 +25,23 @@ def run_doctor(args: argparse.Namespace) -> int:
     model = resolve_model(args.model)
     footprint = estimate_footprint(GGUFFile(model), args.ctx)
     plan = plan_device(args.device, probe, footprint)
+    int4_kernel, attention = cpu_int4_kernel(), cpu_attention_kernel()
     report = {
         "versions": probe.versions(),
+        "cpu": {
+            **cpu_features().summary(),
+            "summary": cpu_features().describe(),
+            # The path each of our native kernels takes here (None: torch's op instead).
+            "native_int4": int4_kernel.library.isa_name if int4_kernel.native else None,
+            "native_attention": "avx2" if attention else None,
+        },
         "gpus": [asdict(g) for g in gpus],
         "kernels": {
             "cpu": asdict(probe.check_int4(None)),
             **{g.label: asdict(probe.check_int4(g)) for g in gpus},
         },
-        "cpu_int4_kernel": cpu_int4_kernel().describe(),
-        "cpu_attention": "native"
-        if cpu_attention_kernel()
-        else "torch (scaled_dot_product_attention)",
+        "cpu_int4_kernel": int4_kernel.describe(),
+        "cpu_attention": "native (AVX2)" if attention else "torch (scaled_dot_product_attention)",
         "model": str(model),
         "footprint": asdict(footprint),
         "plan": asdict(plan),
@@ -51,15 +58,25 @@ def run_doctor(args: argparse.Namespace) -> int:
 
 def _llama_cpp_report(probe, footprint) -> dict:
     from miniapp.engine.devices import plan_llamacpp_offload
-    from miniapp.engine.llamacpp_lib import llama_cpp, llama_supports_gpu_offload
+    from miniapp.engine.llamacpp_lib import (
+        build_features,
+        cpu_path,
+        llama_cpp,
+        llama_supports_gpu_offload,
+    )
 
     supported = llama_supports_gpu_offload()
     offload = plan_llamacpp_offload(supported, probe, footprint)
+    path = cpu_path()
     return {
         "version": llama_cpp.__version__,
         "gpu_offload": supported,
         "n_gpu_layers": offload.gpu_layers,
         "reason": offload.reason,
+        # What the build was compiled with ("AVX512": "1", "AMX_INT8": "1", "REPACK": "1"...)
+        # and how weights are laid out on the CPU (extra buffer types: CPU_REPACK, AMX).
+        "build": build_features(),
+        "cpu_weights": {**asdict(path), "summary": path.describe()},
     }
 
 
@@ -85,6 +102,7 @@ def _print_report(report: dict) -> None:
         f"torch {versions['torch']}, CUDA {versions['cuda'] or 'none'}, "
         f"HIP {versions['hip'] or 'none'}"
     )
+    print(f"CPU: {report['cpu']['summary']}")
     if not report["gpus"]:
         print("GPUs: none visible to torch")
     for gpu in report["gpus"]:
@@ -115,5 +133,9 @@ def _print_report(report: dict) -> None:
         f"llama.cpp {llama['version']}: GPU offload {'yes' if llama['gpu_offload'] else 'no'}; "
         f"n_gpu_layers {llama['n_gpu_layers']} ({llama['reason']})"
     )
+    built = [name for name in ("AVX2", "AVX512", "AVX512_BF16", "AMX_INT8") if
+             llama["build"].get(name) == "1"]  # fmt: skip
+    print(f"llama.cpp built with {', '.join(built) or 'none of AVX2, AVX512, AMX'}; "
+          f"weights on the CPU: {llama['cpu_weights']['summary']}")  # fmt: skip
     audio = report["audio_inputs"]
     print(f"audio inputs: {', '.join(audio['devices']) if audio['devices'] else audio['error']}")

@@ -23,6 +23,7 @@ from .errors import DeviceUnavailableError, MiniappError
 
 DEVICE_CHOICES = ("auto", "cuda", "rocm", "cpu")
 SIMULATE_ENV = "MINIAPP_SIMULATE_GPU"
+NO_GPU = "none"  # MINIAPP_SIMULATE_GPU=none: a machine without a GPU, whatever this one has
 GRAPH_ENV = "MINIAPP_DECODE_GRAPH"  # "0" runs GPU decode steps eagerly (A/B, an escape hatch)
 _OFF = frozenset({"0", "off", "no", "false"})
 MIN_INT4_CAPABILITY = (8, 0)  # torch's CUDA int4 matmul needs Ampere or newer
@@ -276,14 +277,16 @@ class SimulatedProbe:
     """Stand-in GPUs for machines without one (tests, `MINIAPP_SIMULATE_GPU`). Spec, one GPU
     per comma: backend:name:memory_gib[:capability or gfx arch][:no-int4], for example
     "cuda:RTX 4090:24:8.9" or "rocm:MI300X:192:gfx942:no-int4". Failure flags: oom-load,
-    oom-pass=N (out of memory on the Nth forward pass). The CPU is the real one."""
+    oom-pass=N (out of memory on the Nth forward pass). "none" stands in a machine without
+    a GPU (what the test suite runs on, whatever the machine has). The CPU is the real one."""
 
     def __init__(self, spec: str):
         self._gpus: list[GpuInfo] = []
         self._no_int4: set[int] = set()
         self._oom_at_load: set[int] = set()
         self._oom_at_pass: dict[int, int] = {}
-        for index, item in enumerate(p for p in spec.split(",") if p.strip()):
+        items = [] if spec.strip().lower() == NO_GPU else spec.split(",")
+        for index, item in enumerate(p for p in items if p.strip()):
             fields = item.strip().split(":")
             if len(fields) < 3 or fields[0] not in ("cuda", "rocm"):
                 raise MiniappError(f"{SIMULATE_ENV}: cannot read '{item}'")

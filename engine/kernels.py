@@ -4,7 +4,9 @@ Our own kernel (`miniapp.native.int4`) when its library loads and the CPU has it
 instructions; torch's `_weight_int4pack_mm_for_cpu` otherwise. The choice is made once per
 process and never fails: every reason not to use the native kernel becomes the fallback's
 explanation, which `miniapp doctor` prints. `MINIAPP_NATIVE=0` forces torch's op (A/B
-benchmarks, an escape hatch); `MINIAPP_NATIVE=avx2` or `avx512` forces a native path.
+benchmarks, an escape hatch); `MINIAPP_NATIVE=avx2` or `avx512` forces a native path. A CPU
+simulated by `MINIAPP_SIMULATE_CPU` without AVX-512 BF16 gets the AVX2 path, and one without
+AVX2 torch's op (with `ATEN_CPU_CAPABILITY=avx2`, torch's own kernels follow suit).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from ..native import int4
 from ..native.attention import NativeAttention
+from .cpu_features import cpu_features
 
 TORCH_OP = "torch _weight_int4pack_mm_for_cpu"
 _OFF = frozenset({"0", "off", "no", "false", "torch"})
@@ -45,7 +48,14 @@ def cpu_int4_kernel() -> KernelChoice:
     setting = os.environ.get(int4.ENV_SWITCH, "").strip().lower()
     if setting in _OFF:
         return KernelChoice(None, f"switched off by {int4.ENV_SWITCH}={setting}")
-    return _load(setting if setting in _FORCED_ISAS else None)
+    if setting in _FORCED_ISAS:
+        return _load(setting)
+    cpu = cpu_features()
+    if cpu.simulated and not cpu.avx2:
+        return KernelChoice(None, "the CPU lacks AVX2/FMA (simulated)")
+    if cpu.simulated and not cpu.avx512_bf16:
+        return _load(int4.ISA_NAMES[int4.ISA_AVX2])
+    return _load(None)
 
 
 @functools.cache

@@ -8,9 +8,10 @@ Sections (all by default):
            every weight once from memory.
   verify   full-model decode-exact passes (speculative verification) over 1 and 1 + 8 rows
            with each kernel: what verifying 8 drafts costs, in decode steps.
-  decode   greedy decode tok/s of the torch engine with each kernel and of llama.cpp, each in
-           its own `miniapp bench` worker process, alternating runs; medians, and the median
-           ratio of back-to-back pairs.
+  decode   greedy decode tok/s of the torch engine with each kernel and of llama.cpp (with
+           and without its extra buffer types, CPU_REPACK), each in its own `miniapp bench`
+           worker process, alternating runs; medians, and the median ratio of back-to-back
+           pairs.
 
     .venv/bin/python scripts/bench_kernels.py --threads 2 [--section kernels] [--json FILE]
     ATEN_CPU_CAPABILITY=avx2 MINIAPP_NATIVE=avx2 .venv/bin/python scripts/bench_kernels.py \
@@ -23,7 +24,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,9 +31,11 @@ from pathlib import Path
 
 import torch
 
+from miniapp.app.worker_process import WorkerProcess, worker_arguments
 from miniapp.engine.gguf_file import GGUFFile
 from miniapp.engine.kernels import cpu_int4_kernel
 from miniapp.engine.layers import linear_from_raw
+from miniapp.engine.llamacpp_lib import REPACK_ENV
 from miniapp.engine.model_store import resolve_model
 from miniapp.native.int4 import ENV_SWITCH
 
@@ -193,36 +195,12 @@ def bench_verify(model: Path, threads: int) -> dict:
 # ------------------------------------------------------------------------------- decode
 
 
-class Worker:
-    """A `miniapp bench` worker process (protocol in app/bench_worker.py)."""
-
-    def __init__(self, backend: str, env: dict, model: Path, prompts: Path, args):
-        command = [
-            sys.executable, "-m", "miniapp.app.bench_worker", "--backend", backend,
-            "--model", str(model), "--prompts", str(prompts), "--tokens", str(args.tokens),
-            "--ctx", "512", "--threads", str(args.threads), "--spec", "off",
-        ]  # fmt: skip
-        self.process = subprocess.Popen(
-            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            env={**os.environ, **env},
-        )  # fmt: skip
-        self.expect("ready")
-
-    def expect(self, word: str) -> list[str]:
-        line = self.process.stdout.readline().split()
-        if not line or line[0] != word:
-            raise RuntimeError(f"bench worker said {line!r}, expected {word}")
-        return line
-
-    def run(self) -> tuple[float, str]:
-        self.process.stdin.write("run\n")
-        self.process.stdin.flush()
-        _, speed, digest = self.expect("done")
-        return float(speed), digest
-
-    def stop(self) -> None:
-        self.process.kill()
-        self.process.wait()
+def start_worker(backend: str, env: dict, model: Path, prompts: Path, args) -> WorkerProcess:
+    """A `miniapp bench` worker process, loaded and ready."""
+    arguments = worker_arguments(model, prompts, args.tokens, 512, "off")
+    worker = WorkerProcess(backend, [*arguments, "--threads", str(args.threads)], env)
+    worker.wait_ready()
+    return worker
 
 
 def bench_decode(model: Path, args) -> dict:
@@ -234,9 +212,14 @@ def bench_decode(model: Path, args) -> dict:
         prompts = Path(tmp) / "prompts.json"
         prompts.write_text(json.dumps([prompt]))
         workers = {
-            "native": Worker("torch", {ENV_SWITCH: KERNELS["native"]}, model, prompts, args),
-            "torch": Worker("torch", {ENV_SWITCH: KERNELS["torch"]}, model, prompts, args),
-            "llamacpp": Worker("llamacpp", {}, model, prompts, args),
+            "native": start_worker("torch", {ENV_SWITCH: KERNELS["native"]}, model, prompts, args),
+            "torch": start_worker("torch", {ENV_SWITCH: KERNELS["torch"]}, model, prompts, args),
+            "llamacpp": start_worker("llamacpp", {}, model, prompts, args),
+            # The same llama.cpp with its extra buffer types (CPU_REPACK) off: what the
+            # AMX guard costs where it has to turn them off (engine/llamacpp_lib.py).
+            "llamacpp-plain": start_worker(
+                "llamacpp", {REPACK_ENV: "off"}, model, prompts, args
+            ),
         }
         speeds: dict[str, list[float]] = {name: [] for name in workers}
         digests: dict[str, set[str]] = {name: set() for name in workers}
@@ -258,6 +241,7 @@ def bench_decode(model: Path, args) -> dict:
         "native_vs_llamacpp": pairs("native", "llamacpp"),
         "torch_vs_llamacpp": pairs("torch", "llamacpp"),
         "native_vs_torch": pairs("native", "torch"),
+        "llamacpp_vs_plain": pairs("llamacpp", "llamacpp-plain"),
         "native_and_torch_same_tokens": digests["native"] == digests["torch"],
     }
 
@@ -301,7 +285,8 @@ def print_report(results: dict) -> None:
         print(f"\ndecode tok/s (medians): {speeds}")
         print(
             f"pair ratios: native/llama.cpp {d['native_vs_llamacpp']:.2f}, torch op/llama.cpp "
-            f"{d['torch_vs_llamacpp']:.2f}, native/torch op {d['native_vs_torch']:.2f}; "
+            f"{d['torch_vs_llamacpp']:.2f}, native/torch op {d['native_vs_torch']:.2f}, "
+            f"llama.cpp with/without extra buffer types {d['llamacpp_vs_plain']:.2f}; "
             f"native and torch op tokens identical: {d['native_and_torch_same_tokens']}"
         )
 

@@ -21,6 +21,12 @@ _SETTINGS = ("MODEL", "BACKEND", "DEVICE", "THREADS", "CTX", "WINDOW", "SINKS", 
              "SYSTEM", "ASR_MODEL", "HOST", "PORT")  # fmt: skip
 for _name in _SETTINGS:
     os.environ.pop("MINIAPP_" + _name, None)
+# The suite runs the CPU path on every machine, a GPU machine too: GPU paths are tested
+# through the simulated probe (and measured by scripts/gpu_check.sh on a real GPU). The CPU is
+# the real one unless a test simulates another.
+os.environ["MINIAPP_SIMULATE_GPU"] = "none"
+for _name in ("MINIAPP_SIMULATE_CPU", "MINIAPP_LLAMACPP_REPACK", "MINIAPP_NATIVE"):
+    os.environ.pop(_name, None)
 
 from miniapp.engine.model_store import resolve_model  # noqa: E402
 

@@ -1,9 +1,15 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import subprocess
+import time
+from pathlib import Path
 
 from miniapp.app.bench import bench_prompt
+from miniapp.app.worker_process import exit_description
 
 
 def test_bench_json_reports_both_backends(miniapp_exe):
@@ -46,3 +52,55 @@ def test_bench_prompt_from_samples_and_from_file(torch_runtime, tmp_path):
     assert bench_prompt(tokenizer, 128, str(text)) == tokenizer.encode(
         "The keeper lit the lamp at six.", parse_special=False
     )
+
+
+def _worker_of(parent: int, backend: str) -> int | None:
+    """The pid of `parent`'s bench worker for `backend`, once it has started."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        if ppid == parent and b"miniapp.app.bench_worker" in argv and backend.encode() in argv:
+            return int(entry.name)
+    return None
+
+
+def test_a_worker_that_crashes_is_one_line_and_exit_2(miniapp_exe):
+    """llama.cpp's worker dies by SIGSEGV (sent to it, as a native crash would raise it): the
+    parent names the backend, the signal and what it was doing, and exits 2."""
+    bench = subprocess.Popen(
+        [miniapp_exe, "bench", "--prompt-tokens", "32", "--tokens", "64", "--repeat", "200",
+         "--threads", "1", "--spec", "off", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        worker = None
+        while worker is None and time.monotonic() < deadline and bench.poll() is None:
+            worker = _worker_of(bench.pid, "llamacpp")
+            time.sleep(0.05)
+        assert worker is not None, "the llama.cpp worker never started"
+        time.sleep(3)  # loaded, or still loading: either is a phase the message names
+        os.kill(worker, signal.SIGSEGV)
+        out, err = bench.communicate(timeout=120)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+    assert bench.returncode == 2, err
+    assert err.count("\n") == 1, err
+    assert re.fullmatch(
+        r"miniapp: error: llama\.cpp crashed \(SIGSEGV\) while "
+        r"(loading the model|generating \(run \d+\)); see miniapp doctor\n",
+        err,
+    ), err
+    assert out == ""
+
+
+def test_exit_descriptions():
+    assert exit_description(-signal.SIGSEGV) == "SIGSEGV"
+    assert exit_description(-signal.SIGKILL) == "SIGKILL, perhaps out of memory"
+    assert exit_description(3) == "exit code 3"

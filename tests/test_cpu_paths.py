@@ -1,0 +1,251 @@
+"""Which path each engine takes on the CPU it finds: the CPU-feature probe, llama.cpp's weight
+layout (its AMX path crashes on Sapphire Rapids-class Xeons, so it must never be taken), and
+our kernels' AVX2 path as an AVX2-only machine runs it. Machines without AMX test the AMX
+decision through simulated CPUs and the real llama.cpp with its extra buffer types off."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+from test_oracle_tiny import MIN_AGREEMENT, QUANT_BOUND, TOKENS
+from tiny_gguf import GEMMA3, LLAMA, write_tiny_model
+
+from miniapp.engine import llamacpp_lib
+from miniapp.engine.cpu_features import CpuFeatures, cpu_features, parse_cpuinfo, simulated
+from miniapp.engine.llamacpp_lib import REPACK_ENV, build_features, choose_cpu_path
+
+# /proc/cpuinfo as a KVM guest on a Sapphire Rapids Xeon shows it (flags shortened).
+SAPPHIRE_RAPIDS = """processor\t: 0
+vendor_id\t: GenuineIntel
+model name\t: Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz
+flags\t\t: fpu sse sse2 avx f16c fma avx2 avx512f avx512dq avx512bw avx512vl avx512_vnni \
+avx512_bf16 amx_bf16 avx512_fp16 amx_tile amx_int8 hypervisor
+
+processor\t: 1
+model name\t: Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz
+flags\t\t: fpu sse
+"""
+ZEN3 = "model name\t: AMD EPYC 7B13 64-Core Processor\nflags\t\t: sse avx f16c fma avx2 bmi2\n"
+BUILD_WITH_AMX = (
+    "CPU : SSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | AVX512 = 1 | "
+    "AVX512_VNNI = 1 | AVX512_BF16 = 1 | AMX_INT8 = 1 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 |"
+)
+BUILD_WITHOUT_AMX = BUILD_WITH_AMX.replace("AMX_INT8 = 1 | ", "")
+
+
+def test_cpuinfo_names_the_instruction_sets_of_the_first_processor():
+    xeon = parse_cpuinfo(SAPPHIRE_RAPIDS)
+    assert xeon.model == "Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz"
+    assert (xeon.avx2, xeon.avx512, xeon.avx512_bf16, xeon.avx512_vnni, xeon.amx) == (
+        True, True, True, True, True,
+    )  # fmt: skip
+    epyc = parse_cpuinfo(ZEN3)
+    assert (epyc.avx2, epyc.avx512, epyc.amx) == (True, False, False)
+    assert epyc.describe() == "AMD EPYC 7B13 64-Core Processor: AVX2"
+
+
+def test_simulated_cpus_from_presets_and_flag_lists():
+    amx = simulated("intel-amx", "test CPU")
+    assert amx.simulated and amx.amx and amx.avx512_bf16
+    zen4 = simulated("amd-avx512", "test CPU")
+    assert zen4.avx512_bf16 and not zen4.amx
+    assert simulated("avx2-only", "x").summary()["avx512"] is False
+    assert simulated("avx2,fma,f16c", "x").avx2 and not simulated("avx2", "x").avx2
+
+
+def test_this_machine_is_read_from_proc_cpuinfo():
+    cpu = cpu_features()
+    assert not cpu.simulated and cpu.model
+    if os.path.exists("/proc/cpuinfo"):
+        assert cpu.flags == parse_cpuinfo(open("/proc/cpuinfo").read()).flags
+
+
+def test_build_features_come_from_llama_cpps_system_info():
+    assert build_features(BUILD_WITH_AMX)["AMX_INT8"] == "1"
+    assert "AMX_INT8" not in build_features(BUILD_WITHOUT_AMX)
+    real = build_features()
+    assert real and all(value.isalnum() for value in real.values())
+    # make setup builds llama.cpp without AMX (the Makefile's NO_AMX), and rebuilds a cached
+    # build that has it where the CPU would take it.
+    assert not llamacpp_lib.amx_build_on_amx_cpu()
+
+
+# ------------------------------------------------------------------ llama.cpp's weight path
+
+XEON, EPYC = parse_cpuinfo(SAPPHIRE_RAPIDS), parse_cpuinfo(ZEN3)
+WITH_AMX, WITHOUT_AMX = build_features(BUILD_WITH_AMX), build_features(BUILD_WITHOUT_AMX)
+
+
+def test_an_amx_build_on_an_amx_cpu_never_takes_the_amx_path():
+    path = choose_cpu_path(XEON, WITH_AMX)
+    assert path.extra_buffers is False and path.build_amx
+    assert "AMX" in path.reason and "#20824" in path.reason
+    assert llamacpp_lib.NO_AMX_FLAGS in path.reason  # how to get CPU_REPACK back
+    assert path.describe().startswith("plain CPU buffers")
+
+
+def test_cpu_repack_is_kept_wherever_amx_cannot_be_taken():
+    without = choose_cpu_path(XEON, WITHOUT_AMX)  # what make setup builds
+    assert without.extra_buffers and without.describe().startswith("CPU_REPACK")
+    assert without.reason == "this llama.cpp build has no AMX path"
+    on_amd = choose_cpu_path(EPYC, WITH_AMX)  # an AMX build copied to a CPU without AMX
+    assert on_amd.extra_buffers and "no AMX" in on_amd.reason
+
+
+def test_the_setting_overrides_the_choice_both_ways():
+    assert choose_cpu_path(XEON, WITH_AMX, "on").extra_buffers  # a Xeon where AMX works
+    assert choose_cpu_path(XEON, WITH_AMX, "on").describe().startswith("extra buffer types on")
+    off = choose_cpu_path(EPYC, WITHOUT_AMX, "off")
+    assert not off.extra_buffers and REPACK_ENV in off.reason
+
+
+def _load_log(monkeypatch, caplog, setting: str, open_model) -> str:
+    """What llama.cpp logs while `open_model()` loads a model under REPACK_ENV=setting."""
+    monkeypatch.setenv(REPACK_ENV, setting)
+    llamacpp_lib.cpu_path.cache_clear()
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="miniapp.llamacpp"):
+        model = open_model()
+        text = caplog.text
+    model.close()
+    llamacpp_lib.cpu_path.cache_clear()
+    return text
+
+
+@pytest.fixture(scope="module")
+def gemma_model():
+    from miniapp.engine.model_store import resolve_model
+
+    return resolve_model("gemma3-270m")  # Q4_K_M: some of its weights are repacked
+
+
+def test_the_decision_reaches_every_llama_cpp_load(monkeypatch, caplog, gemma_model):
+    """With the extra buffer types off, no weight goes to CPU_REPACK (nor AMX), whether the
+    model is opened by our runtime or by llama-cpp-python directly."""
+    from miniapp.engine.runtimes.llamacpp_runtime import LlamaCppRuntime
+
+    def runtime():
+        return LlamaCppRuntime(gemma_model, n_ctx=256)
+
+    def bare():
+        return llamacpp_lib.Llama(str(gemma_model), n_ctx=256, verbose=False)
+
+    for open_model in (runtime, bare):
+        kept = _load_log(monkeypatch, caplog, "auto", open_model)
+        plain = _load_log(monkeypatch, caplog, "off", open_model)
+        assert "CPU_Mapped model buffer" in kept and "CPU_Mapped model buffer" in plain
+        if build_features().get("REPACK") == "1" and cpu_features().avx2:
+            assert "CPU_REPACK model buffer" in kept
+        assert "CPU_REPACK model buffer" not in plain and "AMX model buffer" not in plain
+        assert "weights stay in plain CPU buffers" in plain  # the reason, logged once
+
+
+def test_a_model_opened_without_extra_buffers_still_answers(monkeypatch, default_model):
+    from miniapp.engine.runtimes.llamacpp_runtime import LlamaCppRuntime
+
+    monkeypatch.setenv(REPACK_ENV, "off")
+    llamacpp_lib.cpu_path.cache_clear()
+    try:
+        runtime = LlamaCppRuntime(default_model, n_ctx=256, logits_all=True)
+        logits = runtime.logits(TOKENS[:16])
+        runtime.close()
+    finally:
+        llamacpp_lib.cpu_path.cache_clear()
+    assert logits.shape[0] == 16 and abs(logits).max() > 0
+
+
+# ------------------------------------------------------------------ doctor, on several CPUs
+
+
+def _doctor_json(miniapp_exe, **env) -> dict:
+    done = subprocess.run(
+        [miniapp_exe, "doctor", "--json"], capture_output=True, text=True, timeout=120,
+        env={**os.environ, **env},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_doctor_reports_this_cpu_and_each_engines_path(miniapp_exe):
+    from miniapp.engine.kernels import cpu_int4_kernel
+
+    report = _doctor_json(miniapp_exe)
+    cpu = report["cpu"]
+    assert {k: cpu[k] for k in cpu_features().summary()} == cpu_features().summary()
+    kernel = cpu_int4_kernel()
+    assert cpu["native_int4"] == (kernel.library.isa_name if kernel.native else None)
+    weights = report["llama_cpp"]["cpu_weights"]
+    assert weights["extra_buffers"] is True  # make setup's build has no AMX path
+    assert report["llama_cpp"]["build"] == build_features()
+
+
+@pytest.mark.parametrize(
+    ("preset", "native_int4", "amx"),
+    [("intel-amx", None, True), ("amd-avx512", None, False), ("avx2-only", "avx2", False)],
+)
+def test_doctor_on_simulated_cpus(miniapp_exe, preset, native_int4, amx):
+    report = _doctor_json(miniapp_exe, MINIAPP_SIMULATE_CPU=preset)
+    cpu = report["cpu"]
+    assert cpu["simulated"] and cpu["amx"] is amx and cpu["avx2"]
+    if native_int4:
+        assert cpu["native_int4"] == native_int4
+    else:  # AVX-512 BF16 where the real CPU has it too, else AVX2: never more than it has
+        real = CpuFeatures("", cpu_features().flags)
+        assert cpu["native_int4"] == ("avx512" if real.avx512_bf16 else "avx2")
+    # Our build has no AMX path, so even a CPU with AMX keeps CPU_REPACK.
+    assert report["llama_cpp"]["cpu_weights"]["extra_buffers"] is True
+
+
+def test_doctor_prints_the_cpu_line(miniapp_exe):
+    done = subprocess.run(
+        [miniapp_exe, "doctor"], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "MINIAPP_SIMULATE_CPU": "intel-amx"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "(simulated): AVX2, AVX-512, AVX-512 BF16, AVX-512 VNNI, AMX" in done.stdout
+    assert "weights on the CPU: CPU_REPACK - this llama.cpp build has no AMX path" in done.stdout
+
+
+# ------------------------------------------------------------------ an AVX2-only machine
+
+_AVX2_CHECK = """
+import json, sys
+import numpy as np, torch
+from miniapp.engine.kernels import cpu_int4_kernel
+from miniapp.engine.runtimes.llamacpp_runtime import LlamaCppRuntime
+from miniapp.engine.runtimes.torch_runtime import TorchRuntime
+path, tokens = sys.argv[1], json.loads(sys.argv[2])
+ours = TorchRuntime(path, n_ctx=256).logits(tokens)
+oracle = LlamaCppRuntime(path, n_ctx=256, logits_all=True).logits(tokens)
+kernel = cpu_int4_kernel()
+print(json.dumps({
+    "native": kernel.library.isa_name if kernel.native else None,
+    "aten": torch.backends.cpu.get_cpu_capability(),
+    "agreement": float((ours.argmax(-1) == oracle.argmax(-1)).mean()),
+    "relative": float(np.abs(ours - oracle).max() / np.abs(oracle).max()),
+}))
+"""
+
+
+@pytest.mark.parametrize("spec", [LLAMA, GEMMA3], ids=["llama-q4_1", "gemma3-q4_1"])
+def test_an_avx2_only_machine_runs_the_avx2_paths_and_matches_llama_cpp(tmp_path, spec):
+    """What an AVX2-only CPU runs, on any machine that has AVX2: our kernel's AVX2 path and
+    torch's AVX2 kernels, checked against llama.cpp with the bounds of test_oracle_tiny."""
+    if not cpu_features().avx2:
+        pytest.fail("every machine this project runs on has AVX2; this one does not")
+    model = write_tiny_model(tmp_path / "tiny.gguf", spec)
+    env = {**os.environ, "MINIAPP_SIMULATE_CPU": "avx2-only", "ATEN_CPU_CAPABILITY": "avx2"}
+    done = subprocess.run(
+        [sys.executable, "-c", _AVX2_CHECK, str(model), json.dumps(TOKENS)],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout)
+    assert result["native"] == "avx2" and result["aten"] == "AVX2"
+    assert result["agreement"] >= MIN_AGREEMENT, result
+    assert result["relative"] <= QUANT_BOUND, result
