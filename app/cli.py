@@ -7,6 +7,7 @@ it prints one line naming the cause and exits with code 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import sys
 from importlib.metadata import PackageNotFoundError, version
@@ -283,6 +284,9 @@ def _positive_float(text: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # A crash inside a native library (llama.cpp, torch, our kernels) cannot be caught, but
+    # it is not silent: Python prints the fatal signal and where each thread was.
+    faulthandler.enable()
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(

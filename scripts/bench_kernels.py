@@ -229,6 +229,10 @@ def bench_decode(model: Path, args) -> dict:
                     speed, digest = worker.run()
                     speeds[name].append(speed)
                     digests[name].add(digest)
+            prefill = {  # medians over the runs, from each worker's own result
+                name: json.loads(worker.ask("result"))["prefill_tok_s"]
+                for name, worker in workers.items()
+            }
         finally:
             for worker in workers.values():
                 worker.stop()
@@ -238,6 +242,7 @@ def bench_decode(model: Path, args) -> dict:
 
     return {
         "tok_s": {name: statistics.median(s) for name, s in speeds.items()},
+        "prefill_tok_s": prefill,
         "native_vs_llamacpp": pairs("native", "llamacpp"),
         "torch_vs_llamacpp": pairs("torch", "llamacpp"),
         "native_vs_torch": pairs("native", "torch"),
@@ -283,6 +288,8 @@ def print_report(results: dict) -> None:
         d = results["decode"]
         speeds = ", ".join(f"{name} {v:.1f}" for name, v in d["tok_s"].items())
         print(f"\ndecode tok/s (medians): {speeds}")
+        prefill = ", ".join(f"{name} {v:.1f}" for name, v in d["prefill_tok_s"].items())
+        print(f"prefill tok/s (medians, {DECODE_PROMPT_TOKENS} tokens): {prefill}")
         print(
             f"pair ratios: native/llama.cpp {d['native_vs_llamacpp']:.2f}, torch op/llama.cpp "
             f"{d['torch_vs_llamacpp']:.2f}, native/torch op {d['native_vs_torch']:.2f}, "
