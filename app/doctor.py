@@ -25,12 +25,12 @@ def run_doctor(args: argparse.Namespace) -> int:
     model = resolve_model(args.model)
     footprint = estimate_footprint(GGUFFile(model), args.ctx)
     plan = plan_device(args.device, probe, footprint)
-    int4_kernel, attention = cpu_int4_kernel(), cpu_attention_kernel()
+    cpu, int4_kernel, attention = cpu_features(), cpu_int4_kernel(), cpu_attention_kernel()
     report = {
         "versions": probe.versions(),
         "cpu": {
-            **cpu_features().summary(),
-            "summary": cpu_features().describe(),
+            **cpu.summary(),
+            "summary": cpu.describe(),
             # The path each of our native kernels takes here (None: torch's op instead).
             "native_int4": int4_kernel.library.isa_name if int4_kernel.native else None,
             "native_attention": "avx2" if attention else None,

@@ -90,10 +90,6 @@ class WorkerProcess:
             )
         raise WorkerCrashed(f"{name} failed ({exit_description(code)}) while {self._doing}: {last}")
 
-    @property
-    def pid(self) -> int:
-        return self._process.pid
-
     def stop(self) -> None:
         if self._process.poll() is None:
             self._process.kill()
