@@ -1,6 +1,7 @@
-"""The one place that imports llama-cpp-python: it routes llama.cpp's native log into Python
-logging and decides, from the CPU's features, which CPU weight path every model opened in
-this process takes.
+"""The one place that imports llama-cpp-python and opens llama.cpp models (`open_model`, with
+the GPU-offload plan and its fallback to fewer layers): it routes llama.cpp's native log into
+Python logging and decides, from the CPU's features, which CPU weight path every model opened
+in this process takes.
 
 The log: llama.cpp prints load and context messages straight to stderr, which would
 interleave with a streamed answer; here they go to the `miniapp.llamacpp` logger instead
@@ -30,6 +31,17 @@ import llama_cpp
 import llama_cpp.llama_cpp as llama_cpp_api
 
 from .cpu_features import CpuFeatures, cpu_features
+from .devices import (
+    DeviceProbe,
+    Fallback,
+    OffloadPlan,
+    default_probe,
+    estimate_footprint,
+    load_with_fewer_layers,
+    plan_llamacpp_offload,
+)
+from .errors import ModelFileError
+from .gguf_file import GGUFFile
 
 log = logging.getLogger("miniapp.llamacpp")
 
@@ -57,6 +69,39 @@ Llama = llama_cpp.Llama
 def llama_supports_gpu_offload() -> bool:
     """Whether this llama.cpp build can put layers on a GPU (CUDA, HIP, Metal, Vulkan...)."""
     return bool(llama_cpp.llama_supports_gpu_offload())
+
+
+@dataclass
+class OpenedModel:
+    """A model llama.cpp loaded, and where its layers went."""
+
+    llama: Llama
+    offload: OffloadPlan  # what the probe planned
+    gpu_layers: int  # what loaded: n_gpu_layers after any retries
+    fallbacks: list[Fallback]  # the retries with fewer layers, each with its reason
+
+
+def open_model(
+    gguf: GGUFFile, n_ctx: int, probe: DeviceProbe | None = None, **params
+) -> OpenedModel:
+    """Load `gguf` in llama.cpp with `params` (Llama's keyword arguments): on the GPU as far as
+    the probe says it fits, retrying with fewer layers (then none) when a load fails. A file
+    llama.cpp cannot load is a ModelFileError naming it."""
+    footprint = estimate_footprint(gguf, n_ctx)
+    offload = plan_llamacpp_offload(llama_supports_gpu_offload(), probe or default_probe(),
+                                    footprint)  # fmt: skip
+
+    def load(gpu_layers: int) -> Llama:
+        return Llama(str(gguf.path), n_ctx=n_ctx, n_gpu_layers=gpu_layers, verbose=False,
+                     **params)  # fmt: skip
+
+    try:
+        llama, layers, fallbacks = load_with_fewer_layers(load, offload, footprint.n_layers)
+    except ValueError as exc:
+        raise ModelFileError(gguf.path, f"llama.cpp could not load it ({exc})") from exc
+    for fallback in fallbacks:
+        log.warning("llama.cpp: gave up %s: %s", fallback.step, fallback.reason)
+    return OpenedModel(llama, offload, layers, fallbacks)
 
 
 # ------------------------------------------------------------------ the CPU weight path
@@ -158,9 +203,11 @@ llama_cpp_api.llama_model_default_params = _model_params_for_this_cpu
 __all__ = [
     "CpuPath",
     "Llama",
+    "OpenedModel",
     "build_features",
     "choose_cpu_path",
     "cpu_path",
     "llama_cpp",
     "llama_supports_gpu_offload",
+    "open_model",
 ]

@@ -31,17 +31,11 @@ from llama_cpp import mtmd_cpp
 from llama_cpp.llama_chat_format import MTMDChatHandler
 
 from ..chat_template import ChatTemplate, Message
-from ..devices import (
-    default_probe,
-    estimate_footprint,
-    load_with_fewer_layers,
-    plan_llamacpp_offload,
-)
 from ..errors import ContextFullError, MiniappError, ModelFileError
 from ..events import Finished, GenerationEvent, GenerationStats, TextDelta
 from ..generation import GenerationRequest, generate
 from ..gguf_file import GGUFFile
-from ..llamacpp_lib import Llama, llama_cpp, llama_supports_gpu_offload
+from ..llamacpp_lib import Llama, llama_cpp, llama_supports_gpu_offload, open_model
 from ..runtimes.base import DEFAULT_CTX, LOGIT_BLOCK, Runtime, common_prefix, default_threads
 from ..runtimes.llamacpp_runtime import sample_with_llamacpp
 from ..sampling import SamplingParams
@@ -240,28 +234,11 @@ class LlamaCppVisionChat:
         self.last_reused = 0  # positions of the latest prompt found already in the context
 
     def _load_model(self, gguf: GGUFFile, threads: int) -> Llama:
-        def load(gpu_layers: int) -> Llama:
-            return Llama(
-                str(self.model_path),
-                n_ctx=self.n_ctx,
-                n_batch=min(self.n_ctx, VISION_BATCH),
-                n_ubatch=min(self.n_ctx, VISION_BATCH),
-                n_threads=threads,
-                n_threads_batch=threads,
-                n_gpu_layers=gpu_layers,
-                chat_handler=self._handler,
-                verbose=False,
-            )
-
-        footprint = estimate_footprint(gguf, self.n_ctx)
-        plan = plan_llamacpp_offload(llama_supports_gpu_offload(), default_probe(), footprint)
-        try:
-            llama, _layers, fallbacks = load_with_fewer_layers(load, plan, footprint.n_layers)
-        except ValueError as exc:
-            raise ModelFileError(self.model_path, f"llama.cpp could not load it ({exc})") from exc
-        for fallback in fallbacks:
-            log.warning("llama.cpp: gave up %s: %s", fallback.step, fallback.reason)
-        return llama
+        return open_model(
+            gguf, self.n_ctx, n_batch=min(self.n_ctx, VISION_BATCH),
+            n_ubatch=min(self.n_ctx, VISION_BATCH), n_threads=threads, n_threads_batch=threads,
+            chat_handler=self._handler,
+        ).llama  # fmt: skip
 
     def _open_projector(self) -> None:
         _recent_problems.clear()

@@ -2,28 +2,18 @@
 
 from __future__ import annotations
 
-import logging
 import random
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from ..devices import (
-    DeviceProbe,
-    default_probe,
-    estimate_footprint,
-    load_with_fewer_layers,
-    plan_llamacpp_offload,
-)
-from ..errors import ModelFileError
+from ..devices import DeviceProbe
 from ..gguf_file import GGUFFile
-from ..llamacpp_lib import Llama, llama_supports_gpu_offload
+from ..llamacpp_lib import Llama, open_model
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
 from .base import DEFAULT_CTX, LOGIT_BLOCK, Runtime, common_prefix, default_threads
-
-log = logging.getLogger("miniapp.llamacpp")
 
 
 class LlamaCppRuntime(Runtime):
@@ -43,30 +33,12 @@ class LlamaCppRuntime(Runtime):
         self.chat_template = gguf.metadata.get("tokenizer.chat_template")
         self.architecture = gguf.architecture
         threads = threads or default_threads()
-
-        def load(gpu_layers: int) -> Llama:
-            return Llama(
-                str(self.model_path),
-                n_ctx=n_ctx,
-                n_batch=min(n_ctx, 512),
-                n_threads=threads,
-                n_threads_batch=threads,
-                n_gpu_layers=gpu_layers,
-                logits_all=logits_all,
-                verbose=False,
-            )
-
-        probe = probe or default_probe()
-        footprint = estimate_footprint(gguf, n_ctx)
-        self.offload = plan_llamacpp_offload(llama_supports_gpu_offload(), probe, footprint)
-        try:
-            self._llm, self.gpu_layers, self.fallbacks = load_with_fewer_layers(
-                load, self.offload, footprint.n_layers
-            )
-        except ValueError as exc:
-            raise ModelFileError(self.model_path, f"llama.cpp could not load it ({exc})") from exc
-        for fallback in self.fallbacks:
-            log.warning("llama.cpp: gave up %s: %s", fallback.step, fallback.reason)
+        opened = open_model(
+            gguf, n_ctx, probe, n_batch=min(n_ctx, 512), n_threads=threads,
+            n_threads_batch=threads, logits_all=logits_all,
+        )  # fmt: skip
+        self._llm, self.offload = opened.llama, opened.offload
+        self.gpu_layers, self.fallbacks = opened.gpu_layers, opened.fallbacks
         self.tokenizer = Tokenizer(self.model_path, llama=self._llm)
         self.n_ctx = n_ctx
         self._logits_all = logits_all
