@@ -176,7 +176,7 @@ def _open_runtime(args: argparse.Namespace, model_path: Path, interactive: bool)
         args.backend, model_path, n_ctx=args.ctx, threads=args.threads,
         sinks=args.sinks, window=args.window, spec=args.spec, device=args.device,
     )  # fmt: skip
-    plan = getattr(runtime, "device_plan", None)
+    plan = runtime.info().device_plan
     if interactive and plan is not None:
         print(f"running on {plan.device} ({plan.reason})", file=sys.stderr, flush=True)
     return runtime

@@ -103,9 +103,8 @@ class BenchSession:
         self.backend, self.prompts, self.threads, self.ctx = backend, prompts, threads, ctx
         self.spec = spec if backend == "torch" else "off"
         self.stop_tokens = self.runtime.tokenizer.eog_ids if stop_at_end_of_turn else frozenset()
-        policy = getattr(self.runtime, "policy", None)  # the torch engine's sliding window
-        self.sinks = policy.sinks if policy else None
-        self.window = policy.window_size if policy else None
+        info = self.runtime.info()
+        self.sinks, self.window = info.sinks, info.window  # the torch engine's sliding window
         self.n_tokens = n_tokens
         self._run(prompts[0][::-1], WARMUP_TOKENS)  # a different prompt: nothing reused below
         self.samples: list[RunStats] = []

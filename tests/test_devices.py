@@ -321,3 +321,13 @@ def test_doctor_json_reports_llamacpp_offload(miniapp_exe):
     assert llama["n_gpu_layers"] == 0  # no GPU (simulated), or a build without offload
     assert llama["reason"] == ("no GPU visible" if llama["gpu_offload"]
                                else "this llama.cpp build has no GPU offload")  # fmt: skip
+
+
+def test_runtimes_say_what_they_are(torch_runtime, llamacpp_runtime):
+    ours = torch_runtime.info()
+    assert ours.backend == "torch" and ours.device_plan is torch_runtime.device_plan
+    assert ours.placement == "cpu (int4)" and ours.spec == "auto"
+    assert (ours.sinks, ours.window) == (4, 1024 - 4)
+    theirs = llamacpp_runtime.info()
+    assert theirs.backend == "llamacpp" and theirs.device_plan is None
+    assert theirs.placement == "llamacpp" and theirs.model_path == llamacpp_runtime.model_path

@@ -140,7 +140,7 @@ class ModelHost:
             if self._wanted_key != key:
                 return  # superseded by a newer request while loading
             self._runtime, self._loaded_key, self._wanted_key = runtime, key, None
-            self._status = ModelStatus(LoadState.READY, describe_runtime(runtime, settings))
+            self._status = ModelStatus(LoadState.READY, describe_runtime(runtime))
             self._ready_status = self._status
             self._changed.notify_all()
 
@@ -176,13 +176,13 @@ class ModelHost:
         return self._vision
 
 
-def describe_runtime(runtime: Runtime, settings: ChatSettings) -> str:
+def describe_runtime(runtime: Runtime) -> str:
     """'SmolLM2-135M-Instruct.Q4_1.gguf on torch, cpu (int4): no GPU visible to torch'."""
-    name = Path(getattr(runtime, "model_path", settings.model)).name
-    plan = getattr(runtime, "device_plan", None)
+    info = runtime.info()
+    name, plan = info.model_path.name, info.device_plan
     if plan is None:
-        return f"{name} on {runtime.backend}"
-    return f"{name} on {runtime.backend}, {plan.device} ({plan.weights}): {plan.reason}"
+        return f"{name} on {info.backend}"
+    return f"{name} on {info.backend}, {info.placement}: {plan.reason}"
 
 
 def model_choices() -> list[tuple[str, str]]:
@@ -214,8 +214,7 @@ def figures_line(stats: GenerationStats, runtime: Runtime, elapsed_s: float | No
     if stats.speculation is not None and stats.speculation.drafted:
         spec = stats.speculation
         parts.append(f"drafts accepted {spec.acceptance_rate:.0%} ({spec.mode})")
-    plan = getattr(runtime, "device_plan", None)
-    parts.append(f"{plan.device} ({plan.weights})" if plan else runtime.backend)
+    parts.append(runtime.info().placement)
     held = min(stats.prompt_tokens + stats.generated_tokens, runtime.n_ctx)
     parts.append(f"context {held}/{runtime.n_ctx}")
     return " · ".join(parts)

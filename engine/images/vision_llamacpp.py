@@ -36,7 +36,14 @@ from ..events import Finished, GenerationEvent, GenerationStats, TextDelta
 from ..generation import GenerationRequest, generate
 from ..gguf_file import GGUFFile
 from ..llamacpp_lib import Llama, llama_cpp, llama_supports_gpu_offload, open_model
-from ..runtimes.base import DEFAULT_CTX, LOGIT_BLOCK, Runtime, common_prefix, default_threads
+from ..runtimes.base import (
+    DEFAULT_CTX,
+    LOGIT_BLOCK,
+    Runtime,
+    RuntimeInfo,
+    common_prefix,
+    default_threads,
+)
 from ..runtimes.llamacpp_runtime import sample_with_llamacpp
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
@@ -406,6 +413,9 @@ class LlamaCppVisionChat:
         self.dropped_turns = 0
         self._in_context = []
         self.llama.reset()
+
+    def info(self) -> RuntimeInfo:
+        return RuntimeInfo(self.backend, self.model_path)
 
     def close(self) -> None:
         self.llama.close()  # frees the projector too (the handler registered it there)

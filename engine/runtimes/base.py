@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from ..devices import DevicePlan
 from ..errors import MiniappError
 from ..events import SpeculationStats
 from ..sampling import SamplingParams
@@ -31,6 +33,24 @@ def common_prefix(a: Sequence, b: Sequence) -> int:
             break
         n += 1
     return n
+
+
+@dataclass(frozen=True)
+class RuntimeInfo:
+    """What a runtime is and where it runs, for interfaces to show."""
+
+    backend: str
+    model_path: Path
+    device_plan: DevicePlan | None = None  # the torch engine's device, weights and reason
+    spec: str = "off"  # speculative decoding mode
+    sinks: int | None = None  # the torch engine's sliding window: sinks kept, recent tokens
+    window: int | None = None
+
+    @property
+    def placement(self) -> str:
+        """'cpu (int4)', 'cuda:0 (bf16)', or the backend where it has no device plan."""
+        plan = self.device_plan
+        return f"{plan.device} ({plan.weights})" if plan else self.backend
 
 
 class Runtime(ABC):
@@ -79,6 +99,10 @@ class Runtime(ABC):
         """Drop fed tokens start..end-1 from the context without evaluating anything again;
         False if this runtime cannot (the caller then lets prefix reuse re-evaluate)."""
         return False
+
+    def info(self) -> RuntimeInfo:
+        """What this runtime is (interfaces read it here, never from attributes)."""
+        return RuntimeInfo(self.backend, self.model_path)
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release native resources early."""

@@ -28,7 +28,14 @@ from ..sampling import SamplingParams
 from ..speculative import DraftController, EarlyExitDrafter, SpecMode, SpeculativeDecoder
 from ..speculative.calibration import default_exit_setting, load_exit_setting
 from ..tokenizer import Tokenizer
-from .base import DEFAULT_CTX, LOGIT_BLOCK, Runtime, common_prefix, default_threads
+from .base import (
+    DEFAULT_CTX,
+    LOGIT_BLOCK,
+    Runtime,
+    RuntimeInfo,
+    common_prefix,
+    default_threads,
+)
 
 log = logging.getLogger("miniapp.engine")
 
@@ -213,6 +220,11 @@ class TorchRuntime(Runtime):
             yield token
             history.append(token)
             logits = self._feed([token])
+
+    def info(self) -> RuntimeInfo:
+        policy = self.policy
+        return RuntimeInfo(self.backend, self.model_path, self.device_plan, self.spec_mode.value,
+                           policy.sinks, policy.window_size)  # fmt: skip
 
     def reset(self) -> None:
         self._truncate(0)
