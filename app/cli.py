@@ -14,7 +14,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from miniapp.engine.devices import DEVICE_CHOICES
 from miniapp.engine.errors import MiniappError
-from miniapp.engine.runtimes import BACKENDS
+from miniapp.engine.runtimes import BACKENDS, DEFAULT_CTX
 from miniapp.engine.spec_modes import SPEC_MODES
 
 from .settings import add_flags as add_setting_flags
@@ -162,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="devices, kernels and the path a model would take")
     doctor.add_argument("--model", help="GGUF path or bundled model name")
     doctor.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
-    doctor.add_argument("--ctx", type=_positive_int, default=4096, help="context for the estimate")
+    doctor.add_argument("--ctx", type=_positive_int, default=DEFAULT_CTX,
+                        help="context for the estimate")  # fmt: skip
     doctor.add_argument("--json", action="store_true", help="print one JSON object")
 
     calibrate = sub.add_parser(

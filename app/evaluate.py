@@ -14,7 +14,7 @@ from miniapp.engine.perplexity import (
     recompute_perplexity,
     streaming_perplexity,
 )
-from miniapp.engine.runtimes import Runtime, open_runtime
+from miniapp.engine.runtimes import DEFAULT_SINKS, Runtime, open_runtime
 
 
 def read_text(path_arg: str) -> str:
@@ -46,7 +46,7 @@ def run_ppl(args: argparse.Namespace) -> int:
         result = recompute_perplexity(runtime, text, args.window, stride)
         how = f"each window of {args.window} recomputed, stride {stride}"
     else:
-        sinks = 4 if args.sinks is None else args.sinks
+        sinks = DEFAULT_SINKS if args.sinks is None else args.sinks
         runtime = _open(args, model, n_ctx=sinks + args.window, sinks=sinks, window=args.window)
         result = streaming_perplexity(runtime, text, sinks, args.window)
         how = f"streamed through {sinks} sinks + a window of {args.window}"

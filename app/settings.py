@@ -17,14 +17,23 @@ from typing import Any, Literal, get_args, get_origin
 import platformdirs
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from miniapp.engine.devices import DEVICE_CHOICES
 from miniapp.engine.errors import MiniappError
+from miniapp.engine.generation import GenerationRequest
+from miniapp.engine.model_store import DEFAULT_MODEL
+from miniapp.engine.runtimes import BACKENDS, DEFAULT_CTX, DEFAULT_SINKS
+from miniapp.engine.sampling import SamplingParams
+from miniapp.engine.spec_modes import SPEC_MODES, SpecMode
 
 CONFIG_ENV = "MINIAPP_CONFIG"  # a config file elsewhere (tests, several profiles)
 ENV_PREFIX = "MINIAPP_"
 COMMANDS = ("chat", "gui")
-Backend = Literal["torch", "llamacpp"]
-Device = Literal["auto", "cuda", "rocm", "cpu"]
-Spec = Literal["off", "auto", "early-exit", "lookup"]
+# The choices and defaults are the engine's own: one source for each.
+Backend = Literal[BACKENDS]
+Device = Literal[DEVICE_CHOICES]
+Spec = Literal[SPEC_MODES]
+_SAMPLING, _REQUEST = SamplingParams(), GenerationRequest()
+DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 7860  # the GUI's (loopback only unless told)
 
 
 def _field(default, help: str, commands: tuple[str, ...] = COMMANDS, **limits):  # noqa: A002
@@ -34,28 +43,32 @@ def _field(default, help: str, commands: tuple[str, ...] = COMMANDS, **limits): 
 class Settings(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    model: str = _field("smollm2-135m-instruct", "GGUF path or bundled model name")
-    backend: Backend = _field("torch", "our engine or llama.cpp")
+    model: str = _field(DEFAULT_MODEL, "GGUF path or bundled model name")
+    backend: Backend = _field(BACKENDS[0], "our engine or llama.cpp")
     device: Device = _field("auto", "torch engine: auto (a GPU if torch sees one), cuda, rocm, cpu")
     threads: int | None = _field(None, "CPU threads (default: all)", gt=0)
-    ctx: int = _field(4096, "context size in tokens", gt=0)
+    ctx: int = _field(DEFAULT_CTX, "context size in tokens", gt=0)
     window: int | None = _field(None, "torch engine: recent tokens kept once the context is "
                                 "full (default: ctx - sinks)", gt=0)  # fmt: skip
     sinks: int | None = _field(None, "torch engine: first tokens kept as attention sinks "
-                               "(default: 4)", ge=0)  # fmt: skip
-    spec: Spec = _field("auto", "speculative decoding (torch engine; output unchanged)")
-    max_tokens: int = _field(512, "most tokens in one answer", gt=0)
-    temperature: float = _field(0.8, "0 = greedy", ge=0)
-    top_k: int = _field(40, "sample from the k most likely tokens (0 = all)", ("chat",), ge=0)
-    top_p: float = _field(0.95, "nucleus sampling", gt=0, le=1)
-    min_p: float = _field(0.05, "drop tokens below this share of the best", ("chat",), ge=0)
-    repeat_penalty: float = _field(1.0, "llama.cpp's repetition penalty", ("chat",), gt=0)
+                               f"(default: {DEFAULT_SINKS})", ge=0)  # fmt: skip
+    spec: Spec = _field(SpecMode.AUTO.value, "speculative decoding (torch engine; output "
+                        "unchanged)")  # fmt: skip
+    max_tokens: int = _field(_REQUEST.max_tokens, "most tokens in one answer", gt=0)
+    temperature: float = _field(_SAMPLING.temperature, "0 = greedy", ge=0)
+    top_k: int = _field(_SAMPLING.top_k, "sample from the k most likely tokens (0 = all)",
+                        ("chat",), ge=0)  # fmt: skip
+    top_p: float = _field(_SAMPLING.top_p, "nucleus sampling", gt=0, le=1)
+    min_p: float = _field(_SAMPLING.min_p, "drop tokens below this share of the best",
+                          ("chat",), ge=0)  # fmt: skip
+    repeat_penalty: float = _field(_SAMPLING.repeat_penalty, "llama.cpp's repetition penalty",
+                                   ("chat",), gt=0)  # fmt: skip
     seed: int | None = _field(None, "sampling seed", ("chat",))
     system: str | None = _field(None, "system prompt")
     asr_model: str | None = _field(None, "a faster-whisper model folder (default: the bundled "
                                    "tiny.en)")  # fmt: skip
-    host: str = _field("127.0.0.1", "GUI: address to bind (default: loopback)", ("gui",))
-    port: int = _field(7860, "GUI: port", ("gui",), gt=0, lt=65536)
+    host: str = _field(DEFAULT_HOST, "GUI: address to bind (default: loopback)", ("gui",))
+    port: int = _field(DEFAULT_PORT, "GUI: port", ("gui",), gt=0, lt=65536)
 
     @classmethod
     def fields_for(cls, command: str) -> list[str]:

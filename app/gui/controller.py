@@ -18,12 +18,12 @@ from miniapp.engine.chat_template import Message
 from miniapp.engine.errors import MiniappError
 from miniapp.engine.events import Finished, GenerationStats, TextDelta
 from miniapp.engine.generation import GenerationRequest
-from miniapp.engine.model_store import BUNDLED, DEFAULT_MODEL, models_dir, resolve_model
-from miniapp.engine.runtimes import open_runtime
-from miniapp.engine.runtimes.base import DEFAULT_CTX, Runtime
+from miniapp.engine.model_store import BUNDLED, models_dir, resolve_model
+from miniapp.engine.runtimes import Runtime, open_runtime
 from miniapp.engine.sampling import SamplingParams
 from miniapp.engine.session import ChatSession
 
+from ..settings import Settings
 from .history import Conversation, SavedMessage, data_dir, write_atomically_bytes
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".gif"}
@@ -36,18 +36,18 @@ class ChatSettings:
     """Everything the settings panel controls. A change applies to the next message; the
     fields in `load_key` need the model loaded again."""
 
-    model: str = DEFAULT_MODEL
-    backend: str = "torch"
-    device: str = "auto"
-    spec: str = "auto"
-    ctx: int = DEFAULT_CTX
+    model: str = Settings.model_fields["model"].default
+    backend: str = Settings.model_fields["backend"].default
+    device: str = Settings.model_fields["device"].default
+    spec: str = Settings.model_fields["spec"].default
+    ctx: int = Settings.model_fields["ctx"].default
     window: int | None = None
     sinks: int | None = None
     threads: int | None = None
     system_prompt: str = ""
-    temperature: float = 0.7
-    top_p: float = 0.95
-    max_tokens: int = 512
+    temperature: float = Settings.model_fields["temperature"].default
+    top_p: float = Settings.model_fields["top_p"].default
+    max_tokens: int = Settings.model_fields["max_tokens"].default
 
     @property
     def load_key(self) -> tuple:

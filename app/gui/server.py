@@ -10,8 +10,6 @@ import sys
 # Gradio reports usage to its makers unless told not to; miniapp is offline.
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 7860
 MAX_UPLOAD = "50mb"  # Gradio refuses larger uploads with a message; images cap at 50 MB too
 MAX_UPLOAD_ENV = "MINIAPP_MAX_UPLOAD"  # e.g. "1mb", to try the limit without a huge file
 

@@ -11,7 +11,7 @@ import gradio as gr
 
 from miniapp.engine.devices import DEVICE_CHOICES
 from miniapp.engine.errors import MiniappError
-from miniapp.engine.runtimes import BACKENDS
+from miniapp.engine.runtimes import BACKENDS, DEFAULT_SINKS
 from miniapp.engine.spec_modes import SPEC_MODES
 
 from .controller import (
@@ -161,7 +161,8 @@ def build_ui(ctx: GuiContext) -> gr.Blocks:
                                            label="Max tokens", elem_id="max-tokens")  # fmt: skip
                     ctx_size = gr.Number(value=d.ctx, precision=0, minimum=64, label="Context")
                     window = gr.Textbox(value=_blank(d.window), label="Window (blank: auto)")
-                    sinks = gr.Textbox(value=_blank(d.sinks), label="Sinks (blank: 4)")
+                    sinks = gr.Textbox(value=_blank(d.sinks),
+                                       label=f"Sinks (blank: {DEFAULT_SINKS})")  # fmt: skip
         settings_inputs = [model, custom, backend, device, spec, ctx_size, window, sinks, system,
                            temperature, top_p, max_tokens]  # fmt: skip
         _wire(ctx, locals())

@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import MiniappError
-from .base import DEFAULT_CTX, Runtime
+from ..spec_modes import SpecMode
+from .base import DEFAULT_CTX, DEFAULT_SINKS, Runtime
 
 BACKENDS = ("torch", "llamacpp")
 
@@ -19,13 +20,13 @@ def open_runtime(
     logits_all: bool = False,
     sinks: int | None = None,
     window: int | None = None,
-    spec: str = "auto",
+    spec: str = SpecMode.AUTO,
     device: str = "auto",
 ) -> Runtime:
     """`sinks` and `window` shape the torch engine's sliding-window cache (see TorchRuntime);
     llama.cpp's Python binding has no equivalent, so it stops at a full context instead."""
     if backend == "torch":
-        from .torch_runtime import DEFAULT_SINKS, TorchRuntime
+        from .torch_runtime import TorchRuntime
 
         sinks = DEFAULT_SINKS if sinks is None else sinks
         return TorchRuntime(
@@ -45,4 +46,4 @@ def open_runtime(
     raise MiniappError(f"unknown backend '{backend}' (choose from {', '.join(BACKENDS)})")
 
 
-__all__ = ["BACKENDS", "DEFAULT_CTX", "Runtime", "open_runtime"]
+__all__ = ["BACKENDS", "DEFAULT_CTX", "DEFAULT_SINKS", "Runtime", "open_runtime"]

@@ -17,6 +17,7 @@ from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
 
 DEFAULT_CTX = 4096
+DEFAULT_SINKS = 4  # StreamingLLM's number of attention-sink tokens (the torch engine's cache)
 LOGIT_BLOCK = 256
 
 

@@ -30,6 +30,7 @@ from ..speculative.calibration import default_exit_setting, load_exit_setting
 from ..tokenizer import Tokenizer
 from .base import (
     DEFAULT_CTX,
+    DEFAULT_SINKS,
     LOGIT_BLOCK,
     Runtime,
     RuntimeInfo,
@@ -38,8 +39,6 @@ from .base import (
 )
 
 log = logging.getLogger("miniapp.engine")
-
-DEFAULT_SINKS = 4  # StreamingLLM's number of attention-sink tokens
 
 
 class TorchRuntime(Runtime):
