@@ -1,4 +1,5 @@
-"""What the GUI does, without the GUI: the loaded model, settings, answers and attachments.
+"""What the GUI does, without the GUI: settings, answers and attachments (the loaded model is
+the shared `ModelHost` of app/model_host.py).
 
 The Gradio layer (`ui.py`) only turns widget values into calls here and results back into
 widget values, so everything below can be reasoned about (and tested) as plain Python.
@@ -10,8 +11,7 @@ import hashlib
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
-from enum import StrEnum
+from dataclasses import dataclass
 from pathlib import Path
 
 from miniapp.engine.chat_template import Message
@@ -19,22 +19,22 @@ from miniapp.engine.errors import MiniappError
 from miniapp.engine.events import Finished, GenerationStats, TextDelta
 from miniapp.engine.generation import GenerationRequest
 from miniapp.engine.model_store import BUNDLED, models_dir, resolve_model
-from miniapp.engine.runtimes import Runtime, open_runtime
+from miniapp.engine.runtimes import Runtime
 from miniapp.engine.sampling import SamplingParams
 from miniapp.engine.session import ChatSession
 
+from ..model_host import LoadSpec, ModelHost
 from ..settings import Settings
 from .history import Conversation, SavedMessage, data_dir, write_atomically_bytes
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".gif"}
 AUDIO_SUFFIXES = {".wav", ".mp3", ".flac", ".ogg", ".m4a", ".webm", ".opus"}
-LOAD_WAIT_S = 600.0  # an answer waits this long at most for a model that is still loading
 
 
 @dataclass(frozen=True)
 class ChatSettings:
     """Everything the settings panel controls. A change applies to the next message; the
-    fields in `load_key` need the model loaded again."""
+    fields in `load_spec` need the model loaded again."""
 
     model: str = Settings.model_fields["model"].default
     backend: str = Settings.model_fields["backend"].default
@@ -50,139 +50,13 @@ class ChatSettings:
     max_tokens: int = Settings.model_fields["max_tokens"].default
 
     @property
-    def load_key(self) -> tuple:
-        return (self.model, self.backend, self.device, self.spec, self.ctx, self.window,
-                self.sinks, self.threads)  # fmt: skip
+    def load_spec(self) -> LoadSpec:
+        return LoadSpec(self.model, self.backend, self.device, self.spec, self.ctx,
+                        self.window, self.sinks, self.threads)  # fmt: skip
 
     def request(self) -> GenerationRequest:
         sampling = SamplingParams(temperature=self.temperature, top_p=self.top_p)
         return GenerationRequest(max_tokens=self.max_tokens, sampling=sampling)
-
-
-class LoadState(StrEnum):
-    LOADING = "loading"
-    READY = "ready"
-    FAILED = "failed"
-
-
-@dataclass(frozen=True)
-class ModelStatus:
-    state: LoadState
-    message: str  # one line for the status bar
-
-
-class ModelLoadError(MiniappError):
-    pass
-
-
-class ModelHost:
-    """The one loaded model. Loads run in a background thread; a load that fails leaves the
-    previous model in place, and its one-line error is the status. One generation runs at a
-    time (`generation_lock`); the swap to a newly loaded model waits for it."""
-
-    def __init__(self, opener: Callable[..., Runtime] = open_runtime):
-        self._opener = opener
-        self.generation_lock = threading.Lock()
-        self._changed = threading.Condition()
-        self._runtime: Runtime | None = None
-        self._loaded_key: tuple | None = None
-        self._wanted_key: tuple | None = None
-        self._status = ModelStatus(LoadState.FAILED, "no model loaded")
-        self._ready_status = self._status  # the loaded model's, to return to
-        self._vision = None  # a LlamaCppVisionChat, loaded when a picture first needs it
-        self._vision_key: tuple | None = None
-        self._started = 0.0
-
-    @property
-    def status(self) -> ModelStatus:
-        status = self._status
-        if status.state is LoadState.LOADING:
-            elapsed = time.monotonic() - self._started
-            return replace(status, message=f"{status.message} ({elapsed:.0f} s)")
-        return status
-
-    @property
-    def runtime(self) -> Runtime | None:
-        return self._runtime
-
-    def request(self, settings: ChatSettings) -> None:
-        """Start loading the model these settings need, unless it is loaded or loading."""
-        key = settings.load_key
-        with self._changed:
-            if key == self._loaded_key:  # back to the loaded model: nothing to wait for
-                self._wanted_key, self._status = None, self._ready_status
-                self._changed.notify_all()
-                return
-            if key == self._wanted_key:
-                return
-            self._wanted_key, self._started = key, time.monotonic()
-            label = Path(settings.model).name
-            self._status = ModelStatus(LoadState.LOADING, f"loading {label} on {settings.backend}")
-        threading.Thread(target=self._load, args=(settings, key), daemon=True).start()
-
-    def _load(self, settings: ChatSettings, key: tuple) -> None:
-        try:
-            runtime = self._opener(
-                settings.backend, resolve_model(settings.model), n_ctx=settings.ctx,
-                threads=settings.threads, sinks=settings.sinks, window=settings.window,
-                spec=settings.spec, device=settings.device,
-            )  # fmt: skip
-        except (MiniappError, OSError, ValueError, RuntimeError) as exc:
-            with self._changed:
-                if self._wanted_key == key:
-                    self._wanted_key = None
-                    kept = " (the previous model stays loaded)" if self._runtime else ""
-                    self._status = ModelStatus(LoadState.FAILED, f"model failed to load: "
-                                                                 f"{exc}{kept}")  # fmt: skip
-                self._changed.notify_all()
-            return
-        with self.generation_lock, self._changed:
-            if self._wanted_key != key:
-                return  # superseded by a newer request while loading
-            self._runtime, self._loaded_key, self._wanted_key = runtime, key, None
-            self._status = ModelStatus(LoadState.READY, describe_runtime(runtime))
-            self._ready_status = self._status
-            self._changed.notify_all()
-
-    def wait_for(self, settings: ChatSettings, timeout: float = LOAD_WAIT_S) -> Runtime:
-        """The runtime for these settings, loading it first if needed."""
-        self.request(settings)
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            while self._loaded_key != settings.load_key:
-                if self._wanted_key != settings.load_key:
-                    raise ModelLoadError(self._status.message)
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise ModelLoadError("the model is still loading; try again shortly")
-                self._changed.wait(remaining)
-            assert self._runtime is not None
-            return self._runtime
-
-    def vision_chat(self, settings: ChatSettings, mmproj: Path):
-        """The vision model for these settings (call with `generation_lock` held). It is a
-        second copy of the model, on llama.cpp with its projector, kept for later pictures."""
-        from miniapp.engine.images.vision_llamacpp import LlamaCppVisionChat
-
-        key = (settings.model, str(mmproj), settings.ctx, settings.threads)
-        if self._vision_key != key:
-            if self._vision is not None:
-                self._vision.close()
-                self._vision, self._vision_key = None, None
-            model = resolve_model(settings.model)
-            self._vision = LlamaCppVisionChat(model, mmproj, n_ctx=settings.ctx,
-                                              threads=settings.threads)  # fmt: skip
-            self._vision_key = key
-        return self._vision
-
-
-def describe_runtime(runtime: Runtime) -> str:
-    """'SmolLM2-135M-Instruct.Q4_1.gguf on torch, cpu (int4): no GPU visible to torch'."""
-    info = runtime.info()
-    name, plan = info.model_path.name, info.device_plan
-    if plan is None:
-        return f"{name} on {info.backend}"
-    return f"{name} on {info.backend}, {info.placement}: {plan.reason}"
 
 
 def model_choices() -> list[tuple[str, str]]:
@@ -229,7 +103,7 @@ def stream_answer(
     """Answer the conversation's last message (a user message), appending the answer to it.
     The model sees the conversation's `content`s; old turns it cannot fit are dropped for the
     model only, the saved conversation keeps them."""
-    runtime = host.wait_for(settings)
+    runtime = host.wait_for(settings.load_spec)
     with host.generation_lock:
         *earlier, last = conversation.messages
         vision = None
@@ -271,7 +145,7 @@ def _vision_events(host, earlier, last, settings: ChatSettings, should_stop):
         if not last.images:
             return None
         raise MiniappError(f"this message has pictures for a vision model, but {route.reason}")
-    chat = host.vision_chat(settings, route.mmproj)
+    chat = host.vision_chat(settings.load_spec, route.mmproj)
     chat.system_prompt = settings.system_prompt or None
     chat.messages = [VisionMessage(m.role, m.content, _saved_pictures(m)) for m in earlier]
     images = [load_image(Path(p)) for p in last.images or ()]

@@ -29,14 +29,15 @@ def settings_from_args(args: argparse.Namespace):
 def run_gui(args: argparse.Namespace) -> int:
     import gradio as gr
 
-    from .controller import ModelHost, Transcriber
+    from ..model_host import ModelHost
+    from .controller import Transcriber
     from .history import ConversationStore
     from .ui import GuiContext, build_ui
 
     settings = settings_from_args(args)
     context = GuiContext(ModelHost(), ConversationStore(),
                          Transcriber(args.asr_model, args.threads), settings)  # fmt: skip
-    context.host.request(settings)  # loads while the page comes up
+    context.host.request(settings.load_spec)  # loads while the page comes up
     demo = build_ui(context)
     demo.queue(default_concurrency_limit=1)
     theme = gr.themes.Default(font=["system-ui", "sans-serif"], font_mono=["monospace"])

@@ -14,12 +14,11 @@ from miniapp.engine.errors import MiniappError
 from miniapp.engine.runtimes import BACKENDS, DEFAULT_SINKS
 from miniapp.engine.spec_modes import SPEC_MODES
 
+from ..model_host import ModelHost, ModelLoadError
 from .controller import (
     AUDIO_SUFFIXES,
     IMAGE_SUFFIXES,
     ChatSettings,
-    ModelHost,
-    ModelLoadError,
     Transcriber,
     model_choices,
     prepare_user_message,
@@ -256,7 +255,7 @@ def _wire(ctx: GuiContext, w: dict) -> None:
 
     def settings_changed(*values):
         try:
-            ctx.host.request(settings_from(list(values)))
+            ctx.host.request(settings_from(list(values)).load_spec)
         except (MiniappError, ValueError) as exc:
             return f"⚠️ {exc}"
         return ctx.host.status.message
