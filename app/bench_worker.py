@@ -15,8 +15,8 @@ import json
 import sys
 from pathlib import Path
 
-from miniapp.engine.benchmark import BenchSession
 from miniapp.engine.errors import MiniappError
+from miniapp.engine.evaluation.benchmark import BenchSession
 
 from .worker_process import EXIT_USAGE
 

@@ -12,8 +12,8 @@ from miniapp.engine.model_store import resolve_model
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
+    from miniapp.engine.evaluation.calibrate import calibrate
     from miniapp.engine.runtimes.torch_runtime import TorchRuntime
-    from miniapp.engine.speculative.calibrate import calibrate
     from miniapp.engine.speculative.calibration import save_exit_setting
 
     model_path = resolve_model(args.model)

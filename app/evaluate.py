@@ -7,13 +7,13 @@ import json
 from pathlib import Path
 
 from miniapp.engine.errors import InputFileError, MiniappError
-from miniapp.engine.model_store import resolve_model
-from miniapp.engine.perplexity import (
+from miniapp.engine.evaluation.perplexity import (
     agreement,
     perplexity,
     recompute_perplexity,
     streaming_perplexity,
 )
+from miniapp.engine.model_store import resolve_model
 from miniapp.engine.runtimes import DEFAULT_SINKS, Runtime, open_runtime
 
 
@@ -90,8 +90,8 @@ def run_asr(args: argparse.Namespace) -> int:
     """`miniapp eval asr`: synthetic sentences with known word boundaries through offline and
     streamed recognition (WER, boundary error with and without refinement, commit latency,
     real-time factor), and end of speech to the first answer token."""
+    from miniapp.engine.evaluation.asr_benchmark import AsrBenchmark
     from miniapp.engine.voice.asr import load_asr
-    from miniapp.engine.voice.asr_benchmark import AsrBenchmark
 
     asr = load_asr(args.asr_model, args.asr_threads)
     modes = ("offline",) if args.offline else ("stream",) if args.stream else ("offline", "stream")

@@ -153,7 +153,7 @@ class ForcedProbe:
 
 
 def _measure(name: str, runtime, reference, text: str, args) -> dict:
-    from miniapp.engine.perplexity import agreement, perplexity
+    from miniapp.engine.evaluation.perplexity import agreement, perplexity
 
     plan = runtime.device_plan
     row = {"path": name, "device": plan.device, "weights": plan.weights,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from miniapp.assets import sample_texts
+from miniapp.engine.evaluation.perplexity import agreement, perplexity
 from miniapp.engine.events import Finished, FinishReason, TextDelta
 from miniapp.engine.generation import GenerationRequest, generate
-from miniapp.engine.perplexity import agreement, perplexity
 from miniapp.engine.sampling import GREEDY
 
 CTX = 512

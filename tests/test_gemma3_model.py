@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from miniapp.assets import sample_texts
+from miniapp.engine.evaluation.perplexity import perplexity
 from miniapp.engine.events import Finished, TextDelta
 from miniapp.engine.generation import GenerationRequest, generate
 from miniapp.engine.model_store import resolve_model
-from miniapp.engine.perplexity import perplexity
 from miniapp.engine.runtimes.llamacpp_runtime import LlamaCppRuntime
 from miniapp.engine.runtimes.torch_runtime import TorchRuntime
 from miniapp.engine.sampling import GREEDY

@@ -13,13 +13,13 @@ from generation_helpers import first_tokens
 from tiny_gguf import TinyModel, write_tiny_model
 
 from miniapp.engine.cache import RotatingKVCache
+from miniapp.engine.evaluation.calibrate import agreement_runs, prompt_tokens
 from miniapp.engine.models import CachePolicy
 from miniapp.engine.runtimes.torch_runtime import TorchRuntime
 from miniapp.engine.sampler import Sampler
 from miniapp.engine.sampling import GREEDY, SamplingParams
 from miniapp.engine.speculative import DraftController, EarlyExitDrafter
 from miniapp.engine.speculative.acceptance import Verdict, accept_greedy, accept_sampled
-from miniapp.engine.speculative.calibrate import agreement_runs, prompt_tokens
 from miniapp.engine.speculative.controller import PROBE_EVERY
 from miniapp.engine.speculative.lookup import PromptLookup
 
@@ -291,7 +291,7 @@ def test_agreement_runs_count_consecutive_matches():
 
 
 def test_exit_adapter_training_brings_the_exit_closer_to_the_full_model(tiny):
-    from miniapp.engine.speculative.calibrate import exit_states, train_exit_adapter
+    from miniapp.engine.evaluation.calibrate import exit_states, train_exit_adapter
 
     generator = torch.Generator().manual_seed(3)
     sequences = [torch.randint(3, 259, (48,), generator=generator).tolist() for _ in range(6)]

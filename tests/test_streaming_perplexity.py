@@ -7,7 +7,7 @@ import json
 import subprocess
 
 from miniapp.assets import sample_texts
-from miniapp.engine.perplexity import recompute_perplexity, streaming_perplexity
+from miniapp.engine.evaluation.perplexity import recompute_perplexity, streaming_perplexity
 from miniapp.engine.runtimes.torch_runtime import TorchRuntime
 
 WINDOW = 48

@@ -23,10 +23,10 @@ from ..chat_template import ChatTemplate, Message
 from ..models.decoder import CachePolicy
 from ..runtimes.torch_runtime import TorchRuntime
 from ..sampling import GREEDY
-from .adapter import ExitAdapterModule
-from .calibration import ExitSetting
-from .controller import MIN_GAIN
-from .early_exit import Draft, EarlyExitDrafter
+from ..speculative.adapter import ExitAdapterModule
+from ..speculative.calibration import ExitSetting
+from ..speculative.controller import MIN_GAIN
+from ..speculative.early_exit import Draft, EarlyExitDrafter
 
 CALIBRATION_PROMPTS = 8  # the first prompts measure; the rest train the adapter
 ANSWER_TOKENS = 96

@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .errors import InputFileError
-from .runtimes.base import Runtime
+from ..errors import InputFileError
+from ..runtimes.base import Runtime
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .events import SpeculationStats
-from .runtimes import open_runtime
-from .runtimes.base import Runtime
-from .sampling import GREEDY
+from ..events import SpeculationStats
+from ..runtimes import open_runtime
+from ..runtimes.base import Runtime
+from ..sampling import GREEDY
 
 WARMUP_TOKENS = 8  # first calls pay one-time costs (thread pools, kernel selection)
 

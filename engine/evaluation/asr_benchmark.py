@@ -5,12 +5,12 @@ from __future__ import annotations
 import time
 from statistics import median
 
-from .asr import WhisperASR
-from .events import EndOfUtterance, SpokenMessage, Word, WordsCommitted, words_text
-from .metrics import boundary_errors, mean_or_none, word_error_rate
-from .offline import transcribe_blocks
-from .streaming import ReplayClock, StreamingConfig, StreamingTranscriber, replay
-from .synthetic import SENTENCE_SETS, SyntheticSpeech, synthesize
+from ..voice.asr import WhisperASR
+from ..voice.events import EndOfUtterance, SpokenMessage, Word, WordsCommitted, words_text
+from ..voice.metrics import boundary_errors, mean_or_none, word_error_rate
+from ..voice.offline import transcribe_blocks
+from ..voice.streaming import ReplayClock, StreamingConfig, StreamingTranscriber, replay
+from ..voice.synthetic import SENTENCE_SETS, SyntheticSpeech, synthesize
 
 
 class AsrBenchmark:
