@@ -390,3 +390,49 @@ def test_controller_probes_less_often_while_probes_keep_failing():
         controller.record_draft("early-exit", 1, 0, 0.005, 0.02)  # the probe fails
         waits.append(steps)
     assert waits[1] > waits[0] and waits[2] > waits[1]
+
+
+class _ReplayDrafter:
+    """A drafter written against the interface alone: it proposes what plain decoding said
+    comes next, with every other proposal's last token wrong, so both paths of a verdict run."""
+
+    name = "replay"
+
+    def __init__(self, model, prompt_length: int, expected: list[int]):
+        self.model, self.prompt_length, self.expected = model, prompt_length, expected
+        self.observed: list[int] = []
+        self.proposals = 0
+
+    def observe(self, tokens):
+        self.observed.extend(tokens)
+
+    def propose(self, pending, controller, caches, sampler, history):
+        from miniapp.engine.speculative import Draft
+
+        done = len(history) - self.prompt_length  # generated so far, `pending` included
+        tokens = self.expected[done : done + controller.draft_length(self.name, 3)]
+        if not tokens:
+            return None
+        self.proposals += 1
+        if self.proposals % 2 == 0:
+            tokens[-1] = (tokens[-1] + 1) % self.model.config.vocab_size
+        return Draft(tokens, pending=pending, key=self.name)
+
+    def verify_logits(self, caches, draft):
+        rows = torch.tensor([draft.pending, *draft.tokens])
+        return self.model.logits(self.model.hidden_states(rows, caches, exact_rows=True))
+
+
+def test_a_new_drafter_needs_only_the_interface(smol):
+    prompt = prompt_tokens(smol, QUESTIONS[0])
+    _force(smol, "off")
+    plain = _generate(smol, prompt, 30)
+    _force(smol, "early-exit")
+    drafter = _ReplayDrafter(smol.model, len(prompt), plain + [0] * 8)
+    smol.early_exit = drafter  # the runtime's slot for the calibrated drafter
+    assert _generate(smol, prompt, 30) == plain
+    stats = smol.last_speculation
+    assert stats.verifications >= 5 and 0 < stats.accepted < stats.drafted
+    assert drafter.observed[: len(prompt)] == prompt  # it saw the prompt, then the answer
+    assert drafter.observed[len(prompt) :][:20] == plain[:20]
+    _force(smol, "off")

@@ -26,7 +26,8 @@ from ..sampling import GREEDY
 from ..speculative.adapter import ExitAdapterModule
 from ..speculative.calibration import ExitSetting
 from ..speculative.controller import MIN_GAIN
-from ..speculative.early_exit import Draft, EarlyExitDrafter
+from ..speculative.drafter import Draft
+from ..speculative.early_exit import EarlyExitDrafter
 
 CALIBRATION_PROMPTS = 8  # the first prompts measure; the rest train the adapter
 ANSWER_TOKENS = 96

@@ -25,7 +25,13 @@ from ..models import CachePolicy, DecoderModel, Placement, build_model
 from ..models.static_step import StaticDecodeStep
 from ..sampler import Sampler
 from ..sampling import SamplingParams
-from ..speculative import DraftController, EarlyExitDrafter, SpecMode, SpeculativeDecoder
+from ..speculative import (
+    DraftController,
+    EarlyExitDrafter,
+    SpecMode,
+    SpeculativeDecoder,
+    build_drafters,
+)
 from ..speculative.calibration import default_exit_setting, load_exit_setting
 from ..tokenizer import Tokenizer
 from .base import (
@@ -205,11 +211,10 @@ class TorchRuntime(Runtime):
         logits = self._feed(prompt[reuse:])
         self.last_speculation = None
         if self.spec_mode is not SpecMode.OFF:
+            drafters = build_drafters(self.spec_mode, self.model, self.early_exit)
             decoder = SpeculativeDecoder(
                 self.model, self.caches, self._tokens, sampler, self.draft_controller,
-                use_lookup=self.spec_mode in (SpecMode.AUTO, SpecMode.LOOKUP),
-                early_exit=self.early_exit, mode=self.spec_mode.value,
-                decode_one=self._decode_one,
+                drafters, mode=self.spec_mode.value, decode_one=self._decode_one,
             )  # fmt: skip
             self.last_speculation = decoder.stats
             yield from decoder.run(logits, history)

@@ -19,10 +19,7 @@ from ..models.decoder import Cache, DecoderModel
 from ..sampler import Sampler
 from .acceptance import Verdict, accept_greedy, accept_sampled
 from .controller import DraftController
-from .early_exit import Draft, EarlyExitDrafter
-from .lookup import PromptLookup
-
-LOOKUP = "lookup"
+from .drafter import Draft, Drafter
 
 
 class SpeculativeDecoder:
@@ -37,8 +34,7 @@ class SpeculativeDecoder:
         fed: list[int],
         sampler: Sampler,
         controller: DraftController,
-        use_lookup: bool,
-        early_exit: EarlyExitDrafter | None,
+        drafters: Sequence[Drafter],
         mode: str,
         decode_one: Callable[[int], torch.Tensor] | None = None,
     ):
@@ -47,14 +43,13 @@ class SpeculativeDecoder:
         self.model, self.caches, self.fed = model, caches, fed
         self.decode_one = decode_one or self._ordinary_step
         self.sampler, self.controller = sampler, controller
-        self.lookup = PromptLookup() if use_lookup else None
-        self.early_exit = early_exit
+        self.drafters = list(drafters)  # asked in order; the first proposal is verified
         self.stats = SpeculationStats(mode)
 
     def run(self, logits: torch.Tensor, history: list[int]) -> Iterator[int]:
         """`logits` follow `history` (the prompt, already in the caches); yields tokens."""
-        if self.lookup is not None:
-            self.lookup.extend(history)
+        for drafter in self.drafters:
+            drafter.observe(history)
         pending = self.sampler(logits, history)
         while True:
             self._accept([pending], history)
@@ -66,25 +61,17 @@ class SpeculativeDecoder:
     def _accept(self, tokens: Sequence[int], history: list[int]) -> None:
         history.extend(tokens)
         self.stats.emitted += len(tokens)
-        if self.lookup is not None:
-            self.lookup.extend(tokens)
+        for drafter in self.drafters:
+            drafter.observe(tokens)
 
     @torch.inference_mode()
     def _step(self, pending: int, history: list[int]) -> list[int]:
         """Feed `pending`; returns the tokens that follow it (the last one not fed yet). The
         tokens before the last are already appended to `history`."""
-        if self.lookup is not None:
-            proposal, match = self.lookup.propose(self.controller.max_draft)
-            # Acceptance is tracked per match length: a 4-token match that recurs in a
-            # quote is worth verifying even when 2-token matches in free text are not.
-            drafter = f"{LOOKUP}:{match}"
-            count = self.controller.draft_length(drafter, len(proposal))
-            if count:
-                return self._verify_lookup(drafter, pending, proposal[:count], history)
-        if self.early_exit is not None:
-            count = self.controller.draft_length(self.early_exit.name, self.early_exit.max_draft)
-            if count:
-                return self._verify_early_exit(pending, count, history)
+        for drafter in self.drafters:
+            draft = drafter.propose(pending, self.controller, self.caches, self.sampler, history)
+            if draft is not None:
+                return self._verify(drafter, draft, history)
         return [self._plain(pending, history)]
 
     def _ordinary_step(self, token: int) -> torch.Tensor:
@@ -100,25 +87,12 @@ class SpeculativeDecoder:
         self.stats.steps += 1
         return token
 
-    def _verify_lookup(
-        self, drafter: str, pending: int, drafts: list[int], history: list[int]
-    ) -> list[int]:
+    def _verify(self, drafter: Drafter, draft: Draft, history: list[int]) -> list[int]:
         start = time.perf_counter()
-        rows = torch.tensor([pending, *drafts])
-        logits = self.model.logits(self.model.hidden_states(rows, self.caches, exact_rows=True))
-        verdict = self._judge(drafts, None, logits, history)
-        self._finish(drafter, pending, drafts, verdict, 0.0, time.perf_counter() - start)
-        return self._emit(drafts, verdict, history)
-
-    def _verify_early_exit(self, pending: int, count: int, history: list[int]) -> list[int]:
-        drafter = self.early_exit
-        start = time.perf_counter()
-        draft: Draft = drafter.draft(self.caches, pending, count, self.sampler, history)
-        drafted_at = time.perf_counter()
         logits = drafter.verify_logits(self.caches, draft)
         verdict = self._judge(draft.tokens, draft.probs, logits, history)
-        verify_s = time.perf_counter() - drafted_at
-        self._finish(drafter.name, pending, draft.tokens, verdict, drafted_at - start, verify_s)
+        verify_s = time.perf_counter() - start
+        self._finish(draft.key, draft.pending, draft.tokens, verdict, draft.seconds, verify_s)
         return self._emit(draft.tokens, verdict, history)
 
     def _judge(

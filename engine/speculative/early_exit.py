@@ -8,14 +8,19 @@ only the remaining layers, over the drafted positions' saved layer-`layer` state
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import replace
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from ..models.decoder import Cache, DecoderModel
 from ..sampler import Sampler
+from .drafter import Draft
+
+if TYPE_CHECKING:
+    from .controller import DraftController
 
 
 class ExitAdapter(Protocol):
@@ -26,13 +31,6 @@ class ExitAdapter(Protocol):
     def to(self, device: torch.device) -> ExitAdapter:
         """The adapter with its weights on `device`."""
         ...
-
-
-@dataclass
-class Draft:
-    tokens: list[int]
-    probs: list[torch.Tensor] | None  # the drafter's distributions (sampling only)
-    states: torch.Tensor  # layer-E residual stream of the fed tokens: [pending, drafts[:-1]]
 
 
 class EarlyExitDrafter:
@@ -51,6 +49,24 @@ class EarlyExitDrafter:
             adapter = adapter.to(model.head_device)
         self.model, self.layer, self.adapter = model, layer, adapter
         self.max_draft = max_draft  # None: as many as the controller likes
+
+    def observe(self, tokens: Sequence[int]) -> None:
+        pass  # drafts come from the model's own layers, not from the history
+
+    def propose(
+        self,
+        pending: int,
+        controller: DraftController,
+        caches: Sequence[Cache],
+        sampler: Sampler,
+        history: Sequence[int],
+    ) -> Draft | None:
+        count = controller.draft_length(self.name, self.max_draft)
+        if not count:
+            return None
+        start = time.perf_counter()
+        draft = self.draft(caches, pending, count, sampler, history)
+        return replace(draft, key=self.name, seconds=time.perf_counter() - start)
 
     def exit_logits(self, states: torch.Tensor) -> torch.Tensor:
         """Draft logits [n, vocab] from layer-E states [n, dim]."""
@@ -84,7 +100,7 @@ class EarlyExitDrafter:
                 probs.append(q)
                 token = sampler.draw(q)
             tokens.append(token)
-        return Draft(tokens, probs if probs else None, torch.cat(states))
+        return Draft(tokens, probs if probs else None, torch.cat(states), pending=pending)
 
     def verify_logits(self, caches: Sequence[Cache], draft: Draft) -> torch.Tensor:
         """Full-model logits [drafts + 1, vocab] for [pending, *drafts]: the last draft

@@ -4,7 +4,17 @@ on input-grounded answers (summaries, quotes, code edits)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from .drafter import Draft
+
+if TYPE_CHECKING:
+    from ..models.decoder import Cache, DecoderModel
+    from ..sampler import Sampler
+    from .controller import DraftController
 
 MAX_NGRAM = 4  # longest suffix matched; longer matches are tried first
 MIN_NGRAM = 2  # a single-token match proposes too much noise to be worth verifying
@@ -36,3 +46,36 @@ class PromptLookup:
             if start is not None:
                 return self.history[start : start + max_tokens], n
         return [], 0
+
+
+class LookupDrafter:
+    """Prompt lookup as a drafter: proposals cost nothing, and the full model verifies
+    [pending, *drafts] in one pass. Acceptance is tracked per match length, since a 4-token
+    match that recurs in a quote is worth verifying even when 2-token matches in free text
+    are not."""
+
+    name = "lookup"
+
+    def __init__(self, model: DecoderModel):
+        self.model = model
+        self.lookup = PromptLookup()
+
+    def observe(self, tokens: Sequence[int]) -> None:
+        self.lookup.extend(tokens)
+
+    def propose(
+        self,
+        pending: int,
+        controller: DraftController,
+        caches: Sequence[Cache],
+        sampler: Sampler,
+        history: Sequence[int],
+    ) -> Draft | None:
+        proposal, match = self.lookup.propose(controller.max_draft)
+        key = f"{self.name}:{match}"
+        count = controller.draft_length(key, len(proposal))
+        return Draft(proposal[:count], pending=pending, key=key) if count else None
+
+    def verify_logits(self, caches: Sequence[Cache], draft: Draft) -> torch.Tensor:
+        rows = torch.tensor([draft.pending, *draft.tokens])
+        return self.model.logits(self.model.hidden_states(rows, caches, exact_rows=True))

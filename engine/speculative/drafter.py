@@ -1,0 +1,71 @@
+"""What a drafter is: it proposes tokens after the pending one, and says how the full model
+verifies them. The speculative decoder asks its drafters in turn and verifies the first
+proposal through one path; a new drafter is a new class here and a line in `build_drafters`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from ..spec_modes import SpecMode
+
+if TYPE_CHECKING:
+    from ..models.decoder import Cache, DecoderModel
+    from ..sampler import Sampler
+    from .controller import DraftController
+    from .early_exit import EarlyExitDrafter
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    probs: list[torch.Tensor] | None = None  # the drafter's distributions (sampling only)
+    # What verification reuses (early exit: the layer-E residual stream of the fed tokens,
+    # [pending, drafts[:-1]]); None when verification starts from the tokens.
+    states: torch.Tensor | None = None
+    pending: int = -1  # the token fed before the drafts
+    key: str = ""  # what the controller measures acceptance under
+    seconds: float = 0.0  # time spent drafting
+
+
+class Drafter(Protocol):
+    name: str
+
+    def observe(self, tokens: Sequence[int]) -> None:
+        """Tokens appended to the history (first the prompt, then each accepted token)."""
+        ...
+
+    def propose(
+        self,
+        pending: int,
+        controller: DraftController,
+        caches: Sequence[Cache],
+        sampler: Sampler,
+        history: Sequence[int],
+    ) -> Draft | None:
+        """Drafts after `pending`, as many as the controller allows; None to pass."""
+        ...
+
+    def verify_logits(self, caches: Sequence[Cache], draft: Draft) -> torch.Tensor:
+        """Full-model logits [drafts + 1, vocab] for [pending, *drafts], each row exactly as
+        a decode step computes it; the caches then hold every row (trimmed after)."""
+        ...
+
+
+def build_drafters(
+    mode: SpecMode, model: DecoderModel, early_exit: EarlyExitDrafter | None
+) -> list[Drafter]:
+    """The drafters one generation asks, in order: prompt lookup (free to draft) where the
+    mode allows it, then early exit where calibration (or `--spec early-exit`) made one."""
+    from .lookup import LookupDrafter
+
+    drafters: list[Drafter] = []
+    if mode in (SpecMode.AUTO, SpecMode.LOOKUP):
+        drafters.append(LookupDrafter(model))
+    if early_exit is not None:
+        drafters.append(early_exit)
+    return drafters
