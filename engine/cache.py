@@ -553,3 +553,6 @@ class RotatingKVCache:
         self.keys = state.tensors["keys"].clone()
         self.values = state.tensors["values"].clone()
         self.ring_pos = state.tensors["ring_pos"].clone()
+
+
+Cache = KVCache | RotatingKVCache  # what a layer of the model holds

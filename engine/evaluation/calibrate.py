@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from ...assets import chat_prompts
 from ..chat_template import ChatTemplate, Message
-from ..models.decoder import CachePolicy
+from ..models import CachePolicy
 from ..runtimes.torch_runtime import TorchRuntime
 from ..sampling import GREEDY
 from ..speculative.adapter import ExitAdapterModule

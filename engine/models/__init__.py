@@ -8,14 +8,10 @@ from ..errors import UnsupportedModelError
 from ..gguf_file import GGUFFile
 from ..quant import SUPPORTED_TYPES
 from . import gemma3, llama, phi3, qwen
-from .decoder import (
-    CPU_PLACEMENT,
-    CachePolicy,
-    DecoderConfig,
-    DecoderModel,
-    Placement,
-    build_decoder,
-)
+from .config import DecoderConfig
+from .decoder import DecoderModel
+from .loading import build_decoder
+from .placement import CPU_PLACEMENT, CachePolicy, Placement
 
 CONFIGS: dict[str, Callable[[GGUFFile], DecoderConfig]] = {
     "llama": llama.config_from_gguf,

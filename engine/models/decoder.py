@@ -1,7 +1,9 @@
-"""The decoder-only transformer that every supported architecture is an instance of.
+"""The decoder-only transformer that every supported architecture is an instance of: the
+maths of a pass (attention, feed-forward, blocks, the model's layer loop and head).
 
-Each architecture file turns GGUF metadata into a `DecoderConfig` (the only place
-hyper-parameters come from); this file builds and runs the model. Weights stay in their GGML
+Each architecture file turns GGUF metadata into a `DecoderConfig` (config.py, the only place
+hyper-parameters come from); loading.py builds the model from the file's tensors and
+placement.py says where its parts live and how its caches behave. Weights stay in their GGML
 formats: Q/K/V are fused into one matmul, as are gate/up, so a decode step makes 4 weight
 calls per layer. llama.cpp's graph for each architecture is the reference for the maths.
 """
@@ -10,129 +12,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from ..cache import KVCache, RotatingKVCache
-from ..errors import ModelFileError, UnsupportedModelError
-from ..gguf_file import GGUFFile, TensorInfo
+from ..cache import Cache, KVCache, RotatingKVCache
 from ..kernels import cpu_attention_kernel
-from ..layers import (
-    CPU_INT4,
-    BlockEmbedding,
-    Linear,
-    RMSNorm,
-    Rope,
-    RopeTables,
-    WeightTarget,
-    apply_rope,
-    linear_from_raw,
-    rms_normalize,
-)
-from ..quant import dequantize_rows
-
-CPU = torch.device("cpu")
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    base: float
-    interleaved: bool  # llama.cpp's "normal" RoPE pairs (2i, 2i+1); "neox" pairs (i, i+d/2)
-    rotary_dim: int
-    position_scale: float = 1.0  # linear RoPE scaling: positions are multiplied by this
-
-
-@dataclass(frozen=True)
-class DecoderConfig:
-    architecture: str
-    n_layers: int
-    dim: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    ffn_dim: int
-    vocab_size: int
-    norm_eps: float
-    context_length: int
-    rope: RopeConfig
-    activation: str = "silu"  # "silu" | "gelu_tanh", gating the up projection
-    attention_scale: float | None = None  # default 1/sqrt(head_dim)
-    embed_scale: float = 1.0  # Gemma multiplies embeddings by sqrt(dim)
-    qk_norm: bool = False  # RMSNorm of each query and key head before RoPE
-    post_norms: bool = False  # Gemma's norms on the attention and FFN outputs
-    sliding_window: int = 0  # tokens a local layer sees (0: no local layers)
-    local_layers: tuple[bool, ...] = ()  # which layers use the sliding window
-    local_rope: RopeConfig | None = None  # RoPE of the local layers, if different
-    final_logit_softcap: float = 0.0
-
-    def is_local(self, layer: int) -> bool:
-        return bool(self.local_layers) and self.local_layers[layer]
-
-
-class MetadataReader:
-    """Typed access to `<architecture>.<key>` metadata, with errors naming the file."""
-
-    def __init__(self, gguf: GGUFFile):
-        self.gguf = gguf
-
-    def need(self, key: str):
-        value = self.gguf.arch_value(key)
-        if value is None:
-            raise ModelFileError(
-                self.gguf.path, f"missing metadata key {self.gguf.architecture}.{key}"
-            )
-        return value
-
-    def get(self, key: str, default=None):
-        value = self.gguf.arch_value(key)
-        return default if value is None else value
-
-    def unsupported(self, reason: str) -> UnsupportedModelError:
-        return UnsupportedModelError(self.gguf.path, reason)
-
-    def common(self) -> dict:
-        """Fields shared by every architecture's config."""
-        dim = int(self.need("embedding_length"))
-        n_heads = int(self.need("attention.head_count"))
-        head_dim = int(self.get("attention.key_length", dim // n_heads))
-        if int(self.get("attention.value_length", head_dim)) != head_dim:
-            raise self.unsupported("different key and value head sizes are not supported yet")
-        n_kv_heads = self.get("attention.head_count_kv", n_heads)
-        if isinstance(n_kv_heads, list):
-            raise self.unsupported("per-layer KV head counts are not supported yet")
-        vocab = self.get("vocab_size") or self.gguf.tensor("token_embd.weight").shape[0]
-        return dict(
-            architecture=self.gguf.architecture,
-            n_layers=int(self.need("block_count")),
-            dim=dim,
-            n_heads=n_heads,
-            n_kv_heads=int(n_kv_heads),
-            head_dim=head_dim,
-            ffn_dim=int(self.need("feed_forward_length")),
-            vocab_size=int(vocab),
-            norm_eps=float(self.need("attention.layer_norm_rms_epsilon")),
-            context_length=int(self.get("context_length", 4096)),
-        )
-
-    def rope(self, interleaved: bool, head_dim: int) -> RopeConfig:
-        scaling = self.get("rope.scaling.type", "none")
-        factor = float(self.get("rope.scaling.factor", 1.0) or 1.0)
-        if scaling not in ("none", "linear") and factor != 1.0:
-            raise self.unsupported(f"RoPE scaling '{scaling}' is not supported yet")
-        return RopeConfig(
-            base=float(self.get("rope.freq_base", 10000.0)),
-            interleaved=interleaved,
-            rotary_dim=int(self.get("rope.dimension_count", head_dim)),
-            position_scale=1.0 / factor if scaling == "linear" else 1.0,
-        )
-
-
-# Decode runs ~30 tensor ops per layer and each costs a microsecond or two of Python and
-# dispatch overhead, about as much as the matmuls themselves on a small model. So the layers
-# are plain classes calling each other's `forward` (no nn.Module attribute lookups or hooks),
-# update the residual stream in place, and slice rather than split.
+from ..layers import Linear, Rope, RopeTables, apply_rope, rms_normalize
+from .config import DecoderConfig, RopeConfig
+from .placement import CPU, CPU_PLACEMENT, CachePolicy, Placement
 
 
 class Attention:
@@ -295,51 +183,6 @@ PREFILL_CHUNK = 512  # bounds the attention mask and activations of a long promp
 # the CPU; longer prompt chunks go through torch's attention, which batches them better.
 NATIVE_ATTENTION_ROWS = 16
 ROLLBACK_SLACK = 64  # tokens a rotating cache can trim exactly (speculative roll-back)
-
-
-@dataclass(frozen=True)
-class CachePolicy:
-    """How the caches of the global (full-attention) layers behave.
-
-    Streaming (the default) keeps `sinks` first tokens plus the last `window` in constant
-    memory, so generation never stops at a full context. Without it, a fixed cache of `ctx`
-    positions refuses to overflow (evaluation on chunks that fit). Sliding-window layers
-    always get a ring the size of their own window.
-    """
-
-    ctx: int
-    sinks: int = 4
-    window: int | None = None  # default: ctx - sinks
-    streaming: bool = True
-
-    @property
-    def window_size(self) -> int:
-        return self.window if self.window is not None else max(self.ctx - self.sinks, 1)
-
-
-Cache = KVCache | RotatingKVCache
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where each part of the model lives: the first `gpu_layers` layers on `gpu` (with the
-    final norm and output head when every layer is there), the rest and the token embedding
-    on the CPU. GPU weights are 4-bit for the device's int4 kernel, or dense bf16."""
-
-    gpu: torch.device | None = None
-    gpu_layers: int = 0
-    dense_on_gpu: bool = False
-
-    def layer_target(self, layer: int) -> WeightTarget:
-        if self.gpu is None or layer >= self.gpu_layers:
-            return CPU_INT4
-        return WeightTarget(self.gpu, self.dense_on_gpu)
-
-    def head_target(self, n_layers: int) -> WeightTarget:
-        return self.layer_target(0) if self.gpu_layers >= n_layers else CPU_INT4
-
-
-CPU_PLACEMENT = Placement()
 
 
 class DecoderModel:
@@ -509,129 +352,3 @@ def _rope(config: DecoderConfig, rope: RopeConfig, freq_factors: torch.Tensor | 
         position_scale=rope.position_scale,
         freq_factors=freq_factors,
     )
-
-
-# ------------------------------------------------------------------------------ loading
-
-
-def build_decoder(
-    gguf: GGUFFile, config: DecoderConfig, placement: Placement = CPU_PLACEMENT
-) -> DecoderModel:
-    weights = WeightReader(gguf)
-    layers = [
-        _build_block(weights, config, i, placement.layer_target(i)) for i in range(config.n_layers)
-    ]
-    # Many small models tie the output head to the embedding.
-    head = "output.weight" if weights.has("output.weight") else "token_embd.weight"
-    head_target = placement.head_target(config.n_layers)
-    output = weights.linear([head], bias="output.bias", target=head_target)
-    embed = weights.embedding("token_embd.weight", config.dim)
-    norm_weight = weights.vector("output_norm.weight").to(head_target.device)
-    norm = RMSNorm(norm_weight, config.norm_eps)
-    # Llama 3.1-style frequency factors: each RoPE frequency is divided by its factor.
-    freq_factors = weights.vector("rope_freqs.weight") if weights.has("rope_freqs.weight") else None
-    weights.check_all_used()
-    return DecoderModel(config, embed, layers, norm, output, freq_factors, placement)
-
-
-def _build_block(
-    weights: WeightReader, config: DecoderConfig, i: int, target: WeightTarget
-) -> Block:
-    p = f"blk.{i}."
-    eps = config.norm_eps
-    if weights.has(p + "attn_qkv.weight"):
-        wqkv = weights.linear([p + "attn_qkv.weight"], p + "attn_qkv.bias", target)
-    else:
-        names = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
-        biases = [p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"]
-        wqkv = weights.linear(names, biases, target)
-    qk_norm = None
-    if config.qk_norm:
-        q_norm, k_norm = (
-            weights.vector(p + "attn_q_norm.weight"),
-            weights.vector(p + "attn_k_norm.weight"),
-        )
-        qk_norm = torch.cat(
-            [q_norm.expand(config.n_heads, -1), k_norm.expand(config.n_kv_heads, -1)]
-        )
-        qk_norm = qk_norm.to(target.device).contiguous()
-    wo = weights.linear([p + "attn_output.weight"], p + "attn_output.bias", target)
-    attention = Attention(config, wqkv, wo, qk_norm)
-    gated = config.activation == "silu"  # the kernel may fuse silu(gate) * up
-    if weights.has(p + "ffn_gate.weight"):
-        names = [p + "ffn_gate.weight", p + "ffn_up.weight"]
-        gate_up = weights.linear(names, target=target, gated=gated)
-    else:  # Phi-3 stores gate and up as one tensor of 2 * ffn_dim rows, gate first
-        gate_up = weights.linear([p + "ffn_up.weight"], target=target, gated=gated)
-    down = weights.linear([p + "ffn_down.weight"], target=target)
-    ffn = FeedForward(gate_up, down, config.ffn_dim, config.activation)
-
-    def norm(name: str) -> RMSNorm:
-        return RMSNorm(weights.vector(p + name).to(target.device), eps)
-
-    post_attn = norm("post_attention_norm.weight") if config.post_norms else None
-    post_ffn = norm("post_ffw_norm.weight") if config.post_norms else None
-    return Block(
-        norm("attn_norm.weight"), attention, norm("ffn_norm.weight"), ffn, post_attn, post_ffn
-    )
-
-
-class WeightReader:
-    """Turns named GGUF tensors into modules. Releases each tensor's mapped pages once
-    repacked, so the file and its repacked copy are never both resident, and remembers
-    what it read, so a tensor the model would silently ignore becomes an error."""
-
-    def __init__(self, gguf: GGUFFile):
-        self.gguf = gguf
-        self.used: set[str] = set()
-
-    def has(self, name: str) -> bool:
-        return name in self.gguf.tensors
-
-    def _take(self, name: str) -> TensorInfo:
-        self.used.add(name)
-        return self.gguf.tensor(name)
-
-    def linear(
-        self,
-        names: list[str],
-        bias: str | list[str] | None = None,
-        target: WeightTarget = CPU_INT4,
-        gated: bool = False,
-    ) -> Linear:
-        infos = [self._take(n) for n in names]
-        raws = [(self.gguf.raw(i), i.ggml_type) for i in infos]
-        bias_vector = self._bias(bias, infos)
-        module = linear_from_raw(raws, infos[0].shape[-1], bias_vector, target, gated)
-        self.gguf.release()
-        return module
-
-    def _bias(self, bias: str | list[str] | None, infos: list[TensorInfo]) -> torch.Tensor | None:
-        names = [bias] if isinstance(bias, str) else list(bias or [])
-        present = [self.has(n) for n in names]
-        if not any(present):
-            return None
-        parts = [
-            self.vector(n) if here else torch.zeros(info.shape[0])
-            for n, here, info in zip(names, present, infos, strict=True)
-        ]
-        return torch.cat(parts)
-
-    def vector(self, name: str) -> torch.Tensor:
-        info = self._take(name)
-        return dequantize_rows(self.gguf.raw(info), info.ggml_type, info.n_elements)[0].clone()
-
-    def embedding(self, name: str, dim: int) -> BlockEmbedding:
-        # Looked-up rows are read straight from the memory map: no copy of the table.
-        info = self._take(name)
-        return BlockEmbedding(self.gguf.raw(info), info.ggml_type, dim)
-
-    def check_all_used(self) -> None:
-        unused = sorted(set(self.gguf.tensors) - self.used)
-        if unused:
-            more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
-            raise UnsupportedModelError(
-                self.gguf.path,
-                f"tensor {unused[0]}{more} is not understood by the torch engine's "
-                f"{self.gguf.architecture} model",
-            )

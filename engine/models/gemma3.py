@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 
 from ..gguf_file import GGUFFile
-from .decoder import DecoderConfig, MetadataReader, RopeConfig
+from .config import DecoderConfig, MetadataReader, RopeConfig
 
 DEFAULT_PATTERN = 6  # every 6th layer is global
 DEFAULT_LOCAL_ROPE_BASE = 10000.0

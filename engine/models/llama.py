@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..gguf_file import GGUFFile
-from .decoder import DecoderConfig, MetadataReader
+from .config import DecoderConfig, MetadataReader
 
 
 def config_from_gguf(gguf: GGUFFile) -> DecoderConfig:

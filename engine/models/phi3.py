@@ -8,7 +8,7 @@ factors chosen by context length) are not supported yet.
 from __future__ import annotations
 
 from ..gguf_file import GGUFFile
-from .decoder import DecoderConfig, MetadataReader
+from .config import DecoderConfig, MetadataReader
 
 
 def config_from_gguf(gguf: GGUFFile) -> DecoderConfig:

@@ -27,9 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import KVCache, RotatingKVCache
+from ..cache import Cache, KVCache, RotatingKVCache
 from ..layers import Rope, RopeTables, apply_rope
-from .decoder import CPU, Cache, DecoderModel
+from .decoder import DecoderModel
+from .placement import CPU
 
 WARMUP_STEPS = 2  # eager runs on a side stream before capture, as torch's graph docs advise
 MIN_SPAN = 256  # the smallest prefix of the cache attention reads

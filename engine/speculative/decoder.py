@@ -14,8 +14,9 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from ..cache import Cache
 from ..events import SpeculationStats
-from ..models.decoder import Cache, DecoderModel
+from ..models.decoder import DecoderModel
 from ..sampler import Sampler
 from .acceptance import Verdict, accept_greedy, accept_sampled
 from .controller import DraftController

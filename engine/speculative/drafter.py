@@ -14,7 +14,8 @@ import torch
 from ..spec_modes import SpecMode
 
 if TYPE_CHECKING:
-    from ..models.decoder import Cache, DecoderModel
+    from ..cache import Cache
+    from ..models.decoder import DecoderModel
     from ..sampler import Sampler
     from .controller import DraftController
     from .early_exit import EarlyExitDrafter

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from ..models.decoder import Cache, DecoderModel
+from ..cache import Cache
+from ..models.decoder import DecoderModel
 from ..sampler import Sampler
 from .drafter import Draft
 

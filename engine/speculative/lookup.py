@@ -12,7 +12,8 @@ import torch
 from .drafter import Draft
 
 if TYPE_CHECKING:
-    from ..models.decoder import Cache, DecoderModel
+    from ..cache import Cache
+    from ..models.decoder import DecoderModel
     from ..sampler import Sampler
     from .controller import DraftController
 

@@ -1,0 +1,137 @@
+"""Building a `DecoderModel` from a GGUF file: each named tensor becomes a module (repacked
+once, on the device its `Placement` says), and a tensor the model would not use is an error."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import UnsupportedModelError
+from ..gguf_file import GGUFFile, TensorInfo
+from ..layers import CPU_INT4, BlockEmbedding, Linear, RMSNorm, WeightTarget, linear_from_raw
+from ..quant import dequantize_rows
+from .config import DecoderConfig
+from .decoder import Attention, Block, DecoderModel, FeedForward
+from .placement import CPU_PLACEMENT, Placement
+
+
+def build_decoder(
+    gguf: GGUFFile, config: DecoderConfig, placement: Placement = CPU_PLACEMENT
+) -> DecoderModel:
+    weights = WeightReader(gguf)
+    layers = [
+        _build_block(weights, config, i, placement.layer_target(i)) for i in range(config.n_layers)
+    ]
+    # Many small models tie the output head to the embedding.
+    head = "output.weight" if weights.has("output.weight") else "token_embd.weight"
+    head_target = placement.head_target(config.n_layers)
+    output = weights.linear([head], bias="output.bias", target=head_target)
+    embed = weights.embedding("token_embd.weight", config.dim)
+    norm_weight = weights.vector("output_norm.weight").to(head_target.device)
+    norm = RMSNorm(norm_weight, config.norm_eps)
+    # Llama 3.1-style frequency factors: each RoPE frequency is divided by its factor.
+    freq_factors = weights.vector("rope_freqs.weight") if weights.has("rope_freqs.weight") else None
+    weights.check_all_used()
+    return DecoderModel(config, embed, layers, norm, output, freq_factors, placement)
+
+
+def _build_block(
+    weights: WeightReader, config: DecoderConfig, i: int, target: WeightTarget
+) -> Block:
+    p = f"blk.{i}."
+    eps = config.norm_eps
+    if weights.has(p + "attn_qkv.weight"):
+        wqkv = weights.linear([p + "attn_qkv.weight"], p + "attn_qkv.bias", target)
+    else:
+        names = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
+        biases = [p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"]
+        wqkv = weights.linear(names, biases, target)
+    qk_norm = None
+    if config.qk_norm:
+        q_norm, k_norm = (
+            weights.vector(p + "attn_q_norm.weight"),
+            weights.vector(p + "attn_k_norm.weight"),
+        )
+        qk_norm = torch.cat(
+            [q_norm.expand(config.n_heads, -1), k_norm.expand(config.n_kv_heads, -1)]
+        )
+        qk_norm = qk_norm.to(target.device).contiguous()
+    wo = weights.linear([p + "attn_output.weight"], p + "attn_output.bias", target)
+    attention = Attention(config, wqkv, wo, qk_norm)
+    gated = config.activation == "silu"  # the kernel may fuse silu(gate) * up
+    if weights.has(p + "ffn_gate.weight"):
+        names = [p + "ffn_gate.weight", p + "ffn_up.weight"]
+        gate_up = weights.linear(names, target=target, gated=gated)
+    else:  # Phi-3 stores gate and up as one tensor of 2 * ffn_dim rows, gate first
+        gate_up = weights.linear([p + "ffn_up.weight"], target=target, gated=gated)
+    down = weights.linear([p + "ffn_down.weight"], target=target)
+    ffn = FeedForward(gate_up, down, config.ffn_dim, config.activation)
+
+    def norm(name: str) -> RMSNorm:
+        return RMSNorm(weights.vector(p + name).to(target.device), eps)
+
+    post_attn = norm("post_attention_norm.weight") if config.post_norms else None
+    post_ffn = norm("post_ffw_norm.weight") if config.post_norms else None
+    return Block(
+        norm("attn_norm.weight"), attention, norm("ffn_norm.weight"), ffn, post_attn, post_ffn
+    )
+
+
+class WeightReader:
+    """Turns named GGUF tensors into modules. Releases each tensor's mapped pages once
+    repacked, so the file and its repacked copy are never both resident, and remembers
+    what it read, so a tensor the model would silently ignore becomes an error."""
+
+    def __init__(self, gguf: GGUFFile):
+        self.gguf = gguf
+        self.used: set[str] = set()
+
+    def has(self, name: str) -> bool:
+        return name in self.gguf.tensors
+
+    def _take(self, name: str) -> TensorInfo:
+        self.used.add(name)
+        return self.gguf.tensor(name)
+
+    def linear(
+        self,
+        names: list[str],
+        bias: str | list[str] | None = None,
+        target: WeightTarget = CPU_INT4,
+        gated: bool = False,
+    ) -> Linear:
+        infos = [self._take(n) for n in names]
+        raws = [(self.gguf.raw(i), i.ggml_type) for i in infos]
+        bias_vector = self._bias(bias, infos)
+        module = linear_from_raw(raws, infos[0].shape[-1], bias_vector, target, gated)
+        self.gguf.release()
+        return module
+
+    def _bias(self, bias: str | list[str] | None, infos: list[TensorInfo]) -> torch.Tensor | None:
+        names = [bias] if isinstance(bias, str) else list(bias or [])
+        present = [self.has(n) for n in names]
+        if not any(present):
+            return None
+        parts = [
+            self.vector(n) if here else torch.zeros(info.shape[0])
+            for n, here, info in zip(names, present, infos, strict=True)
+        ]
+        return torch.cat(parts)
+
+    def vector(self, name: str) -> torch.Tensor:
+        info = self._take(name)
+        return dequantize_rows(self.gguf.raw(info), info.ggml_type, info.n_elements)[0].clone()
+
+    def embedding(self, name: str, dim: int) -> BlockEmbedding:
+        # Looked-up rows are read straight from the memory map: no copy of the table.
+        info = self._take(name)
+        return BlockEmbedding(self.gguf.raw(info), info.ggml_type, dim)
+
+    def check_all_used(self) -> None:
+        unused = sorted(set(self.gguf.tensors) - self.used)
+        if unused:
+            more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
+            raise UnsupportedModelError(
+                self.gguf.path,
+                f"tensor {unused[0]}{more} is not understood by the torch engine's "
+                f"{self.gguf.architecture} model",
+            )
