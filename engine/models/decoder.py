@@ -258,11 +258,16 @@ class DecoderModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states [n, dim] -> fp32 logits [n, vocab], on the CPU (sampling and
         acceptance run there whatever device the model is on)."""
-        logits = self.output.forward(hidden.to(self.head_device)).float()
+        return self.project(hidden.to(self.head_device)).to(CPU)
+
+    def project(self, normed: torch.Tensor) -> torch.Tensor:
+        """Normed states [n, dim] on the head's device -> fp32 logits [n, vocab] there: the
+        output head, then Gemma's soft-cap (the fixed-shape GPU step calls this too)."""
+        logits = self.output.forward(normed).float()
         if self.config.final_logit_softcap:
             cap = self.config.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap
-        return logits.to(CPU)
+        return logits
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         """The final norm, on the output head's device."""

@@ -234,8 +234,4 @@ class StaticDecodeStep:
         model, x = self.model, self.x
         for block, view, mask, local in zip(model.layers, views, masks, self._local, strict=True):
             x = block.forward(x, self.kinds[local].rotation, view, mask)
-        logits = model.output.forward(model.norm.forward(x)).float()
-        if model.config.final_logit_softcap:
-            cap = model.config.final_logit_softcap
-            logits = torch.tanh(logits / cap) * cap
-        self.logits.copy_(logits)
+        self.logits.copy_(model.project(model.norm.forward(x)))
