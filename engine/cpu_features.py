@@ -30,6 +30,9 @@ PRESETS = {
     "amd-avx512": _AVX2 | _AVX512 | {"avx512_bf16", "avx512_vnni"},
     "avx2-only": _AVX2,
 }
+# The features reported, as CpuFeatures' property names and as people write them.
+REPORTED = (("avx2", "AVX2"), ("avx512", "AVX-512"), ("avx512_bf16", "AVX-512 BF16"),
+            ("avx512_vnni", "AVX-512 VNNI"), ("amx", "AMX"))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -61,29 +64,12 @@ class CpuFeatures:
 
     def summary(self) -> dict:
         """The features that matter here, for `miniapp doctor --json`."""
-        return {
-            "model": self.model,
-            "simulated": self.simulated,
-            "avx2": self.avx2,
-            "avx512": self.avx512,
-            "avx512_bf16": self.avx512_bf16,
-            "avx512_vnni": self.avx512_vnni,
-            "amx": self.amx,
-        }
+        features = {key: getattr(self, key) for key, _ in REPORTED}
+        return {"model": self.model, "simulated": self.simulated, **features}
 
     def describe(self) -> str:
         """One line: the model and the instruction sets it has."""
-        names = [
-            name
-            for name, present in (
-                ("AVX2", self.avx2),
-                ("AVX-512", self.avx512),
-                ("AVX-512 BF16", self.avx512_bf16),
-                ("AVX-512 VNNI", self.avx512_vnni),
-                ("AMX", self.amx),
-            )
-            if present
-        ]
+        names = [label for key, label in REPORTED if getattr(self, key)]
         tag = " (simulated)" if self.simulated else ""
         return f"{self.model}{tag}: {', '.join(names) or 'none of AVX2, AVX-512, AMX'}"
 

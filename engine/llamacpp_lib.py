@@ -164,7 +164,7 @@ def choose_cpu_path(cpu: CpuFeatures, build: Mapping[str, str], setting: str = "
 def amx_build_on_amx_cpu() -> bool:
     """Whether this llama.cpp build has the AMX path and this CPU would take it (set-up then
     rebuilds llama-cpp-python without it)."""
-    return build_features().get("AMX_INT8") == "1" and cpu_features().amx
+    return cpu_path().build_amx and cpu_features().amx
 
 
 def repack_setting() -> str:
