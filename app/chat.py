@@ -5,7 +5,8 @@ with piped input, the whole of stdin is one message and the answer is printed on
 With --audio FILE the file's transcript is the (first) message; with --voice, Enter on an
 empty line records until the next Enter (push-to-talk). Spoken messages keep their word times.
 Images (--image, /image) go with the next message: as OCR text, or to a vision model
-(chat_images.py).
+(chat_images.py). The conversation itself (history, template, fitting the context, the
+vision switch) is engine/conversation.py's.
 """
 
 from __future__ import annotations
@@ -20,22 +21,16 @@ from pathlib import Path
 from typing import TextIO
 
 from miniapp.engine.chat_template import Message
+from miniapp.engine.conversation import Conversation
 from miniapp.engine.errors import MiniappError
-from miniapp.engine.events import (
-    Finished,
-    FinishReason,
-    GenerationEvent,
-    GenerationStats,
-    TextDelta,
-)
+from miniapp.engine.events import Finished, FinishReason, GenerationEvent, TextDelta
 from miniapp.engine.generation import GenerationRequest
-from miniapp.engine.images import ImageAttachment, ImagePath
+from miniapp.engine.images import ImageAttachment
 from miniapp.engine.model_store import resolve_model
 from miniapp.engine.runtimes import open_runtime
 from miniapp.engine.sampling import SamplingParams
-from miniapp.engine.session import ChatSession
 
-from .chat_images import ChatImages, image_paths, print_prompt, with_image_labels
+from .chat_images import ChatImages, image_paths, pictures_of, print_prompt, with_image_labels
 from .transcribe import VoiceInput, spoken_file
 
 PROMPT = ">>> "
@@ -60,58 +55,30 @@ def request_from_args(args: argparse.Namespace) -> GenerationRequest:
 
 
 class ChatTurns:
-    """One chat's turns: text through the ChatSession, a message with pictures for a vision
-    model through ChatImages. The session (the model) is opened on first use, so a piped
-    message with pictures for a vision model never loads the text model."""
+    """The terminal's side of a conversation: attached images go with the next message (as
+    OCR text, or as pictures for a vision model), and --show-prompt prints what it renders."""
 
-    def __init__(
-        self, open_session: Callable[[], ChatSession], images: ChatImages, show_prompt: bool
-    ):
-        self._open_session = open_session
-        self._session: ChatSession | None = None
+    def __init__(self, conversation: Conversation, images: ChatImages, show_prompt: bool):
+        self.conversation = conversation
         self.images = images
         self.show_prompt = show_prompt
-        self.last_stats: GenerationStats | None = None
-        # The conversation while no text session is open (pictures only so far).
-        self._vision_history: list[Message] = []
-
-    @property
-    def session(self) -> ChatSession:
-        if self._session is None:
-            self._session = self._open_session()
-            self._session.messages.extend(self._vision_history)  # turns taken before it
-            self._vision_history = self._session.messages
-        return self._session
 
     def send(
         self, text: str | Message, should_stop: Callable[[], bool]
     ) -> Iterator[GenerationEvent]:
-        for event in self._events(text, should_stop):
-            if isinstance(event, Finished):
-                self.last_stats = event.stats
-            yield event
-
-    def _events(
-        self, text: str | Message, should_stop: Callable[[], bool]
-    ) -> Iterator[GenerationEvent]:
         attachments = self.images.take()
-        vision = any(a.path == ImagePath.VISION_MODEL for a in attachments)
-        if vision or self.images.vision_active:
-            history = self._vision_history  # the session's messages, once it is open
-            content = text.content if isinstance(text, Message) else text
-            return self.images.vision_turn(
-                history, content, attachments, should_stop, self.show_prompt
-            )
+        pictures = pictures_of(attachments)
         message = with_image_labels(text, attachments)
+        if pictures and self.images.route.switches_backend and not self.conversation.on_vision:
+            print(f"images: sent to the vision model ({self.images.route.reason}); the rest of "
+                  "this conversation runs on llama.cpp", file=sys.stderr, flush=True)  # fmt: skip
         if self.show_prompt:
-            print_prompt(self.session.preview(message))
-        return self.session.send(message, should_stop=should_stop)
+            print_prompt(self.conversation.preview(message, pictures=len(pictures)))
+        return self.conversation.send(message, pictures, should_stop=should_stop)
 
     def reset(self) -> None:
-        self.session.reset()
+        self.conversation.reset()
         self.images.reset()
-        self._vision_history.clear()
-        self.last_stats = None
 
 
 def run_chat(args: argparse.Namespace) -> int:
@@ -120,19 +87,18 @@ def run_chat(args: argparse.Namespace) -> int:
     request = request_from_args(args)
     # Bad images, a bad --mmproj and bad or silent audio are one-line errors (exit 2)
     # before the model loads.
-    images = _startup_images(model_path, args, request)
+    images = _startup_images(model_path, args)
     spoken = spoken_file(args.audio, args.asr_model, args.threads) if args.audio else None
     piped = None if interactive else _piped_message(spoken, images)
-
-    def open_session() -> ChatSession:
-        runtime = _open_runtime(args, model_path, interactive)
-        return ChatSession(runtime, system_prompt=args.system, request=request)
-
-    turns = ChatTurns(open_session, images, args.show_prompt)
+    # The text model opens on first use: a piped message with pictures for a vision model
+    # never loads it.
+    conversation = Conversation(lambda: _open_runtime(args, model_path, interactive),
+                                args.system, request, vision=images.open_vision)  # fmt: skip
+    turns = ChatTurns(conversation, images, args.show_prompt)
     if piped is not None:
         _say_spoken(spoken)
         return _answer_piped(turns, piped, args.stats)
-    turns.session  # noqa: B018 - load the model before greeting
+    conversation.runtime  # noqa: B018 - load the model before greeting
     voice = VoiceInput.for_chat(args, interactive)
     if spoken is not None:
         _say_spoken(spoken)
@@ -140,10 +106,8 @@ def run_chat(args: argparse.Namespace) -> int:
     return _interactive(turns, model_path.name, args.stats, voice)
 
 
-def _startup_images(
-    model_path: Path, args: argparse.Namespace, request: GenerationRequest
-) -> ChatImages:
-    images = ChatImages(model_path, args, request)
+def _startup_images(model_path: Path, args: argparse.Namespace) -> ChatImages:
+    images = ChatImages(model_path, args)
     if args.mmproj:
         _ = images.route  # checks the projector now
     for path in args.image:
@@ -199,7 +163,8 @@ def _interactive(
     # A process started in the background of a script inherits SIGINT ignored, and Python
     # then leaves it so; in the terminal chat Ctrl-C must always reach us.
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    print(f"miniapp chat - {model_name} on {turns.session.runtime.backend}. /help for commands.")
+    backend = turns.conversation.runtime.backend
+    print(f"miniapp chat - {model_name} on {backend}. /help for commands.")
     if voice is not None:
         print(voice.greeting)
     while True:
@@ -229,8 +194,8 @@ def _interactive(
         except MiniappError as exc:
             print(f"error: {exc}")
             continue
-        if show_stats and turns.last_stats:
-            print(turns.last_stats.summary())
+        if show_stats and turns.conversation.last_stats:
+            print(turns.conversation.last_stats.summary())
 
 
 def _command(turns: ChatTurns, text: str) -> str | None:
@@ -242,7 +207,7 @@ def _command(turns: ChatTurns, text: str) -> str | None:
         turns.reset()
         print("(new conversation)")
     elif name == "/stats":
-        stats = turns.last_stats
+        stats = turns.conversation.last_stats
         print(stats.summary() if stats else "(no answer yet)")
     elif name == "/image":
         _image_command(turns.images, argument)

@@ -2,11 +2,9 @@
 
 Without a vision model (the offline default) an image becomes text: OCR, size, colours and
 EXIF in a labelled line of the message. With a projector (--mmproj, or an mmproj GGUF beside
-the model) the turn that carries images is answered by llama.cpp's multimodal path, even
-when the chat runs on the torch engine; the conversation's text history goes with it. From
-then on the conversation stays there, so follow-up questions still see the pictures (the
-vision chat keeps them in its context and evaluates only what each turn adds); every
-exchange is also added to the chat's history.
+the model) the pictures go with the message to the conversation, which answers that turn and
+the rest of the chat on llama.cpp's vision path (engine/conversation.py), even when the chat
+runs on the torch engine.
 """
 
 from __future__ import annotations
@@ -14,39 +12,31 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-from collections.abc import Callable, Iterator
 from dataclasses import replace
 from functools import cached_property
 from pathlib import Path
 
 from miniapp.engine.chat_template import Message
-from miniapp.engine.events import GenerationEvent, TextDelta
-from miniapp.engine.generation import GenerationRequest
 from miniapp.engine.images import (
     ImageAttachment,
-    ImagePath,
     ImageRoute,
     attach_image,
     build_user_message,
     choose_route,
     vision_images,
 )
+from miniapp.engine.runtimes import VisionRuntime, open_vision_runtime
 
 
 class ChatImages:
-    """The images waiting for the next message, the route they take, and the vision chat
-    (loaded when a picture first needs it)."""
+    """The images waiting for the next message, and the route they take."""
 
-    def __init__(self, model_path: Path, args: argparse.Namespace, request: GenerationRequest):
+    def __init__(self, model_path: Path, args: argparse.Namespace):
         self.model_path = model_path
         self.backend = args.backend
         self.mmproj = args.mmproj
         self.n_ctx, self.threads = args.ctx, args.threads
-        self.system_prompt = args.system
-        self.request = request
         self.pending: list[ImageAttachment] = []
-        self._vision = None
-        self.vision_active = False  # the conversation has pictures on the vision chat
 
     @cached_property
     def route(self) -> ImageRoute:
@@ -66,78 +56,26 @@ class ChatImages:
             return "(no images attached)"
         return "\n".join(f"attached: {a.notice()}" for a in self.pending)
 
-    @property
-    def next_turn_is_vision(self) -> bool:
-        return bool(self.pending) and self.route.path == ImagePath.VISION_MODEL
-
     def take(self) -> list[ImageAttachment]:
         """The attachments for the message being sent; they go with that message only."""
         taken, self.pending = self.pending, []
         return taken
 
-    def vision_turn(
-        self,
-        history: list[Message],
-        text: str,
-        attachments: list[ImageAttachment],
-        should_stop: Callable[[], bool],
-        show_prompt: bool,
-    ) -> Iterator[GenerationEvent]:
-        """Answer a message on the vision chat: one with pictures, or any later one of a
-        conversation that has them. The chat keeps its own messages (pictures included)
-        while they match `history`; otherwise it starts again from `history`'s text. The
-        exchange, even a partial one, is then appended to `history`."""
-        chat = self._vision_chat()
-        if self.route.switches_backend and not self.vision_active:
-            print(f"images: sent to the vision model ({self.route.reason}); the rest of this "
-                  "conversation runs on llama.cpp", file=sys.stderr, flush=True)  # fmt: skip
-        if not (self.vision_active and _matches(chat, history)):
-            _start_from(chat, history)
-        self.vision_active = True
-        if show_prompt:
-            print_prompt(chat.render_prompt(text, images=len(attachments)))
-        answer: list[str] = []
-        started = False
-        try:
-            for event in chat.send(text, vision_images(attachments), self.request, should_stop):
-                started = True
-                if isinstance(event, TextDelta):
-                    answer.append(event.text)
-                yield event
-        finally:
-            if started:  # a refused turn (context full) is not part of the conversation
-                history.extend([Message("user", text), Message("assistant", "".join(answer))])
-
-    def _vision_chat(self):
-        from miniapp.engine.images.vision_llamacpp import LlamaCppVisionChat
-
-        if self._vision is None:
-            self._vision = LlamaCppVisionChat(
-                self.model_path, self.route.mmproj, n_ctx=self.n_ctx, threads=self.threads,
-                system_prompt=self.system_prompt, request=self.request,
-            )  # fmt: skip
-        return self._vision
+    def open_vision(self) -> VisionRuntime:
+        """The vision runtime (a second copy of the model, on llama.cpp with its projector),
+        opened when a picture first needs it."""
+        assert self.route.mmproj is not None
+        return open_vision_runtime(self.model_path, self.route.mmproj, n_ctx=self.n_ctx,
+                                   threads=self.threads)  # fmt: skip
 
     def reset(self) -> None:
-        """A new conversation: attachments dropped, and text turns back on the session."""
         self.pending = []
-        self.vision_active = False
-        if self._vision is not None:
-            self._vision.reset()
 
 
-def _start_from(chat, history: list[Message]) -> None:
-    """The vision chat's messages from the history's text; what its context already holds
-    of them is kept (only what differs is evaluated)."""
-    from miniapp.engine.images.vision_llamacpp import VisionMessage
-
-    chat.messages = [VisionMessage(m.role, m.content) for m in history if m.role != "system"]
-
-
-def _matches(chat, history: list[Message]) -> bool:
-    """Whether the vision chat's messages are the history's (text and roles)."""
-    text = [(m.role, m.content) for m in history if m.role != "system"]
-    return [(m.role, m.text) for m in chat.messages] == text
+def pictures_of(attachments: list[ImageAttachment]) -> list[bytes]:
+    """The PNG files a vision model is shown, from the attachments on its path (PNG: llama.cpp
+    decodes pictures with stb_image, which reads it)."""
+    return [image.png_bytes() for image in vision_images(attachments)]
 
 
 def with_image_labels(text: str | Message, attachments: list[ImageAttachment]) -> str | Message:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from miniapp.engine.errors import MiniappError
 from miniapp.engine.model_store import resolve_model
-from miniapp.engine.runtimes import Runtime, open_runtime
+from miniapp.engine.runtimes import Runtime, VisionRuntime, open_runtime, open_vision_runtime
 
 LOAD_WAIT_S = 600.0  # an answer waits this long at most for a model that is still loading
 
@@ -63,7 +63,7 @@ class ModelHost:
         self._wanted: LoadSpec | None = None
         self._status = ModelStatus(LoadState.FAILED, "no model loaded")
         self._ready_status = self._status  # the loaded model's, to return to
-        self._vision = None  # a LlamaCppVisionChat, loaded when a picture first needs it
+        self._vision: VisionRuntime | None = None  # loaded when a picture first needs it
         self._vision_key: tuple | None = None
         self._started = 0.0
 
@@ -132,19 +132,18 @@ class ModelHost:
             assert self._runtime is not None
             return self._runtime
 
-    def vision_chat(self, wanted: LoadSpec, mmproj: Path):
+    def vision_runtime(self, wanted: LoadSpec, mmproj: Path) -> VisionRuntime:
         """The vision model for this model (call with `generation_lock` held). It is a
         second copy of the model, on llama.cpp with its projector, kept for later pictures."""
-        from miniapp.engine.images.vision_llamacpp import LlamaCppVisionChat
-
         key = (wanted.model, str(mmproj), wanted.ctx, wanted.threads)
         if self._vision_key != key:
             if self._vision is not None:
                 self._vision.close()
                 self._vision, self._vision_key = None, None
             model = resolve_model(wanted.model)
-            self._vision = LlamaCppVisionChat(model, mmproj, n_ctx=wanted.ctx,
-                                              threads=wanted.threads)  # fmt: skip
+            self._vision = open_vision_runtime(
+                model, mmproj, n_ctx=wanted.ctx, threads=wanted.threads
+            )
             self._vision_key = key
         return self._vision
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import datetime
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -49,6 +49,8 @@ class TemplateError(MiniappError):
 class Message:
     role: str  # "system" | "user" | "assistant"
     content: str
+    # PNG files a vision model sees before the text, in this order (a user message's only).
+    pictures: tuple[bytes, ...] = field(default=(), repr=False)
 
 
 class ChatTemplate:

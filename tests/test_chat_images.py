@@ -18,10 +18,10 @@ from image_fixtures import (
 from PIL import Image
 from tiny_gguf import LLAMA, write_tiny_model
 
+from miniapp.engine.conversation import Conversation
 from miniapp.engine.generation import GenerationRequest
-from miniapp.engine.images.vision_llamacpp import MARKER
+from miniapp.engine.runtimes.llamacpp_vision import MARKER
 from miniapp.engine.sampling import GREEDY
-from miniapp.engine.session import ChatSession
 
 PROMPT = ">>> "
 PROMPT_START, PROMPT_END = "--- prompt ---", "--- end of prompt ---"
@@ -197,7 +197,7 @@ def test_session_preview_is_the_prompt_it_sends(text_model):
     from miniapp.engine.runtimes.llamacpp_runtime import LlamaCppRuntime
 
     runtime = LlamaCppRuntime(text_model, n_ctx=256)
-    session = ChatSession(runtime, "Be brief.", GenerationRequest(max_tokens=4, sampling=GREEDY))
+    session = Conversation(runtime, "Be brief.", GenerationRequest(max_tokens=4, sampling=GREEDY))
     list(session.send("Hello."))
     preview = session.preview("Again?")
     list(session.send("Again?"))

@@ -15,7 +15,7 @@ from miniapp.app.gui.controller import (
     prepare_user_message,
     stream_answer,
 )
-from miniapp.app.gui.history import Conversation
+from miniapp.app.gui.history import SavedChat
 from miniapp.engine.errors import MiniappError
 
 
@@ -39,7 +39,7 @@ def test_pictures_reach_the_vision_model_on_the_llamacpp_backend(vision_model, t
                                 Transcriber())  # fmt: skip
     assert "shown to the vision model" in user.notes[0]
     assert user.images and all(p.startswith(str(tmp_path / "data")) for p in user.images)
-    conversation = Conversation.new()
+    conversation = SavedChat.new()
     conversation.messages.append(user)
     updates = list(stream_answer(ModelHost(), conversation, settings, lambda: False))
     assert updates[-1].finished and conversation.messages[-1].role == "assistant"
@@ -48,23 +48,23 @@ def test_pictures_reach_the_vision_model_on_the_llamacpp_backend(vision_model, t
 
 def test_a_follow_up_still_sees_the_picture_and_reuses_the_context(vision_model, tmp_path):
     from miniapp.app.gui.history import SavedMessage
-    from miniapp.engine.images.vision_llamacpp import MARKER
+    from miniapp.engine.runtimes.llamacpp_vision import MARKER
 
     settings = ChatSettings(model=str(vision_model), backend="llamacpp", ctx=512, threads=2,
                             max_tokens=6, temperature=0.0)  # fmt: skip
     host = ModelHost()
-    conversation = Conversation.new()
+    conversation = SavedChat.new()
     conversation.messages.append(
         prepare_user_message("What does it say?", [_picture(tmp_path)], settings, Transcriber())
     )
     list(stream_answer(host, conversation, settings, lambda: False))
     vision = host._vision
-    first_prompt = vision.llama.n_tokens
+    first_prompt = vision.held_positions
     conversation.messages.append(SavedMessage("user", "Are you sure?"))
     updates = list(stream_answer(host, conversation, settings, lambda: False))
     assert updates[-1].finished and conversation.messages[-1].role == "assistant"
-    assert vision.last_prompt.count(MARKER) == 1  # the picture is still shown
-    assert vision.last_reused >= first_prompt - 8  # and was not evaluated again
+    assert vision.last_prefill.text.count(MARKER) == 1  # the picture is still shown
+    assert vision.last_prefill.reused >= first_prompt - 8  # and was not evaluated again
 
 
 def test_the_torch_backend_reads_pictures_by_ocr_and_says_why(vision_model, tmp_path):

@@ -8,11 +8,11 @@ import subprocess
 import sys
 import time
 
-from miniapp.app.gui.history import Conversation, ConversationStore, SavedMessage
+from miniapp.app.gui.history import ChatStore, SavedChat, SavedMessage
 
 
-def _conversation(turns: int = 2) -> Conversation:
-    chat = Conversation.new("model.gguf")
+def _conversation(turns: int = 2) -> SavedChat:
+    chat = SavedChat.new("model.gguf")
     for i in range(turns):
         chat.messages.append(SavedMessage("user", f"question {i}", notes=[f"note {i}"]))
         chat.messages.append(SavedMessage("assistant", f"answer {i}", stats="10 tok/s"))
@@ -21,7 +21,7 @@ def _conversation(turns: int = 2) -> Conversation:
 
 
 def test_saved_chats_are_listed_newest_first_and_restored(tmp_path):
-    store = ConversationStore(tmp_path)
+    store = ChatStore(tmp_path)
     older, newer = _conversation(1), _conversation(3)
     store.save(older)
     time.sleep(0.01)
@@ -42,7 +42,7 @@ def test_export_to_markdown_and_json(tmp_path):
 
 
 def test_an_unreadable_file_is_skipped_not_fatal(tmp_path):
-    store = ConversationStore(tmp_path)
+    store = ChatStore(tmp_path)
     store.save(_conversation())
     (tmp_path / ("0" * 32 + ".json")).write_text("{ not json")
     assert len(store.list()) == 1
@@ -50,9 +50,9 @@ def test_an_unreadable_file_is_skipped_not_fatal(tmp_path):
 
 WRITER = """
 import sys
-from miniapp.app.gui.history import Conversation, ConversationStore, SavedMessage
-store = ConversationStore(__import__("pathlib").Path(sys.argv[1]))
-chat = Conversation.new()
+from miniapp.app.gui.history import SavedChat, ChatStore, SavedMessage
+store = ChatStore(__import__("pathlib").Path(sys.argv[1]))
+chat = SavedChat.new()
 chat.id = sys.argv[2]
 big = "x" * 200_000
 print("ready", flush=True)
@@ -73,5 +73,5 @@ def test_a_kill_mid_write_never_leaves_a_torn_conversation(tmp_path):
         time.sleep(0.3)
         writer.send_signal(signal.SIGKILL)
         writer.wait()
-        saved = ConversationStore(tmp_path).load(chat_id)  # parses: old or new, never torn
+        saved = ChatStore(tmp_path).load(chat_id)  # parses: old or new, never torn
         assert all(m.content.endswith("x" * 1000) for m in saved.messages)

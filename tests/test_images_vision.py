@@ -11,6 +11,8 @@ from image_fixtures import TinyProjector, write_tiny_projector
 from PIL import Image
 from tiny_gguf import LLAMA, write_tiny_model
 
+from miniapp.engine.chat_template import Message
+from miniapp.engine.conversation import Conversation
 from miniapp.engine.errors import ContextFullError, ModelFileError
 from miniapp.engine.events import Finished, FinishReason, TextDelta
 from miniapp.engine.generation import GenerationRequest
@@ -23,7 +25,7 @@ from miniapp.engine.images import (
     load_image,
     vision_images,
 )
-from miniapp.engine.images.vision_llamacpp import MARKER, LlamaCppVisionChat
+from miniapp.engine.runtimes.llamacpp_vision import MARKER, LlamaCppVisionRuntime
 from miniapp.engine.sampling import GREEDY
 
 PROJECTOR = TinyProjector(text_dim=LLAMA.dim)
@@ -39,20 +41,22 @@ def vision_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def chat(vision_dir):
-    chat = LlamaCppVisionChat(
-        vision_dir / "tiny.gguf",
-        vision_dir / "mmproj-tiny-f16.gguf",
-        n_ctx=512,
-        threads=2,
-        request=GREEDY_8,
+def vision(vision_dir):
+    runtime = LlamaCppVisionRuntime(
+        vision_dir / "tiny.gguf", vision_dir / "mmproj-tiny-f16.gguf", n_ctx=512, threads=2
     )
-    yield chat
-    chat.close()
+    yield runtime
+    runtime.close()
+
+
+@pytest.fixture
+def chat(vision):
+    return Conversation(vision, request=GREEDY_8)
 
 
 def _picture(colour, size=(96, 80)):
-    return load_image(_png(Image.new("RGB", size, colour)), name=f"{colour}.png")
+    """A PNG as a vision model is sent it (through our image loader)."""
+    return load_image(_png(Image.new("RGB", size, colour)), name=f"{colour}.png").png_bytes()
 
 
 def _png(image):
@@ -69,6 +73,15 @@ def _run(chat, text, images=(), request=GREEDY_8, **kwargs):
     assert isinstance(events[-1], Finished)
     assert all(isinstance(e, TextDelta) for e in events[:-1])
     return events[-1]
+
+
+def _next_token_logits(chat, text, pictures=()):
+    """Evaluate the conversation plus this message (not kept) and return the logits of the
+    answer's first token: shows whether the pictures reach the model."""
+    runtime = chat.runtime
+    messages = [*chat.messages, Message("user", text, tuple(pictures))]
+    runtime.prefill(chat.render(messages), [p for m in messages for p in m.pictures])
+    return runtime.prefill_logits()
 
 
 # -- finding the projector -------------------------------------------------------------------
@@ -142,12 +155,13 @@ def test_vision_attachment_is_sent_as_a_picture(vision_dir, tmp_path):
 # -- llama.cpp's multimodal path --------------------------------------------------------------
 
 
-def test_image_is_embedded_and_answered(chat):
+def test_image_is_embedded_and_answered(chat, vision):
     finished = _run(chat, "What is in the picture?", [_picture("red")])
     assert finished.reason in (FinishReason.MAX_TOKENS, FinishReason.END_OF_TURN)
     assert finished.stats.generated_tokens >= 1
-    assert finished.stats.prompt_tokens == chat.llama.n_tokens - finished.stats.generated_tokens + 1
-    assert chat.last_prompt.count(MARKER) == 1
+    held = vision.held_positions
+    assert finished.stats.prompt_tokens == held - finished.stats.generated_tokens + 1
+    assert vision.last_prefill.text.count(MARKER) == 1
     assert [m.role for m in chat.messages] == ["user", "assistant"]
 
 
@@ -159,37 +173,38 @@ def test_each_image_adds_its_tokens(chat):
     assert PROJECTOR.image_tokens <= per_image <= PROJECTOR.image_tokens + 48
 
 
-def test_the_pixels_reach_the_model(chat):
+def test_the_pixels_reach_the_model(chat, vision):
     chat.reset()
-    red = chat.next_token_logits("Which colour?", [_picture("red")])
-    red_again = chat.next_token_logits("Which colour?", [_picture("red")])
-    blue = chat.next_token_logits("Which colour?", [_picture("blue")])
-    assert red.shape == (chat.tokenizer.n_vocab,)
+    red = _next_token_logits(chat, "Which colour?", [_picture("red")])
+    red_again = _next_token_logits(chat, "Which colour?", [_picture("red")])
+    blue = _next_token_logits(chat, "Which colour?", [_picture("blue")])
+    assert red.shape == (vision.tokenizer.n_vocab,)
     np.testing.assert_allclose(red, red_again, rtol=0, atol=1e-4)
     assert np.abs(red - blue).max() > 1e-3
     assert chat.messages == []  # a probe, not a turn
 
 
-def test_the_shown_prompt_is_the_evaluated_prompt(chat):
+def test_the_shown_prompt_is_the_evaluated_prompt(chat, vision):
     chat.reset()
-    preview = chat.render_prompt("Look at these.", images=2)
+    preview = chat.preview("Look at these.", pictures=2)
     list(chat.send("Look at these.", [_picture("red"), _picture("green")]))
-    assert chat.last_prompt == preview
+    assert vision.last_prefill.text == preview
     assert preview.index(MARKER) < preview.index("Look at these.")  # images come first
 
 
-def test_later_turns_keep_earlier_images(chat):
+def test_later_turns_keep_earlier_images(chat, vision):
     first = _run(chat, "First.", [_picture("red")])
     second = list(chat.send("And now?", [], GREEDY_8))[-1]
-    assert chat.last_prompt.count(MARKER) == 1
+    assert vision.last_prefill.text.count(MARKER) == 1
     assert second.stats.prompt_tokens > first.stats.prompt_tokens
 
 
-def test_typed_marker_is_not_an_image(chat):
+def test_typed_marker_is_not_an_image(chat, vision):
     chat.reset()
-    preview = chat.render_prompt(f"Is {MARKER} a picture?")
+    preview = chat.preview(f"Is {MARKER} a picture?")
     finished = _run(chat, f"Is {MARKER} a picture?")
-    assert chat.last_prompt.count(MARKER) == 0 and chat.last_prompt == preview
+    shown = vision.last_prefill.text
+    assert shown.count(MARKER) == 0 and shown == preview
     assert finished.stats.prompt_tokens > 0
 
 
@@ -200,31 +215,34 @@ def test_stop_and_cancel(chat):
 
 
 def test_too_many_images_for_the_context(vision_dir):
-    small = LlamaCppVisionChat(
+    small = LlamaCppVisionRuntime(
         vision_dir / "tiny.gguf", vision_dir / "mmproj-tiny-f16.gguf", n_ctx=200, threads=2
     )
     assert small.n_ctx == 256  # llama.cpp's own rounding, taken up front
+    chat = Conversation(small)
     try:
         with pytest.raises(ContextFullError, match="do not fit the context of 256"):
-            list(small.send("Compare.", [_picture("red")] * 6, GREEDY_8))
-        assert small.messages == []  # the chat goes on
-        finished = list(small.send("Hi.", [], GREEDY_8))[-1]
+            list(chat.send("Compare.", [_picture("red")] * 6, GREEDY_8))
+        assert chat.messages == []  # the chat goes on
+        finished = list(chat.send("Hi.", [], GREEDY_8))[-1]
         assert isinstance(finished, Finished)
     finally:
         small.close()
 
 
 def test_old_turns_make_room_for_new_images(vision_dir):
-    small = LlamaCppVisionChat(
+    small = LlamaCppVisionRuntime(
         vision_dir / "tiny.gguf", vision_dir / "mmproj-tiny-f16.gguf", n_ctx=256, threads=2
     )
+    chat = Conversation(small)
     try:
         for turn in range(3):
-            finished = list(small.send(f"Turn {turn}.", [_picture("red")] * 2, GREEDY_8))[-1]
+            finished = list(chat.send(f"Turn {turn}.", [_picture("red")] * 2, GREEDY_8))[-1]
             assert finished.stats.prompt_tokens + 8 <= small.n_ctx
-        assert small.dropped_turns >= 1
-        assert small.messages[0].text != "Turn 0."
-        assert small.last_prompt.count(MARKER) == sum(len(m.images) for m in small.messages)
+        assert chat.dropped_turns >= 1
+        assert chat.messages[0].content != "Turn 0."
+        shown = small.last_prefill.text
+        assert shown.count(MARKER) == sum(len(m.pictures) for m in chat.messages)
     finally:
         small.close()
 
@@ -232,12 +250,15 @@ def test_old_turns_make_room_for_new_images(vision_dir):
 def test_bundled_model_template_with_a_projector(default_model, tmp_path):
     """The real chat template (SmolLM2's, with a system prompt) around an image marker."""
     projector = write_tiny_projector(tmp_path / "mmproj-smol.gguf", TinyProjector(text_dim=576))
-    real = LlamaCppVisionChat(default_model, projector, n_ctx=512, threads=2, system_prompt="Hi.")
+    real = LlamaCppVisionRuntime(default_model, projector, n_ctx=512, threads=2)
     try:
-        events = list(real.send("What do you see?", [_picture("red")], GREEDY_8))
+        events = list(
+            Conversation(real, "Hi.").send("What do you see?", [_picture("red")], GREEDY_8)
+        )
         assert "".join(e.text for e in events[:-1])
-        assert real.last_prompt.startswith("<|im_start|>system\nHi.<|im_end|>\n")
-        assert f"<|im_start|>user\n{MARKER}\nWhat do you see?<|im_end|>" in real.last_prompt
+        shown = real.last_prefill.text
+        assert shown.startswith("<|im_start|>system\nHi.<|im_end|>\n")
+        assert f"<|im_start|>user\n{MARKER}\nWhat do you see?<|im_end|>" in shown
     finally:
         real.close()
 
@@ -248,7 +269,7 @@ def test_projector_llamacpp_refuses_is_one_line(vision_dir, tmp_path):
         broken, TinyProjector(text_dim=LLAMA.dim, skip_tensor="v.blk.0.ffn_up.weight")
     )
     with pytest.raises(ModelFileError) as caught:
-        LlamaCppVisionChat(vision_dir / "tiny.gguf", broken, n_ctx=256, threads=2)
+        LlamaCppVisionRuntime(vision_dir / "tiny.gguf", broken, n_ctx=256, threads=2)
     message = str(caught.value)
     assert "\n" not in message
     assert message.startswith(f"{broken}: llama.cpp could not load this projector")
@@ -258,32 +279,31 @@ def test_projector_llamacpp_refuses_is_one_line(vision_dir, tmp_path):
 def test_projector_for_another_model_is_refused_before_loading(vision_dir, tmp_path):
     wrong = write_tiny_projector(tmp_path / "mmproj-wide.gguf", TinyProjector(text_dim=128))
     with pytest.raises(ModelFileError, match="outputs 128-wide embeddings, the model takes 64"):
-        LlamaCppVisionChat(vision_dir / "tiny.gguf", wrong, n_ctx=256, threads=2)
+        LlamaCppVisionRuntime(vision_dir / "tiny.gguf", wrong, n_ctx=256, threads=2)
 
 
-def test_a_follow_up_reuses_the_context_and_answers_as_a_fresh_evaluation(chat):
+def test_a_follow_up_reuses_the_context_and_answers_as_a_fresh_evaluation(chat, vision):
     first = _run(chat, "What is this?", [_picture("red"), _picture("green")])
     assert first.stats.cached_prompt_tokens == 0
-    held = chat.llama.n_tokens
-    follow_up = chat.next_token_logits("And the second one?")
+    held = vision.held_positions
+    follow_up = _next_token_logits(chat, "And the second one?")
     # Everything up to the first answer stayed in the context, the images included.
-    assert chat.last_reused >= first.stats.prompt_tokens
-    assert chat.last_reused <= held
-    conversation = list(chat.messages)
-    chat.reset()
-    chat.messages = conversation
-    fresh = chat.next_token_logits("And the second one?")
-    assert chat.last_reused == 0
+    assert vision.last_prefill.reused >= first.stats.prompt_tokens
+    assert vision.last_prefill.reused <= held
+    vision.reset()
+    again = Conversation(vision, request=GREEDY_8, history=chat.messages)
+    fresh = _next_token_logits(again, "And the second one?")
+    assert vision.last_prefill.reused == 0
     np.testing.assert_allclose(follow_up, fresh, rtol=0, atol=1e-3)
     assert follow_up.argmax() == fresh.argmax()
 
 
-def test_a_changed_picture_is_evaluated_again(chat):
+def test_a_changed_picture_is_evaluated_again(chat, vision):
     chat.reset()
-    red = chat.next_token_logits("Which colour?", [_picture("red")])
-    chat.next_token_logits("Which shape?", [_picture("red")])
-    same_picture = chat.last_reused  # the text before the picture, and the picture
-    blue = chat.next_token_logits("Which shape?", [_picture("blue")])
-    other_picture = chat.last_reused  # only the text before it
+    red = _next_token_logits(chat, "Which colour?", [_picture("red")])
+    _next_token_logits(chat, "Which shape?", [_picture("red")])
+    same_picture = vision.last_prefill.reused  # the text before the picture, and the picture
+    blue = _next_token_logits(chat, "Which shape?", [_picture("blue")])
+    other_picture = vision.last_prefill.reused  # only the text before it
     assert 0 < other_picture and same_picture >= other_picture + PROJECTOR.image_tokens
     assert np.abs(red - blue).max() > 1e-3

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from miniapp.engine.conversation import Conversation
 from miniapp.engine.events import Finished, FinishReason
 from miniapp.engine.generation import GenerationRequest
 from miniapp.engine.runtimes.torch_runtime import TorchRuntime
 from miniapp.engine.sampling import GREEDY
-from miniapp.engine.session import ChatSession
 
 CTX = 192
 
@@ -20,7 +20,7 @@ def runtime(default_model):
 
 
 def test_scripted_chat_of_many_contexts_finishes_every_answer(runtime):
-    session = ChatSession(
+    session = Conversation(
         runtime,
         system_prompt="You answer in one or two sentences.",
         request=GenerationRequest(max_tokens=40, sampling=GREEDY),
@@ -62,7 +62,7 @@ def test_scripted_chat_of_many_contexts_finishes_every_answer(runtime):
 
 
 def test_answer_longer_than_the_context_keeps_going(runtime):
-    session = ChatSession(
+    session = Conversation(
         runtime,
         request=GenerationRequest(max_tokens=3 * CTX, sampling=GREEDY, ignore_end_of_turn=True),
     )

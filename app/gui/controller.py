@@ -15,17 +15,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from miniapp.engine.chat_template import Message
+from miniapp.engine.conversation import Conversation
 from miniapp.engine.errors import MiniappError
 from miniapp.engine.events import Finished, GenerationStats, TextDelta
 from miniapp.engine.generation import GenerationRequest
 from miniapp.engine.model_store import BUNDLED, models_dir, resolve_model
 from miniapp.engine.runtimes import Runtime
 from miniapp.engine.sampling import SamplingParams
-from miniapp.engine.session import ChatSession
 
 from ..model_host import LoadSpec, ModelHost
 from ..settings import Settings
-from .history import Conversation, SavedMessage, data_dir, write_atomically_bytes
+from .history import SavedChat, SavedMessage, data_dir, write_atomically_bytes
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".gif"}
 AUDIO_SUFFIXES = {".wav", ".mp3", ".flac", ".ogg", ".m4a", ".webm", ".opus"}
@@ -96,25 +96,26 @@ def figures_line(stats: GenerationStats, runtime: Runtime, elapsed_s: float | No
 
 def stream_answer(
     host: ModelHost,
-    conversation: Conversation,
+    saved: SavedChat,
     settings: ChatSettings,
     should_stop: Callable[[], bool],
 ) -> Iterator[AnswerUpdate]:
-    """Answer the conversation's last message (a user message), appending the answer to it.
-    The model sees the conversation's `content`s; old turns it cannot fit are dropped for the
-    model only, the saved conversation keeps them."""
+    """Answer the saved chat's last message (a user message), appending the answer to it.
+    The model sees the messages' `content`s and their pictures; old turns it cannot fit are
+    dropped for the model only, the saved chat keeps them."""
     runtime = host.wait_for(settings.load_spec)
     with host.generation_lock:
-        *earlier, last = conversation.messages
+        *earlier, last = saved.messages
         vision = None
         if last.images or any(m.images for m in earlier):
-            vision = _vision_events(host, earlier, last, settings, should_stop)
-        if vision is not None:
-            runtime, events = vision
-        else:
-            session = ChatSession(runtime, settings.system_prompt or None, settings.request())
-            session.messages = [Message(m.role, m.content) for m in earlier]
-            events = session.send(last.content, should_stop=should_stop)
+            vision = _vision_opener(host, settings, pictures=bool(last.images))
+        conversation = Conversation(
+            runtime, settings.system_prompt or None, settings.request(), vision=vision,
+            history=[Message(m.role, m.content, _saved_pictures(m) if vision else ())
+                     for m in earlier],
+        )  # fmt: skip
+        pictures = [image.png_bytes() for image in _load_pictures(last)]
+        events = conversation.send(last.content, pictures, should_stop=should_stop)
         answer, figures = [], ""
         started = time.monotonic()
         for event in events:
@@ -123,33 +124,34 @@ def stream_answer(
                 rate = len(answer) / max(time.monotonic() - started, 1e-3)
                 yield AnswerUpdate("".join(answer), f"generating… {rate:.0f} pieces/s")
             elif isinstance(event, Finished):
-                figures = figures_line(event.stats, runtime)
+                figures = figures_line(event.stats, conversation.runtime)
                 if event.reason.value == "cancelled":
                     figures = "stopped · " + figures
     text = "".join(answer)
-    conversation.messages.append(SavedMessage("assistant", text, stats=figures))
+    saved.messages.append(SavedMessage("assistant", text, stats=figures))
     yield AnswerUpdate(text, figures, finished=True)
 
 
-def _vision_events(host, earlier, last, settings: ChatSettings, should_stop):
-    """A conversation with pictures, through llama.cpp's multimodal path: the last message's
-    pictures and the earlier ones still on disk. The vision chat keeps what its context
-    already holds of the conversation, so a follow-up evaluates only what it adds. None
-    when there is no vision model for a follow-up without pictures (it goes as text)."""
-    from miniapp.engine.images import choose_route, load_image
-    from miniapp.engine.images.vision_llamacpp import VisionMessage
+def _vision_opener(host: ModelHost, settings: ChatSettings, pictures: bool):
+    """How the conversation opens the vision model, if this model has one. Without one, a
+    message with pictures is a one-line error saying why; earlier pictures (the projector
+    has gone since) leave their messages as text."""
+    from miniapp.engine.images import choose_route
 
     route = choose_route(resolve_model(settings.model), settings.backend,
                          allow_backend_switch=False)  # fmt: skip
     if route.mmproj is None:
-        if not last.images:
-            return None
-        raise MiniappError(f"this message has pictures for a vision model, but {route.reason}")
-    chat = host.vision_chat(settings.load_spec, route.mmproj)
-    chat.system_prompt = settings.system_prompt or None
-    chat.messages = [VisionMessage(m.role, m.content, _saved_pictures(m)) for m in earlier]
-    images = [load_image(Path(p)) for p in last.images or ()]
-    return chat, chat.send(last.content, images, settings.request(), should_stop)
+        if pictures:
+            raise MiniappError(f"this message has pictures for a vision model, but {route.reason}")
+        return None
+    mmproj = route.mmproj
+    return lambda: host.vision_runtime(settings.load_spec, mmproj)
+
+
+def _load_pictures(message: SavedMessage) -> list:
+    from miniapp.engine.images import load_image
+
+    return [load_image(Path(p)) for p in message.images or ()]
 
 
 def _saved_pictures(message: SavedMessage) -> tuple[bytes, ...]:

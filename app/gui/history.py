@@ -38,7 +38,7 @@ class SavedMessage:
 
 
 @dataclass
-class Conversation:
+class SavedChat:
     id: str
     title: str
     created: float
@@ -47,7 +47,7 @@ class Conversation:
     messages: list[SavedMessage] = field(default_factory=list)
 
     @classmethod
-    def new(cls, model: str = "") -> Conversation:
+    def new(cls, model: str = "") -> SavedChat:
         now = time.time()
         return cls(uuid.uuid4().hex, "New chat", now, now, model)
 
@@ -62,7 +62,7 @@ class Conversation:
         return json.dumps(asdict(self), ensure_ascii=False, indent=1)
 
     @classmethod
-    def from_dict(cls, data: dict) -> Conversation:
+    def from_dict(cls, data: dict) -> SavedChat:
         messages = [SavedMessage(**m) for m in data.get("messages", [])]
         fields = {k: data[k] for k in ("id", "title", "created", "updated")}
         return cls(**fields, model=data.get("model", ""), messages=messages)
@@ -84,7 +84,7 @@ def data_dir() -> Path:
     return Path(override) if override else platformdirs.user_data_path("miniapp")
 
 
-class ConversationStore:
+class ChatStore:
     def __init__(self, folder: Path | None = None):
         self.folder = folder or data_dir() / "conversations"
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -94,23 +94,23 @@ class ConversationStore:
             raise ValueError(f"not a conversation id: {conversation_id!r}")
         return self.folder / f"{conversation_id}.json"
 
-    def save(self, conversation: Conversation) -> None:
+    def save(self, conversation: SavedChat) -> None:
         conversation.updated = time.time()
         write_atomically(self._path(conversation.id), conversation.to_json())
 
-    def load(self, conversation_id: str) -> Conversation:
+    def load(self, conversation_id: str) -> SavedChat:
         data = json.loads(self._path(conversation_id).read_text(encoding="utf-8"))
-        return Conversation.from_dict(data)
+        return SavedChat.from_dict(data)
 
     def delete(self, conversation_id: str) -> None:
         self._path(conversation_id).unlink(missing_ok=True)
 
-    def list(self) -> list[Conversation]:
+    def list(self) -> list[SavedChat]:
         """Newest first. A file that cannot be read is skipped, not fatal."""
         found = []
         for path in self.folder.glob("*.json"):
             try:
-                found.append(Conversation.from_dict(json.loads(path.read_text("utf-8"))))
+                found.append(SavedChat.from_dict(json.loads(path.read_text("utf-8"))))
             except (OSError, ValueError, KeyError, TypeError):
                 continue
         return sorted(found, key=lambda c: c.updated, reverse=True)

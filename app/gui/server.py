@@ -31,11 +31,11 @@ def run_gui(args: argparse.Namespace) -> int:
 
     from ..model_host import ModelHost
     from .controller import Transcriber
-    from .history import ConversationStore
+    from .history import ChatStore
     from .ui import GuiContext, build_ui
 
     settings = settings_from_args(args)
-    context = GuiContext(ModelHost(), ConversationStore(),
+    context = GuiContext(ModelHost(), ChatStore(),
                          Transcriber(args.asr_model, args.threads), settings)  # fmt: skip
     context.host.request(settings.load_spec)  # loads while the page comes up
     demo = build_ui(context)

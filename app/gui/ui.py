@@ -24,7 +24,7 @@ from .controller import (
     prepare_user_message,
     stream_answer,
 )
-from .history import Conversation, ConversationStore
+from .history import ChatStore, SavedChat
 
 GENERATION_QUEUE = "generation"  # every event that generates shares one queue
 STATUS_POLL_S = 1.0
@@ -37,7 +37,7 @@ class GuiContext:
     """What every browser session shares."""
 
     host: ModelHost
-    store: ConversationStore
+    store: ChatStore
     transcriber: Transcriber
     defaults: ChatSettings
     stops: dict[str, threading.Event] = field(default_factory=dict)
@@ -49,7 +49,7 @@ class GuiContext:
 # ------------------------------------------------------------------ conversions
 
 
-def chat_messages(conversation: Conversation) -> list[dict]:
+def chat_messages(conversation: SavedChat) -> list[dict]:
     """The conversation as Gradio's chatbot shows it (notes under the message)."""
     shown = []
     for message in conversation.messages:
@@ -67,7 +67,7 @@ def _word_times(words: list[dict]) -> str:
     return f"<details><summary>word times</summary>\n\n{timed}\n\n</details>"
 
 
-def history_choices(store: ConversationStore) -> list[tuple[str, str]]:
+def history_choices(store: ChatStore) -> list[tuple[str, str]]:
     return [(c.title, c.id) for c in store.list()]
 
 
@@ -315,21 +315,21 @@ def _attach_photo(photo: str | None, message: dict | None):
     return {"text": message.get("text", ""), "files": [*message.get("files", []), photo]}
 
 
-def _conversation(ctx: GuiContext, conversation_id: str, settings: ChatSettings) -> Conversation:
+def _conversation(ctx: GuiContext, conversation_id: str, settings: ChatSettings) -> SavedChat:
     if conversation_id:
         try:
             return ctx.store.load(conversation_id)
         except (OSError, ValueError):
             pass
-    return Conversation.new(Path(settings.model).name)
+    return SavedChat.new(Path(settings.model).name)
 
 
-def _view(ctx: GuiContext, conversation: Conversation, figures: str = "", notice: str = ""):
+def _view(ctx: GuiContext, conversation: SavedChat, figures: str = "", notice: str = ""):
     choices = gr.update(choices=history_choices(ctx.store))
     return chat_messages(conversation), figures, notice, choices, conversation.id
 
 
-def _answer(ctx: GuiContext, conversation: Conversation, settings: ChatSettings, notes=()):
+def _answer(ctx: GuiContext, conversation: SavedChat, settings: ChatSettings, notes=()):
     stop = ctx.stop_flag(conversation.id)
     stop.clear()
     shown = chat_messages(conversation)

@@ -35,9 +35,9 @@ class AsrBenchmark:
     def answer_latency(self, runtime) -> dict:
         """Each sentence streamed, then sent to a chat: the time from the end of the audio to
         the first answer token, on the stream's clock."""
+        from ..conversation import Conversation
         from ..events import TextDelta
         from ..generation import GenerationRequest
-        from ..session import ChatSession
 
         totals, finishes, ttfts = [], [], []
         for speech in self.speech:
@@ -48,10 +48,11 @@ class AsrBenchmark:
                 if isinstance(event, EndOfUtterance):
                     words = list(event.words)
             finished = clock()
-            session = ChatSession(runtime, request=GenerationRequest(max_tokens=8))
+            conversation = Conversation(runtime, request=GenerationRequest(max_tokens=8))
             sent = time.perf_counter()
             first_token = None
-            for event in session.send(SpokenMessage.from_words(words), should_stop=_never):
+            spoken = SpokenMessage.from_words(words)
+            for event in conversation.send(spoken, should_stop=_never):
                 if isinstance(event, TextDelta) and first_token is None:
                     first_token = clock()
                     ttfts.append(time.perf_counter() - sent)

@@ -1,9 +1,11 @@
-"""Image input for chats: loading, OCR fallback, and llama.cpp's vision path.
+"""Image input for chats: loading, the OCR fallback, and the route to a vision model.
 
 The app calls, per chat:    route = choose_route(model_path, backend, mmproj)
 per attached image:         attachment = attach_image(path, route)   (ImageInputError if bad)
 per message:                text = build_user_message(typed, attachments)
-and on the vision path sends `vision_images(attachments)` through LlamaCppVisionChat.
+and on the vision path sends `vision_images(attachments)` (as PNG) with the message to the
+conversation (engine/conversation.py), which answers on the vision runtime
+(engine/runtimes/llamacpp_vision.py).
 """
 
 from __future__ import annotations

@@ -77,5 +77,5 @@ def build_user_message(text: str, attachments: Sequence[ImageAttachment]) -> str
 
 
 def vision_images(attachments: Sequence[ImageAttachment]) -> list[LoadedImage]:
-    """The pictures to hand to LlamaCppVisionChat.send with the message."""
+    """The pictures a vision model is shown with the message (the attachments on its path)."""
     return [a.image for a in attachments if a.path == ImagePath.VISION_MODEL]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..errors import MiniappError
 from ..spec_modes import SpecMode
-from .base import DEFAULT_CTX, DEFAULT_SINKS, Runtime
+from .base import DEFAULT_CTX, DEFAULT_SINKS, Runtime, VisionRuntime
 
 BACKENDS = ("torch", "llamacpp")
 
@@ -46,4 +46,26 @@ def open_runtime(
     raise MiniappError(f"unknown backend '{backend}' (choose from {', '.join(BACKENDS)})")
 
 
-__all__ = ["BACKENDS", "DEFAULT_CTX", "DEFAULT_SINKS", "Runtime", "open_runtime"]
+def open_vision_runtime(
+    model_path: Path | str,
+    mmproj_path: Path | str,
+    n_ctx: int = DEFAULT_CTX,
+    threads: int | None = None,
+) -> VisionRuntime:
+    """The model with its vision projector, on llama.cpp (the only backend with a vision
+    path). A projector that does not fit the model, or that llama.cpp refuses, is a
+    ModelFileError naming it."""
+    from .llamacpp_vision import LlamaCppVisionRuntime
+
+    return LlamaCppVisionRuntime(model_path, mmproj_path, n_ctx=n_ctx, threads=threads)
+
+
+__all__ = [
+    "BACKENDS",
+    "DEFAULT_CTX",
+    "DEFAULT_SINKS",
+    "Runtime",
+    "VisionRuntime",
+    "open_runtime",
+    "open_vision_runtime",
+]

@@ -5,14 +5,14 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from ..devices import DevicePlan
 from ..errors import MiniappError
-from ..events import SpeculationStats
+from ..events import GenerationStats, SpeculationStats
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
 
@@ -107,3 +107,44 @@ class Runtime(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release native resources early."""
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """A prompt with pictures, evaluated ahead of generation (the loop then finds it all in
+    the context)."""
+
+    prompt: list[int]  # the context's ids after it (a picture's positions hold placeholders)
+    text: str  # the rendered prompt, a media marker where each picture goes
+    reused: int  # positions found already in the context, not evaluated again
+    seconds: float
+
+    def applied_to(self, stats: GenerationStats) -> GenerationStats:
+        """The generation loop saw the whole prompt as cached; all but `reused` positions of
+        it were evaluated (with the pictures) just before."""
+        evaluated = stats.prompt_tokens - self.reused
+        return replace(
+            stats,
+            cached_prompt_tokens=self.reused,
+            ttft_s=self.seconds + stats.ttft_s,
+            prefill_tok_s=evaluated / self.seconds if self.seconds > 0 else 0.0,
+        )
+
+
+class VisionRuntime(Runtime):
+    """A runtime that also sees pictures: its prompt text holds `media_marker` where each
+    picture goes, and `prefill` evaluates text and pictures before generation."""
+
+    media_marker: str
+    marker_stand_in: str  # what a marker in typed text becomes: it is not a picture
+    last_prefill: Prefill | None = None
+
+    def typed(self, text: str) -> str:
+        """Typed text as it goes into the prompt: never mistaken for a picture's place."""
+        return text.replace(self.media_marker, self.marker_stand_in)
+
+    @abstractmethod
+    def prefill(self, text: str, pictures: Sequence[bytes]) -> Prefill | None:
+        """Bring the context up to this prompt (PNG `pictures` in marker order), evaluating
+        only what it does not hold yet; None, with the context as it was, if it would not
+        fit."""

@@ -10,10 +10,12 @@ import numpy as np
 
 from ..devices import DeviceProbe
 from ..gguf_file import GGUFFile
-from ..llamacpp_lib import Llama, open_model
+from ..llamacpp_lib import Llama, OpenedModel, open_model
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
 from .base import DEFAULT_CTX, LOGIT_BLOCK, Runtime, common_prefix, default_threads
+
+BATCH = 512  # prompt positions per llama.cpp batch
 
 
 class LlamaCppRuntime(Runtime):
@@ -33,15 +35,22 @@ class LlamaCppRuntime(Runtime):
         self.chat_template = gguf.metadata.get("tokenizer.chat_template")
         self.architecture = gguf.architecture
         threads = threads or default_threads()
-        opened = open_model(
-            gguf, n_ctx, probe, n_batch=min(n_ctx, 512), n_threads=threads,
-            n_threads_batch=threads, logits_all=logits_all,
-        )  # fmt: skip
+        opened = self._open(gguf, n_ctx, probe, n_batch=min(n_ctx, BATCH), n_threads=threads,
+                            n_threads_batch=threads, logits_all=logits_all)  # fmt: skip
         self._llm, self.offload = opened.llama, opened.offload
         self.gpu_layers, self.fallbacks = opened.gpu_layers, opened.fallbacks
         self.tokenizer = Tokenizer(self.model_path, llama=self._llm)
         self.n_ctx = n_ctx
         self._logits_all = logits_all
+
+    def _open(self, gguf: GGUFFile, n_ctx: int, probe: DeviceProbe | None, **params) -> OpenedModel:
+        """Open llama.cpp on this file (a subclass adds its own parameters)."""
+        return open_model(gguf, n_ctx, probe, **params)
+
+    @property
+    def held_positions(self) -> int:
+        """Positions the context holds now: the prompt and the answer so far."""
+        return self._llm.n_tokens
 
     def reusable_prefix(self, prompt: Sequence[int]) -> int:
         cached = self._llm.input_ids[: self._llm.n_tokens].tolist()

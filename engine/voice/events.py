@@ -70,4 +70,4 @@ class SpokenMessage(Message):
 
     @classmethod
     def from_words(cls, words: list[Word] | tuple[Word, ...]) -> SpokenMessage:
-        return cls("user", words_text(words), tuple(words))
+        return cls("user", words_text(words), words=tuple(words))

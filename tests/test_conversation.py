@@ -2,12 +2,12 @@ from __future__ import annotations
 
 import pytest
 
+from miniapp.engine.conversation import Conversation
 from miniapp.engine.errors import ContextFullError
 from miniapp.engine.events import Finished, FinishReason, TextDelta
 from miniapp.engine.generation import GenerationRequest
 from miniapp.engine.runtimes.torch_runtime import TorchRuntime
 from miniapp.engine.sampling import GREEDY
-from miniapp.engine.session import ChatSession
 
 REQUEST = GenerationRequest(max_tokens=16, sampling=GREEDY)
 
@@ -24,7 +24,7 @@ def _say(session, text):
 
 
 def test_history_and_template(torch_runtime):
-    session = ChatSession(torch_runtime, system_prompt="You are terse.", request=REQUEST)
+    session = Conversation(torch_runtime, system_prompt="You are terse.", request=REQUEST)
     _say(session, "Hello")
     assert [m.role for m in session.messages] == ["user", "assistant"]
     prompt = session.runtime.tokenizer.decode(session.prompt_tokens(session.messages))
@@ -32,7 +32,7 @@ def test_history_and_template(torch_runtime):
 
 
 def test_long_chat_drops_whole_old_turns_and_keeps_system(small_ctx_runtime):
-    session = ChatSession(small_ctx_runtime, system_prompt="Be brief.", request=REQUEST)
+    session = Conversation(small_ctx_runtime, system_prompt="Be brief.", request=REQUEST)
     for i in range(8):
         _say(session, f"Tell me fact number {i} about the sea, please, in a sentence or two.")
     assert session.dropped_turns > 0
@@ -44,14 +44,14 @@ def test_long_chat_drops_whole_old_turns_and_keeps_system(small_ctx_runtime):
 
 
 def test_message_larger_than_context_is_refused_and_not_kept(small_ctx_runtime):
-    session = ChatSession(small_ctx_runtime, request=REQUEST)
+    session = Conversation(small_ctx_runtime, request=REQUEST)
     with pytest.raises(ContextFullError):
         list(session.send("word " * 400))
     assert session.messages == []
 
 
 def test_cancelled_answer_is_kept_in_history(torch_runtime):
-    session = ChatSession(torch_runtime, request=GenerationRequest(max_tokens=64, sampling=GREEDY))
+    session = Conversation(torch_runtime, request=GenerationRequest(max_tokens=64, sampling=GREEDY))
     checks = iter(range(100))
     events = list(session.send("Count from one to fifty.", should_stop=lambda: next(checks) >= 4))
     assert events[-1].reason == FinishReason.CANCELLED
