@@ -64,7 +64,7 @@ def generate(
     """Stream an answer to `prompt` as TextDelta events, then one Finished event."""
     if not prompt:
         raise ValueError("empty prompt")
-    if not runtime.streams and len(prompt) >= runtime.n_ctx:
+    if not runtime.slides_past_ctx and len(prompt) >= runtime.n_ctx:
         raise ContextFullError(
             f"prompt of {len(prompt)} tokens does not fit the context of {runtime.n_ctx}; "
             "raise --ctx or start a new chat"
@@ -98,7 +98,7 @@ def generate(
             if should_stop():
                 reason = FinishReason.CANCELLED
                 break
-            if not runtime.streams and len(prompt) + generated >= runtime.n_ctx:
+            if not runtime.slides_past_ctx and len(prompt) + generated >= runtime.n_ctx:
                 reason = FinishReason.CONTEXT_FULL
                 break
     finally:

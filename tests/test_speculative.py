@@ -16,12 +16,12 @@ from miniapp.engine.cache import RotatingKVCache
 from miniapp.engine.evaluation.calibrate import agreement_runs, prompt_tokens
 from miniapp.engine.models import CachePolicy
 from miniapp.engine.runtimes.torch_runtime import TorchRuntime
-from miniapp.engine.sampler import Sampler
 from miniapp.engine.sampling import GREEDY, SamplingParams
 from miniapp.engine.speculative import DraftController, EarlyExitDrafter
 from miniapp.engine.speculative.acceptance import Verdict, accept_greedy, accept_sampled
 from miniapp.engine.speculative.controller import PROBE_EVERY
 from miniapp.engine.speculative.lookup import PromptLookup
+from miniapp.engine.torch_sampler import Sampler
 
 QUESTIONS = [
     "Why is the sky blue?",

@@ -60,7 +60,7 @@ class Runtime(ABC):
     tokenizer: Tokenizer
     n_ctx: int
     chat_template: str | None  # the GGUF's own template source, if it has one
-    streams: bool = False  # keeps generating past n_ctx (sliding window) instead of stopping
+    slides_past_ctx: bool = False  # a sliding window: keeps generating past n_ctx, not stopping
     architecture: str  # general.architecture
     last_speculation: SpeculationStats | None = None  # of the latest generate_tokens call
 

@@ -23,7 +23,6 @@ from ..gguf_file import GGUFFile
 from ..memory import limit_heap_fragmentation
 from ..models import CachePolicy, DecoderModel, Placement, build_model
 from ..models.static_step import StaticDecodeStep
-from ..sampler import Sampler
 from ..sampling import SamplingParams
 from ..speculative import (
     DraftController,
@@ -34,6 +33,7 @@ from ..speculative import (
 )
 from ..speculative.calibration import default_exit_setting, load_exit_setting
 from ..tokenizer import Tokenizer
+from ..torch_sampler import Sampler
 from .base import (
     DEFAULT_CTX,
     DEFAULT_SINKS,
@@ -52,7 +52,7 @@ class TorchRuntime(Runtime):
     the most recent `window` (default ctx - sinks) and generation goes on."""
 
     backend = "torch"
-    streams = True
+    slides_past_ctx = True
 
     def __init__(
         self,

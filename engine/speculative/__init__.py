@@ -2,9 +2,9 @@
 
 from ..spec_modes import SpecMode
 from .controller import DraftController
-from .decoder import SpeculativeDecoder
 from .drafter import Draft, Drafter, build_drafters
 from .early_exit import EarlyExitDrafter
+from .speculative_decoder import SpeculativeDecoder
 
 __all__ = [
     "Draft",

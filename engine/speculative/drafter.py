@@ -16,7 +16,7 @@ from ..spec_modes import SpecMode
 if TYPE_CHECKING:
     from ..cache import Cache
     from ..models.decoder import DecoderModel
-    from ..sampler import Sampler
+    from ..torch_sampler import Sampler
     from .controller import DraftController
     from .early_exit import EarlyExitDrafter
 

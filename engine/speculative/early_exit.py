@@ -17,7 +17,7 @@ import torch
 
 from ..cache import Cache
 from ..models.decoder import DecoderModel
-from ..sampler import Sampler
+from ..torch_sampler import Sampler
 from .drafter import Draft
 
 if TYPE_CHECKING:

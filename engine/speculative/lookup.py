@@ -14,7 +14,7 @@ from .drafter import Draft
 if TYPE_CHECKING:
     from ..cache import Cache
     from ..models.decoder import DecoderModel
-    from ..sampler import Sampler
+    from ..torch_sampler import Sampler
     from .controller import DraftController
 
 MAX_NGRAM = 4  # longest suffix matched; longer matches are tried first

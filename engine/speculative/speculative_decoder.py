@@ -17,7 +17,7 @@ import torch
 from ..cache import Cache
 from ..events import SpeculationStats
 from ..models.decoder import DecoderModel
-from ..sampler import Sampler
+from ..torch_sampler import Sampler
 from .acceptance import Verdict, accept_greedy, accept_sampled
 from .controller import DraftController
 from .drafter import Draft, Drafter

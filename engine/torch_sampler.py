@@ -1,4 +1,5 @@
-"""Token sampling on logits: penalties, top-k, top-p, min-p, temperature, seeded draws.
+"""The torch engine's token sampler: penalties, top-k, top-p, min-p, temperature, seeded draws
+on logits (the settings themselves are `SamplingParams`, in sampling.py).
 
 The order follows llama.cpp's default chain (penalties -> top-k -> top-p -> min-p ->
 temperature -> draw), so the same settings mean the same thing on both backends.
