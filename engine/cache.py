@@ -1,32 +1,16 @@
 """Per-layer key/value caches, passed into the model explicitly (never hidden module state).
 
-Interface every cache provides:
-* `update_and_fetch(k, v)`: store this step's keys/values (already rotated by RoPE at their
-  positions), return all keys/values the step's queries may attend to;
-* `offset`: the position of the next token;
-* `make_mask(n_new)`: the attention mask for the next `n_new` queries over what the next
-  `update_and_fetch` returns (None when every query may see everything);
-* `max_chunk()`: how many tokens the next update may take at once;
-* `trim(n)`: forget the newest n positions (prompt-prefix reuse, speculative roll-back);
-* `clear()`: forget everything, keeping the storage (and its address: see below);
-* `forget(start, end)`: drop positions start..end-1 and close the gap (chat turn eviction);
-* `state` / `restore(state)`: snapshot and reload, for chat sessions.
-
-For decode steps of fixed shape (a GPU replaying a captured graph, see
-`models/static_step.py`): `reserve()` allocates the full storage once, `static_ready()`
-says whether the next token can take such a step, `advance_one()` does the step's
-bookkeeping and says where its keys go, `static_span()` is the fixed span of storage
-attention reads and `static_extent()` how much of it is in use.
-
-Two kinds: `KVCache` holds every position up to a fixed maximum; `RotatingKVCache` keeps the
-first `sinks` tokens plus a sliding window of the most recent ones, in constant memory.
+What the model, speculative roll-back and the runtime need of a cache is the `Cache`
+protocol below; the fixed-shape decode step (a GPU replaying a captured graph, see
+`models/static_step.py`) needs a little more, `StaticCache`. Two kinds provide both:
+`KVCache` holds every position up to a fixed maximum; `RotatingKVCache` keeps the first
+`sinks` tokens plus a sliding window of the most recent ones, in constant memory.
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -53,10 +37,79 @@ class StaticStep:
     frame: int  # positions by which the frame sinks are rotated (0 without sinks)
 
 
-@dataclass(frozen=True)
-class CacheState:
-    tensors: dict[str, torch.Tensor]
-    fields: dict[str, Any]
+@runtime_checkable
+class Cache(Protocol):
+    """One layer's keys and values, as the model and speculative roll-back use them."""
+
+    offset: int  # the position of the next token
+
+    def update_and_fetch(
+        self, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this step's keys/values [1, kv_heads, n, head_dim] (already rotated by RoPE
+        at their positions); return all keys/values the step's queries may attend to."""
+        ...
+
+    def make_mask(self, n_new: int) -> torch.Tensor | None:
+        """The attention mask for the next `n_new` queries over what the next
+        `update_and_fetch` returns (None when every query may see everything)."""
+        ...
+
+    def max_chunk(self) -> int:
+        """How many tokens the next update may take at once."""
+        ...
+
+    def rows_share_storage(self, n_new: int) -> bool:
+        """Whether the next `n_new` rows, fed one at a time, would each see a prefix of one
+        storage (exact-rows verification can then write them all at once)."""
+        ...
+
+    def can_trim(self, n: int) -> bool: ...
+
+    def trim(self, n: int) -> int:
+        """Forget the newest n positions (prefix reuse, speculative roll-back); returns how
+        many were trimmed."""
+        ...
+
+    def can_forget(self, start: int) -> bool: ...
+
+    def forget(self, start: int, end: int) -> None:
+        """Drop positions start..end-1 and close the gap (a chat's dropped turns)."""
+        ...
+
+    def clear(self) -> None:
+        """Forget everything, keeping the storage (and its address)."""
+        ...
+
+
+@runtime_checkable
+class StaticCache(Cache, Protocol):
+    """What the fixed-shape decode step needs besides: storage allocated in full once, a
+    fixed span of it that attention reads, and the bookkeeping of one step."""
+
+    keys: torch.Tensor  # [1, kv_heads, storage, head_dim]
+    values: torch.Tensor
+    sinks: int  # frame sinks to re-rotate each step (0: none)
+
+    def reserve(self) -> None:
+        """Allocate the full storage now (it never moves afterwards)."""
+        ...
+
+    def static_ready(self) -> bool:
+        """Whether the next token can take a fixed-shape step."""
+        ...
+
+    def static_span(self) -> tuple[int, int]:
+        """(start, length) of the storage attention reads in a fixed-shape step."""
+        ...
+
+    def static_extent(self) -> int:
+        """How much of the span is in use."""
+        ...
+
+    def advance_one(self, with_mask: bool = True) -> StaticStep:
+        """The bookkeeping of one fixed-shape step: where its keys go, and its mask."""
+        ...
 
 
 def _rotate_keys(keys: torch.Tensor, rope: Rope, delta: int) -> torch.Tensor:
@@ -71,6 +124,7 @@ class KVCache:
     `INITIAL_TOKENS`), so a short chat with a large --ctx does not hold a full context."""
 
     INITIAL_TOKENS = 256
+    sinks = 0  # no attention sinks: nothing re-rotates
 
     def __init__(
         self,
@@ -186,24 +240,6 @@ class KVCache:
         self.offset += 1
         mask = torch.arange(self.max_tokens).unsqueeze(0) <= at if with_mask else None
         return StaticStep(at, mask, 0)
-
-    @property
-    def state(self) -> CacheState:
-        return CacheState(
-            {"keys": self.keys[:, :, : self.offset].clone(),
-             "values": self.values[:, :, : self.offset].clone()},
-            {"offset": self.offset},
-        )  # fmt: skip
-
-    def restore(self, state: CacheState) -> None:
-        n = state.fields["offset"]
-        if n > self.max_tokens:
-            raise ContextFullError(f"saved state of {n} tokens exceeds cache of {self.max_tokens}")
-        if n > self.capacity:
-            self._grow(n)
-        self.keys[:, :, :n] = state.tensors["keys"]
-        self.values[:, :, :n] = state.tensors["values"]
-        self.offset = n
 
 
 class RotatingKVCache:
@@ -536,23 +572,3 @@ class RotatingKVCache:
             sinks = torch.ones(self.sinks, dtype=torch.bool)
             mask = torch.cat([sinks, in_window]).unsqueeze(0)
         return StaticStep(2 * self.sinks + slot, mask, self.frame)
-
-    @property
-    def state(self) -> CacheState:
-        fields = {
-            name: copy.copy(getattr(self, name))
-            for name in ("offset", "sinks_held", "ring_count", "ring_head", "wrapped", "frame")
-        }
-        tensors = {"keys": self.keys.clone(), "values": self.values.clone(),
-                   "ring_pos": self.ring_pos.clone()}  # fmt: skip
-        return CacheState(tensors, fields)
-
-    def restore(self, state: CacheState) -> None:
-        for name, value in state.fields.items():
-            setattr(self, name, value)
-        self.keys = state.tensors["keys"].clone()
-        self.values = state.tensors["values"].clone()
-        self.ring_pos = state.tensors["ring_pos"].clone()
-
-
-Cache = KVCache | RotatingKVCache  # what a layer of the model holds

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from cache_snapshots import restore, snapshot
 
 from miniapp.engine.cache import KVCache
 from miniapp.engine.errors import ContextFullError
@@ -76,10 +77,10 @@ def test_kv_cache_update_trim_mask_state():
     assert mask.shape == (2, 5)
     assert mask.tolist() == [[True] * 4 + [False], [True] * 5]
     assert cache.make_mask(1) is None
-    saved = cache.state
+    saved = snapshot(cache)
     assert cache.trim(2) == 2 and cache.offset == 1
     cache.update_and_fetch(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4))
-    cache.restore(saved)
+    restore(cache, saved)
     assert cache.offset == 3
     torch.testing.assert_close(cache.keys[:, :, :3], k)
     with pytest.raises(ContextFullError):

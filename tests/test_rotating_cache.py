@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from cache_snapshots import restore, snapshot
 
 from miniapp.engine.cache import KVCache, RotatingKVCache
 from miniapp.engine.layers import Rope, apply_rope
@@ -151,8 +152,8 @@ def test_state_round_trip():
     rope = _rope()
     cache = RotatingKVCache(KV_HEADS, HEAD_DIM, 4, 16, 4, rope)
     _ours(cache, rope, q[:40], k[:40], v[:40], [1] * 40)
-    saved = cache.state
+    saved = snapshot(cache)
     after = _ours(cache, rope, q, k, v, [1] * 10, start=40)
-    cache.restore(saved)
+    restore(cache, saved)
     again = _ours(cache, rope, q, k, v, [1] * 10, start=40)
     torch.testing.assert_close(after, again)

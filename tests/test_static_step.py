@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cache_snapshots import restore, snapshot
 from generation_helpers import first_tokens
 from tiny_gguf import GEMMA3, LLAMA, write_tiny_model
 
@@ -131,7 +132,7 @@ def test_new_storage_means_the_step_is_not_ready(model):
     caches = _prefilled(model)
     step = StaticDecodeStep(model, caches)
     assert step.ready()
-    caches[0].restore(caches[0].state)  # restore copies into new tensors
+    restore(caches[0], snapshot(caches[0]))  # restore copies into new tensors
     assert not step.ready()
     fresh = model.make_caches(POLICY)  # not reserved, sinks empty
     assert not StaticDecodeStep(model, fresh).ready()

@@ -11,16 +11,17 @@ calls per layer. llama.cpp's graph for each architecture is the reference for th
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from ..cache import Cache, KVCache, RotatingKVCache
+from ..cache import Cache
 from ..kernels import cpu_attention_kernel
 from ..layers import Linear, Rope, RopeTables, apply_rope, rms_normalize
 from .config import DecoderConfig, RopeConfig
-from .placement import CPU, CPU_PLACEMENT, CachePolicy, Placement
+from .exact_rows import RowMasks, row_tables
+from .placement import CPU, CPU_PLACEMENT, PREFILL_CHUNK, CachePolicy, Placement
 
 
 class Attention:
@@ -124,26 +125,6 @@ class Attention:
         return torch.cat(rows, dim=2)
 
 
-class RowMasks:
-    """Decode-step masks for each row of an exact-rows pass. All caches of one kind hold
-    the same positions, so the first layer of the kind computes each row's mask (just
-    before its own update, as a decode step would) and the later layers reuse it. Layers
-    on another device read copies through `to(device)`."""
-
-    def __init__(self, device: torch.device = CPU, source: RowMasks | None = None):
-        self.device, self._source = device, source
-        self._masks: list[torch.Tensor | None] = []
-
-    def get(self, row: int, cache: Cache) -> torch.Tensor | None:
-        if row == len(self._masks):
-            mask = cache.make_mask(1) if self._source is None else self._source.get(row, cache)
-            self._masks.append(None if mask is None else mask.to(self.device))
-        return self._masks[row]
-
-    def to(self, device: torch.device) -> RowMasks:
-        return self if device == self.device else RowMasks(device, self)
-
-
 class FeedForward:
     def __init__(self, w_gate_up: Linear, w_down: Linear, ffn_dim: int, activation: str):
         self.w_gate_up, self.w_down, self.ffn_dim = w_gate_up, w_down, ffn_dim
@@ -178,11 +159,9 @@ class Block:
         return x.add_(fed)
 
 
-PREFILL_CHUNK = 512  # bounds the attention mask and activations of a long prompt
 # Up to this many query rows (decode steps, verification) attend through the native kernel on
 # the CPU; longer prompt chunks go through torch's attention, which batches them better.
 NATIVE_ATTENTION_ROWS = 16
-ROLLBACK_SLACK = 64  # tokens a rotating cache can trim exactly (speculative roll-back)
 
 
 class DecoderModel:
@@ -218,28 +197,8 @@ class DecoderModel:
         self.fault_hook: Callable[[], None] | None = None
 
     def make_caches(self, policy: CachePolicy) -> list[Cache]:
-        """One cache per layer; the model picks each layer's kind (local layers: a ring the
-        size of their window; global layers: as the policy says)."""
-        c = self.config
-        caches: list[Cache] = []
-        for i in range(c.n_layers):
-            device = self.layer_devices[i]
-            if c.is_local(i):
-                cache = RotatingKVCache(
-                    c.n_kv_heads, c.head_dim, sinks=0, window=c.sliding_window,
-                    slack=PREFILL_CHUNK, rope=self.ropes[True], device=device,
-                )  # fmt: skip
-            elif policy.streaming:
-                cache = RotatingKVCache(
-                    c.n_kv_heads, c.head_dim, sinks=policy.sinks, window=policy.window_size,
-                    slack=ROLLBACK_SLACK, rope=self.ropes[False], device=device,
-                )  # fmt: skip
-            else:
-                cache = KVCache(
-                    c.n_kv_heads, c.head_dim, policy.ctx, rope=self.ropes[False], device=device
-                )
-            caches.append(cache)
-        return caches
+        """One cache per layer, on the layer's device, as the policy says."""
+        return policy.make_caches(self.config, self.ropes, self.layer_devices)
 
     def max_chunk(self, caches: list[Cache]) -> int:
         """Tokens the next forward pass may take (the most constrained kind of layer)."""
@@ -315,11 +274,26 @@ class DecoderModel:
                 continue
             rope, cache = self.ropes[local], caches[layer]
             if exact_rows and n_tokens > 1:
-                rotations[local] = _row_tables(rope, cache.offset, n_tokens)
+                rotations[local] = row_tables(rope, cache.offset, n_tokens)
                 masks[local] = RowMasks()
             else:
                 rotations[local] = rope.tables(cache.offset, n_tokens)
                 masks[local] = cache.make_mask(n_tokens)
+        return self.apply_layers(x, caches, rotations, masks, start, stop)
+
+    def apply_layers(
+        self,
+        x: torch.Tensor,
+        caches: Sequence[Cache],
+        rotations: dict[bool, RopeTables],
+        masks: dict[bool, torch.Tensor | None | RowMasks],
+        start: int = 0,
+        stop: int | None = None,
+    ) -> torch.Tensor:
+        """The layer loop itself, given each kind's RoPE tables and mask (keyed by whether
+        the kind is sliding-window): `run_layers` builds them from the caches, the
+        fixed-shape step from its static inputs."""
+        stop = self.config.n_layers if stop is None else stop
         # Tables and masks are built on the CPU; a model on a GPU takes copies once a pass.
         x, rotations, masks = _on_device(self.layer_devices[start], x, rotations, masks)
         for layer in range(start, stop):
@@ -337,15 +311,6 @@ def _on_device(device: torch.device, x: torch.Tensor, rotations: dict, masks: di
     rotations = {kind: tables.to(device) for kind, tables in rotations.items()}
     masks = {kind: None if m is None else m.to(device) for kind, m in masks.items()}
     return x.to(device), rotations, masks
-
-
-def _row_tables(rope: Rope, offset: int, n_tokens: int) -> RopeTables:
-    """RoPE tables built position by position, as decode steps build them (a table built
-    for a span may round its last bit differently)."""
-    rows = [rope.tables(offset + i, 1) for i in range(n_tokens)]
-    return RopeTables(
-        torch.cat([r.cos for r in rows]), torch.cat([r.signed_sin for r in rows]), rope
-    )
 
 
 def _rope(config: DecoderConfig, rope: RopeConfig, freq_factors: torch.Tensor | None) -> Rope:

@@ -3,13 +3,18 @@ behave (`CachePolicy`: streaming with attention sinks, or a fixed context)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from ..layers import CPU_INT4, WeightTarget
+from ..cache import Cache, KVCache, RotatingKVCache
+from ..layers import CPU_INT4, Rope, WeightTarget
+from .config import DecoderConfig
 
 CPU = torch.device("cpu")
+PREFILL_CHUNK = 512  # bounds the attention mask and activations of a long prompt
+ROLLBACK_SLACK = 64  # tokens a rotating cache can trim exactly (speculative roll-back)
 
 
 @dataclass(frozen=True)
@@ -30,6 +35,35 @@ class CachePolicy:
     @property
     def window_size(self) -> int:
         return self.window if self.window is not None else max(self.ctx - self.sinks, 1)
+
+    def make_caches(
+        self,
+        config: DecoderConfig,
+        ropes: dict[bool, Rope],
+        devices: Sequence[torch.device],
+    ) -> list[Cache]:
+        """One cache per layer (`ropes` by whether a layer is sliding-window, `devices` per
+        layer). Local layers get a ring the size of their window; global ones follow the
+        policy."""
+        c = config
+        caches: list[Cache] = []
+        for i, device in enumerate(devices):
+            if c.is_local(i):
+                cache = RotatingKVCache(
+                    c.n_kv_heads, c.head_dim, sinks=0, window=c.sliding_window,
+                    slack=PREFILL_CHUNK, rope=ropes[True], device=device,
+                )  # fmt: skip
+            elif self.streaming:
+                cache = RotatingKVCache(
+                    c.n_kv_heads, c.head_dim, sinks=self.sinks, window=self.window_size,
+                    slack=ROLLBACK_SLACK, rope=ropes[False], device=device,
+                )  # fmt: skip
+            else:
+                cache = KVCache(
+                    c.n_kv_heads, c.head_dim, self.ctx, rope=ropes[False], device=device
+                )
+            caches.append(cache)
+        return caches
 
 
 @dataclass(frozen=True)

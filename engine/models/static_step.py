@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import Cache, KVCache, RotatingKVCache
+from ..cache import Cache, StaticCache
 from ..layers import Rope, RopeTables, apply_rope
 from .decoder import DecoderModel
 from .placement import CPU
@@ -61,10 +61,10 @@ class _StaticCacheView:
     """A cache as the static step sees it: `update_and_fetch` writes at the slot held in a
     device tensor and returns the first `length` slots of its span."""
 
-    def __init__(self, cache: Cache, inputs: _KindInputs, length: int):
+    def __init__(self, cache: StaticCache, inputs: _KindInputs, length: int):
         self.keys, self.values = cache.keys, cache.values
         self.inputs = inputs
-        self.sinks = cache.sinks if isinstance(cache, RotatingKVCache) else 0
+        self.sinks = cache.sinks
         self.start, self.stop = cache.static_span()[0], cache.static_span()[0] + length
 
     def update_and_fetch(self, k: torch.Tensor, v: torch.Tensor):
@@ -83,9 +83,8 @@ def static_step_unsupported(model: DecoderModel, caches: list[Cache]) -> str | N
     devices = {*model.layer_devices, model.head_device}
     if len(devices) != 1:
         return "the model is split between devices"
-    kinds = {type(cache) for cache in caches}
-    if not kinds <= {KVCache, RotatingKVCache}:
-        return "an unknown kind of cache"
+    if not all(isinstance(cache, StaticCache) for cache in caches):
+        return "a kind of cache without fixed-shape steps"
     return None
 
 
@@ -224,14 +223,15 @@ class StaticDecodeStep:
             _StaticCacheView(cache, self.kinds[kind], span[kind])
             for cache, kind in zip(self.caches, self._local, strict=True)
         ]
-        masks = [self.kinds[kind].mask[:, : span[kind]] for kind in self._local]
+        masks = {kind: inputs.mask[:, : span[kind]] for kind, inputs in self.kinds.items()}
         run = self.runner(functools.partial(self._body, views, masks))
         self._runs[lengths] = run
         return run
 
-    def _body(self, views: list[_StaticCacheView], masks: list[torch.Tensor]) -> None:
-        """The step itself: reads only the static inputs, so it can be captured."""
-        model, x = self.model, self.x
-        for block, view, mask, local in zip(model.layers, views, masks, self._local, strict=True):
-            x = block.forward(x, self.kinds[local].rotation, view, mask)
-        self.logits.copy_(model.project(model.norm.forward(x)))
+    def _body(self, views: list[_StaticCacheView], masks: dict[bool, torch.Tensor]) -> None:
+        """The step itself, through the model's own layer loop and head: it reads only the
+        static inputs, so it can be captured."""
+        model = self.model
+        rotations = {kind: inputs.rotation for kind, inputs in self.kinds.items()}
+        x = model.apply_layers(self.x, views, rotations, masks)
+        self.logits.copy_(model.project(model.final_norm(x)))
