@@ -17,6 +17,7 @@ ALLOWED = {
     "engine/voice": {"engine"},
     "engine/models": {"engine", "native"},
     "engine/speculative": {"engine", "engine/models"},
+    "engine/batching": {"engine", "engine/models", "engine/runtimes"},
     "engine/runtimes": {"engine", "engine/models", "engine/speculative", "engine/images"},
     "engine": {
         "engine/models",

@@ -20,7 +20,7 @@ from ..cache import Cache
 from ..kernels import cpu_attention_kernel
 from ..layers import Linear, Rope, RopeTables, apply_rope, rms_normalize
 from .config import DecoderConfig, RopeConfig
-from .exact_rows import RowMasks, row_tables
+from .exact_rows import RowMasks, Segments, row_tables
 from .placement import CPU, CPU_PLACEMENT, PREFILL_CHUNK, CachePolicy, Placement
 
 
@@ -65,7 +65,9 @@ class Attention:
         # [tokens, heads, head_dim] -> [heads, tokens, head_dim]
         qk = apply_rope(qk, rotation).transpose(0, 1)
         v = heads[:, self.n_rotated :].transpose(0, 1)
-        if isinstance(mask, RowMasks):
+        if isinstance(cache, Segments):
+            out = self._attend_segments(qk, v, cache)
+        elif isinstance(mask, RowMasks):
             out = self._attend_rows(qk, v, cache, mask)
         else:
             out = self._attend(qk, v, cache, mask)
@@ -93,6 +95,22 @@ class Attention:
         rows_first = queries.transpose(0, 1).contiguous()
         out = self.native(rows_first, keys[0], values[0], self.scale, lengths, mask)
         return out.transpose(0, 1)[None]
+
+    def _attend_segments(self, qk, v, segments: Segments) -> torch.Tensor:
+        """Rows of several sequences: each sequence's rows over its own cache, as a pass
+        over that sequence alone would attend them (one row: a decode step; more: the
+        exact-rows path)."""
+        outs, start = [], 0
+        for cache, count, mask in segments:
+            rows = slice(start, start + count)
+            if mask is not None:  # built on the CPU, like a pass's masks
+                mask = mask.to(qk.device)
+            if isinstance(mask, RowMasks):
+                outs.append(self._attend_rows(qk[:, rows], v[:, rows], cache, mask))
+            else:
+                outs.append(self._attend(qk[:, rows], v[:, rows], cache, mask))
+            start += count
+        return torch.cat(outs, dim=2)
 
     def _attend_rows(self, qk, v, cache: Cache, masks: RowMasks) -> torch.Tensor:
         """One token at a time, exactly as decoding would: a batched attention call rounds
@@ -241,6 +259,44 @@ class DecoderModel:
         x = self.embed_tokens(tokens)
         x = self.run_layers(x, caches, 0, self.config.n_layers, exact_rows)
         return self.final_norm(x)
+
+    def hidden_segments(
+        self, segments: Sequence[tuple[Sequence[int], list[Cache]]]
+    ) -> torch.Tensor:
+        """Several sequences in one pass (continuous batching): each (tokens, caches) pair
+        appends its tokens to its own caches. The rows of all of them share every matmul;
+        attention runs each sequence over its own keys, and every row comes out exactly as
+        feeding its sequence one token at a time would give it. Returns the final-normed
+        hidden states of all rows, in order [rows, dim]."""
+        if self.fault_hook is not None:
+            self.fault_hook()
+        counts = [len(tokens) for tokens, _ in segments]
+        rows = [t for tokens, _ in segments for t in tokens]
+        x = self.embed_tokens(torch.tensor(rows, dtype=torch.long))
+        rotations: dict[bool, RopeTables] = {}
+        masks: dict[bool, list] = {}
+        for local, first in self._kinds.items():
+            rope, tables, masks[local] = self.ropes[local], [], []
+            for count, (_, caches) in zip(counts, segments, strict=True):
+                cache = caches[first]
+                if count > 1:
+                    tables.append(row_tables(rope, cache.offset, count))
+                    masks[local].append(RowMasks())
+                else:
+                    tables.append(rope.tables(cache.offset, 1))
+                    masks[local].append(cache.make_mask(1))
+            cos = torch.cat([t.cos for t in tables])
+            rotations[local] = RopeTables(cos, torch.cat([t.signed_sin for t in tables]), rope)
+        views = [
+            Segments(
+                [caches[layer] for _, caches in segments],
+                counts,
+                masks[self._layer_is_local[layer]],
+            )  # fmt: skip
+            for layer in range(self.config.n_layers)
+        ]
+        no_masks = dict.fromkeys(masks)
+        return self.final_norm(self.apply_layers(x, views, rotations, no_masks))
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """int64 [n] -> the residual stream entering layer 0, fp32 [n, dim]."""

@@ -1,0 +1,317 @@
+"""Many sequences at once on the torch engine: continuous batching.
+
+The scheduler owns the sequences: waiting in a FIFO queue, or running in one of `slots`
+slots. Each step is one forward pass over the rows of every running sequence: the next token
+of each decoding sequence, plus a bounded chunk of the prompts still being evaluated
+(chunked prefill), so a long prompt never freezes the streams that are running. Every
+sequence has its own caches, sampler and limits.
+
+Each row is computed exactly as a decode step of its sequence alone would compute it (the
+matmuls are row-exact, attention runs each sequence over its own keys, prompt chunks go
+through the exact-rows path of speculative verification), so a sequence's tokens never depend
+on which others share its steps, on how its prompt was chunked, or on a reused prefix.
+
+A finished sequence leaves its caches in a small pool; a later prompt that starts with the
+same tokens (the next turn of a chat, the same system prompt, a regenerate) takes them over
+and evaluates only the rest.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..cache import Cache
+from ..errors import MiniappError
+from ..models import CachePolicy, DecoderModel
+from ..runtimes.base import common_prefix
+from ..sampling import SamplingParams
+from ..torch_sampler import Sampler
+
+DEFAULT_SLOTS = 4
+DEFAULT_QUEUE = 64  # requests that may wait for a slot before new ones are refused
+# Prompt rows one sequence feeds per step: up to 16 rows take the native attention kernel's
+# exact-rows path in one call per layer.
+PREFILL_CHUNK = 16
+PREFILL_ROWS = 32  # prompt rows per step over all sequences (at least one chunk runs)
+
+
+class QueueFullError(MiniappError):
+    """More requests wait than the queue holds; try again shortly (a server answers 503 with
+    Retry-After)."""
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    slots: int = DEFAULT_SLOTS
+    max_queue: int = DEFAULT_QUEUE
+    prefill_chunk: int = PREFILL_CHUNK
+    prefill_rows: int = PREFILL_ROWS
+    pooled_prefixes: int = DEFAULT_SLOTS  # finished sequences whose caches are kept for reuse
+
+
+_END = object()
+
+
+class SequenceStream(Iterator[int]):
+    """The tokens of one submitted sequence, as the scheduler samples them. Closing the
+    stream cancels the sequence: its slot is free at the next step."""
+
+    def __init__(self, scheduler: BatchScheduler):
+        self._scheduler = scheduler
+        self._items: queue.Queue = queue.Queue()
+        self.cancelled = threading.Event()
+        self.submitted_at = time.perf_counter()
+        self.queued_s = 0.0  # time waiting for a slot (set when it gets one)
+        self.cached_prompt_tokens = 0  # prompt tokens found in a pooled prefix
+
+    def __next__(self) -> int:
+        if self._items.empty() and not self._scheduler.serving:
+            self._scheduler.pull(self)
+        item = self._items.get()
+        if item is _END:
+            self._items.put(_END)  # later calls end too
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    @property
+    def queue_position(self) -> int:
+        """1 for the next to get a slot; 0 once running (or done)."""
+        return self._scheduler.queue_position(self)
+
+    def close(self) -> None:
+        self.cancelled.set()
+        self._scheduler.wake()
+
+
+@dataclass
+class _Sequence:
+    stream: SequenceStream
+    prompt: list[int]
+    sampler: Sampler
+    max_new: int
+    stop_ids: frozenset[int]
+    caches: list[Cache] = field(default_factory=list)
+    fed: list[int] = field(default_factory=list)  # tokens in the caches, in order
+    pending: list[int] = field(default_factory=list)  # to feed next (prompt rest, or a token)
+    history: list[int] = field(default_factory=list)  # prompt and sampled tokens
+    generated: int = 0
+
+    @property
+    def prefilling(self) -> bool:
+        return len(self.pending) > 1 or len(self.fed) + len(self.pending) <= len(self.prompt)
+
+
+@dataclass
+class _Pooled:
+    tokens: list[int]
+    caches: list[Cache]
+
+
+class BatchScheduler:
+    """Runs submitted sequences on `model` in batched steps."""
+
+    def __init__(self, model: DecoderModel, policy: CachePolicy, config: BatchConfig | None = None):
+        self.model, self.policy = model, policy
+        self.config = config or BatchConfig()
+        self._lock = threading.Condition()
+        self._waiting: deque[_Sequence] = deque()
+        self._running: list[_Sequence] = []
+        self._pool: list[_Pooled] = []  # most recently finished last
+        self._stepping = threading.Lock()  # held by the thread running a step
+        self.serving = False  # a thread runs `serve`: consumers wait instead of stepping
+        self.steps = 0  # forward passes run (for tests and figures)
+        self.peak_batch = 0  # most sequences in one step
+
+    # -- the caller's side ------------------------------------------------------------------
+
+    def submit(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        max_new: int,
+        stop_ids: frozenset[int] = frozenset(),
+    ) -> SequenceStream:
+        """Queue a sequence; its tokens come from the returned stream. Raises QueueFullError
+        when `max_queue` sequences are already waiting."""
+        if not prompt:
+            raise ValueError("empty prompt")
+        stream = SequenceStream(self)
+        sequence = _Sequence(stream, list(prompt), Sampler(params), max(1, max_new),
+                             frozenset(stop_ids), history=list(prompt))  # fmt: skip
+        with self._lock:
+            if len(self._waiting) >= self.config.max_queue:
+                raise QueueFullError(
+                    f"{len(self._waiting)} requests are already waiting for one of "
+                    f"{self.config.slots} slots; try again shortly"
+                )
+            self._waiting.append(sequence)
+            self._lock.notify_all()
+        return stream
+
+    def queue_position(self, stream: SequenceStream) -> int:
+        with self._lock:
+            for index, sequence in enumerate(self._waiting):
+                if sequence.stream is stream:
+                    return index + 1
+        return 0
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def wake(self) -> None:
+        with self._lock:
+            self._lock.notify_all()
+
+    # -- running steps ----------------------------------------------------------------------
+    # Steps run on whichever thread drives them: a stream's consumer waiting for its next
+    # token (`pull`), or one thread in `serve` (a server's engine loop). Only one thread
+    # steps at a time. OpenMP regions started from Python's main thread run about 3x faster
+    # than from any other thread here (libgomp), so the main thread should drive.
+
+    def pull(self, stream: SequenceStream) -> None:
+        """Run steps until `stream` has a token (or has ended)."""
+        while stream._items.empty():
+            with self._stepping:
+                if stream._items.empty():
+                    self.step()
+
+    def serve(self, stop: threading.Event) -> None:
+        """Run steps as work arrives until `stop` is set (an engine loop)."""
+        self.serving = True
+        try:
+            self._serve_until(stop)
+        finally:
+            self.serving = False
+
+    def _serve_until(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            with self._lock:
+                if not (self._running or self._waiting):
+                    self._lock.wait(timeout=0.1)
+                    continue
+            with self._stepping:
+                self.step()
+
+    def step(self) -> None:
+        """One forward pass over every running sequence (admitting waiting ones first)."""
+        with self._lock:
+            self._drop_cancelled()
+            self._admit()
+            if not self._running:
+                return
+            batch = self._next_batch()
+        try:
+            with torch.inference_mode():
+                self._run(batch)
+        except Exception as exc:  # noqa: BLE001 - reported to every stream in the step
+            with self._lock:
+                for sequence, _ in batch:
+                    self._finish(sequence, exc)
+
+    def _drop_cancelled(self) -> None:
+        for sequence in [s for s in self._running if s.stream.cancelled.is_set()]:
+            self._finish(sequence)
+        for sequence in [s for s in self._waiting if s.stream.cancelled.is_set()]:
+            self._waiting.remove(sequence)
+            sequence.stream._items.put(_END)
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.config.slots:
+            sequence = self._waiting.popleft()
+            sequence.stream.queued_s = time.perf_counter() - sequence.stream.submitted_at
+            self._give_caches(sequence)
+            self._running.append(sequence)
+
+    def _give_caches(self, sequence: _Sequence) -> None:
+        """The pooled caches holding the longest prefix of the prompt, trimmed to it, or
+        fresh ones. At least the prompt's last token is fed again (its logits are needed)."""
+        prompt = sequence.prompt
+        best, shared = None, 0
+        for pooled in self._pool:
+            common = min(common_prefix(pooled.tokens, prompt), len(prompt) - 1)
+            dropped = len(pooled.tokens) - common
+            if common > shared and all(c.can_trim(dropped) for c in pooled.caches):
+                best, shared = pooled, common
+        if best is None:
+            sequence.caches = self.model.make_caches(self.policy)
+        else:
+            self._pool.remove(best)
+            for cache in best.caches:
+                cache.trim(cache.offset - shared)
+            sequence.caches, sequence.fed = best.caches, best.tokens[:shared]
+        sequence.pending = prompt[shared:]
+        sequence.stream.cached_prompt_tokens = shared
+
+    def _next_batch(self) -> list[tuple[_Sequence, list[int]]]:
+        """Every decoding sequence's next token, and prompt chunks while the step's prompt
+        budget lasts. A chunk's size depends only on its own sequence."""
+        batch = []
+        budget = self.config.prefill_rows
+        for sequence in self._running:
+            if not sequence.prefilling:
+                batch.append((sequence, sequence.pending[:1]))
+        for sequence in self._running:
+            if sequence.prefilling and budget > 0:
+                limit = min(self.config.prefill_chunk, self.model.max_chunk(sequence.caches))
+                chunk = sequence.pending[:limit]
+                batch.append((sequence, chunk))
+                budget -= len(chunk)
+        return batch
+
+    def _run(self, batch: list[tuple[_Sequence, list[int]]]) -> None:
+        hidden = self.model.hidden_segments([(tokens, s.caches) for s, tokens in batch])
+        self.steps += 1
+        self.peak_batch = max(self.peak_batch, len(batch))
+        rows, wanting, at = [], [], 0
+        for sequence, tokens in batch:
+            sequence.fed.extend(tokens)
+            del sequence.pending[: len(tokens)]
+            at += len(tokens)
+            if not sequence.pending:  # its prompt is in, or its last token: sample the next
+                rows.append(at - 1)
+                wanting.append(sequence)
+        if not wanting:
+            return
+        logits = self.model.logits(hidden[rows])
+        for sequence, row in zip(wanting, logits, strict=True):
+            self._sample(sequence, row)
+
+    def _sample(self, sequence: _Sequence, logits: torch.Tensor) -> None:
+        token = sequence.sampler(logits, sequence.history)
+        sequence.history.append(token)
+        sequence.generated += 1
+        sequence.stream._items.put(token)
+        if token in sequence.stop_ids or sequence.generated >= sequence.max_new:
+            with self._lock:
+                self._finish(sequence)
+        else:
+            sequence.pending = [token]
+
+    def _finish(self, sequence: _Sequence, error: BaseException | None = None) -> None:
+        """End the sequence's stream and free its slot; its caches go to the prefix pool."""
+        if sequence in self._running:
+            self._running.remove(sequence)
+        sequence.stream._items.put(error if error is not None else _END)
+        if error is None and sequence.caches and len(sequence.fed) == _offset(sequence):
+            self._pool.append(_Pooled(sequence.fed, sequence.caches))
+            del self._pool[: max(0, len(self._pool) - self.config.pooled_prefixes)]
+        sequence.caches = []
+
+
+def _offset(sequence: _Sequence) -> int:
+    """Tokens the caches hold (a step cut short leaves them ahead of `fed`)."""
+    return sequence.caches[0].offset
