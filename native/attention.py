@@ -1,8 +1,9 @@
 """Decode-shaped attention of `int4_gemm.cpp` ("Attention" section), from Python.
 
 A few query rows, each over its own keys: the first `lengths[r]` of them, or those its mask
-row marks. Used for decode steps and speculative verification on the CPU, where every row
-must come out exactly as it would alone. See `reference.py` for the same in plain torch.
+row marks (`__call__`), or each over another sequence's cache (`sequences`, a batch's decode
+steps). Used for decode steps, speculative verification and batches on the CPU, where every
+row must come out exactly as it would alone. See `reference.py` for the same in plain torch.
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ class NativeAttention:
                              ctypes.c_float, ptr, i32]  # fmt: skip
         function.restype = i32
         self._attend = function
+        sequences = library.cdll.miniapp_attend_sequences
+        sequences.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float,
+                              ptr, i32]  # fmt: skip
+        sequences.restype = i32
+        self._attend_sequences = sequences
 
     @staticmethod
     def takes(n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
@@ -62,6 +68,54 @@ class NativeAttention:
         status = self._attend(
             queries.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0),
             lengths_ptr, mask_ptr, tokens, rows, n_heads, kv_heads, head_dim, scale,
+            out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if status:
+            raise ValueError(f"native attention refused queries {tuple(queries.shape)}")
+        return out
+
+    def sequences(
+        self,
+        queries: torch.Tensor,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        scale: float,
+        masks: list[torch.Tensor | None],
+    ) -> torch.Tensor:
+        """Rows of different sequences in one call (a batch's decode steps): queries fp32
+        [rows, heads, head_dim] (contiguous); row r attends over keys[r] and values[r], fp32
+        [kv_heads, tokens_r, head_dim] with contiguous rows (one layout for the pair), seeing
+        the keys masks[r] marks (bool [tokens_r]) or, for None, all of them. Each row comes
+        out bit-identical to the same row in a call of its own. fp32 [rows, heads, head_dim]."""
+        rows, n_heads, head_dim = queries.shape
+        if not len(keys) == len(values) == len(masks) == rows:
+            raise ValueError("one key, value and mask source per row")
+        kv_heads = keys[0].shape[0] if rows else 1
+        held = []  # the masks' byte copies, alive until the call returns
+        key_ptrs, value_ptrs, strides, counts, mask_ptrs = [], [], [], [], []
+        for k, v, mask in zip(keys, values, masks, strict=True):
+            if k.stride() != v.stride() or k.stride(2) != 1 or k.stride(1) != head_dim:
+                raise ValueError("keys and values need one layout with contiguous rows")
+            if k.shape[0] != kv_heads:
+                raise ValueError("every row needs the same number of kv heads")
+            key_ptrs.append(k.data_ptr())
+            value_ptrs.append(v.data_ptr())
+            strides.append(k.stride(0))
+            counts.append(k.shape[1])
+            if mask is None:
+                mask_ptrs.append(None)
+                continue
+            if mask.shape[-1] != k.shape[1]:
+                raise ValueError("a mask marks each of its row's keys")
+            as_bytes = mask.reshape(-1).to(torch.uint8).contiguous()
+            held.append(as_bytes)
+            mask_ptrs.append(as_bytes.data_ptr())
+        out = torch.empty_like(queries)
+        pointers = ctypes.c_void_p * max(rows, 1)
+        int64s = ctypes.c_int64 * max(rows, 1)
+        status = self._attend_sequences(
+            queries.data_ptr(), pointers(*key_ptrs), pointers(*value_ptrs), int64s(*strides),
+            int64s(*counts), pointers(*mask_ptrs), rows, n_heads, kv_heads, head_dim, scale,
             out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if status:

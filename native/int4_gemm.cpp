@@ -573,14 +573,19 @@ constexpr int kMaxGroup = 16;  // query heads per kv head
 constexpr int kMaxHeadDim = 512;
 constexpr int64_t kMinParallelKeyMacs = 1 << 15;
 
-struct AttendProblem {
-  const float* q;
+// Where one query row's keys are: its own k and v (rows of different sequences of a batch
+// read different caches), the keys it scans, and the mask over them (null: all visible).
+struct RowKeys {
   const float* k;
   const float* v;
   int64_t kv_head_stride;  // floats between kv heads in k and v
-  const int32_t* lengths;
-  const uint8_t* mask;  // [rows, mask_keys] or null
-  int64_t mask_keys;
+  int64_t scanned;  // keys 0..scanned-1
+  const uint8_t* mask;  // [scanned] or null
+};
+
+struct AttendProblem {
+  const float* q;
+  const RowKeys* rows;  // one per query row
   int64_t n_heads, kv_heads, group, head_dim;
   float scale;
   float* out;
@@ -621,10 +626,11 @@ TARGET_AVX2 inline float sum8(__m256 x) {
 // One part of one row for one group of query heads.
 TARGET_AVX2 void attend_part(const AttendProblem& p, const AttendTask& t) {
   const int64_t d = p.head_dim, g = p.group, chunks = d / 8;
-  const float* k = p.k + t.kv_head * p.kv_head_stride;
-  const float* v = p.v + t.kv_head * p.kv_head_stride;
+  const RowKeys& source = p.rows[t.row];
+  const float* k = source.k + t.kv_head * source.kv_head_stride;
+  const float* v = source.v + t.kv_head * source.kv_head_stride;
   const float* q = p.q + (t.row * p.n_heads + t.kv_head * g) * d;
-  const uint8_t* mask = p.mask ? p.mask + t.row * p.mask_keys : nullptr;
+  const uint8_t* mask = source.mask;
   int32_t keys[kKeysPerPart];
   int64_t n = 0;
   for (int64_t j = t.first; j < t.last; ++j) {
@@ -701,31 +707,20 @@ void merge_parts(const AttendProblem& p, int64_t row, int64_t kv_head, const flo
   }
 }
 
-}  // namespace
-
-extern "C" {
-
-// out [rows, n_heads, head_dim] = attention of q [rows, n_heads, head_dim] (contiguous fp32)
-// over k, v (fp32, [kv_heads, tokens, head_dim], head rows contiguous, kv_head_stride floats
-// between heads). There are mask_keys keys: row r sees the keys its mask row marks (mask:
-// [rows, mask_keys] bytes), else its first lengths[r], else all of them. Returns 0, or -1
-// for shapes it does not take.
-int miniapp_attend_rows(const float* q, const float* k, const float* v, int64_t kv_head_stride,
-                        const int32_t* lengths, const uint8_t* mask, int64_t mask_keys,
-                        int64_t rows, int64_t n_heads, int64_t kv_heads, int64_t head_dim,
-                        float scale, float* out, int threads) {
+// Attention of every query row over its own keys (see RowKeys), into out.
+int attend(const float* q, const RowKeys* sources, int64_t rows, int64_t n_heads,
+           int64_t kv_heads, int64_t head_dim, float scale, float* out, int threads) {
   if (!cpu_has(kIsaAvx2) || rows < 0 || kv_heads <= 0 || n_heads % kv_heads) return -1;
   if (head_dim % 8 || head_dim > kMaxHeadDim || n_heads / kv_heads > kMaxGroup) return -1;
   if (rows == 0) return 0;
-  AttendProblem p = {q, k, v, kv_head_stride, lengths, mask, mask_keys, n_heads, kv_heads,
-                     n_heads / kv_heads, head_dim, scale, out};
+  AttendProblem p = {q, sources, n_heads, kv_heads, n_heads / kv_heads, head_dim, scale, out};
   // Tasks: every part of every row, for each kv head, in a fixed order.
   int64_t n_tasks = 0, key_macs = 0;
   int64_t* first_task = static_cast<int64_t*>(malloc(sizeof(int64_t) * (rows + 1)));
   if (!first_task) return -1;
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t scanned = lengths && !mask ? lengths[r] : mask_keys;
-    if (scanned < 0 || scanned > mask_keys) {  // a row may not see past the keys given
+    const int64_t scanned = sources[r].scanned;
+    if (scanned < 0) {
       free(first_task);
       return -1;
     }
@@ -744,7 +739,7 @@ int miniapp_attend_rows(const float* q, const float* k, const float* v, int64_t 
     return -1;
   }
   for (int64_t r = 0, i = 0; r < rows; ++r) {
-    const int64_t scanned = lengths && !mask ? lengths[r] : mask_keys;
+    const int64_t scanned = sources[r].scanned;
     const int64_t parts = (scanned + kKeysPerPart - 1) / kKeysPerPart;
     for (int64_t h = 0; h < kv_heads; ++h) {
       for (int64_t s = 0; s < parts; ++s, ++i) {
@@ -777,6 +772,53 @@ int miniapp_attend_rows(const float* q, const float* k, const float* v, int64_t 
   free(partials);
   free(tasks);
   return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// out [rows, n_heads, head_dim] = attention of q [rows, n_heads, head_dim] (contiguous fp32)
+// over k, v (fp32, [kv_heads, tokens, head_dim], head rows contiguous, kv_head_stride floats
+// between heads). There are mask_keys keys: row r sees the keys its mask row marks (mask:
+// [rows, mask_keys] bytes), else its first lengths[r], else all of them. Returns 0, or -1
+// for shapes it does not take.
+int miniapp_attend_rows(const float* q, const float* k, const float* v, int64_t kv_head_stride,
+                        const int32_t* lengths, const uint8_t* mask, int64_t mask_keys,
+                        int64_t rows, int64_t n_heads, int64_t kv_heads, int64_t head_dim,
+                        float scale, float* out, int threads) {
+  if (rows <= 0) return rows == 0 ? 0 : -1;
+  RowKeys* sources = static_cast<RowKeys*>(malloc(sizeof(RowKeys) * rows));
+  if (!sources) return -1;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t scanned = lengths && !mask ? lengths[r] : mask_keys;
+    if (scanned < 0 || scanned > mask_keys) {  // a row may not see past the keys given
+      free(sources);
+      return -1;
+    }
+    sources[r] = {k, v, kv_head_stride, scanned, mask ? mask + r * mask_keys : nullptr};
+  }
+  const int status = attend(q, sources, rows, n_heads, kv_heads, head_dim, scale, out, threads);
+  free(sources);
+  return status;
+}
+
+// The same, each row over its own sequence's keys (rows of a batch): k[r], v[r] with
+// kv_head_strides[r], keys[r] of them, masks[r] (bytes [keys[r]]) or null for all visible.
+int miniapp_attend_sequences(const float* q, const float* const* k, const float* const* v,
+                             const int64_t* kv_head_strides, const int64_t* keys,
+                             const uint8_t* const* masks, int64_t rows, int64_t n_heads,
+                             int64_t kv_heads, int64_t head_dim, float scale, float* out,
+                             int threads) {
+  if (rows <= 0) return rows == 0 ? 0 : -1;
+  RowKeys* sources = static_cast<RowKeys*>(malloc(sizeof(RowKeys) * rows));
+  if (!sources) return -1;
+  for (int64_t r = 0; r < rows; ++r) {
+    sources[r] = {k[r], v[r], kv_head_strides[r], keys[r], masks ? masks[r] : nullptr};
+  }
+  const int status = attend(q, sources, rows, n_heads, kv_heads, head_dim, scale, out, threads);
+  free(sources);
+  return status;
 }
 
 }  // extern "C"

@@ -97,3 +97,21 @@ def attend_rows(
             weights = torch.softmax(k @ queries[row, head].double() * scale, dim=0)
             out[row, head] = weights @ v
     return out
+
+
+def attend_sequences(
+    queries: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    scale: float,
+    masks: list[torch.Tensor | None],
+) -> torch.Tensor:
+    """What `miniapp_attend_sequences` computes: row r of queries over keys[r] and values[r]
+    ([kv_heads, tokens_r, head_dim]), seeing what masks[r] marks (all keys for None)."""
+    rows = []
+    for row, (k, v, mask) in enumerate(zip(keys, values, masks, strict=True)):
+        visible = (
+            mask.reshape(1, -1) if mask is not None else torch.ones(1, k.shape[1], dtype=torch.bool)
+        )
+        rows.append(attend_rows(queries[row : row + 1], k, v, scale, mask=visible))
+    return torch.cat(rows)

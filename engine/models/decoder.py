@@ -99,17 +99,33 @@ class Attention:
     def _attend_segments(self, qk, v, segments: Segments) -> torch.Tensor:
         """Rows of several sequences: each sequence's rows over its own cache, as a pass
         over that sequence alone would attend them (one row: a decode step; more: the
-        exact-rows path)."""
-        outs, start = [], 0
+        exact-rows path). On the CPU the decode rows of all sequences take one native call."""
+        outs: list[torch.Tensor | None] = []
+        decodes: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        start = 0
         for cache, count, mask in segments:
             rows = slice(start, start + count)
             if mask is not None:  # built on the CPU, like a pass's masks
                 mask = mask.to(qk.device)
-            if isinstance(mask, RowMasks):
+            if count == 1 and self.native is not None and qk.device.type == "cpu":
+                keys, values = cache.update_and_fetch(qk[self.n_heads :, rows][None],
+                                                      v[:, rows][None])  # fmt: skip
+                decodes.append((len(outs), start, keys[0], values[0], mask))
+                outs.append(None)
+            elif isinstance(mask, RowMasks):
                 outs.append(self._attend_rows(qk[:, rows], v[:, rows], cache, mask))
             else:
                 outs.append(self._attend(qk[:, rows], v[:, rows], cache, mask))
             start += count
+        if decodes:
+            at = [row for _, row, _, _, _ in decodes]
+            queries = qk[: self.n_heads, at].transpose(0, 1).contiguous()
+            attended = self.native.sequences(
+                queries, [d[2] for d in decodes], [d[3] for d in decodes], self.scale,
+                [None if d[4] is None else d[4][0] for d in decodes],
+            )  # fmt: skip
+            for j, (index, *_) in enumerate(decodes):
+                outs[index] = attended[j : j + 1].transpose(0, 1)[None]
         return torch.cat(outs, dim=2)
 
     def _attend_rows(self, qk, v, cache: Cache, masks: RowMasks) -> torch.Tensor:
