@@ -143,6 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_asr_eval_parser(eval_sub)
 
     bench = sub.add_parser("bench", help="our engine vs llama.cpp, side by side")
+    bench.add_argument(
+        "mode", nargs="?", choices=["serve"],
+        help="serve: many clients at once on the batching engine (see --clients)",
+    )  # fmt: skip
     _add_model_args(bench, ctx_default=None)
     bench.set_defaults(backend=None)
     prompt = bench.add_mutually_exclusive_group()
@@ -158,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     _add_spec_arg(bench)
     bench.set_defaults(spec=None)
+    bench.add_argument("--clients", default="1,2,4,8",
+                       help="bench serve: client counts to measure, e.g. 1,2,4,8")  # fmt: skip
+    bench.add_argument("--requests", type=_positive_int, default=4,
+                       help="bench serve: requests each client sends, back to back")  # fmt: skip
 
     doctor = sub.add_parser("doctor", help="devices, kernels and the path a model would take")
     doctor.add_argument("--model", help="GGUF path or bundled model name")
@@ -327,6 +335,10 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         handlers = {"ppl": run_ppl, "compare": run_compare, "asr": run_asr}
         return handlers[args.eval_command](args)
+    if command == "bench" and args.mode == "serve":
+        from .bench_serve import run_bench_serve
+
+        return run_bench_serve(args)
     if command == "bench":
         from .bench import run_bench
 

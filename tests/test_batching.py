@@ -124,8 +124,8 @@ def test_a_sequence_past_its_context_goes_on_while_others_run(model):
 def test_every_row_of_a_mixed_pass_is_bit_identical_to_decoding_alone(model):
     """Decode rows and prompt chunks of different sequences in one pass: each row's hidden
     state equals, bit for bit, what feeding its sequence one token at a time gives."""
-    prompts = [p for p in _prompts(12, seed=9) if len(p) > 8][:4]
-    new = [5, 5, 1, 1]  # two prompt chunks, two decode steps
+    prompts = [p for p in _prompts(12, seed=9) if len(p) > 24][:4]
+    new = [20, 5, 1, 1]  # two prompt chunks (one past 16 rows), two decode steps
     fed = [p[:-n] for p, n in zip(prompts, new, strict=True)]  # in the caches before
     rows = [p[-n:] for p, n in zip(prompts, new, strict=True)]
     caches = [model.make_caches(POLICY) for _ in prompts]

@@ -104,3 +104,28 @@ def test_exit_descriptions():
     assert exit_description(-signal.SIGSEGV) == "SIGSEGV"
     assert exit_description(-signal.SIGKILL) == "SIGKILL, perhaps out of memory"
     assert exit_description(3) == "exit code 3"
+
+
+def test_bench_serve_reports_each_client_count_as_json(miniapp_exe):
+    done = subprocess.run(
+        [miniapp_exe, "bench", "serve", "--clients", "2,1", "--requests", "1", "--tokens", "4",
+         "--threads", "2", "--ctx", "1024", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert list(report["torch"]) == ["1", "2"] and report["identical_output"] is True
+    for count, row in report["torch"].items():
+        assert row["clients"] == int(count) and row["requests"] == int(count)
+        for key in ("aggregate_tok_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "peak_rss_mb"):
+            assert row[key] > 0, (count, key, row[key])
+        assert row["ttft_p99_s"] >= row["ttft_p50_s"] and row["itl_p99_s"] >= row["itl_p50_s"]
+
+
+def test_bench_serve_refuses_bad_client_counts(miniapp_exe):
+    done = subprocess.run([miniapp_exe, "bench", "serve", "--clients", "two"],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "miniapp: error: --clients 'two': give client counts like 1,2,4,8"
+    ]

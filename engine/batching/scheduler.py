@@ -206,6 +206,7 @@ class BatchScheduler:
             with self._stepping:
                 self.step()
 
+    @torch.inference_mode()  # caches (pooled ones too) hold inference tensors
     def step(self) -> None:
         """One forward pass over every running sequence (admitting waiting ones first)."""
         with self._lock:
@@ -215,8 +216,7 @@ class BatchScheduler:
                 return
             batch = self._next_batch()
         try:
-            with torch.inference_mode():
-                self._run(batch)
+            self._run(batch)
         except Exception as exc:  # noqa: BLE001 - reported to every stream in the step
             with self._lock:
                 for sequence, _ in batch:

@@ -137,7 +137,9 @@ class Attention:
             # once, then attend row by row over those prefixes.
             keys, values = cache.update_and_fetch(qk[self.n_heads :][None], v[None])
             before = keys.shape[2] - n_rows
-            if self._native_for(qk, keys):  # one call: each row over its own prefix
+            # One native call, each row over its own prefix: as many rows as there are (a
+            # decode step runs that kernel too, so every row matches it bit for bit).
+            if self.native is not None and keys.device.type == "cpu":
                 lengths = torch.arange(before + 1, before + n_rows + 1, dtype=torch.int32)
                 return self._attend_natively(qk[: self.n_heads], keys, values, lengths, None)
             queries = qk[: self.n_heads][None]
