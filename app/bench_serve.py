@@ -64,10 +64,13 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     if done.returncode != 0:
         cause = done.stderr.strip().splitlines()[-1:] or [exit_description(done.returncode)]
         raise MiniappError(f"the serving benchmark failed: {cause[0]}")
-    torch_results = json.loads(done.stdout)
+    measured = json.loads(done.stdout)
+    torch_results = measured["results"]
     report = {
         "torch": torch_results,
         "identical_output": all(r["identical_output"] for r in torch_results.values()),
+        "kv_bytes_per_token": measured["kv_bytes_per_token"],
+        "ctx": args.ctx or SERVE_CTX,
     }
     if args.json:
         print(json.dumps(report))
@@ -97,6 +100,9 @@ def _print_table(report: dict, args: argparse.Namespace) -> None:
               f"{r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f}      "
               f"{r['itl_p50_s'] * 1000:5.1f} / {r['itl_p99_s'] * 1000:5.1f}     "
               f"{r['peak_rss_mb']:8.0f}      {same}")  # fmt: skip
+    per_token = report["kv_bytes_per_token"]
+    print(f"KV cache per sequence: {per_token / 1024:.0f} KiB a token, "
+          f"{per_token * report['ctx'] / 2**20:.0f} MiB at {report['ctx']} tokens")  # fmt: skip
     print(f"every greedy answer equals its lone-client answer: {report['identical_output']}")
 
 
@@ -121,7 +127,7 @@ def _worker(argv: list[str]) -> int:
         return EXIT_USAGE
     bench.lone_answers()
     results = {str(n): bench.run(n, args.requests).to_dict() for n in _client_counts(args.clients)}
-    print(json.dumps(results))
+    print(json.dumps({"results": results, "kv_bytes_per_token": bench.kv_bytes_per_token}))
     return 0
 
 

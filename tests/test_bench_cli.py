@@ -115,6 +115,7 @@ def test_bench_serve_reports_each_client_count_as_json(miniapp_exe):
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert list(report["torch"]) == ["1", "2"] and report["identical_output"] is True
+    assert report["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4  # SmolLM2's layers, fp32
     for count, row in report["torch"].items():
         assert row["clients"] == int(count) and row["requests"] == int(count)
         for key in ("aggregate_tok_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "peak_rss_mb"):

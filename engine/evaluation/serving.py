@@ -71,6 +71,7 @@ class ServingBench:
         self.model = build_model(GGUFFile(model_path))
         self.prompts, self.tokens = prompts, tokens
         self.policy = CachePolicy(ctx)
+        self.kv_bytes_per_token = kv_bytes_per_token(self.model)
         self._lone: dict[int, list[int]] = {}
 
     def lone_answers(self) -> None:
