@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 
+from miniapp.engine.compute_thread import ComputeThread
 from miniapp.engine.errors import MiniappError
 from miniapp.engine.model_store import resolve_model
 from miniapp.engine.runtimes import Runtime, VisionRuntime, open_runtime, open_vision_runtime
@@ -57,6 +58,9 @@ class ModelHost:
     def __init__(self, opener: Callable[..., Runtime] = open_runtime):
         self._opener = opener
         self.generation_lock = threading.Lock()
+        # Answers computed for other threads run on the thread that serves it (the GUI's
+        # main thread, where OpenMP runs at full speed); unserved, they run in place.
+        self.compute = ComputeThread()
         self._changed = threading.Condition()
         self._runtime: Runtime | None = None
         self._loaded: LoadSpec | None = None

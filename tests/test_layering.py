@@ -32,6 +32,7 @@ ALLOWED = {
         "engine/models",
         "engine/runtimes",
         "engine/speculative",
+        "engine/batching",
         "engine/voice",
         "engine/images",
         "assets",

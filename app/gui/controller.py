@@ -115,7 +115,10 @@ def stream_answer(
                      for m in earlier],
         )  # fmt: skip
         pictures = [image.png_bytes() for image in _load_pictures(last)]
-        events = conversation.send(last.content, pictures, should_stop=should_stop)
+        # Each step of the answer runs on the host's compute thread (the main thread).
+        events = host.compute.iterate(
+            conversation.send(last.content, pictures, should_stop=should_stop)
+        )
         answer, figures = [], ""
         started = time.monotonic()
         for event in events:

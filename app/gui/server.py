@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 
 # Gradio reports usage to its makers unless told not to; miniapp is offline.
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -48,7 +49,9 @@ def run_gui(args: argparse.Namespace) -> int:
     )  # fmt: skip
     print(f"miniapp GUI: {demo.local_url}", flush=True)
     try:
-        demo.block_thread()
+        # The main thread computes the answers the browser sessions ask for (OpenMP is
+        # about 3x slower on any other thread); Ctrl-C ends it.
+        context.host.compute.serve(threading.Event())
     except KeyboardInterrupt:
         pass
     finally:
