@@ -36,8 +36,8 @@ from ..torch_sampler import Sampler
 
 DEFAULT_SLOTS = 4
 DEFAULT_QUEUE = 64  # requests that may wait for a slot before new ones are refused
-# Prompt rows one sequence feeds per step: up to 16 rows take the native attention kernel's
-# exact-rows path in one call per layer.
+# Prompt rows one sequence feeds per step. Small, so that a step carrying prompt rows beside
+# the decode rows costs little more than a decode step (the int4 kernel's cost grows with rows).
 PREFILL_CHUNK = 16
 PREFILL_ROWS = 32  # prompt rows per step over all sequences (at least one chunk runs)
 
