@@ -115,7 +115,7 @@ def stream_answer(
                      for m in earlier],
         )  # fmt: skip
         pictures = [image.png_bytes() for image in _load_pictures(last)]
-        # Each step of the answer runs on the host's compute thread (the main thread).
+        # The answer is produced on the host's compute thread (the GUI's main thread).
         events = host.compute.iterate(
             conversation.send(last.content, pictures, should_stop=should_stop)
         )
