@@ -52,19 +52,21 @@ TASK_ASKS = {
 
 def task_prompts(model: Path, tokenizer: Tokenizer, task: str) -> list[list[int]]:
     """Chat-templated prompts for a task: input-grounded (summarize, quote) or open chat."""
-    gguf = GGUFFile(model)
-    template = ChatTemplate.for_model(
-        gguf.metadata.get("tokenizer.chat_template"), tokenizer, gguf.architecture
-    )
     if task == "chat":
         questions = chat_prompts()[:CHAT_QUESTIONS]
     else:
         texts = [t[:TASK_TEXT_CHARS] for t in sample_texts()[:TASK_TEXTS]]
         questions = [f"{text}\n\n{TASK_ASKS[task]}" for text in texts]
-    return [
-        tokenizer.encode_chat(template.render([Message("user", question)]))
-        for question in questions
-    ]
+    return user_prompts(model, tokenizer, questions)
+
+
+def user_prompts(model: Path, tokenizer: Tokenizer, messages: list[str]) -> list[list[int]]:
+    """Each message as the first user turn of a chat, in the model's own template."""
+    gguf = GGUFFile(model)
+    template = ChatTemplate.for_model(
+        gguf.metadata.get("tokenizer.chat_template"), tokenizer, gguf.architecture
+    )
+    return [tokenizer.encode_chat(template.render([Message("user", m)])) for m in messages]
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -15,13 +15,13 @@ import tempfile
 from pathlib import Path
 
 from miniapp.assets import chat_prompts, sample_texts
-from miniapp.engine.chat_template import ChatTemplate, Message
 from miniapp.engine.errors import MiniappError
 from miniapp.engine.gguf_file import GGUFFile
 from miniapp.engine.model_store import resolve_model
 from miniapp.engine.models import check_supported
 from miniapp.engine.tokenizer import Tokenizer
 
+from .bench import user_prompts
 from .worker_process import EXIT_USAGE, exit_description
 
 SERVE_CTX = 2048
@@ -31,17 +31,13 @@ LONG_PROMPT_CHARS = 1600  # about 350 tokens of a sample text
 def serve_prompts(model: Path, tokenizer: Tokenizer) -> list[list[int]]:
     """Chat-templated prompts of mixed lengths: short questions, and requests about an
     excerpt of a sample text, alternating."""
-    gguf = GGUFFile(model)
-    template = ChatTemplate.for_model(
-        gguf.metadata.get("tokenizer.chat_template"), tokenizer, gguf.architecture
-    )
     questions = chat_prompts()[:4]
     texts = [text[:LONG_PROMPT_CHARS] for text in sample_texts()[:4]]
     messages = []
     for question, text in zip(questions, texts, strict=False):
         messages.append(question)
         messages.append(f"{text}\n\nWhat is this text about?")
-    return [tokenizer.encode_chat(template.render([Message("user", m)])) for m in messages]
+    return user_prompts(model, tokenizer, messages)
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ protocol below; the fixed-shape decode step (a GPU replaying a captured graph, s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -572,3 +573,25 @@ class RotatingKVCache:
             sinks = torch.ones(self.sinks, dtype=torch.bool)
             mask = torch.cat([sinks, in_window]).unsqueeze(0)
         return StaticStep(2 * self.sinks + slot, mask, self.frame)
+
+
+def reusable_length(caches: Sequence[Cache], held: Sequence[int], prompt: Sequence[int]) -> int:
+    """How many leading tokens of `prompt` caches that hold `held` can keep: the shared
+    prefix, less at least the prompt's last token (its logits are needed), if every cache
+    can trim back to it (a rotated ring cannot bring back what it pushed out); else 0."""
+    from .runtimes.base import common_prefix  # lazily: it loads the tokenizer (llama.cpp)
+
+    shared = min(common_prefix(held, prompt), len(prompt) - 1)
+    if all(cache.can_trim(len(held) - shared) for cache in caches):
+        return shared
+    return 0
+
+
+def keep_first(caches: Sequence[Cache], n: int) -> None:
+    """Keep the first n positions of every cache. Each is trimmed by its own offset: a step
+    cut short (Ctrl-C inside a forward pass) leaves the first layers one token ahead."""
+    if n == 0:  # a rotated ring cannot be trimmed back to empty; cleared, it keeps its storage
+        for cache in caches:
+            cache.clear()
+    for cache in caches:
+        cache.trim(cache.offset - n)

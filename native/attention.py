@@ -53,8 +53,7 @@ class NativeAttention:
         (int32 [rows]), else all of them. Returns fp32 [rows, heads, head_dim]."""
         rows, n_heads, head_dim = queries.shape
         kv_heads, tokens, _ = keys.shape
-        if keys.stride() != values.stride() or keys.stride(2) != 1 or keys.stride(1) != head_dim:
-            raise ValueError("keys and values need one layout with contiguous rows")
+        _check_layout(keys, values, head_dim)
         out = torch.empty_like(queries)
         mask_ptr = lengths_ptr = None
         if mask is not None:
@@ -94,8 +93,7 @@ class NativeAttention:
         held = []  # the masks' byte copies, alive until the call returns
         key_ptrs, value_ptrs, strides, counts, mask_ptrs = [], [], [], [], []
         for k, v, mask in zip(keys, values, masks, strict=True):
-            if k.stride() != v.stride() or k.stride(2) != 1 or k.stride(1) != head_dim:
-                raise ValueError("keys and values need one layout with contiguous rows")
+            _check_layout(k, v, head_dim)
             if k.shape[0] != kv_heads:
                 raise ValueError("every row needs the same number of kv heads")
             key_ptrs.append(k.data_ptr())
@@ -121,3 +119,8 @@ class NativeAttention:
         if status:
             raise ValueError(f"native attention refused queries {tuple(queries.shape)}")
         return out
+
+
+def _check_layout(keys: torch.Tensor, values: torch.Tensor, head_dim: int) -> None:
+    if keys.stride() != values.stride() or keys.stride(2) != 1 or keys.stride(1) != head_dim:
+        raise ValueError("keys and values need one layout with contiguous rows")

@@ -27,10 +27,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache import Cache
+from ..cache import Cache, keep_first, reusable_length
 from ..errors import MiniappError
 from ..models import CachePolicy, DecoderModel
-from ..runtimes.base import common_prefix
 from ..sampling import SamplingParams
 from ..torch_sampler import Sampler
 
@@ -242,16 +241,14 @@ class BatchScheduler:
         prompt = sequence.prompt
         best, shared = None, 0
         for pooled in self._pool:
-            common = min(common_prefix(pooled.tokens, prompt), len(prompt) - 1)
-            dropped = len(pooled.tokens) - common
-            if common > shared and all(c.can_trim(dropped) for c in pooled.caches):
-                best, shared = pooled, common
+            length = reusable_length(pooled.caches, pooled.tokens, prompt)
+            if length > shared:
+                best, shared = pooled, length
         if best is None:
             sequence.caches = self.model.make_caches(self.policy)
         else:
             self._pool.remove(best)
-            for cache in best.caches:
-                cache.trim(cache.offset - shared)
+            keep_first(best.caches, shared)
             sequence.caches, sequence.fed = best.caches, best.tokens[:shared]
         sequence.pending = prompt[shared:]
         sequence.stream.cached_prompt_tokens = shared

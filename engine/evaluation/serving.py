@@ -14,9 +14,11 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..batching import BatchConfig, BatchScheduler
+from ..devices import estimate_footprint
 from ..gguf_file import GGUFFile
 from ..models import CachePolicy, build_model
 from ..runtimes.base import default_threads
@@ -48,30 +50,19 @@ class _Request:
 
 
 def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0-100) by linear interpolation; 0 for no values."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    at = (len(ordered) - 1) * q / 100
-    low = int(at)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
-
-
-def kv_bytes_per_token(model) -> int:
-    """fp32 keys and values of every layer for one position."""
-    config = model.config
-    return 2 * config.n_layers * config.n_kv_heads * config.head_dim * 4
+    """The q-th percentile (0-100), linearly interpolated; 0 for no values."""
+    return float(np.percentile(values, q)) if values else 0.0
 
 
 class ServingBench:
     def __init__(self, model_path: Path, prompts: list[list[int]], tokens: int, ctx: int,
                  threads: int | None = None):  # fmt: skip
         torch.set_num_threads(threads or default_threads())
-        self.model = build_model(GGUFFile(model_path))
+        gguf = GGUFFile(model_path)
+        self.model = build_model(gguf)
         self.prompts, self.tokens = prompts, tokens
         self.policy = CachePolicy(ctx)
-        self.kv_bytes_per_token = kv_bytes_per_token(self.model)
+        self.kv_bytes_per_token = estimate_footprint(gguf, ctx=1).kv_bytes  # fp32 keys, values
         self._lone: dict[int, list[int]] = {}
 
     def lone_answers(self) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..cache import keep_first, reusable_length
 from ..devices import (
     DevicePlan,
     DeviceProbe,
@@ -40,7 +41,6 @@ from .base import (
     LOGIT_BLOCK,
     Runtime,
     RuntimeInfo,
-    common_prefix,
     default_threads,
 )
 
@@ -182,13 +182,7 @@ class TorchRuntime(Runtime):
         return drafter
 
     def reusable_prefix(self, prompt: Sequence[int]) -> int:
-        # At least one prompt token must be evaluated to produce fresh logits.
-        shared = min(common_prefix(self._tokens, prompt), len(prompt) - 1)
-        dropped = len(self._tokens) - shared
-        # A rotating cache cannot bring back what newer tokens pushed out of its window.
-        if all(cache.can_trim(dropped) for cache in self.caches):
-            return shared
-        return 0
+        return reusable_length(self.caches, self._tokens, prompt)
 
     def generate_tokens(self, prompt: Sequence[int], params: SamplingParams) -> Iterator[int]:
         sampler = Sampler(params)
@@ -292,14 +286,9 @@ class TorchRuntime(Runtime):
 
     @torch.inference_mode()
     def _truncate(self, n: int) -> None:
-        """Keep the first n tokens. Each cache is trimmed by its own offset: a step cut
-        short (Ctrl-C inside a forward pass) leaves the first layers one token ahead."""
-        if n == 0:  # a rotated ring cannot be trimmed back to empty; cleared, it keeps its storage
-            for cache in self.caches:
-                cache.clear()
+        """Keep the first n tokens."""
         del self._tokens[n:]
-        for cache in self.caches:
-            cache.trim(cache.offset - n)
+        keep_first(self.caches, n)
 
 
 def _first_line(exc: BaseException) -> str:
