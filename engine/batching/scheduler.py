@@ -163,14 +163,6 @@ class BatchScheduler:
                     return index + 1
         return 0
 
-    @property
-    def running(self) -> int:
-        return len(self._running)
-
-    @property
-    def waiting(self) -> int:
-        return len(self._waiting)
-
     def wake(self) -> None:
         with self._lock:
             self._lock.notify_all()
