@@ -32,6 +32,7 @@ class LoadSpec:
     window: int | None = None
     sinks: int | None = None
     threads: int | None = None
+    parallel: int = 1  # generations at once (the torch engine batches them)
 
 
 class LoadState(StrEnum):
@@ -53,7 +54,8 @@ class ModelLoadError(MiniappError):
 class ModelHost:
     """The one loaded model. Loads run in a background thread; a load that fails leaves the
     previous model in place, and its one-line error is the status. One generation runs at a
-    time (`generation_lock`); the swap to a newly loaded model waits for it."""
+    time (`generation_lock`), unless the runtime batches them (`Runtime.parallel`); the swap
+    to a newly loaded model waits for a locked one."""
 
     def __init__(self, opener: Callable[..., Runtime] = open_runtime):
         self._opener = opener
@@ -102,8 +104,9 @@ class ModelHost:
             runtime = self._opener(
                 wanted.backend, resolve_model(wanted.model), n_ctx=wanted.ctx,
                 threads=wanted.threads, sinks=wanted.sinks, window=wanted.window,
-                spec=wanted.spec, device=wanted.device,
+                spec=wanted.spec, device=wanted.device, parallel=wanted.parallel,
             )  # fmt: skip
+            runtime.run_steps_on(self.compute)
         except (MiniappError, OSError, ValueError, RuntimeError) as exc:
             with self._changed:
                 if self._wanted == wanted:

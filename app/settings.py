@@ -21,7 +21,7 @@ from miniapp.engine.devices import DEVICE_CHOICES
 from miniapp.engine.errors import MiniappError
 from miniapp.engine.generation import GenerationRequest
 from miniapp.engine.model_store import DEFAULT_MODEL
-from miniapp.engine.runtimes import BACKENDS, DEFAULT_CTX, DEFAULT_SINKS
+from miniapp.engine.runtimes import BACKENDS, DEFAULT_CTX, DEFAULT_PARALLEL, DEFAULT_SINKS
 from miniapp.engine.sampling import SamplingParams
 from miniapp.engine.spec_modes import SPEC_MODES, SpecMode
 
@@ -54,6 +54,8 @@ class Settings(BaseModel):
                                f"(default: {DEFAULT_SINKS})", ge=0)  # fmt: skip
     spec: Spec = _field(SpecMode.AUTO.value, "speculative decoding (torch engine; output "
                         "unchanged)")  # fmt: skip
+    parallel: int = _field(DEFAULT_PARALLEL, "torch engine: answers generated at once, "
+                           "batched (more wait in a queue)", ("gui",), gt=0)  # fmt: skip
     max_tokens: int = _field(_REQUEST.max_tokens, "most tokens in one answer", gt=0)
     temperature: float = _field(_SAMPLING.temperature, "0 = greedy", ge=0)
     top_k: int = _field(_SAMPLING.top_k, "sample from the k most likely tokens (0 = all)",

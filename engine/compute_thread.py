@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -52,6 +52,14 @@ class ComputeThread:
                 self._jobs.get_nowait()()
             except queue.Empty:
                 return
+
+    def post(self, job: Callable[[], None]) -> bool:
+        """Run `job` on the serving thread, without waiting for it; False (and nothing
+        queued) while nothing serves. A batching engine posts its step loop here."""
+        if self._thread is None:
+            return False
+        self._jobs.put(job)
+        return True
 
     def iterate(self, items: Iterator[T]) -> Iterator[T]:
         """`items`, produced on the serving thread, which runs ahead and never waits for

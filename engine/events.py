@@ -53,10 +53,11 @@ class GenerationStats:
     prompt_tokens: int
     cached_prompt_tokens: int  # prompt prefix reused from the previous turn's cache
     generated_tokens: int
-    ttft_s: float  # request start -> first token sampled
+    ttft_s: float  # request start -> first token sampled (time in the queue included)
     prefill_tok_s: float  # prompt tokens actually evaluated / prefill time
     decode_tok_s: float  # tokens after the first / time after the first
     speculation: SpeculationStats | None = None
+    queued_s: float = 0.0  # waiting for a free slot of the batching engine
 
     def summary(self) -> str:
         text = (
@@ -65,6 +66,8 @@ class GenerationStats:
             f"TTFT {self.ttft_s * 1000:.0f} ms, generated {self.generated_tokens} tok "
             f"at {self.decode_tok_s:.1f} tok/s"
         )
+        if self.queued_s > 0.05:
+            text += f", {self.queued_s:.1f} s queued"
         if self.speculation is not None:
             text += "; " + self.speculation.summary()
         return text

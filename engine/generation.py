@@ -70,7 +70,6 @@ def generate(
             "raise --ctx or start a new chat"
         )
     start = time.perf_counter()
-    cached = runtime.reusable_prefix(prompt)
     decoder = IncrementalDecoder(runtime.tokenizer)
     stops = StopMatcher(request.stop)
     eog = frozenset() if request.ignore_end_of_turn else runtime.tokenizer.eog_ids
@@ -107,17 +106,19 @@ def generate(
         tail = stops.push(decoder.flush())[0] + stops.flush()
         if tail:
             yield TextDelta(tail)
-    evaluated = len(prompt) - cached
+    evaluated = len(prompt) - tokens.cached_prompt_tokens
     ttft = first_at - start
+    prefill_time = ttft - tokens.queued_s
     decode_time = last_at - first_at
     stats = GenerationStats(
         backend=runtime.backend,
         prompt_tokens=len(prompt),
-        cached_prompt_tokens=cached,
+        cached_prompt_tokens=tokens.cached_prompt_tokens,
         generated_tokens=generated,
         ttft_s=ttft,
-        prefill_tok_s=evaluated / ttft if ttft > 0 else 0.0,
+        prefill_tok_s=evaluated / prefill_time if prefill_time > 0 else 0.0,
         decode_tok_s=(generated - 1) / decode_time if generated > 1 and decode_time > 0 else 0.0,
-        speculation=runtime.last_speculation,
+        speculation=tokens.speculation,
+        queued_s=tokens.queued_s,
     )
     yield Finished(reason, stats)

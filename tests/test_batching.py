@@ -5,15 +5,22 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import pytest
 import torch
 from tiny_gguf import GEMMA3, LLAMA, write_tiny_model
 
 from miniapp.engine.batching.scheduler import BatchConfig, BatchScheduler, QueueFullError
+from miniapp.engine.compute_thread import ComputeThread
+from miniapp.engine.events import Finished, GenerationStats, TextDelta
+from miniapp.engine.generation import GenerationRequest, generate
 from miniapp.engine.gguf_file import GGUFFile
 from miniapp.engine.models import CachePolicy, build_model
+from miniapp.engine.runtimes.torch_runtime import TorchRuntime
 from miniapp.engine.sampling import GREEDY
+from miniapp.engine.speculative import DraftController, EarlyExitDrafter, SpeculativeDecoder
+from miniapp.engine.speculative.lookup import LookupDrafter
 from miniapp.engine.torch_sampler import Sampler
 
 POLICY = CachePolicy(ctx=256, sinks=4)
@@ -164,3 +171,127 @@ def test_an_engine_loop_serves_consumers_on_other_threads(model):
         stop.set()
         loop.join(timeout=30)
     assert not loop.is_alive() and not scheduler.serving
+
+
+def _drafting(model):
+    """A decoder factory that drafts on every step it may: prompt lookup, then an exit after
+    the first layer (a controller that never declines)."""
+
+    def factory(caches, fed, sampler):
+        drafters = [LookupDrafter(model), EarlyExitDrafter(model, 1, max_draft=3)]
+        controller = DraftController(max_draft=3, min_gain=0.0)
+        return SpeculativeDecoder(model, caches, fed, sampler, controller, drafters, "auto")
+
+    return factory
+
+
+def test_a_sequence_alone_drafts_and_batched_steps_do_not_change_its_tokens(model):
+    """Alone, a sequence decodes speculatively; once a second arrives both take batched
+    steps; alone again, it drafts again. Every token is still the one plain decoding gives."""
+    repetitive = [1] + [40, 41, 42, 43, 44] * 6  # prompt lookup finds drafts in it
+    other = _prompts(1, seed=13)[0]
+    scheduler = BatchScheduler(model, POLICY, decoder_factory=_drafting(model))
+    first = scheduler.submit(repetitive, GREEDY, 40)
+    got = _take(first, 12)
+    drafted_alone = first.speculation.drafted
+    second = scheduler.submit(other, GREEDY, 10)
+    assert list(second) == _alone(model, other, 10)
+    got += list(first)
+    assert got == _alone(model, repetitive, 40)
+    assert drafted_alone > 0 and second.speculation is None  # never alone
+    assert first.speculation.drafted > drafted_alone  # it drafted again once alone
+
+
+def test_a_compute_thread_runs_every_step_while_clients_wait_on_their_streams(model):
+    """The GUI's shape: the main thread serves a ComputeThread, the scheduler posts its step
+    loop there, and client threads only read their streams."""
+    compute = ComputeThread()
+    scheduler = BatchScheduler(model, POLICY, decoder_factory=_drafting(model))
+    scheduler.driver = compute
+    stepped_on: set[str] = set()
+    step = scheduler.step
+
+    def recording_step():
+        stepped_on.add(threading.current_thread().name)
+        step()
+
+    scheduler.step = recording_step
+    prompts = _prompts(3, seed=17)
+    results: dict[int, list[int]] = {}
+    stop = threading.Event()
+
+    def client(i: int) -> None:
+        results[i] = list(scheduler.submit(prompts[i], GREEDY, 12))
+
+    def clients() -> None:
+        while not compute.serving:
+            time.sleep(0.01)
+        threads = [threading.Thread(target=client, args=(i,), name=f"c{i}") for i in range(3)]
+        for thread in threads:
+            thread.start()
+            time.sleep(0.05)  # staggered arrivals
+        for thread in threads:
+            thread.join(timeout=120)
+        stop.set()
+
+    threading.Thread(target=clients).start()
+    compute.serve(stop)
+    assert [results[i] for i in range(3)] == [_alone(model, p, 12) for p in prompts]
+    assert stepped_on == {threading.current_thread().name}
+
+
+def _answer(runtime, prompt, request) -> tuple[str, GenerationStats]:
+    events = list(generate(runtime, prompt, request))
+    finished = events[-1]
+    assert isinstance(finished, Finished)
+    return "".join(e.text for e in events if isinstance(e, TextDelta)), finished.stats
+
+
+def test_the_torch_runtime_with_parallel_answers_several_callers_at_once(tmp_path):
+    """`--parallel 2`: three callers on threads of their own; the third waits for a slot.
+    Each answer equals the one-at-a-time runtime's, and the stats say what was queued and
+    what a pooled prefix gave."""
+    path = write_tiny_model(tmp_path / "tiny.gguf", LLAMA)
+    one_at_a_time = TorchRuntime(path, n_ctx=256, threads=1, spec="off")
+    together = TorchRuntime(path, n_ctx=256, threads=1, spec="auto", parallel=2)
+    prompts = _prompts(3, seed=21)
+    request = GenerationRequest(max_tokens=16, ignore_end_of_turn=True)
+    expected = [_answer(one_at_a_time, p, request)[0] for p in prompts]
+    results: dict[int, tuple[str, GenerationStats]] = {}
+
+    def caller(i: int) -> None:
+        results[i] = _answer(together, prompts[i], request)
+
+    callers = [threading.Thread(target=caller, args=(i,)) for i in range(3)]
+    for thread in callers:
+        thread.start()
+    for thread in callers:
+        thread.join(timeout=120)
+    assert [results[i][0] for i in range(3)] == expected
+    assert all(results[i][1].generated_tokens == 16 for i in range(3))
+    assert max(results[i][1].queued_s for i in range(3)) > 0  # two slots, three callers
+    again, stats = _answer(together, prompts[1], request)
+    assert again == expected[1] and stats.cached_prompt_tokens == len(prompts[1]) - 1
+    assert together.scheduler.peak_batch == 2
+
+
+def test_the_kv_budget_decides_how_many_run_and_pooled_prefixes_go_first(model):
+    """Room for two sequences' KV, four slots: the third waits for memory, not a slot, and
+    a finished sequence's pooled prefix is let go when a new one needs its room."""
+    prompts = _prompts(3, seed=23)
+    per_token = BatchScheduler(model, POLICY).kv_bytes_per_token
+    reservation = max(len(p) for p in prompts) + 8
+    budget = 2 * reservation * per_token
+    scheduler = BatchScheduler(model, POLICY, BatchConfig(slots=4, kv_budget_bytes=budget))
+    streams = [scheduler.submit(p, GREEDY, reservation - len(p)) for p in prompts]
+    first = next(streams[0])
+    assert [s.queue_position for s in streams] == [0, 0, 1]
+    assert scheduler.kv_bytes_reserved() <= budget
+    outputs = [list(s) for s in streams]
+    outputs[0].insert(0, first)
+    assert outputs == [_alone(model, p, reservation - len(p)) for p in prompts]
+    assert scheduler.peak_batch == 2
+    assert len(scheduler._pool) == 2 and scheduler.kv_bytes_reserved() <= budget
+    fresh = scheduler.submit([1, 9, 9, 9], GREEDY, 2 * reservation - 4)  # needs all the room
+    assert list(fresh) == _alone(model, [1, 9, 9, 9], 2 * reservation - 4)
+    assert len(scheduler._pool) == 1  # the others went to make room (its own came back)

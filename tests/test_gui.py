@@ -34,8 +34,8 @@ def _free_port() -> int:
 class GuiServer:
     """`miniapp gui` in a subprocess, on its own data folder (kept across restarts)."""
 
-    def __init__(self, exe: str, data_dir: Path):
-        self.exe, self.data_dir = exe, data_dir
+    def __init__(self, exe: str, data_dir: Path, *extra_args: str):
+        self.exe, self.data_dir, self.extra_args = exe, data_dir, list(extra_args)
         self.process: subprocess.Popen | None = None
         self.url = ""
 
@@ -45,7 +45,7 @@ class GuiServer:
         env.pop("DISPLAY", None)
         self.process = subprocess.Popen(
             [self.exe, "gui", "--port", str(port), "--no-browser", "--threads", "2",
-             "--temperature", "0", "--max-tokens", str(MAX_TOKENS)],
+             "--temperature", "0", "--max-tokens", str(MAX_TOKENS), *self.extra_args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
         )  # fmt: skip
         deadline = time.monotonic() + STARTUP_S
@@ -316,25 +316,57 @@ def test_history_survives_a_restart(browser, miniapp_exe, data_dir, tmp_path):
         second.stop()
 
 
-def test_a_second_request_queues_and_sees_its_position(browser, server, tmp_path):
-    first, second = (browser.new_page(viewport={"width": 1280, "height": 1100}) for _ in "ab")
-    for opened in (first, second):
+def _open_pages(browser, server, count: int) -> list:
+    pages = [browser.new_page(viewport={"width": 1280, "height": 1100}) for _ in range(count)]
+    for opened in pages:
         opened.goto(server.url)
         opened.wait_for_selector("#message-box textarea", timeout=STARTUP_S * 1000)
         _wait_for_text(opened, "#model-status", READY)
-    first.fill("#max-tokens input", "400")
-    first.press("#max-tokens input", "Tab")
-    _send(first, "Write a long story about a dragon.")
+    return pages
+
+
+STORY = "Write a long story about a dragon."
+STORY_TOKENS = 160
+
+
+def test_two_sessions_stream_their_answers_at_the_same_time(browser, server, miniapp_exe):
+    """The batching engine (--parallel 4 by default): a second session's answer streams
+    while the first one's is still growing, and each equals its single-user answer."""
+    first, second = _open_pages(browser, server, 2)
+    _set_max_tokens(first, STORY_TOKENS)
+    _send(first, STORY)
     _wait_for_text(first, "#figures", "generating")
     _send(second, MESSAGE)
-    queued = _wait_for_text(second, "#chatbot", "queue: 1/1", timeout_s=30)
-    second.screenshot(path=str(tmp_path / "screenshot.png"), full_page=True)
-    assert "queue" in queued
-    first.click("#stop")  # the stopped answer ends early; then the queued one runs
-    _wait_for_text(first, "#figures", "stopped")
-    assert _answer(second)
+    first_lengths = set()
+    while "tok/s" not in second.inner_text("#figures"):
+        first_lengths.add(len(first.locator("#chatbot .bot").last.inner_text()))
+        assert "tok/s" not in first.inner_text("#figures"), "the first answer ended first"
+        time.sleep(0.05)
+    assert len(first_lengths) >= 2, "the first answer stood still while the second streamed"
+    assert _words(_answer(second)) == _words(_terminal_answer(miniapp_exe, MESSAGE, MAX_TOKENS))
+    assert _words(_answer(first)) == _words(_terminal_answer(miniapp_exe, STORY, STORY_TOKENS))
     for opened in (first, second):
         opened.close()
+
+
+def test_a_request_past_the_free_slots_queues_and_sees_its_position(browser, miniapp_exe, tmp_path):
+    single = GuiServer(miniapp_exe, tmp_path / "data", "--parallel", "1").start()
+    try:
+        first, second = _open_pages(browser, single, 2)
+        _set_max_tokens(first, 400)
+        _send(first, STORY)
+        _wait_for_text(first, "#figures", "generating")
+        _send(second, MESSAGE)
+        queued = _wait_for_text(second, "#chatbot", "queue: 1/1", timeout_s=30)
+        second.screenshot(path=str(tmp_path / "screenshot.png"), full_page=True)
+        assert "queue" in queued
+        first.click("#stop")  # the stopped answer ends early; then the queued one runs
+        _wait_for_text(first, "#figures", "stopped")
+        assert _answer(second)
+        for opened in (first, second):
+            opened.close()
+    finally:
+        single.stop()
 
 
 def test_the_microphone_streams_a_live_transcript_with_word_times(browser, server, tmp_path):

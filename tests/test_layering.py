@@ -17,8 +17,14 @@ ALLOWED = {
     "engine/voice": {"engine"},
     "engine/models": {"engine", "native"},
     "engine/speculative": {"engine", "engine/models"},
-    "engine/batching": {"engine", "engine/models", "engine/runtimes"},
-    "engine/runtimes": {"engine", "engine/models", "engine/speculative", "engine/images"},
+    "engine/batching": {"engine", "engine/models", "engine/speculative"},
+    "engine/runtimes": {
+        "engine",
+        "engine/models",
+        "engine/speculative",
+        "engine/images",
+        "engine/batching",
+    },  # fmt: skip
     "engine": {
         "engine/models",
         "engine/runtimes",

@@ -52,7 +52,11 @@ def test_flags_are_made_from_the_model():
     gui = argparse.ArgumentParser()
     add_flags(gui, "gui")
     assert vars(gui.parse_args(["--port", "8000"])) == {"port": 8000}
-    assert set(Settings.fields_for("gui")) - set(Settings.fields_for("chat")) == {"host", "port"}
+    assert set(Settings.fields_for("gui")) - set(Settings.fields_for("chat")) == {
+        "host",
+        "port",
+        "parallel",
+    }
 
 
 def _miniapp(exe, config, *args, env_extra=None, stdin=None):

@@ -27,6 +27,7 @@ from ..model_host import LoadSpec, ModelHost
 from ..settings import Settings
 from .history import SavedChat, SavedMessage, data_dir, write_atomically_bytes
 
+QUEUED_SHOWN_S = 0.05  # a wait for a slot of the batching engine worth showing
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".gif"}
 AUDIO_SUFFIXES = {".wav", ".mp3", ".flac", ".ogg", ".m4a", ".webm", ".opus"}
 
@@ -44,6 +45,7 @@ class ChatSettings:
     window: int | None = None
     sinks: int | None = None
     threads: int | None = None
+    parallel: int = Settings.model_fields["parallel"].default
     system_prompt: str = ""
     temperature: float = Settings.model_fields["temperature"].default
     top_p: float = Settings.model_fields["top_p"].default
@@ -51,8 +53,9 @@ class ChatSettings:
 
     @property
     def load_spec(self) -> LoadSpec:
+        parallel = self.parallel if self.backend == "torch" else 1  # llama.cpp: one at a time
         return LoadSpec(self.model, self.backend, self.device, self.spec, self.ctx,
-                        self.window, self.sinks, self.threads)  # fmt: skip
+                        self.window, self.sinks, self.threads, parallel)  # fmt: skip
 
     def request(self) -> GenerationRequest:
         sampling = SamplingParams(temperature=self.temperature, top_p=self.top_p)
@@ -88,6 +91,8 @@ def figures_line(stats: GenerationStats, runtime: Runtime, elapsed_s: float | No
     if stats.speculation is not None and stats.speculation.drafted:
         spec = stats.speculation
         parts.append(f"drafts accepted {spec.acceptance_rate:.0%} ({spec.mode})")
+    if stats.queued_s > QUEUED_SHOWN_S:
+        parts.append(f"queued {stats.queued_s:.1f} s")
     parts.append(runtime.info().placement)
     held = min(stats.prompt_tokens + stats.generated_tokens, runtime.n_ctx)
     parts.append(f"context {held}/{runtime.n_ctx}")
@@ -104,32 +109,52 @@ def stream_answer(
     The model sees the messages' `content`s and their pictures; old turns it cannot fit are
     dropped for the model only, the saved chat keeps them."""
     runtime = host.wait_for(settings.load_spec)
+    *earlier, last = saved.messages
+    pictures = last.images or any(m.images for m in earlier)
+    if runtime.parallel > 1 and not pictures:
+        # The batching engine: answers of several sessions advance together, its steps on
+        # the host's compute thread; this thread only reads its own answer's stream.
+        conversation = _conversation(runtime, saved, settings, vision=None)
+        yield from _answer_updates(saved, conversation, should_stop)
+        return
     with host.generation_lock:
-        *earlier, last = saved.messages
-        vision = None
-        if last.images or any(m.images for m in earlier):
-            vision = _vision_opener(host, settings, pictures=bool(last.images))
-        conversation = Conversation(
-            runtime, settings.system_prompt or None, settings.request(), vision=vision,
-            history=[Message(m.role, m.content, _saved_pictures(m) if vision else ())
-                     for m in earlier],
-        )  # fmt: skip
-        pictures = [image.png_bytes() for image in _load_pictures(last)]
+        vision = _vision_opener(host, settings, pictures=bool(last.images)) if pictures else None
+        conversation = _conversation(runtime, saved, settings, vision)
         # The answer is produced on the host's compute thread (the GUI's main thread).
-        events = host.compute.iterate(
-            conversation.send(last.content, pictures, should_stop=should_stop)
-        )
-        answer, figures = [], ""
-        started = time.monotonic()
-        for event in events:
-            if isinstance(event, TextDelta):
-                answer.append(event.text)
-                rate = len(answer) / max(time.monotonic() - started, 1e-3)
-                yield AnswerUpdate("".join(answer), f"generating… {rate:.0f} pieces/s")
-            elif isinstance(event, Finished):
-                figures = figures_line(event.stats, conversation.runtime)
-                if event.reason.value == "cancelled":
-                    figures = "stopped · " + figures
+        yield from _answer_updates(saved, conversation, should_stop, host.compute.iterate)
+
+
+def _conversation(
+    runtime: Runtime, saved: SavedChat, settings: ChatSettings, vision
+) -> Conversation:
+    """The saved chat before its last message, as the model will see it."""
+    history = [Message(m.role, m.content, _saved_pictures(m) if vision else ())
+               for m in saved.messages[:-1]]  # fmt: skip
+    return Conversation(runtime, settings.system_prompt or None, settings.request(),
+                        vision=vision, history=history)  # fmt: skip
+
+
+def _answer_updates(
+    saved: SavedChat,
+    conversation: Conversation,
+    should_stop: Callable[[], bool],
+    relay: Callable[[Iterator], Iterator] = lambda events: events,
+) -> Iterator[AnswerUpdate]:
+    """The answer to the chat's last message as it grows, then saved with its figures."""
+    last = saved.messages[-1]
+    pictures = [image.png_bytes() for image in _load_pictures(last)]
+    events = relay(conversation.send(last.content, pictures, should_stop=should_stop))
+    answer, figures = [], ""
+    started = time.monotonic()
+    for event in events:
+        if isinstance(event, TextDelta):
+            answer.append(event.text)
+            rate = len(answer) / max(time.monotonic() - started, 1e-3)
+            yield AnswerUpdate("".join(answer), f"generating… {rate:.0f} pieces/s")
+        elif isinstance(event, Finished):
+            figures = figures_line(event.stats, conversation.runtime)
+            if event.reason.value == "cancelled":
+                figures = "stopped · " + figures
     text = "".join(answer)
     saved.messages.append(SavedMessage("assistant", text, stats=figures))
     yield AnswerUpdate(text, figures, finished=True)

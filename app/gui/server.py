@@ -22,7 +22,7 @@ def settings_from_args(args: argparse.Namespace):
     return ChatSettings(
         model=args.model or defaults.model, backend=args.backend, device=args.device,
         spec=args.spec, ctx=args.ctx or defaults.ctx, window=args.window, sinks=args.sinks,
-        threads=args.threads, system_prompt=args.system or "",
+        threads=args.threads, parallel=args.parallel, system_prompt=args.system or "",
         temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
     )  # fmt: skip
 

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import gradio as gr
@@ -71,11 +71,13 @@ def history_choices(store: ChatStore) -> list[tuple[str, str]]:
     return [(c.title, c.id) for c in store.list()]
 
 
-def settings_from(values: list) -> ChatSettings:
-    """Settings from the panel's widgets (ValueError, one line, for a value out of range)."""
+def settings_from(values: list, launched: ChatSettings) -> ChatSettings:
+    """Settings from the panel's widgets (ValueError, one line, for a value out of range);
+    what the panel does not show (threads, answers at once) stays as `launched`."""
     (model, custom, backend, device, spec, ctx, window, sinks, system, temperature, top_p,
      max_tokens) = values  # fmt: skip
-    return ChatSettings(
+    return replace(
+        launched,
         model=(custom or "").strip() or model,
         backend=backend, device=device, spec=spec, ctx=_count("context", ctx, 64),
         window=_optional_count("window", window, 1), sinks=_optional_count("sinks", sinks, 0),
@@ -175,7 +177,7 @@ def _wire(ctx: GuiContext, w: dict) -> None:
 
     def send(message: dict, conversation_id: str, *values):
         try:
-            settings = settings_from(list(values))
+            settings = settings_from(list(values), ctx.defaults)
         except ValueError as exc:
             yield gr.update(), gr.update(), f"⚠️ {exc}", gr.update(), conversation_id, gr.update()
             return
@@ -196,7 +198,7 @@ def _wire(ctx: GuiContext, w: dict) -> None:
 
     def regenerate(conversation_id: str, *values):
         try:
-            settings = settings_from(list(values))
+            settings = settings_from(list(values), ctx.defaults)
         except ValueError as exc:
             yield gr.update(), gr.update(), f"⚠️ {exc}", gr.update(), conversation_id
             return
@@ -255,16 +257,20 @@ def _wire(ctx: GuiContext, w: dict) -> None:
 
     def settings_changed(*values):
         try:
-            ctx.host.request(settings_from(list(values)).load_spec)
+            ctx.host.request(settings_from(list(values), ctx.defaults).load_spec)
         except (MiniappError, ValueError) as exc:
             return f"⚠️ {exc}"
         return ctx.host.status.message
 
     box, cid = w["box"], w["conversation_id"]
+    # As many answers at once as the engine batches; Gradio queues the rest (and shows the
+    # position). Settings changed in the page keep this limit: it is the launch's.
+    answers_at_once = ctx.defaults.load_spec.parallel
     box.submit(send, [box, cid, *settings_inputs], [*answer_outputs, box],
-               concurrency_id=GENERATION_QUEUE, concurrency_limit=1)  # fmt: skip
+               concurrency_id=GENERATION_QUEUE, concurrency_limit=answers_at_once)  # fmt: skip
     w["regenerate"].click(regenerate, [cid, *settings_inputs], answer_outputs,
-                          concurrency_id=GENERATION_QUEUE, concurrency_limit=1)  # fmt: skip
+                          concurrency_id=GENERATION_QUEUE,
+                          concurrency_limit=answers_at_once)  # fmt: skip
     w["edit_last"].click(edit_last, cid, [w["chatbot"], box, w["figures"]])
     w["stop"].click(stop_answer, cid, None, queue=False)
     w["attach_photo"].click(_attach_photo, [w["camera"], box], box)

@@ -14,6 +14,11 @@ on which others share its steps, on how its prompt was chunked, or on a reused p
 A finished sequence leaves its caches in a small pool; a later prompt that starts with the
 same tokens (the next turn of a chat, the same system prompt, a regenerate) takes them over
 and evaluates only the rest.
+
+A sequence that runs alone (nothing else running or waiting) may decode speculatively, as a
+lone generation does: drafts verified in one pass cost little more than a step when one row
+is all the step has, but beside other sequences' rows every verified row costs nearly a full
+row of the int4 matmuls, so batched steps never draft (docs/BENCHMARKS.md has the figures).
 """
 
 from __future__ import annotations
@@ -22,15 +27,19 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from ..cache import Cache, keep_first, reusable_length
 from ..errors import MiniappError
+from ..events import SpeculationStats
 from ..models import CachePolicy, DecoderModel
 from ..sampling import SamplingParams
+from ..speculative import SpeculativeDecoder
+from ..token_stream import TokenStream
 from ..torch_sampler import Sampler
 
 DEFAULT_SLOTS = 4
@@ -53,12 +62,34 @@ class BatchConfig:
     prefill_chunk: int = PREFILL_CHUNK
     prefill_rows: int = PREFILL_ROWS
     pooled_prefixes: int = DEFAULT_SLOTS  # finished sequences whose caches are kept for reuse
+    # KV memory for running sequences and pooled prefixes together (None: no bound). A
+    # sequence is admitted when its reservation fits: its prompt and token limit, at most a
+    # full context; pooled prefixes are let go first, least recently used first.
+    kv_budget_bytes: int | None = None
 
 
+DRIVER_CHECK_S = 1.0  # how often a waiting consumer checks that some thread still steps
+UNLIMITED = 2**62  # tokens a sequence may generate when its consumer decides when to stop
 _END = object()
 
+# Builds the speculative decoder for a sequence about to run alone, over its caches, its
+# record of the tokens fed and its sampler; None when drafting is off.
+DecoderFactory = Callable[[list[Cache], list[int], Sampler], SpeculativeDecoder | None]
 
-class SequenceStream(Iterator[int]):
+
+class StepDriver(Protocol):
+    """The thread that should run the steps (an engine loop on the process's main thread,
+    such as engine.compute_thread.ComputeThread)."""
+
+    @property
+    def serving(self) -> bool: ...
+
+    def post(self, job: Callable[[], None]) -> bool:
+        """Run `job` there soon; False if nothing serves (consumers then step)."""
+        ...
+
+
+class SequenceStream(TokenStream):
     """The tokens of one submitted sequence, as the scheduler samples them. Closing the
     stream cancels the sequence: its slot is free at the next step."""
 
@@ -69,11 +100,17 @@ class SequenceStream(Iterator[int]):
         self.submitted_at = time.perf_counter()
         self.queued_s = 0.0  # time waiting for a slot (set when it gets one)
         self.cached_prompt_tokens = 0  # prompt tokens found in a pooled prefix
+        self.speculation: SpeculationStats | None = None  # once it has drafted alone
 
     def __next__(self) -> int:
-        if self._items.empty() and not self._scheduler.serving:
-            self._scheduler.pull(self)
-        item = self._items.get()
+        while True:
+            if self._items.empty() and not self._scheduler.driven:
+                self._scheduler.pull(self)
+            try:
+                item = self._items.get(timeout=DRIVER_CHECK_S)
+                break
+            except queue.Empty:  # still driven? (a driver that stopped leaves it to us)
+                continue
         if item is _END:
             self._items.put(_END)  # later calls end too
             raise StopIteration
@@ -103,6 +140,8 @@ class _Sequence:
     pending: list[int] = field(default_factory=list)  # to feed next (prompt rest, or a token)
     history: list[int] = field(default_factory=list)  # prompt and sampled tokens
     generated: int = 0
+    decoder: SpeculativeDecoder | None = None  # while it runs alone and drafts
+    drafts: bool = True  # False once the factory said drafting is off
 
     @property
     def prefilling(self) -> bool:
@@ -118,17 +157,33 @@ class _Pooled:
 class BatchScheduler:
     """Runs submitted sequences on `model` in batched steps."""
 
-    def __init__(self, model: DecoderModel, policy: CachePolicy, config: BatchConfig | None = None):
+    def __init__(
+        self,
+        model: DecoderModel,
+        policy: CachePolicy,
+        config: BatchConfig | None = None,
+        decoder_factory: DecoderFactory | None = None,
+    ):
         self.model, self.policy = model, policy
         self.config = config or BatchConfig()
+        self.decoder_factory = decoder_factory
+        self.driver: StepDriver | None = None
+        self._driven = False  # the driver holds a job that steps until no work is left
         self._lock = threading.Condition()
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []
         self._pool: list[_Pooled] = []  # most recently finished last
         self._stepping = threading.Lock()  # held by the thread running a step
         self.serving = False  # a thread runs `serve`: consumers wait instead of stepping
+        self.kv_bytes_per_token = kv_bytes_per_token(model)
         self.steps = 0  # forward passes run (for tests and figures)
         self.peak_batch = 0  # most sequences in one step
+
+    @property
+    def driven(self) -> bool:
+        """Another thread runs the steps: consumers wait for their tokens."""
+        driver = self.driver
+        return self.serving or (self._driven and driver is not None and driver.serving)
 
     # -- the caller's side ------------------------------------------------------------------
 
@@ -154,7 +209,14 @@ class BatchScheduler:
                 )
             self._waiting.append(sequence)
             self._lock.notify_all()
+            if not self.driven and self.driver is not None:
+                self._driven = self.driver.post(self._drain)
         return stream
+
+    def reusable_prefix(self, prompt: Sequence[int]) -> int:
+        """Prompt tokens a pooled prefix would give a sequence submitted now."""
+        with self._lock:
+            return self._best_prefix(prompt)[1]
 
     def queue_position(self, stream: SequenceStream) -> int:
         with self._lock:
@@ -188,6 +250,22 @@ class BatchScheduler:
         finally:
             self.serving = False
 
+    def _drain(self) -> None:
+        """The driver's job: steps until nothing runs or waits (a later submit hands the
+        driver a new one)."""
+        try:
+            while True:
+                with self._lock:
+                    if not (self._running or self._waiting):
+                        self._driven = False
+                        return
+                with self._stepping:
+                    self.step()
+        except BaseException:
+            with self._lock:
+                self._driven = False  # consumers step for themselves again
+            raise
+
     def _serve_until(self, stop: threading.Event) -> None:
         while not stop.is_set():
             with self._lock:
@@ -205,9 +283,13 @@ class BatchScheduler:
             self._admit()
             if not self._running:
                 return
-            batch = self._next_batch()
+            alone = self._drafting_alone()
+            batch = [(alone, alone.pending)] if alone else self._next_batch()
         try:
-            self._run(batch)
+            if alone is not None:
+                self._run_alone(alone)
+            else:
+                self._run(batch)
         except Exception as exc:  # noqa: BLE001 - reported to every stream in the step
             with self._lock:
                 for sequence, _ in batch:
@@ -221,21 +303,58 @@ class BatchScheduler:
             sequence.stream._items.put(_END)
 
     def _admit(self) -> None:
+        """First come, first served, while a slot is free and the head's KV fits."""
         while self._waiting and len(self._running) < self.config.slots:
+            if not self._room_for(self._waiting[0]):
+                return
             sequence = self._waiting.popleft()
             sequence.stream.queued_s = time.perf_counter() - sequence.stream.submitted_at
             self._give_caches(sequence)
             self._running.append(sequence)
 
-    def _give_caches(self, sequence: _Sequence) -> None:
-        """The pooled caches holding the longest prefix of the prompt, trimmed to it, or
-        fresh ones. At least the prompt's last token is fed again (its logits are needed)."""
-        prompt = sequence.prompt
+    def kv_bytes_reserved(self) -> int:
+        """KV memory the running sequences may reach, and what pooled prefixes hold."""
+        running = sum(self._reservation(s.prompt, s.max_new) for s in self._running)
+        pooled = sum(self._held_bytes(len(p.tokens)) for p in self._pool)
+        return running + pooled
+
+    def _reservation(self, prompt: list[int], max_new: int) -> int:
+        return self._held_bytes(len(prompt) + max_new)
+
+    def _held_bytes(self, tokens: int) -> int:
+        # Past the context the caches are rings: they hold at most a context's worth.
+        return self.kv_bytes_per_token * min(tokens, self.policy.ctx)
+
+    def _room_for(self, sequence: _Sequence) -> bool:
+        """Whether `sequence` may start now, letting pooled prefixes go to make room (the
+        one it would reuse last). A sequence alone always starts: it cannot wait for room."""
+        budget = self.config.kv_budget_bytes
+        if budget is None:
+            return True
+        need = self._reservation(sequence.prompt, sequence.max_new)
+        running = sum(self._reservation(s.prompt, s.max_new) for s in self._running)
+        if running + need > budget and self._running:
+            return False
+        reused = self._best_prefix(sequence.prompt)[0]
+        for pooled in sorted(self._pool, key=lambda p: p is reused):  # oldest first
+            if self.kv_bytes_reserved() + need <= budget:
+                break
+            self._pool.remove(pooled)
+        return True
+
+    def _best_prefix(self, prompt: Sequence[int]) -> tuple[_Pooled | None, int]:
         best, shared = None, 0
         for pooled in self._pool:
             length = reusable_length(pooled.caches, pooled.tokens, prompt)
             if length > shared:
                 best, shared = pooled, length
+        return best, shared
+
+    def _give_caches(self, sequence: _Sequence) -> None:
+        """The pooled caches holding the longest prefix of the prompt, trimmed to it, or
+        fresh ones. At least the prompt's last token is fed again (its logits are needed)."""
+        prompt = sequence.prompt
+        best, shared = self._best_prefix(prompt)
         if best is None:
             sequence.caches = self.model.make_caches(self.policy)
         else:
@@ -261,12 +380,42 @@ class BatchScheduler:
                 budget -= len(chunk)
         return batch
 
+    def _drafting_alone(self) -> _Sequence | None:
+        """The one running sequence, when nothing waits, it is decoding, and it drafts."""
+        if len(self._running) != 1 or self._waiting or self.decoder_factory is None:
+            return None
+        sequence = self._running[0]
+        if sequence.prefilling or not sequence.drafts:
+            return None
+        if sequence.decoder is None:
+            sequence.decoder = self.decoder_factory(sequence.caches, sequence.fed,
+                                                    sequence.sampler)  # fmt: skip
+            if sequence.decoder is None:
+                sequence.drafts = False
+                return None
+            stats = sequence.stream.speculation or sequence.decoder.stats
+            sequence.decoder.stats = sequence.stream.speculation = stats
+            sequence.decoder.observe(sequence.history[:-1])  # the last one is pending
+        return sequence
+
+    def _run_alone(self, sequence: _Sequence) -> None:
+        """A speculative step: the pending token, and the drafts it keeps, in one pass."""
+        assert sequence.decoder is not None
+        new = sequence.decoder.advance(sequence.history)
+        sequence.pending = []
+        self.steps += 1
+        self.peak_batch = max(self.peak_batch, 1)
+        for token in new:
+            if self._emit(sequence, token):
+                return
+
     def _run(self, batch: list[tuple[_Sequence, list[int]]]) -> None:
         hidden = self.model.hidden_segments([(tokens, s.caches) for s, tokens in batch])
         self.steps += 1
         self.peak_batch = max(self.peak_batch, len(batch))
         rows, wanting, at = [], [], 0
         for sequence, tokens in batch:
+            sequence.decoder = None  # its drafters missed these tokens: a new one later
             sequence.fed.extend(tokens)
             del sequence.pending[: len(tokens)]
             at += len(tokens)
@@ -282,13 +431,19 @@ class BatchScheduler:
     def _sample(self, sequence: _Sequence, logits: torch.Tensor) -> None:
         token = sequence.sampler(logits, sequence.history)
         sequence.history.append(token)
+        self._emit(sequence, token)
+
+    def _emit(self, sequence: _Sequence, token: int) -> bool:
+        """Hand a sampled token (already in `history`) to the stream; True if that ends
+        the sequence, else it is the next to feed."""
         sequence.generated += 1
         sequence.stream._items.put(token)
         if token in sequence.stop_ids or sequence.generated >= sequence.max_new:
             with self._lock:
                 self._finish(sequence)
-        else:
-            sequence.pending = [token]
+            return True
+        sequence.pending = [token]
+        return False
 
     def _finish(self, sequence: _Sequence, error: BaseException | None = None) -> None:
         """End the sequence's stream and free its slot; its caches go to the prefix pool."""
@@ -299,6 +454,13 @@ class BatchScheduler:
             self._pool.append(_Pooled(sequence.fed, sequence.caches))
             del self._pool[: max(0, len(self._pool) - self.config.pooled_prefixes)]
         sequence.caches = []
+
+
+def kv_bytes_per_token(model: DecoderModel) -> int:
+    """Bytes of keys and values one token takes over all layers (fp32 caches; a local
+    layer's ring is smaller, so this errs on the safe side)."""
+    c = model.config
+    return 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4
 
 
 def _offset(sequence: _Sequence) -> int:

@@ -151,7 +151,7 @@ class BenchSession:
                 speed(max(n - quarter, 0), n - 1), current_rss_mb(), peak_rss_mb()
             ),
             tokens=tuple(generated),
-            speculation=self.runtime.last_speculation,
+            speculation=tokens.speculation,
         )
 
     def result(self) -> BenchResult:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..errors import MiniappError
 from ..spec_modes import SpecMode
-from .base import DEFAULT_CTX, DEFAULT_SINKS, Runtime, VisionRuntime
+from .base import DEFAULT_CTX, DEFAULT_PARALLEL, DEFAULT_SINKS, Runtime, VisionRuntime
 
 BACKENDS = ("torch", "llamacpp")
 
@@ -22,16 +22,19 @@ def open_runtime(
     window: int | None = None,
     spec: str = SpecMode.AUTO,
     device: str = "auto",
+    parallel: int = 1,
 ) -> Runtime:
     """`sinks` and `window` shape the torch engine's sliding-window cache (see TorchRuntime);
-    llama.cpp's Python binding has no equivalent, so it stops at a full context instead."""
+    llama.cpp's Python binding has no equivalent, so it stops at a full context instead.
+    `parallel`: generations the torch engine runs at once (continuous batching); llama.cpp
+    here runs one at a time."""
     if backend == "torch":
         from .torch_runtime import TorchRuntime
 
         sinks = DEFAULT_SINKS if sinks is None else sinks
         return TorchRuntime(
             model_path, n_ctx=n_ctx, threads=threads, sinks=sinks, window=window, spec=spec,
-            device=device,
+            device=device, parallel=parallel,
         )  # fmt: skip
     if backend == "llamacpp":
         from .llamacpp_runtime import LlamaCppRuntime
@@ -42,6 +45,9 @@ def open_runtime(
             raise MiniappError("--device applies to the torch backend (llama.cpp picks its own)")
         if spec not in ("off", "auto"):
             raise MiniappError("--spec early-exit and lookup apply to the torch backend only")
+        if parallel > 1:
+            raise MiniappError("--parallel applies to the torch backend (llama.cpp here "
+                               "answers one at a time)")  # fmt: skip
         return LlamaCppRuntime(model_path, n_ctx=n_ctx, threads=threads, logits_all=logits_all)
     raise MiniappError(f"unknown backend '{backend}' (choose from {', '.join(BACKENDS)})")
 
@@ -63,6 +69,7 @@ def open_vision_runtime(
 __all__ = [
     "BACKENDS",
     "DEFAULT_CTX",
+    "DEFAULT_PARALLEL",
     "DEFAULT_SINKS",
     "Runtime",
     "VisionRuntime",

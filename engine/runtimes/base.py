@@ -10,14 +10,17 @@ from pathlib import Path
 
 import numpy as np
 
+from ..compute_thread import ComputeThread
 from ..devices import DevicePlan
 from ..errors import MiniappError
 from ..events import GenerationStats, SpeculationStats
 from ..sampling import SamplingParams
+from ..token_stream import TokenStream
 from ..tokenizer import Tokenizer
 
 DEFAULT_CTX = 4096
 DEFAULT_SINKS = 4  # StreamingLLM's number of attention-sink tokens (the torch engine's cache)
+DEFAULT_PARALLEL = 4  # answers a multi-user interface generates at once (LM Studio's default)
 LOGIT_BLOCK = 256
 
 
@@ -62,19 +65,26 @@ class Runtime(ABC):
     chat_template: str | None  # the GGUF's own template source, if it has one
     slides_past_ctx: bool = False  # a sliding window: keeps generating past n_ctx, not stopping
     architecture: str  # general.architecture
-    last_speculation: SpeculationStats | None = None  # of the latest generate_tokens call
+    last_speculation: SpeculationStats | None = None  # of the latest lone generation
+    # Generations it runs at once: above 1 (the torch engine's --parallel), generate_tokens
+    # may be called from several threads, and their streams advance together.
+    parallel: int = 1
 
     @abstractmethod
     def reusable_prefix(self, prompt: Sequence[int]) -> int:
         """How many leading prompt tokens are already in the cache from the previous call."""
 
     @abstractmethod
-    def generate_tokens(self, prompt: Sequence[int], params: SamplingParams) -> Iterator[int]:
+    def generate_tokens(self, prompt: Sequence[int], params: SamplingParams) -> TokenStream:
         """Evaluate `prompt` (reusing the cached prefix) and yield sampled tokens until closed.
 
         The consumer decides when to stop (end-of-turn, max tokens, Ctrl-C); the cache stays
-        consistent whenever the generator is closed or interrupted.
+        consistent whenever the stream is closed or interrupted.
         """
+
+    def run_steps_on(self, compute: ComputeThread) -> None:  # noqa: B027 - optional hook
+        """Run the engine's batched steps on `compute`'s serving thread (a runtime that
+        serves one generation at a time runs it on its consumer's thread instead)."""
 
     @abstractmethod
     def reset(self) -> None:

@@ -12,6 +12,7 @@ from ..devices import DeviceProbe
 from ..gguf_file import GGUFFile
 from ..llamacpp_lib import Llama, OpenedModel, open_model
 from ..sampling import SamplingParams
+from ..token_stream import GeneratedTokens, TokenStream
 from ..tokenizer import Tokenizer
 from .base import DEFAULT_CTX, LOGIT_BLOCK, Runtime, common_prefix, default_threads
 
@@ -56,8 +57,9 @@ class LlamaCppRuntime(Runtime):
         cached = self._llm.input_ids[: self._llm.n_tokens].tolist()
         return min(common_prefix(cached, prompt), len(prompt) - 1)
 
-    def generate_tokens(self, prompt: Sequence[int], params: SamplingParams) -> Iterator[int]:
-        return sample_with_llamacpp(self._llm, prompt, params)
+    def generate_tokens(self, prompt: Sequence[int], params: SamplingParams) -> TokenStream:
+        cached = self.reusable_prefix(prompt)
+        return GeneratedTokens(sample_with_llamacpp(self._llm, prompt, params), cached)
 
     def reset(self) -> None:
         self._llm.reset()

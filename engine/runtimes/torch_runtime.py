@@ -9,7 +9,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..cache import keep_first, reusable_length
+from ..batching import UNLIMITED, BatchConfig, BatchScheduler
+from ..cache import Cache, keep_first, reusable_length
+from ..compute_thread import ComputeThread
 from ..devices import (
     DevicePlan,
     DeviceProbe,
@@ -20,8 +22,9 @@ from ..devices import (
     estimate_footprint,
     plan_device,
 )
+from ..errors import MiniappError
 from ..gguf_file import GGUFFile
-from ..memory import limit_heap_fragmentation
+from ..memory import available_memory_bytes, limit_heap_fragmentation
 from ..models import CachePolicy, DecoderModel, Placement, build_model
 from ..models.static_step import StaticDecodeStep
 from ..sampling import SamplingParams
@@ -33,6 +36,7 @@ from ..speculative import (
     build_drafters,
 )
 from ..speculative.calibration import default_exit_setting, load_exit_setting
+from ..token_stream import GeneratedTokens, TokenStream
 from ..tokenizer import Tokenizer
 from ..torch_sampler import Sampler
 from .base import (
@@ -49,7 +53,12 @@ log = logging.getLogger("miniapp.engine")
 
 class TorchRuntime(Runtime):
     """Streams: once a conversation outgrows --ctx, the caches keep `sinks` first tokens plus
-    the most recent `window` (default ctx - sinks) and generation goes on."""
+    the most recent `window` (default ctx - sinks) and generation goes on.
+
+    With `parallel` above 1, generations run through a continuous-batching scheduler
+    (engine/batching), up to `parallel` at once, each with caches of its own; finished ones
+    leave their caches for a later prompt with the same start. With 1, one generation at a
+    time runs over the runtime's own caches (and, on a GPU, a replayed graph of the step)."""
 
     backend = "torch"
     slides_past_ctx = True
@@ -65,7 +74,10 @@ class TorchRuntime(Runtime):
         spec: SpecMode | str = SpecMode.AUTO,
         device: str = "auto",
         probe: DeviceProbe | None = None,
+        parallel: int = 1,
     ):
+        if parallel < 1:
+            raise MiniappError(f"--parallel {parallel}: run at least one generation at a time")
         self.model_path = Path(model_path)
         limit_heap_fragmentation()
         torch.set_num_threads(threads or default_threads())
@@ -85,6 +97,12 @@ class TorchRuntime(Runtime):
         # Kept across answers: what drafting costs and earns is learned as the chat goes.
         self.draft_controller = DraftController()
         self.early_exit = self._early_exit_drafter()
+        self.parallel = parallel
+        self.scheduler = None
+        if parallel > 1:
+            config = BatchConfig(slots=parallel, pooled_prefixes=parallel,
+                                 kv_budget_bytes=_kv_budget())  # fmt: skip
+            self.scheduler = BatchScheduler(self.model, self.policy, config, self._lone_decoder)
 
     def _placement(self) -> Placement:
         plan = self.device_plan
@@ -182,14 +200,28 @@ class TorchRuntime(Runtime):
         return drafter
 
     def reusable_prefix(self, prompt: Sequence[int]) -> int:
+        if self.scheduler is not None:
+            return self.scheduler.reusable_prefix(prompt)
         return reusable_length(self.caches, self._tokens, prompt)
 
-    def generate_tokens(self, prompt: Sequence[int], params: SamplingParams) -> Iterator[int]:
+    def generate_tokens(self, prompt: Sequence[int], params: SamplingParams) -> TokenStream:
+        if self.scheduler is not None:
+            return self.scheduler.submit(prompt, params, max_new=UNLIMITED)
+        stream = GeneratedTokens(cached_prompt_tokens=self.reusable_prefix(prompt))
+        return stream.feeding(self._generate_alone(prompt, params, stream))
+
+    def run_steps_on(self, compute: ComputeThread) -> None:
+        if self.scheduler is not None:
+            self.scheduler.driver = compute
+
+    def _generate_alone(
+        self, prompt: Sequence[int], params: SamplingParams, stream: GeneratedTokens
+    ) -> Iterator[int]:
         sampler = Sampler(params)
         history = list(prompt)
         while True:
             try:
-                yield from self._generate(history, sampler)
+                yield from self._generate(history, sampler, stream)
                 return
             except torch.OutOfMemoryError as exc:
                 if not self.device_plan.on_gpu:
@@ -197,7 +229,9 @@ class TorchRuntime(Runtime):
                 # The tokens yielded so far are in `history`: go on from there, same sampler.
                 self._recover_from_oom(exc)
 
-    def _generate(self, history: list[int], sampler: Sampler) -> Iterator[int]:
+    def _generate(
+        self, history: list[int], sampler: Sampler, stream: GeneratedTokens
+    ) -> Iterator[int]:
         """Yields tokens after `history`, appending each to it."""
         prompt = list(history)
         reuse = self.reusable_prefix(prompt)
@@ -210,7 +244,7 @@ class TorchRuntime(Runtime):
                 self.model, self.caches, self._tokens, sampler, self.draft_controller,
                 drafters, mode=self.spec_mode.value, decode_one=self._decode_one,
             )  # fmt: skip
-            self.last_speculation = decoder.stats
+            self.last_speculation = stream.speculation = decoder.stats
             yield from decoder.run(logits, history)
             return
         while True:
@@ -219,19 +253,31 @@ class TorchRuntime(Runtime):
             history.append(token)
             logits = self._feed([token])
 
+    def _lone_decoder(
+        self, caches: list[Cache], fed: list[int], sampler: Sampler
+    ) -> SpeculativeDecoder | None:
+        """The scheduler's speculative decoder for a sequence running alone."""
+        if self.spec_mode is SpecMode.OFF:
+            return None
+        drafters = build_drafters(self.spec_mode, self.model, self.early_exit)
+        return SpeculativeDecoder(self.model, caches, fed, sampler, self.draft_controller,
+                                  drafters, mode=self.spec_mode.value)  # fmt: skip
+
     def info(self) -> RuntimeInfo:
         policy = self.policy
         return RuntimeInfo(self.backend, self.model_path, self.device_plan, self.spec_mode.value,
                            policy.sinks, policy.window_size)  # fmt: skip
 
     def reset(self) -> None:
+        # Under the scheduler there is no one context to forget: pooled prefixes serve
+        # whichever prompt starts with them, and age out.
         self._truncate(0)
 
     @torch.inference_mode()  # caches grown during a forward pass hold inference tensors
     def forget(self, start: int, end: int) -> bool:
         """Drop fed tokens start..end-1 from every cache without evaluating anything again
         (chat turn eviction). False if the caches can no longer do it (they have rotated)."""
-        if not 0 < start <= end <= len(self._tokens):
+        if self.scheduler is not None or not 0 < start <= end <= len(self._tokens):
             return False
         if not all(cache.can_forget(start) for cache in self.caches):
             return False
@@ -289,6 +335,13 @@ class TorchRuntime(Runtime):
         """Keep the first n tokens."""
         del self._tokens[n:]
         keep_first(self.caches, n)
+
+
+def _kv_budget() -> int | None:
+    """KV memory the batching scheduler may use: half of what is free at load (the rest is
+    for the OS, other programs and the engine's own working memory)."""
+    free = available_memory_bytes()
+    return free // 2 if free else None
 
 
 def _first_line(exc: BaseException) -> str:

@@ -38,14 +38,16 @@ class SpeculativeDecoder:
         drafters: Sequence[Drafter],
         mode: str,
         decode_one: Callable[[int], torch.Tensor] | None = None,
+        stats: SpeculationStats | None = None,
     ):
         """`decode_one(token) -> logits [vocab]` takes a plain step (the runtime's may replay a
-        graph); by default an ordinary pass over `caches`."""
+        graph); by default an ordinary pass over `caches`. `stats` to count into (a batching
+        scheduler keeps one per sequence across the stretches it drafts alone)."""
         self.model, self.caches, self.fed = model, caches, fed
         self.decode_one = decode_one or self._ordinary_step
         self.sampler, self.controller = sampler, controller
         self.drafters = list(drafters)  # asked in order; the first proposal is verified
-        self.stats = SpeculationStats(mode)
+        self.stats = stats or SpeculationStats(mode)
 
     def run(self, logits: torch.Tensor, history: list[int]) -> Iterator[int]:
         """`logits` follow `history` (the prompt, already in the caches); yields tokens."""
@@ -58,6 +60,23 @@ class SpeculativeDecoder:
             new = self._step(pending, history)
             yield from new[:-1]
             pending = new[-1]
+
+    def observe(self, tokens: Sequence[int]) -> None:
+        """Tokens of the sequence so far, for drafters that draft from it (prompt lookup)."""
+        for drafter in self.drafters:
+            drafter.observe(tokens)
+
+    def advance(self, history: list[int]) -> list[int]:
+        """One step for a caller that runs its own loop (the batching scheduler): the last
+        token of `history` is sampled but not fed yet, and every earlier one was observed.
+        Feeds it, and returns the tokens that follow (one, or accepted drafts and one more),
+        appended to `history`; the last of them is not fed yet."""
+        pending = history[-1]
+        self.stats.emitted += 1
+        self.observe([pending])
+        new = self._step(pending, history)
+        history.append(new[-1])
+        return new
 
     def _accept(self, tokens: Sequence[int], history: list[int]) -> None:
         history.extend(tokens)
