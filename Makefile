@@ -11,7 +11,7 @@ MODELS_STAMP := $(VENV)/.models
 # browser tests; libgl1, libglib2.0-0: OpenCV under the OCR; fonts-dejavu-core: text images.
 SYSTEM_PACKAGES := espeak-ng sox libportaudio2 chromium libgl1 libglib2.0-0 fonts-dejavu-core
 
-.PHONY: setup system-packages run test package package-test lint bench clean
+.PHONY: setup system-packages run test package package-test lint bench llama-server clean
 
 setup: system-packages $(STAMP) $(MODELS_STAMP)
 
@@ -79,6 +79,29 @@ lint: setup
 
 bench: setup
 	$(BIN)/miniapp bench --threads 2
+
+# llama.cpp's own HTTP server, which `miniapp bench serve` measures next to our engine (a
+# benchmark dependency only; several minutes). Built from the llama.cpp that the installed
+# llama-cpp-python's source distribution carries, so both run the same llama.cpp, without
+# AMX like the wheel. No curl, OpenSSL or web UI: the UI would be downloaded, and the bench
+# only needs /completion on 127.0.0.1. Static, so the binary stands alone at LLAMA_SERVER.
+LLAMA_SERVER_BUILD := build/llama-server
+LLAMA_SERVER := $(LLAMA_SERVER_BUILD)/bin/llama-server
+
+llama-server: $(STAMP)
+	version=$$($(BIN)/python -c 'import llama_cpp; print(llama_cpp.__version__)'); \
+	source=build/llama_cpp_python-$$version; \
+	if [ ! -d $$source/vendor/llama.cpp ]; then \
+		test -f $$source.tar.gz || $(BIN)/python -m pip download -q --no-deps \
+			--no-binary :all: "llama-cpp-python==$$version" -d build; \
+		tar -xzf $$source.tar.gz -C build; \
+	fi; \
+	cmake -S $$source/vendor/llama.cpp -B $(LLAMA_SERVER_BUILD) -DCMAKE_BUILD_TYPE=Release \
+		-DCMAKE_C_FLAGS="$$CFLAGS $(NO_AMX)" -DCMAKE_CXX_FLAGS="$$CXXFLAGS $(NO_AMX)" \
+		-DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+		-DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+	cmake --build $(LLAMA_SERVER_BUILD) --target llama-server -j 2
+	@echo "built $(LLAMA_SERVER)"
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache .gpu_site native/*.so

@@ -1,17 +1,24 @@
-"""`miniapp bench serve`: many clients at once on our batching engine (and, later, on
-llama-server): aggregate tok/s, TTFT and inter-token latency percentiles, peak RSS, and
-whether every greedy answer equals the same prompt's answer from a lone client.
+"""`miniapp bench serve`: many clients at once on our batching engine, then on llama-server
+(llama.cpp's own HTTP server) with the same GGUF, threads, prompts and answer length:
+aggregate tok/s, TTFT and inter-token latency percentiles, peak RSS, and whether every greedy
+answer equals the same prompt's answer from a lone client of the same engine.
 
-Our engine runs in a worker process of its own (`--worker`), so its peak RSS is its own.
+Our engine runs in a worker process of its own (`--worker`), so its peak RSS is its own;
+llama-server's is its process's. llama-server is a benchmark dependency, built by
+`make llama-server`; `--backend torch` measures our engine alone, `--backend llamacpp`
+llama-server alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 from miniapp.assets import chat_prompts, sample_texts
@@ -19,6 +26,7 @@ from miniapp.engine.errors import MiniappError
 from miniapp.engine.gguf_file import GGUFFile
 from miniapp.engine.model_store import resolve_model
 from miniapp.engine.models import check_supported
+from miniapp.engine.runtimes.base import default_threads
 from miniapp.engine.tokenizer import Tokenizer
 
 from .bench import user_prompts
@@ -26,6 +34,14 @@ from .worker_process import EXIT_USAGE, exit_description
 
 SERVE_CTX = 2048
 LONG_PROMPT_CHARS = 1600  # about 350 tokens of a sample text
+LLAMA_SERVER_ENV = "MINIAPP_LLAMA_SERVER"
+# Where `make llama-server` puts it, in this checkout.
+BUILT_LLAMA_SERVER = Path(__file__).resolve().parent.parent / "build/llama-server/bin/llama-server"
+HOW_TO_GET_LLAMA_SERVER = (
+    f"run `make llama-server` (or set {LLAMA_SERVER_ENV}), or pass --backend torch"
+)
+# --backend for bench serve: both engines by default; llama.cpp's side is llama-server.
+MEASURED = {None: ("torch", "llama-server"), "torch": ("torch",), "llamacpp": ("llama-server",)}
 
 
 def serve_prompts(model: Path, tokenizer: Tokenizer) -> list[list[int]]:
@@ -40,39 +56,103 @@ def serve_prompts(model: Path, tokenizer: Tokenizer) -> list[list[int]]:
     return user_prompts(model, tokenizer, messages)
 
 
+def find_llama_server(
+    environ: Mapping[str, str] = os.environ, built: Path = BUILT_LLAMA_SERVER
+) -> Path:
+    """$MINIAPP_LLAMA_SERVER, else `make llama-server`'s output, else llama-server on PATH.
+    A path set in the environment is the one wanted: a missing one is an error, not a
+    reason to measure some other llama-server."""
+    configured = environ.get(LLAMA_SERVER_ENV)
+    if configured:
+        if _executable(Path(configured)):
+            return Path(configured)
+        raise MiniappError(
+            f"llama-server not found at {LLAMA_SERVER_ENV}={configured}: point it at one "
+            "(`make llama-server` builds one), or pass --backend torch"
+        )
+    if _executable(built):
+        return built
+    on_path = shutil.which("llama-server", path=environ.get("PATH", os.defpath))
+    if on_path:
+        return Path(on_path)
+    raise MiniappError(f"llama-server not found: {HOW_TO_GET_LLAMA_SERVER}")
+
+
+def _executable(path: Path) -> bool:
+    return path.is_file() and os.access(path, os.X_OK)
+
+
 def run_bench_serve(args: argparse.Namespace) -> int:
     model = resolve_model(args.model)
     check_supported(GGUFFile(model))
-    if args.backend not in (None, "torch"):
-        raise MiniappError("bench serve measures --backend torch; llama-server comes next")
     clients = _client_counts(args.clients)
+    measured = MEASURED[args.backend]
+    # Before the torch run: a missing server should not cost minutes of measuring first.
+    server_binary = find_llama_server() if "llama-server" in measured else None
     prompts = serve_prompts(model, Tokenizer(model))
+    ctx, threads = args.ctx or SERVE_CTX, args.threads or default_threads()
+    report: dict = {}
+    extras: dict = {"ctx": ctx, "threads": threads}
+    if "torch" in measured:
+        worker = _measure_torch(model, prompts, clients, args, ctx, threads)
+        report["torch"] = worker["results"]
+        extras["kv_bytes_per_token"] = worker["kv_bytes_per_token"]
+    if server_binary is not None:
+        report["llama-server"], server_extras = _measure_llama_server(
+            server_binary, model, prompts, clients, args, ctx, threads
+        )
+        extras.update(server_extras)
+    report["identical_output"] = all(
+        row["identical_output"] for rows in report.values() for row in rows.values()
+    )
+    report.update(extras)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        _print_table(report, args)
+    return 0
+
+
+def _measure_torch(model: Path, prompts: list[list[int]], clients: list[int],
+                   args: argparse.Namespace, ctx: int, threads: int) -> dict:  # fmt: skip
+    """Our engine's figures, from a worker process (its peak RSS is the engine's own)."""
     with tempfile.TemporaryDirectory(prefix="miniapp-bench-serve-") as tmp:
         prompts_path = Path(tmp) / "prompts.json"
         prompts_path.write_text(json.dumps(prompts))
         command = [sys.executable, "-m", "miniapp.app.bench_serve", "--worker",
                    "--model", str(model), "--prompts", str(prompts_path),
                    "--clients", ",".join(map(str, clients)), "--requests", str(args.requests),
-                   "--tokens", str(args.tokens), "--ctx", str(args.ctx or SERVE_CTX)]  # fmt: skip
-        if args.threads:
-            command += ["--threads", str(args.threads)]
+                   "--tokens", str(args.tokens), "--ctx", str(ctx),
+                   "--threads", str(threads)]  # fmt: skip
         done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         cause = done.stderr.strip().splitlines()[-1:] or [exit_description(done.returncode)]
         raise MiniappError(f"the serving benchmark failed: {cause[0]}")
-    measured = json.loads(done.stdout)
-    torch_results = measured["results"]
-    report = {
-        "torch": torch_results,
-        "identical_output": all(r["identical_output"] for r in torch_results.values()),
-        "kv_bytes_per_token": measured["kv_bytes_per_token"],
-        "ctx": args.ctx or SERVE_CTX,
-    }
-    if args.json:
-        print(json.dumps(report))
-    else:
-        _print_table(report, args)
-    return 0
+    return json.loads(done.stdout)
+
+
+def _measure_llama_server(binary: Path, model: Path, prompts: list[list[int]],
+                          clients: list[int], args: argparse.Namespace, ctx: int,
+                          threads: int) -> tuple[dict, dict]:  # fmt: skip
+    """llama-server's figures, one server per client count, and how it was run."""
+    from miniapp.engine.evaluation.llama_server_bench import (
+        LlamaServerBench,
+        LlamaServerExited,
+        llama_server_version,
+    )
+
+    bench = LlamaServerBench(binary, model, prompts, args.tokens, ctx, threads)
+    try:
+        bench.lone_answers()
+        results = {str(n): bench.run(n, args.requests).to_dict() for n in clients}
+    except LlamaServerExited as exc:
+        how = exit_description(exc.returncode)
+        message = f"llama-server stopped ({how}) while {exc.doing}: {exc.last_line}"
+        raise MiniappError(message) from None
+    command = bench.commands[clients[-1]]
+    extras = {"llama_server_version": llama_server_version(binary),
+              "llama_server_command": " ".join(command)}  # fmt: skip
+    return results, extras
 
 
 def _client_counts(text: str) -> list[int]:
@@ -85,21 +165,48 @@ def _client_counts(text: str) -> list[int]:
     return counts
 
 
+ENGINE_TITLES = {"torch": "torch engine", "llama-server": "llama-server"}
+
+
 def _print_table(report: dict, args: argparse.Namespace) -> None:
-    print(f"torch engine, {args.requests} requests per client, {args.tokens} tokens each")
+    print(f"{args.requests} requests per client, {args.tokens} tokens each, "
+          f"{report['threads']} threads, {report['ctx']} tokens of context a client")  # fmt: skip
+    for engine, title in ENGINE_TITLES.items():
+        if engine in report:
+            _print_rows(title, report[engine])
+    if "torch" in report and "llama-server" in report:
+        _print_comparison(report["torch"], report["llama-server"])
+    if "kv_bytes_per_token" in report:
+        per_token = report["kv_bytes_per_token"]
+        print(f"torch KV cache per sequence: {per_token / 1024:.0f} KiB a token, "
+              f"{per_token * report['ctx'] / 2**20:.0f} MiB at {report['ctx']} tokens")  # fmt: skip
+    if "llama_server_command" in report:
+        print(f"llama-server ({report['llama_server_version']}): "
+              f"{report['llama_server_command']}")  # fmt: skip
+    print(f"every greedy answer equals its lone-client answer: {report['identical_output']}")
+
+
+def _print_rows(title: str, rows: dict) -> None:
+    print(title)
     print("clients  aggregate tok/s  TTFT p50/p99 (s)  ITL p50/p99 (ms)  peak RSS (MB)  same")
-    base = report["torch"].get("1", {}).get("aggregate_tok_s")
-    for count, r in report["torch"].items():
+    base = rows.get("1", {}).get("aggregate_tok_s")
+    for count, r in rows.items():
         ratio = f" ({r['aggregate_tok_s'] / base:.2f}x)" if base else ""
         same = "yes" if r["identical_output"] else "NO"
         print(f"{count:>7}  {r['aggregate_tok_s']:8.1f}{ratio:9}  "
               f"{r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f}      "
               f"{r['itl_p50_s'] * 1000:5.1f} / {r['itl_p99_s'] * 1000:5.1f}     "
               f"{r['peak_rss_mb']:8.0f}      {same}")  # fmt: skip
-    per_token = report["kv_bytes_per_token"]
-    print(f"KV cache per sequence: {per_token / 1024:.0f} KiB a token, "
-          f"{per_token * report['ctx'] / 2**20:.0f} MiB at {report['ctx']} tokens")  # fmt: skip
-    print(f"every greedy answer equals its lone-client answer: {report['identical_output']}")
+
+
+def _print_comparison(torch_rows: dict, server_rows: dict) -> None:
+    print("torch vs llama-server")
+    print("clients  aggregate tok/s ratio  ITL p99 torch / llama-server (ms)")
+    for count, ours in torch_rows.items():
+        theirs = server_rows[count]
+        ratio = ours["aggregate_tok_s"] / max(theirs["aggregate_tok_s"], 1e-9)
+        print(f"{count:>7}  {ratio:20.2f}x  "
+              f"{ours['itl_p99_s'] * 1000:7.1f} / {theirs['itl_p99_s'] * 1000:.1f}")  # fmt: skip
 
 
 def _worker(argv: list[str]) -> int:

@@ -8,8 +8,12 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from miniapp.app.bench import bench_prompt
+from miniapp.app.bench_serve import find_llama_server
 from miniapp.app.worker_process import exit_description
+from miniapp.engine.errors import MiniappError
 
 
 def test_bench_json_reports_both_backends(miniapp_exe):
@@ -109,7 +113,7 @@ def test_exit_descriptions():
 def test_bench_serve_reports_each_client_count_as_json(miniapp_exe):
     done = subprocess.run(
         [miniapp_exe, "bench", "serve", "--clients", "2,1", "--requests", "1", "--tokens", "4",
-         "--threads", "2", "--ctx", "1024", "--json"],
+         "--threads", "2", "--ctx", "1024", "--backend", "torch", "--json"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -130,3 +134,37 @@ def test_bench_serve_refuses_bad_client_counts(miniapp_exe):
     assert done.stderr.strip().splitlines() == [
         "miniapp: error: --clients 'two': give client counts like 1,2,4,8"
     ]
+
+
+def test_bench_serve_without_llama_server_is_one_line_and_exit_2(miniapp_exe, tmp_path):
+    missing = tmp_path / "llama-server"
+    done = subprocess.run(
+        [miniapp_exe, "bench", "serve", "--clients", "1", "--requests", "1", "--tokens", "4"],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "MINIAPP_LLAMA_SERVER": str(missing), "PATH": str(tmp_path)},
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"miniapp: error: llama-server not found at MINIAPP_LLAMA_SERVER={missing}: point it "
+        "at one (`make llama-server` builds one), or pass --backend torch"
+    ]
+    assert done.stdout == ""
+
+
+def test_llama_server_is_looked_for_in_the_environment_the_build_then_path(tmp_path):
+    def executable(path: Path) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("#!/bin/sh\n")
+        path.chmod(0o755)
+        return path
+
+    on_path = executable(tmp_path / "bin" / "llama-server")
+    built = tmp_path / "build" / "llama-server"
+    configured = executable(tmp_path / "mine" / "llama-server")
+    path = {"PATH": str(on_path.parent)}
+    assert find_llama_server(path, built) == on_path
+    assert find_llama_server(path, executable(built)) == built
+    assert find_llama_server({**path, "MINIAPP_LLAMA_SERVER": str(configured)}, built) == configured
+    with pytest.raises(MiniappError, match=r"^llama-server not found: run `make llama-server` "
+                       r"\(or set MINIAPP_LLAMA_SERVER\), or pass --backend torch$"):  # fmt: skip
+        find_llama_server({"PATH": str(tmp_path / "empty")}, tmp_path / "absent")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import resource
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -42,7 +43,9 @@ class ServingResult:
 
 
 @dataclass
-class _Request:
+class ClientRequest:
+    """One request as its client saw it."""
+
     prompt_index: int
     tokens: list[int]
     times: list[float]  # each token's arrival
@@ -75,48 +78,83 @@ class ServingBench:
         scheduler = BatchScheduler(
             self.model, self.policy, BatchConfig(slots=clients, max_queue=clients * 2)
         )
-        done: list[_Request] = []
-        lock = threading.Lock()
 
-        def client(number: int) -> None:
-            for j in range(requests_per_client):
-                index = (number * requests_per_client + j) % len(self.prompts)
-                request = _Request(index, [], [], time.perf_counter())
-                for token in scheduler.submit(self.prompts[index], GREEDY, self.tokens):
-                    request.tokens.append(token)
-                    request.times.append(time.perf_counter())
-                with lock:
-                    done.append(request)
+        def stream(index: int) -> Iterable[int]:
+            return scheduler.submit(self.prompts[index], GREEDY, self.tokens)
 
         stop = threading.Event()
-        timing: dict[str, float] = {}
+        outcome: dict[str, object] = {}
 
         def launch() -> None:
-            while not scheduler.serving:  # the clients wait on their streams, never step
-                time.sleep(0.001)
-            threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
-            timing["started"] = time.perf_counter()
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
-            timing["ended"] = time.perf_counter()
-            stop.set()
+            try:
+                while not scheduler.serving:  # the clients wait on their streams, never step
+                    time.sleep(0.001)
+                count = len(self.prompts)
+                outcome["run"] = run_clients(clients, requests_per_client, count, stream)
+            except BaseException as exc:  # re-raised on the main thread
+                outcome["error"] = exc
+            finally:
+                stop.set()  # else the main thread would step forever
 
         launcher = threading.Thread(target=launch)
         launcher.start()
         scheduler.serve(stop)  # the steps, on the main thread
         launcher.join()
-        return self._result(clients, done, timing["ended"] - timing["started"])
-
-    def _result(self, clients: int, done: list[_Request], wall: float) -> ServingResult:
-        ttfts = [r.times[0] - r.sent for r in done if r.times]
-        gaps = [b - a for r in done for a, b in zip(r.times, r.times[1:], strict=False)]
-        generated = sum(len(r.tokens) for r in done)
-        identical = all(r.tokens == self._lone.get(r.prompt_index, r.tokens) for r in done)
+        if "error" in outcome:
+            raise outcome["error"]
+        done, wall = outcome["run"]
         peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return ServingResult(
-            clients, len(done), generated / wall if wall > 0 else 0.0,
-            percentile(ttfts, 50), percentile(ttfts, 99), percentile(gaps, 50),
-            percentile(gaps, 99), peak_kb / 1024, identical,
-        )  # fmt: skip
+        return summarize(clients, done, wall, self._lone, peak_kb / 1024)
+
+
+def run_clients(
+    clients: int, requests_per_client: int, prompt_count: int,
+    stream: Callable[[int], Iterable[int]],
+) -> tuple[list[ClientRequest], float]:  # fmt: skip
+    """`clients` threads, each sending its requests back to back: `stream(index)` sends prompt
+    `index` and yields the answer's tokens as they arrive. Returns the finished requests and
+    the wall time of the whole run. The first error in a client is raised here."""
+    done: list[ClientRequest] = []
+    failures: list[BaseException] = []
+    lock = threading.Lock()
+
+    def client(number: int) -> None:
+        try:
+            for j in range(requests_per_client):
+                index = (number * requests_per_client + j) % prompt_count
+                request = ClientRequest(index, [], [], time.perf_counter())
+                for token in stream(index):
+                    request.tokens.append(token)
+                    request.times.append(time.perf_counter())
+                with lock:
+                    done.append(request)
+        except BaseException as exc:  # else lost with its thread
+            with lock:
+                failures.append(exc)
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - started
+    if failures:
+        raise failures[0]
+    return done, wall
+
+
+def summarize(
+    clients: int, done: list[ClientRequest], wall: float, lone: dict[int, list[int]],
+    peak_rss_mb: float,
+) -> ServingResult:  # fmt: skip
+    """The figures of one run; `lone` holds each prompt's answer from a lone client."""
+    ttfts = [r.times[0] - r.sent for r in done if r.times]
+    gaps = [b - a for r in done for a, b in zip(r.times, r.times[1:], strict=False)]
+    generated = sum(len(r.tokens) for r in done)
+    identical = all(r.tokens == lone.get(r.prompt_index, r.tokens) for r in done)
+    return ServingResult(
+        clients, len(done), generated / wall if wall > 0 else 0.0,
+        percentile(ttfts, 50), percentile(ttfts, 99), percentile(gaps, 50),
+        percentile(gaps, 99), peak_rss_mb, identical,
+    )  # fmt: skip
