@@ -48,6 +48,9 @@ DEFAULT_QUEUE = 64  # requests that may wait for a slot before new ones are refu
 # the decode rows costs little more than a decode step (the int4 kernel's cost grows with rows).
 PREFILL_CHUNK = 16
 PREFILL_ROWS = 32  # prompt rows per step over all sequences (at least one chunk runs)
+# Prompt rows a step may carry when no sequence is decoding: no stream waits on that step, so
+# prompts go in as fast as the kernels allow (rows are exact at any chunk size).
+IDLE_PREFILL_ROWS = 256
 
 
 class QueueFullError(MiniappError):
@@ -61,6 +64,7 @@ class BatchConfig:
     max_queue: int = DEFAULT_QUEUE
     prefill_chunk: int = PREFILL_CHUNK
     prefill_rows: int = PREFILL_ROWS
+    idle_prefill_rows: int = IDLE_PREFILL_ROWS
     pooled_prefixes: int = DEFAULT_SLOTS  # finished sequences whose caches are kept for reuse
     # KV memory for running sequences and pooled prefixes together (None: no bound). A
     # sequence is admitted when its reservation fits: its prompt and token limit, at most a
@@ -366,15 +370,15 @@ class BatchScheduler:
 
     def _next_batch(self) -> list[tuple[_Sequence, list[int]]]:
         """Every decoding sequence's next token, and prompt chunks while the step's prompt
-        budget lasts. A chunk's size depends only on its own sequence."""
-        batch = []
-        budget = self.config.prefill_rows
-        for sequence in self._running:
-            if not sequence.prefilling:
-                batch.append((sequence, sequence.pending[:1]))
+        budget lasts: small beside decode rows, large when nothing decodes."""
+        config = self.config
+        batch = [(s, s.pending[:1]) for s in self._running if not s.prefilling]
+        budget, chunk_rows = config.prefill_rows, config.prefill_chunk
+        if not batch:
+            budget = chunk_rows = config.idle_prefill_rows
         for sequence in self._running:
             if sequence.prefilling and budget > 0:
-                limit = min(self.config.prefill_chunk, self.model.max_chunk(sequence.caches))
+                limit = min(chunk_rows, budget, self.model.max_chunk(sequence.caches))
                 chunk = sequence.pending[:limit]
                 batch.append((sequence, chunk))
                 budget -= len(chunk)
