@@ -130,34 +130,41 @@ class Attention:
 
     def _attend_rows(self, qk, v, cache: Cache, masks: RowMasks) -> torch.Tensor:
         """One token at a time, exactly as decoding would: a batched attention call rounds
-        differently, and speculative verification must reproduce plain decoding bit for bit."""
-        n_rows = qk.shape[1]
-        if cache.rows_share_storage(n_rows):
-            # Each row's decode step would see a prefix of one storage: write all rows at
-            # once, then attend row by row over those prefixes.
-            keys, values = cache.update_and_fetch(qk[self.n_heads :][None], v[None])
-            before = keys.shape[2] - n_rows
-            # One native call, each row over its own prefix: as many rows as there are (a
-            # decode step runs that kernel too, so every row matches it bit for bit).
-            if self.native is not None and keys.device.type == "cpu":
-                lengths = torch.arange(before + 1, before + n_rows + 1, dtype=torch.int32)
-                return self._attend_natively(qk[: self.n_heads], keys, values, lengths, None)
-            queries = qk[: self.n_heads][None]
-            rows = [
-                F.scaled_dot_product_attention(
-                    queries[:, :, row : row + 1],
-                    keys[:, :, : before + row + 1],
-                    values[:, :, : before + row + 1],
-                    enable_gqa=True,
-                    scale=self.scale,
-                )  # fmt: skip
-                for row in range(n_rows)
-            ]
-            return torch.cat(rows, dim=2)
-        rows = []
-        for row in range(qk.shape[1]):
+        differently, and speculative verification must reproduce plain decoding bit for bit.
+        Rows go one by one until the rest can share one storage (a fresh cache's first
+        rows fill its sinks first), then the rest go together."""
+        n_rows, outs = qk.shape[1], []
+        for row in range(n_rows):
+            rest = n_rows - row
+            if cache.rows_share_storage(rest):
+                outs.append(self._attend_shared_rows(qk[:, row:], v[:, row:], cache))
+                break
             mask = masks.get(row, cache)
-            rows.append(self._attend(qk[:, row : row + 1], v[:, row : row + 1], cache, mask))
+            outs.append(self._attend(qk[:, row : row + 1], v[:, row : row + 1], cache, mask))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+    def _attend_shared_rows(self, qk, v, cache: Cache) -> torch.Tensor:
+        """Each row's decode step would see a prefix of one storage: write all rows at once,
+        then attend each row over its prefix."""
+        n_rows = qk.shape[1]
+        keys, values = cache.update_and_fetch(qk[self.n_heads :][None], v[None])
+        before = keys.shape[2] - n_rows
+        # One native call, each row over its own prefix: as many rows as there are (a
+        # decode step runs that kernel too, so every row matches it bit for bit).
+        if self.native is not None and keys.device.type == "cpu":
+            lengths = torch.arange(before + 1, before + n_rows + 1, dtype=torch.int32)
+            return self._attend_natively(qk[: self.n_heads], keys, values, lengths, None)
+        queries = qk[: self.n_heads][None]
+        rows = [
+            F.scaled_dot_product_attention(
+                queries[:, :, row : row + 1],
+                keys[:, :, : before + row + 1],
+                values[:, :, : before + row + 1],
+                enable_gqa=True,
+                scale=self.scale,
+            )  # fmt: skip
+            for row in range(n_rows)
+        ]
         return torch.cat(rows, dim=2)
 
 
