@@ -11,13 +11,14 @@ from miniapp.engine.generation import GenerationRequest, generate
 from miniapp.engine.sampling import GREEDY
 
 CTX = 512
+PPL_TEXT_CHARS = 12_000  # half the sample texts
 
 
 def test_perplexity_within_one_percent_of_llama_cpp(torch_runtime, llamacpp_runtime):
-    text = "\n\n".join(sample_texts())  # ~4200 tokens: 8 chunks of 512
+    text = "\n\n".join(sample_texts())[:PPL_TEXT_CHARS]  # ~2500 tokens: 4 chunks of 512
     ours = perplexity(torch_runtime, text, CTX)
     oracle = perplexity(llamacpp_runtime, text, CTX)
-    assert ours.chunks >= 8
+    assert ours.chunks >= 4
     assert ours.tokens == oracle.tokens == ours.chunks * (CTX - 1 - CTX // 2)
     assert abs(ours.ppl - oracle.ppl) / oracle.ppl <= 0.01, (ours.ppl, oracle.ppl)
     assert 5 < ours.ppl < 100  # a broken model gives thousands

@@ -18,6 +18,7 @@ from miniapp.engine.sampling import GREEDY
 # layers' 512-token window, so the window shapes the result. (The benchmark notes also give
 # --ctx 2048, as the issue asks; that takes about a minute a backend.)
 CTX = 1024
+GEMMA_TEXT_CHARS = 16_500
 
 
 @pytest.fixture(scope="module")
@@ -26,10 +27,13 @@ def gemma_path():
 
 
 def test_gemma3_perplexity_within_one_percent_of_llama_cpp(gemma_path):
-    text = "\n\n".join(sample_texts())
+    # Three chunks of 1024 (about 3300 of the sample texts' 5200 tokens): each chunk runs
+    # past the local layers' 512-token window, and a 262k-token head over 1500 scored rows
+    # is most of this test's time in both engines.
+    text = "\n\n".join(sample_texts())[:GEMMA_TEXT_CHARS]
     ours = perplexity(TorchRuntime(gemma_path, n_ctx=CTX), text, CTX)
     oracle = perplexity(LlamaCppRuntime(gemma_path, n_ctx=CTX, logits_all=True), text, CTX)
-    assert ours.chunks >= 3 and ours.tokens == oracle.tokens
+    assert ours.chunks == 3 and ours.tokens == oracle.tokens
     assert abs(ours.ppl - oracle.ppl) / oracle.ppl <= 0.01, (ours.ppl, oracle.ppl)
     assert 5 < ours.ppl < 100
 
