@@ -47,7 +47,12 @@ DEFAULT_QUEUE = 64  # requests that may wait for a slot before new ones are refu
 # Prompt rows one sequence feeds per step. Small, so that a step carrying prompt rows beside
 # the decode rows costs little more than a decode step (the int4 kernel's cost grows with rows).
 PREFILL_CHUNK = 16
-PREFILL_ROWS = 32  # prompt rows per step over all sequences (at least one chunk runs)
+# Rows a step carries while sequences decode: their decode rows, then prompt rows up to this
+# (at least MIN_PREFILL_ROWS, so a waiting prompt always moves). A step's cost grows with its
+# rows, and every decoding stream waits for the whole step: this bounds the gap between two
+# tokens (a token budget per step, as vLLM's chunked prefill has).
+STEP_ROWS = 16
+MIN_PREFILL_ROWS = 4
 # Prompt rows a step may carry when no sequence is decoding: no stream waits on that step, so
 # prompts go in as fast as the kernels allow (rows are exact at any chunk size).
 IDLE_PREFILL_ROWS = 256
@@ -63,7 +68,8 @@ class BatchConfig:
     slots: int = DEFAULT_SLOTS
     max_queue: int = DEFAULT_QUEUE
     prefill_chunk: int = PREFILL_CHUNK
-    prefill_rows: int = PREFILL_ROWS
+    step_rows: int = STEP_ROWS
+    min_prefill_rows: int = MIN_PREFILL_ROWS
     idle_prefill_rows: int = IDLE_PREFILL_ROWS
     pooled_prefixes: int = DEFAULT_SLOTS  # finished sequences whose caches are kept for reuse
     # KV memory for running sequences and pooled prefixes together (None: no bound). A
@@ -370,10 +376,12 @@ class BatchScheduler:
 
     def _next_batch(self) -> list[tuple[_Sequence, list[int]]]:
         """Every decoding sequence's next token, and prompt chunks while the step's prompt
-        budget lasts: small beside decode rows, large when nothing decodes."""
+        budget lasts: what is left of `step_rows` beside decode rows, large when nothing
+        decodes."""
         config = self.config
         batch = [(s, s.pending[:1]) for s in self._running if not s.prefilling]
-        budget, chunk_rows = config.prefill_rows, config.prefill_chunk
+        budget = max(config.min_prefill_rows, config.step_rows - len(batch))
+        chunk_rows = config.prefill_chunk
         if not batch:
             budget = chunk_rows = config.idle_prefill_rows
         for sequence in self._running:
