@@ -141,6 +141,10 @@ def _start_worker(backend: str, model: Path, prompts: Path, ctx: int, args, spec
         arguments.append("--stop-at-end-of-turn")
     if args.threads:
         arguments += ["--threads", str(args.threads)]
+    # The yardstick keeps llama.cpp's own KV cache (f16) unless --llamacpp-kv-type says.
+    kv = args.kv_type if backend == "torch" else getattr(args, "llamacpp_kv_type", None)
+    if kv:  # else the backend's own default
+        arguments += ["--kv-type", kv]
     if backend == "torch":
         arguments += ["--device", args.device]
         for flag in ("sinks", "window"):
@@ -179,8 +183,9 @@ def _print_table(model: Path, results: dict) -> None:
         )
     for result in (torch_r, llama_r):
         first, last = result["first_quarter"], result["last_quarter"]
+        kv = f", KV {result['kv_type']}" if result.get("kv_type") else ""
         print(
-            f"{result['backend']} (ctx {result['ctx']}): first/last quarter of the tokens "
+            f"{result['backend']} (ctx {result['ctx']}{kv}): first/last quarter of the tokens "
             f"{first['decode_tok_s']:.1f}/{last['decode_tok_s']:.1f} tok/s, "
             f"peak RSS {first['peak_rss_mb']:.0f}/{last['peak_rss_mb']:.0f} MB"
         )

@@ -24,6 +24,7 @@ from pathlib import Path
 from miniapp.assets import chat_prompts, sample_texts
 from miniapp.engine.errors import MiniappError
 from miniapp.engine.gguf_file import GGUFFile
+from miniapp.engine.kv_types import DEFAULT_KV_TYPE
 from miniapp.engine.model_store import resolve_model
 from miniapp.engine.models import check_supported
 from miniapp.engine.runtimes.base import default_threads
@@ -87,6 +88,11 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     check_supported(GGUFFile(model))
     clients = _client_counts(args.clients)
     measured = MEASURED[args.backend]
+    if args.kv_type and "torch" not in measured:
+        raise MiniappError(
+            "--kv-type applies to our engine here: llama-server keeps its own KV cache (f16); "
+            "pass --backend torch, or leave --backend out"
+        )
     # Before the torch run: a missing server should not cost minutes of measuring first.
     server_binary = find_llama_server() if "llama-server" in measured else None
     prompts = serve_prompts(model, Tokenizer(model))
@@ -96,6 +102,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     if "torch" in measured:
         worker = _measure_torch(model, prompts, clients, args, ctx, threads)
         report["torch"] = worker["results"]
+        extras["kv_type"] = worker["kv_type"]
         extras["kv_bytes_per_token"] = worker["kv_bytes_per_token"]
     if server_binary is not None:
         report["llama-server"], server_extras = _measure_llama_server(
@@ -123,7 +130,8 @@ def _measure_torch(model: Path, prompts: list[list[int]], clients: list[int],
                    "--model", str(model), "--prompts", str(prompts_path),
                    "--clients", ",".join(map(str, clients)), "--requests", str(args.requests),
                    "--tokens", str(args.tokens), "--ctx", str(ctx),
-                   "--threads", str(threads)]  # fmt: skip
+                   "--threads", str(threads),
+                   "--kv-type", args.kv_type or DEFAULT_KV_TYPE]  # fmt: skip
         done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         cause = done.stderr.strip().splitlines()[-1:] or [exit_description(done.returncode)]
@@ -178,8 +186,9 @@ def _print_table(report: dict, args: argparse.Namespace) -> None:
         _print_comparison(report["torch"], report["llama-server"])
     if "kv_bytes_per_token" in report:
         per_token = report["kv_bytes_per_token"]
-        print(f"torch KV cache per sequence: {per_token / 1024:.0f} KiB a token, "
-              f"{per_token * report['ctx'] / 2**20:.0f} MiB at {report['ctx']} tokens")  # fmt: skip
+        print(f"torch KV cache per sequence ({report['kv_type']}): {per_token / 1024:.1f} KiB a "
+              f"token, {per_token * report['ctx'] / 2**20:.0f} MiB at {report['ctx']} "
+              "tokens")  # fmt: skip
     if "llama_server_command" in report:
         print(f"llama-server ({report['llama_server_version']}): "
               f"{report['llama_server_command']}")  # fmt: skip
@@ -219,18 +228,20 @@ def _worker(argv: list[str]) -> int:
     parser.add_argument("--tokens", required=True, type=int)
     parser.add_argument("--ctx", required=True, type=int)
     parser.add_argument("--threads", type=int)
+    parser.add_argument("--kv-type", default=DEFAULT_KV_TYPE)
     args = parser.parse_args(argv)
     from miniapp.engine.evaluation.serving import ServingBench
 
     try:
         bench = ServingBench(args.model, json.loads(args.prompts.read_text()), args.tokens,
-                             args.ctx, args.threads)  # fmt: skip
+                             args.ctx, args.threads, kv=args.kv_type)  # fmt: skip
     except MiniappError as exc:
         print(exc, file=sys.stderr)
         return EXIT_USAGE
     bench.lone_answers()
     results = {str(n): bench.run(n, args.requests).to_dict() for n in _client_counts(args.clients)}
-    print(json.dumps({"results": results, "kv_bytes_per_token": bench.kv_bytes_per_token}))
+    print(json.dumps({"results": results, "kv_type": bench.kv_type.name,
+                      "kv_bytes_per_token": bench.kv_bytes_per_token}))  # fmt: skip
     return 0
 
 

@@ -39,13 +39,14 @@ def main() -> int:
     parser.add_argument("--spec", default="off")
     parser.add_argument("--stop-at-end-of-turn", action="store_true")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--kv-type", help="the KV cache type (default: the backend's own)")
     args = parser.parse_args()
     prompts = json.loads(args.prompts.read_text())
     try:
         session = BenchSession(
             args.backend, args.model, prompts, args.tokens, args.threads, args.ctx,
             sinks=args.sinks, window=args.window, spec=args.spec,
-            stop_at_end_of_turn=args.stop_at_end_of_turn, device=args.device,
+            stop_at_end_of_turn=args.stop_at_end_of_turn, device=args.device, kv=args.kv_type,
         )  # fmt: skip
     except MiniappError as exc:
         print(exc, file=sys.stderr)

@@ -31,6 +31,7 @@ from miniapp.engine.runtimes import open_runtime
 from miniapp.engine.sampling import SamplingParams
 
 from .chat_images import ChatImages, image_paths, pictures_of, print_prompt, with_image_labels
+from .settings import runtime_kv_type
 from .transcribe import VoiceInput, spoken_file
 
 PROMPT = ">>> "
@@ -139,10 +140,13 @@ def _open_runtime(args: argparse.Namespace, model_path: Path, interactive: bool)
     runtime = open_runtime(
         args.backend, model_path, n_ctx=args.ctx, threads=args.threads,
         sinks=args.sinks, window=args.window, spec=args.spec, device=args.device,
+        kv=runtime_kv_type(args),
     )  # fmt: skip
-    plan = runtime.info().device_plan
+    info = runtime.info()
+    plan = info.device_plan
     if interactive and plan is not None:
-        print(f"running on {plan.device} ({plan.reason})", file=sys.stderr, flush=True)
+        cache = f"; {info.kv_summary}" if info.kv_summary else ""
+        print(f"running on {plan.device} ({plan.reason}){cache}", file=sys.stderr, flush=True)
     return runtime
 
 

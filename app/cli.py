@@ -14,9 +14,11 @@ from importlib.metadata import PackageNotFoundError, version
 
 from miniapp.engine.devices import DEVICE_CHOICES
 from miniapp.engine.errors import MiniappError
+from miniapp.engine.kv_types import DEFAULT_KV_TYPE
 from miniapp.engine.runtimes import BACKENDS, DEFAULT_CTX
 from miniapp.engine.spec_modes import SPEC_MODES
 
+from .settings import KV_TYPE_HELP, kv_type_name
 from .settings import add_flags as add_setting_flags
 from .settings import apply as apply_settings
 
@@ -80,6 +82,14 @@ def _add_model_args(parser: argparse.ArgumentParser, ctx_default: int | None) ->
     )  # fmt: skip
 
 
+def _add_kv_type_arg(parser: argparse.ArgumentParser, help_more: str = "") -> None:
+    # Left out (None): the torch engine's default, llama.cpp's own f16.
+    parser.add_argument(
+        "--kv-type", type=kv_type_name, metavar="TYPE",
+        help=KV_TYPE_HELP + (help_more or "; --backend llamacpp keeps its f16 unless given"),
+    )  # fmt: skip
+
+
 def _add_spec_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--spec", choices=SPEC_MODES, default="auto",
@@ -126,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     ppl = eval_sub.add_parser("ppl", help="perplexity over a text file (llama.cpp's method)")
     ppl.add_argument("file", help="UTF-8 text file")
     _add_model_args(ppl, ctx_default=512)
+    _add_kv_type_arg(ppl)
     ppl.add_argument("--json", action="store_true", help="print one JSON object")
     ppl.add_argument(
         "--recompute", action="store_true",
@@ -138,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compare.add_argument("file", help="UTF-8 text file")
     _add_model_args(compare, ctx_default=512)
+    _add_kv_type_arg(compare, " (our engine's; llama.cpp, the oracle, keeps its f16)")
     compare.add_argument("--json", action="store_true", help="print one JSON object")
 
     _add_asr_eval_parser(eval_sub)
@@ -148,6 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve: many clients at once on the batching engine (see --clients)",
     )  # fmt: skip
     _add_model_args(bench, ctx_default=None)
+    _add_kv_type_arg(bench, " (our engine's; llama.cpp, the yardstick, keeps its f16)")
+    bench.add_argument(
+        "--llamacpp-kv-type", type=kv_type_name, metavar="TYPE",
+        help="llama.cpp's KV cache in the same run (default: its own f16)",
+    )  # fmt: skip
     bench.set_defaults(backend=None)
     prompt = bench.add_mutually_exclusive_group()
     prompt.add_argument("--prompt-tokens", type=_positive_int, default=128)
@@ -172,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
     doctor.add_argument("--ctx", type=_positive_int, default=DEFAULT_CTX,
                         help="context for the estimate")  # fmt: skip
+    doctor.add_argument("--kv-type", type=kv_type_name, default=DEFAULT_KV_TYPE, metavar="TYPE",
+                        help=KV_TYPE_HELP + ", for the KV cache estimate")  # fmt: skip
     doctor.add_argument("--json", action="store_true", help="print one JSON object")
 
     calibrate = sub.add_parser(
@@ -257,6 +276,7 @@ def _add_asr_eval_parser(eval_sub) -> None:
         help="skip end of speech -> first answer token (which loads the chat model)",
     )  # fmt: skip
     _add_model_args(asr, ctx_default=2048)
+    _add_kv_type_arg(asr)
     asr.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -297,7 +317,11 @@ def main(argv: list[str] | None = None) -> int:
     # it is not silent: Python prints the fatal signal and where each thread was.
     faulthandler.enable()
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except MiniappError as exc:  # a value the engine checks as it is parsed (--kv-type)
+        print(f"miniapp: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(name)s: %(message)s",

@@ -16,14 +16,19 @@ from miniapp.engine.devices import (
 )
 from miniapp.engine.gguf_file import GGUFFile
 from miniapp.engine.kernels import cpu_attention_kernel, cpu_int4_kernel
+from miniapp.engine.kv_types import KV_TYPES, kv_type
 from miniapp.engine.model_store import resolve_model
+
+KIB, MIB = 1024, 2**20
 
 
 def run_doctor(args: argparse.Namespace) -> int:
     probe = default_probe()
     gpus = probe.gpus()
     model = resolve_model(args.model)
-    footprint = estimate_footprint(GGUFFile(model), args.ctx)
+    gguf = GGUFFile(model)
+    kind = kv_type(args.kv_type)
+    footprint = estimate_footprint(gguf, args.ctx, kind)  # its KV as --kv-type stores it
     plan = plan_device(args.device, probe, footprint)
     cpu, int4_kernel, attention = cpu_features(), cpu_int4_kernel(), cpu_attention_kernel()
     report = {
@@ -44,6 +49,7 @@ def run_doctor(args: argparse.Namespace) -> int:
         "cpu_attention": "native (AVX2)" if attention else "torch (scaled_dot_product_attention)",
         "model": str(model),
         "footprint": asdict(footprint),
+        "kv_cache": _kv_cache_report(gguf, kind, args.ctx, footprint.kv_bytes),
         "plan": asdict(plan),
         "decode_step": decode_step_path(probe, plan, footprint.n_layers)[1],
         "llama_cpp": _llama_cpp_report(probe, footprint),
@@ -54,6 +60,19 @@ def run_doctor(args: argparse.Namespace) -> int:
     else:
         _print_report(report)
     return 0
+
+
+def _kv_cache_report(gguf: GGUFFile, kind, ctx: int, bytes_at_ctx: int) -> dict:
+    """The KV cache of the chosen type, and a token's bytes in each type (every layer)."""
+    per_type = {name: estimate_footprint(gguf, 1, t).kv_bytes for name, t in KV_TYPES.items()}
+    return {"type": kind.name, "bytes_per_token": per_type[kind.name], "ctx": ctx,
+            "bytes_at_ctx": bytes_at_ctx, "per_type": per_type}  # fmt: skip
+
+
+def _size(nbytes: float) -> str:
+    if nbytes >= GIB:
+        return f"{nbytes / GIB:.2f} GiB"
+    return f"{nbytes / MIB:.1f} MiB" if nbytes >= MIB else f"{nbytes / KIB:.1f} KiB"
 
 
 def _llama_cpp_report(probe, footprint) -> dict:
@@ -116,11 +135,15 @@ def _print_report(report: dict) -> None:
         print(f"int4 kernel on {where}: {state} ({check['reason']})")
     print(f"int4 matmul on the CPU: {report['cpu_int4_kernel']}")
     print(f"decode attention on the CPU: {report['cpu_attention']}")
-    plan, footprint = report["plan"], report["footprint"]
+    plan, footprint, kv = report["plan"], report["footprint"], report["kv_cache"]
     print(
         f"model {report['model']}: weights {footprint['int4_bytes'] / GIB:.2f} GiB as packed, "
         f"{footprint['bf16_bytes'] / GIB:.2f} GiB as bf16, KV {footprint['kv_bytes'] / GIB:.2f} GiB"
     )
+    f32 = kv["per_type"]["f32"]
+    versus = f" (f32: {f32 / KIB:.1f} KiB a token)" if kv["type"] != "f32" else ""
+    print(f"KV cache: {kv['type']}, {kv['bytes_per_token'] / KIB:.1f} KiB a token, "
+          f"{_size(kv['bytes_at_ctx'])} at {kv['ctx']} tokens{versus}")  # fmt: skip
     layers = f", {plan['gpu_layers']} layers on the GPU" if plan["device"] != "cpu" else ""
     print(
         f"chosen path: {plan['device']} with {plan['weights']} weights{layers} - {plan['reason']}"

@@ -50,37 +50,42 @@ def run_ppl(args: argparse.Namespace) -> int:
         runtime = _open(args, model, n_ctx=sinks + args.window, sinks=sinks, window=args.window)
         result = streaming_perplexity(runtime, text, sinks, args.window)
         how = f"streamed through {sinks} sinks + a window of {args.window}"
+    kv = runtime.info().kv_type
     if args.json:
-        print(json.dumps(result.to_dict()))
+        print(json.dumps({**result.to_dict(), "kv_type": kv}))
     else:
+        cache = f", KV {kv}" if kv else ""
         print(
             f"{result.backend}: perplexity {result.ppl:.4f} over {result.tokens} scored tokens "
-            f"({how}) in {result.seconds:.1f} s"
+            f"({how}{cache}) in {result.seconds:.1f} s"
         )
     return 0
 
 
 def _open(args: argparse.Namespace, model, **options) -> Runtime:
-    """The runtime `eval ppl` asked for (no generation, so no speculative decoding)."""
+    """The runtime `eval ppl` asked for (no generation, so no speculative decoding), its KV
+    cache as --kv-type says (left out: the backend's own default)."""
     if args.backend == "torch":
         options.update(spec="off", device=args.device)
-    return open_runtime(args.backend, model, threads=args.threads, **options)
+    kv = getattr(args, "kv_type", None)
+    return open_runtime(args.backend, model, threads=args.threads, kv=kv, **options)
 
 
 def run_compare(args: argparse.Namespace) -> int:
     text = read_text(args.file)
     model = resolve_model(args.model)
-    ours = open_runtime(
-        "torch", model, n_ctx=args.ctx, threads=args.threads, spec="off", device=args.device
-    )
+    ours = open_runtime("torch", model, n_ctx=args.ctx, threads=args.threads, spec="off",
+                        device=args.device, kv=args.kv_type)  # fmt: skip
+    # The oracle keeps llama.cpp's own KV cache (f16) whatever --kv-type says.
     oracle = open_runtime("llamacpp", model, n_ctx=args.ctx, threads=args.threads, logits_all=True)
     result = agreement(ours, oracle, text, args.ctx)
+    kv = ours.info().kv_type
     if args.json:
-        print(json.dumps(result.to_dict()))
+        print(json.dumps({**result.to_dict(), "kv_type": kv}))
     else:
         print(
             f"top-1 agreement with llama.cpp: {result.top1_agreement:.4f} over {result.tokens} "
-            f"tokens ({result.chunks} chunks of {result.ctx}); max |logit diff| "
+            f"tokens ({result.chunks} chunks of {result.ctx}, KV {kv}); max |logit diff| "
             f"{result.max_abs_logit_diff:.3f}, mean KL(llama.cpp || ours) {result.mean_kl:.5f}"
         )
     return 0

@@ -33,6 +33,7 @@ class LoadSpec:
     sinks: int | None = None
     threads: int | None = None
     parallel: int = 1  # generations at once (the torch engine batches them)
+    kv_type: str | None = None  # the KV cache's storage (None: the backend's own default)
 
 
 class LoadState(StrEnum):
@@ -105,6 +106,7 @@ class ModelHost:
                 wanted.backend, resolve_model(wanted.model), n_ctx=wanted.ctx,
                 threads=wanted.threads, sinks=wanted.sinks, window=wanted.window,
                 spec=wanted.spec, device=wanted.device, parallel=wanted.parallel,
+                kv=wanted.kv_type,
             )  # fmt: skip
             runtime.run_steps_on(self.compute)
         except (MiniappError, OSError, ValueError, RuntimeError) as exc:

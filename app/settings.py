@@ -15,11 +15,13 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 import platformdirs
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
 from miniapp.engine.devices import DEVICE_CHOICES
 from miniapp.engine.errors import MiniappError
 from miniapp.engine.generation import GenerationRequest
+from miniapp.engine.kv_types import DEFAULT_KV_TYPE, KV_TYPE_NAMES, kv_type
 from miniapp.engine.model_store import DEFAULT_MODEL
 from miniapp.engine.runtimes import BACKENDS, DEFAULT_CTX, DEFAULT_PARALLEL, DEFAULT_SINKS
 from miniapp.engine.sampling import SamplingParams
@@ -34,6 +36,14 @@ Device = Literal[DEVICE_CHOICES]
 Spec = Literal[SPEC_MODES]
 _SAMPLING, _REQUEST = SamplingParams(), GenerationRequest()
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 7860  # the GUI's (loopback only unless told)
+_KV_NAMES = [f"{n} (default)" if n == DEFAULT_KV_TYPE else n for n in KV_TYPE_NAMES]
+KV_TYPE_HELP = f"KV cache storage: {', '.join(_KV_NAMES[:-1])} or {_KV_NAMES[-1]}"
+
+
+def kv_type_name(text: str) -> str:
+    """A --kv-type value, checked by the engine: a bad one is the engine's one-line error
+    (MiniappError, exit code 2), not argparse's usage block."""
+    return kv_type(text).name
 
 
 def _field(default, help: str, commands: tuple[str, ...] = COMMANDS, **limits):  # noqa: A002
@@ -54,6 +64,8 @@ class Settings(BaseModel):
                                f"(default: {DEFAULT_SINKS})", ge=0)  # fmt: skip
     spec: Spec = _field(SpecMode.AUTO.value, "speculative decoding (torch engine; output "
                         "unchanged)")  # fmt: skip
+    kv_type: str = _field(DEFAULT_KV_TYPE, KV_TYPE_HELP + " (llama.cpp keeps its f16 unless "
+                          "this is set)")  # fmt: skip
     parallel: int = _field(DEFAULT_PARALLEL, "torch engine: answers generated at once, "
                            "batched (more wait in a queue)", ("gui",), gt=0)  # fmt: skip
     max_tokens: int = _field(_REQUEST.max_tokens, "most tokens in one answer", gt=0)
@@ -71,6 +83,14 @@ class Settings(BaseModel):
                                    "tiny.en)")  # fmt: skip
     host: str = _field(DEFAULT_HOST, "GUI: address to bind (default: loopback)", ("gui",))
     port: int = _field(DEFAULT_PORT, "GUI: port", ("gui",), gt=0, lt=65536)
+
+    @field_validator("kv_type", mode="before")
+    @classmethod
+    def _known_kv_type(cls, value: Any) -> str:
+        try:
+            return kv_type(value).name
+        except MiniappError as exc:  # the engine's one line, naming the choices
+            raise PydanticCustomError("kv_type", "{message}", {"message": str(exc)}) from None
 
     @classmethod
     def fields_for(cls, command: str) -> list[str]:
@@ -171,6 +191,9 @@ def parse_value(name: str, text: str) -> Any:
 
 # ------------------------------------------------------------------ command-line flags
 
+# Flags whose values the engine checks as they are parsed (one line, exit code 2).
+_FLAG_TYPES = {"kv_type": kv_type_name}
+
 
 def add_flags(parser: argparse.ArgumentParser, command: str) -> None:
     """One flag per setting of this command. Defaults are left out of the namespace, so that
@@ -179,7 +202,9 @@ def add_flags(parser: argparse.ArgumentParser, command: str) -> None:
         info = Settings.model_fields[name]
         options: dict[str, Any] = {"help": info.description, "default": argparse.SUPPRESS}
         choices = _choices(info.annotation)
-        if choices:
+        if name in _FLAG_TYPES:
+            options.update(type=_FLAG_TYPES[name], metavar="TYPE")
+        elif choices:
             options["choices"] = choices
         else:
             options["type"] = _base_type(info.annotation)
@@ -198,10 +223,19 @@ def _base_type(annotation):
 def apply(args: argparse.Namespace, command: str) -> Settings:
     """Fill the namespace with the resolved settings of this command (flags already parsed)."""
     flags = {name: value for name, value in vars(args).items() if name in Settings.model_fields}
-    settings, _ = resolve(flags)
+    settings, sources = resolve(flags)
     for name in Settings.fields_for(command):
         setattr(args, name, getattr(settings, name))
+    args.setting_sources = sources
     return settings
+
+
+def runtime_kv_type(args: argparse.Namespace) -> str | None:
+    """The KV cache type to open the runtime with: None while the setting is its default,
+    so that each backend keeps its own (the torch engine's is the default here; llama.cpp's
+    is f16); a type set by flag, environment or file applies to either backend."""
+    sources = getattr(args, "setting_sources", None) or {}
+    return None if sources.get("kv_type", "default") == "default" else args.kv_type
 
 
 # ------------------------------------------------------------------ `miniapp config`

@@ -5,6 +5,11 @@ protocol below; the fixed-shape decode step (a GPU replaying a captured graph, s
 `models/static_step.py`) needs a little more, `StaticCache`. Two kinds provide both:
 `KVCache` holds every position up to a fixed maximum; `RotatingKVCache` keeps the first
 `sinks` tokens plus a sliding window of the most recent ones, in constant memory.
+
+Both store keys and values as their `KVType` says (f32, f16, bf16, or blocks of q8 / q4,
+see kv_types.py): `update_and_fetch` takes fp32 and returns the stored form, which the
+model's attention reads as it is (the native kernel) or decodes (`key_codec.decode`,
+`value_codec.decode`).
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from .errors import ContextFullError
+from .kv_codec import KVCodec
+from .kv_types import F32, KVType
 from .layers import Rope, apply_rope
 
 
@@ -27,6 +34,12 @@ class _Update:
     ring_count: int  # tokens held in the ring afterwards
     wrapped: bool
     allocated: int  # ring slots allocated afterwards
+
+
+def _codecs(kind: KVType, head_dim: int, device) -> tuple[KVCodec, KVCodec]:
+    """The key and value codecs (one type for both, for now)."""
+    codec = KVCodec(kind, head_dim, torch.device(device))
+    return codec, codec
 
 
 @dataclass(frozen=True)
@@ -43,12 +56,15 @@ class Cache(Protocol):
     """One layer's keys and values, as the model and speculative roll-back use them."""
 
     offset: int  # the position of the next token
+    key_codec: KVCodec  # how keys are stored
+    value_codec: KVCodec  # and values
 
     def update_and_fetch(
         self, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this step's keys/values [1, kv_heads, n, head_dim] (already rotated by RoPE
-        at their positions); return all keys/values the step's queries may attend to."""
+        """Store this step's keys/values, fp32 [1, kv_heads, n, head_dim] (already rotated by
+        RoPE at their positions); return all keys/values the step's queries may attend to,
+        as stored ([1, kv_heads, tokens, width])."""
         ...
 
     def make_mask(self, n_new: int) -> torch.Tensor | None:
@@ -88,7 +104,7 @@ class StaticCache(Cache, Protocol):
     """What the fixed-shape decode step needs besides: storage allocated in full once, a
     fixed span of it that attention reads, and the bookkeeping of one step."""
 
-    keys: torch.Tensor  # [1, kv_heads, storage, head_dim]
+    keys: torch.Tensor  # [1, kv_heads, storage, width], as the codecs store them
     values: torch.Tensor
     sinks: int  # frame sinks to re-rotate each step (0: none)
 
@@ -113,11 +129,13 @@ class StaticCache(Cache, Protocol):
         ...
 
 
-def _rotate_keys(keys: torch.Tensor, rope: Rope, delta: int) -> torch.Tensor:
-    """keys [1, kv_heads, n, head_dim] rotated by `delta` more positions (RoPE composes)."""
-    heads = keys[0].transpose(0, 1)  # [n, kv_heads, head_dim]
-    tables = rope.shift_tables(delta).to(keys.device)
-    return apply_rope(heads, tables).transpose(0, 1)[None]
+def _rotate_keys(stored: torch.Tensor, rope: Rope, delta: int, codec: KVCodec) -> torch.Tensor:
+    """Stored keys [1, kv_heads, n, width] rotated by `delta` more positions (RoPE composes),
+    stored again. Quantized keys are decoded, rotated and quantized once more: callers
+    rotate from keys stored once (the sinks' own copies), so errors do not pile up."""
+    heads = codec.decode(stored)[0].transpose(0, 1)  # [n, kv_heads, head_dim]
+    tables = rope.shift_tables(delta).to(stored.device)
+    return codec.encode(apply_rope(heads, tables).transpose(0, 1)[None])
 
 
 class KVCache:
@@ -133,15 +151,16 @@ class KVCache:
         head_dim: int,
         max_tokens: int,
         rope: Rope | None = None,
-        dtype: torch.dtype = torch.float32,
+        kv_type: KVType = F32,
         device: torch.device | str = "cpu",
     ):
         self.max_tokens = max_tokens
         self.rope = rope  # needed only by `forget`, to re-rotate shifted keys
         self.offset = 0
-        shape = (1, n_kv_heads, min(max_tokens, self.INITIAL_TOKENS), head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.key_codec, self.value_codec = _codecs(kv_type, head_dim, device)
+        shape = (1, n_kv_heads, min(max_tokens, self.INITIAL_TOKENS), self.key_codec.width)
+        self.keys = torch.zeros(shape, dtype=self.key_codec.dtype, device=device)
+        self.values = torch.zeros(shape, dtype=self.key_codec.dtype, device=device)
 
     @property
     def capacity(self) -> int:
@@ -171,8 +190,8 @@ class KVCache:
                     f"context full: {end} tokens do not fit in a context of {self.max_tokens}"
                 )
             self._grow(end)
-        self.keys[:, :, self.offset : end] = k
-        self.values[:, :, self.offset : end] = v
+        self.keys[:, :, self.offset : end] = self.key_codec.encode(k)
+        self.values[:, :, self.offset : end] = self.value_codec.encode(v)
         self.offset = end
         return self.keys[:, :, :end], self.values[:, :, :end]
 
@@ -214,7 +233,7 @@ class KVCache:
             data = getattr(self, name)
             moved = data[:, :, end : self.offset].clone()
             if name == "keys":
-                moved = _rotate_keys(moved, self.rope, -gap)
+                moved = _rotate_keys(moved, self.rope, -gap, self.key_codec)
             data[:, :, start : self.offset - gap] = moved
         self.offset -= gap
 
@@ -274,7 +293,7 @@ class RotatingKVCache:
         window: int,
         slack: int,
         rope: Rope,
-        dtype: torch.dtype = torch.float32,
+        kv_type: KVType = F32,
         device: torch.device | str = "cpu",
     ):
         # Keys and values live on `device`; the bookkeeping (ring positions, masks) stays on
@@ -290,9 +309,10 @@ class RotatingKVCache:
         self.wrapped = False  # the ring has overwritten a token (slots are no longer in order)
         self.frame = 0  # positions by which the frame sinks are rotated beyond their own
         allocated = min(self.ring_capacity, self.INITIAL_TOKENS)
-        shape = (1, n_kv_heads, 2 * sinks + allocated, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.key_codec, self.value_codec = _codecs(kv_type, head_dim, device)
+        shape = (1, n_kv_heads, 2 * sinks + allocated, self.key_codec.width)
+        self.keys = torch.zeros(shape, dtype=self.key_codec.dtype, device=device)
+        self.values = torch.zeros(shape, dtype=self.key_codec.dtype, device=device)
         self.ring_pos = torch.full((allocated,), -1, dtype=torch.long)  # -1: empty
 
     # -- layout helpers
@@ -364,6 +384,7 @@ class RotatingKVCache:
         self, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n_new = k.shape[2]
+        k, v = self.key_codec.encode(k), self.value_codec.encode(v)
         if n_new == 1 and self.sinks_held == self.sinks and self._room_for_one():
             return self._append_one(k, v)  # the decode step, without planning tensors
         plan = self._plan(n_new)
@@ -423,7 +444,8 @@ class RotatingKVCache:
         if frame != self.frame:
             held = self.sinks_held
             stored = self.keys[:, :, :held]
-            self.keys[:, :, self.sinks : self.sinks + held] = _rotate_keys(stored, self.rope, frame)
+            framed = _rotate_keys(stored, self.rope, frame, self.key_codec)
+            self.keys[:, :, self.sinks : self.sinks + held] = framed
             self.frame = frame
 
     def _frame_needed(self) -> int:
@@ -531,7 +553,7 @@ class RotatingKVCache:
             ring = self._ring(getattr(self, name))
             moved = ring[:, :, hi:count].clone()
             if name == "keys":
-                moved = _rotate_keys(moved, self.rope, -gap)
+                moved = _rotate_keys(moved, self.rope, -gap, self.key_codec)
             ring[:, :, lo : count - gap] = moved
         self.ring_pos[lo : count - gap] = self.ring_pos[hi:count] - gap
         self.ring_pos[count - gap : count] = -1

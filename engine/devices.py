@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from .errors import DeviceUnavailableError, MiniappError
+from .kv_types import F32, KVType, bytes_per_token
 
 DEVICE_CHOICES = ("auto", "cuda", "rocm", "cpu")
 SIMULATE_ENV = "MINIAPP_SIMULATE_GPU"
@@ -369,9 +370,10 @@ def default_probe() -> DeviceProbe:
     return SimulatedProbe(spec) if spec else TorchProbe()
 
 
-def estimate_footprint(gguf, ctx: int, kv_bytes_per_value: int = 4) -> ModelFootprint:
+def estimate_footprint(gguf, ctx: int, kv: KVType = F32) -> ModelFootprint:
     """From the GGUF's tensor table and metadata alone (nothing loaded). The KV estimate is
-    for every layer caching ctx positions; sliding-window layers need less."""
+    for every layer caching ctx positions as `kv` stores them; sliding-window layers need
+    less."""
     int4_bytes = sum(info.nbytes for info in gguf.tensors.values())
     bf16_bytes = sum(2 * info.n_elements for info in gguf.tensors.values())
     n_layers = int(gguf.arch_value("block_count", 1))
@@ -380,7 +382,7 @@ def estimate_footprint(gguf, ctx: int, kv_bytes_per_value: int = 4) -> ModelFoot
     kv_heads = max(kv_heads) if isinstance(kv_heads, list) else int(kv_heads)
     dim = int(gguf.arch_value("embedding_length", 0))
     head_dim = int(gguf.arch_value("attention.key_length", dim // max(n_heads, 1)))
-    kv_bytes = 2 * n_layers * kv_heads * head_dim * ctx * kv_bytes_per_value
+    kv_bytes = bytes_per_token(kv, n_layers, kv_heads, head_dim) * ctx
     return ModelFootprint(int4_bytes, bf16_bytes, kv_bytes, n_layers)
 
 

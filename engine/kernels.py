@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..native import int4
-from ..native.attention import NativeAttention
+from ..native.attention import NativeAttention, NativeKVCodec
 from .cpu_features import cpu_features
 
 TORCH_OP = "torch _weight_int4pack_mm_for_cpu"
@@ -78,3 +78,15 @@ def cpu_attention_kernel() -> NativeAttention | None:
 @functools.cache
 def _attention(library: int4.Library) -> NativeAttention:
     return NativeAttention(library)
+
+
+def cpu_kv_codec() -> NativeKVCodec | None:
+    """The native codec of quantized KV rows, when the native library is in use (None:
+    torch's ops, which give the same bits)."""
+    choice = cpu_int4_kernel()
+    return None if choice.library is None else _kv_codec(choice.library)
+
+
+@functools.cache
+def _kv_codec(library: int4.Library) -> NativeKVCodec:
+    return NativeKVCodec(library)

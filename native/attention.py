@@ -1,9 +1,12 @@
-"""Decode-shaped attention of `int4_gemm.cpp` ("Attention" section), from Python.
+"""Decode-shaped attention of `int4_gemm.cpp` ("Attention" section), from Python, and the
+codecs of the KV storage it reads ("KV storage" section).
 
 A few query rows, each over its own keys: the first `lengths[r]` of them, or those its mask
 row marks (`__call__`), or each over another sequence's cache (`sequences`, a batch's decode
 steps). Used for decode steps, speculative verification and batches on the CPU, where every
-row must come out exactly as it would alone. See `reference.py` for the same in plain torch.
+row must come out exactly as it would alone. Keys and values are read as the cache stores
+them (engine/kv_types.py: f32, f16, bf16, q8, q4), never dequantized into a copy first. See
+`reference.py` for the same in plain torch.
 """
 
 from __future__ import annotations
@@ -22,13 +25,13 @@ class NativeAttention:
     def __init__(self, library: Library):
         function = library.cdll.miniapp_attend_rows
         i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-        function.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64,
+        function.argtypes = [ptr, ptr, ptr, i32, i64, ptr, ptr, i64, i64, i64, i64, i64,
                              ctypes.c_float, ptr, i32]  # fmt: skip
         function.restype = i32
         self._attend = function
         sequences = library.cdll.miniapp_attend_sequences
-        sequences.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float,
-                              ptr, i32]  # fmt: skip
+        sequences.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64,
+                              ctypes.c_float, ptr, i32]  # fmt: skip
         sequences.restype = i32
         self._attend_sequences = sequences
 
@@ -46,15 +49,18 @@ class NativeAttention:
         scale: float,
         lengths: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
+        kv_type: int = 0,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """queries fp32 [rows, heads, head_dim] (contiguous); keys and values fp32
-        [kv_heads, tokens, head_dim] with contiguous rows (one layout for both). Each row
-        sees the keys its mask row marks (bool [rows, tokens]), else its first lengths[r]
-        (int32 [rows]), else all of them. Returns fp32 [rows, heads, head_dim]."""
+        """queries fp32 [rows, heads, head_dim] (contiguous); keys and values stored as
+        `kv_type` (KVType.code) [kv_heads, tokens, width] with contiguous rows (one layout
+        for both). Each row sees the keys its mask row marks (bool [rows, tokens]), else its
+        first lengths[r] (int32 [rows]), else all of them. Returns fp32 [rows, heads,
+        head_dim] (written into `out` when given, as tests do to catch unwritten values)."""
         rows, n_heads, head_dim = queries.shape
         kv_heads, tokens, _ = keys.shape
-        _check_layout(keys, values, head_dim)
-        out = torch.empty_like(queries)
+        _check_layout(keys, values)
+        out = torch.empty_like(queries) if out is None else out
         mask_ptr = lengths_ptr = None
         if mask is not None:
             mask = mask.view(torch.uint8) if mask.dtype is torch.bool else mask.to(torch.uint8)
@@ -65,7 +71,7 @@ class NativeAttention:
                 lengths = lengths.to(torch.int32)
             lengths_ptr = lengths.contiguous().data_ptr()
         status = self._attend(
-            queries.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0),
+            queries.data_ptr(), keys.data_ptr(), values.data_ptr(), kv_type, _head_bytes(keys),
             lengths_ptr, mask_ptr, tokens, rows, n_heads, kv_heads, head_dim, scale,
             out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
@@ -80,12 +86,14 @@ class NativeAttention:
         values: list[torch.Tensor],
         scale: float,
         masks: list[torch.Tensor | None],
+        kv_types: list[int] | None = None,
     ) -> torch.Tensor:
         """Rows of different sequences in one call (a batch's decode steps): queries fp32
-        [rows, heads, head_dim] (contiguous); row r attends over keys[r] and values[r], fp32
-        [kv_heads, tokens_r, head_dim] with contiguous rows (one layout for the pair), seeing
-        the keys masks[r] marks (bool [tokens_r]) or, for None, all of them. Each row comes
-        out bit-identical to the same row in a call of its own. fp32 [rows, heads, head_dim]."""
+        [rows, heads, head_dim] (contiguous); row r attends over keys[r] and values[r],
+        stored as kv_types[r] (default: f32) [kv_heads, tokens_r, width] with contiguous
+        rows (one layout for the pair), seeing the keys masks[r] marks (bool [tokens_r]) or,
+        for None, all of them. Each row comes out bit-identical to the same row in a call of
+        its own. fp32 [rows, heads, head_dim]."""
         rows, n_heads, head_dim = queries.shape
         if not len(keys) == len(values) == len(masks) == rows:
             raise ValueError("one key, value and mask source per row")
@@ -93,12 +101,12 @@ class NativeAttention:
         held = []  # the masks' byte copies, alive until the call returns
         key_ptrs, value_ptrs, strides, counts, mask_ptrs = [], [], [], [], []
         for k, v, mask in zip(keys, values, masks, strict=True):
-            _check_layout(k, v, head_dim)
+            _check_layout(k, v)
             if k.shape[0] != kv_heads:
                 raise ValueError("every row needs the same number of kv heads")
             key_ptrs.append(k.data_ptr())
             value_ptrs.append(v.data_ptr())
-            strides.append(k.stride(0))
+            strides.append(_head_bytes(k))
             counts.append(k.shape[1])
             if mask is None:
                 mask_ptrs.append(None)
@@ -108,19 +116,68 @@ class NativeAttention:
             as_bytes = mask.reshape(-1).to(torch.uint8).contiguous()
             held.append(as_bytes)
             mask_ptrs.append(as_bytes.data_ptr())
+        kv_types = [0] * rows if kv_types is None else kv_types
         out = torch.empty_like(queries)
         pointers = ctypes.c_void_p * max(rows, 1)
-        int64s = ctypes.c_int64 * max(rows, 1)
+        int64s, int32s = ctypes.c_int64 * max(rows, 1), ctypes.c_int32 * max(rows, 1)
         status = self._attend_sequences(
-            queries.data_ptr(), pointers(*key_ptrs), pointers(*value_ptrs), int64s(*strides),
-            int64s(*counts), pointers(*mask_ptrs), rows, n_heads, kv_heads, head_dim, scale,
-            out.data_ptr(), torch.get_num_threads(),
+            queries.data_ptr(), pointers(*key_ptrs), pointers(*value_ptrs), int32s(*kv_types),
+            int64s(*strides), int64s(*counts), pointers(*mask_ptrs), rows, n_heads, kv_heads,
+            head_dim, scale, out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if status:
             raise ValueError(f"native attention refused queries {tuple(queries.shape)}")
         return out
 
 
-def _check_layout(keys: torch.Tensor, values: torch.Tensor, head_dim: int) -> None:
-    if keys.stride() != values.stride() or keys.stride(2) != 1 or keys.stride(1) != head_dim:
+def _check_layout(keys: torch.Tensor, values: torch.Tensor) -> None:
+    rows_packed = keys.stride(2) == 1 and keys.stride(1) == keys.shape[2]
+    if keys.stride() != values.stride() or keys.dtype != values.dtype or not rows_packed:
         raise ValueError("keys and values need one layout with contiguous rows")
+
+
+def _head_bytes(stored: torch.Tensor) -> int:
+    return stored.stride(0) * stored.element_size()
+
+
+class NativeKVCodec:
+    """fp32 rows into a KV type's storage and back, as engine/kv_types.py does in torch
+    (bit for bit), for the caches on the CPU."""
+
+    def __init__(self, library: Library):
+        i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        self._encode = library.cdll.miniapp_kv_encode
+        self._encode.argtypes = [i32, ptr, i64, i64, i64, i64, i64, ptr]
+        self._encode.restype = i32
+        self._decode = library.cdll.miniapp_kv_decode
+        self._decode.argtypes = [i32, ptr, i64, i64, i64, i64, ptr]
+        self._decode.restype = i32
+
+    def encode(self, kind: int, x: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """x fp32 [1, heads, tokens, head_dim] (any strides, values contiguous) -> storage
+        [1, heads, tokens, width] of `dtype`, contiguous."""
+        _, heads, tokens, head_dim = x.shape
+        if x.stride(3) != 1:
+            x = x.contiguous()
+        out = torch.empty((1, heads, tokens, width), dtype=dtype)
+        status = self._encode(kind, x.data_ptr(), heads, tokens, x.stride(1), x.stride(2),
+                              head_dim, out.data_ptr())  # fmt: skip
+        if status:
+            raise ValueError(f"native KV codec refused type {kind} with head_dim {head_dim}")
+        return out
+
+    def decode(
+        self, kind: int, stored: torch.Tensor, head_dim: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """storage [1, heads, tokens, width] (token rows contiguous) -> fp32 [1, heads,
+        tokens, head_dim], contiguous (into `out` when given)."""
+        _, heads, tokens, width = stored.shape
+        if stored.stride(3) != 1 or stored.stride(2) != width:
+            stored = stored.contiguous()
+        if out is None:
+            out = torch.empty((1, heads, tokens, head_dim), dtype=torch.float32)
+        status = self._decode(kind, stored.data_ptr(), heads, tokens, _head_bytes(stored[0]),
+                              head_dim, out.data_ptr())  # fmt: skip
+        if status:
+            raise ValueError(f"native KV codec refused type {kind} with head_dim {head_dim}")
+        return out

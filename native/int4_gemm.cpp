@@ -26,7 +26,8 @@
 //
 // The same library holds the decode-shaped attention of the torch engine on the CPU
 // (`miniapp_attend_rows`, section "Attention" below): a few query rows, each over its own
-// keys, in an order that depends only on that row's keys.
+// keys, in an order that depends only on that row's keys; and the codecs of the KV cache's
+// storage types it reads (section "KV storage").
 
 #include <immintrin.h>
 #include <math.h>
@@ -44,7 +45,7 @@
 
 namespace {
 
-constexpr int kAbiVersion = 3;
+constexpr int kAbiVersion = 4;
 constexpr int kBlockRows = 16;  // output rows per block: one AVX-512 fp32 lane each
 constexpr int kChunkCols = 8;   // input columns per chunk: 4 nibbles x 2 adjacent columns
 constexpr int kChunkBytes = 64;  // 16 rows x 8 columns x 4 bits
@@ -573,14 +574,223 @@ constexpr int kMaxGroup = 16;  // query heads per kv head
 constexpr int kMaxHeadDim = 512;
 constexpr int64_t kMinParallelKeyMacs = 1 << 15;
 
+// ---------------------------------------------------------------------------- KV storage
+//
+// One stored row per (kv head, token), as engine/kv_types.py lays it out: f32, f16 or bf16
+// values; q8: head_dim int8 codes, then one f16 scale per block of 32 (x = code * scale);
+// q4: head_dim / 2 bytes of codes (byte i of a block: value i in its low nibble, i + 16 in
+// its high), then the blocks' f16 scales, then their f16 minimums (x = code * scale + min).
+// Decoding is exact in fp32 (code * scale needs at most 19 bits), so the kernel, the codecs
+// and the torch reference agree bit for bit on what a stored row holds.
+//
+// Quantized rows are stored rotated: x times a normalised Hadamard matrix (block-diagonal,
+// blocks of the largest power of two dividing head_dim), as llama.cpp rotates its quantized
+// caches. Keys and values have a few large channels; the rotation spreads them over the
+// whole row, so a block's scale no longer follows its one outlier. It is orthogonal and its
+// own inverse, so attention is unchanged when the queries are rotated alike and each output
+// is rotated back (`attend` does both, per row).
+
+enum KvType { kKvF32 = 0, kKvF16 = 1, kKvBf16 = 2, kKvQ8 = 3, kKvQ4 = 4 };
+constexpr int64_t kKvBlock = 32;
+constexpr float kF16Max = 65504.0f;
+
+int64_t kv_row_bytes(int type, int64_t d) {
+  switch (type) {
+    case kKvF32: return 4 * d;
+    case kKvF16:
+    case kKvBf16: return 2 * d;
+    case kKvQ8: return d + 2 * (d / kKvBlock);
+    case kKvQ4: return d / 2 + 4 * (d / kKvBlock);
+    default: return -1;
+  }
+}
+
+bool kv_type_takes(int type, int64_t d) {
+  if (kv_row_bytes(type, d) < 0 || d % 8 || d > kMaxHeadDim) return false;
+  return type < kKvQ8 || d % kKvBlock == 0;
+}
+
+// Codec calls add kKvRotated to a type for rows stored rotated (the quantized types).
+constexpr int kKvRotated = 8;
+bool stored_rotated(int type) { return type == kKvQ8 || type == kKvQ4; }
+
+// x (d values) times the normalised Hadamard matrix, in place: butterflies of widening span,
+// (a, b) -> (a + b, a - b), then one scale. The order is fixed, so the torch reference
+// (engine/kv_codec.py) computes the same bits.
+void rotate_row(float* x, int64_t d) {
+  const int64_t size = d & -d;  // the largest power of two dividing d
+  const float scale = 1.0f / sqrtf(static_cast<float>(size));
+  for (int64_t start = 0; start < d; start += size) {
+    float* block = x + start;
+    for (int64_t span = 1; span < size; span *= 2) {
+      for (int64_t i = 0; i < size; i += 2 * span) {
+        for (int64_t j = i; j < i + span; ++j) {
+          const float a = block[j], b = block[j + span];
+          block[j] = a + b;
+          block[j + span] = a - b;
+        }
+      }
+    }
+  }
+  for (int64_t i = 0; i < d; ++i) x[i] *= scale;
+}
+
+TARGET_AVX2 inline float f16_at(const uint8_t* p) {
+  uint16_t bits;
+  memcpy(&bits, p, sizeof bits);
+  return _cvtsh_ss(bits);
+}
+
+TARGET_AVX2 inline void put_f16(uint8_t* p, float x) {
+  x = x > kF16Max ? kF16Max : (x < -kF16Max ? -kF16Max : x);
+  const uint16_t bits = _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);
+  memcpy(p, &bits, sizeof bits);
+}
+
+// Values 8c..8c+7 of a stored row of d values, as fp32.
+template <int T>
+TARGET_AVX2 inline __m256 load8(const uint8_t* row, int64_t c, int64_t d) {
+  if constexpr (T == kKvF32) {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + 8 * c);
+  } else if constexpr (T == kKvF16) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * c)));
+  } else if constexpr (T == kKvBf16) {
+    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * c));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+  } else if constexpr (T == kKvQ8) {
+    const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * c));
+    const __m256 values = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes));
+    return _mm256_mul_ps(values, _mm256_set1_ps(f16_at(row + d + 2 * (c / 4))));
+  } else {
+    // Chunk c of the row is quarter c % 4 of block c / 4: the low nibbles of the block's
+    // bytes 0-7 and 8-15, then their high nibbles.
+    const int64_t block = c / 4, quarter = c % 4;
+    const uint8_t* bytes = row + 16 * block + 8 * (quarter & 1);
+    __m256i codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
+    if (quarter >= 2) codes = _mm256_srli_epi32(codes, 4);
+    codes = _mm256_and_si256(codes, _mm256_set1_epi32(15));
+    const uint8_t* tail = row + d / 2;
+    const __m256 scale = _mm256_set1_ps(f16_at(tail + 2 * block));
+    const __m256 low = _mm256_set1_ps(f16_at(tail + 2 * (d / kKvBlock + block)));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes), scale, low);
+  }
+}
+
+// A whole stored row of d values as fp32 (unrotated), block by block: each block's scale
+// (and minimum) is read once. The same values as load8, chunk for chunk.
+template <int T>
+TARGET_AVX2 inline void unpack_row(const uint8_t* row, int64_t d, float* out) {
+  if constexpr (T == kKvQ8) {
+    for (int64_t b = 0; b < d / kKvBlock; ++b) {
+      const __m256 scale = _mm256_set1_ps(f16_at(row + d + 2 * b));
+      const uint8_t* codes = row + kKvBlock * b;
+      for (int64_t i = 0; i < kKvBlock; i += 8) {
+        const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i));
+        const __m256 values = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight));
+        _mm256_storeu_ps(out + kKvBlock * b + i, _mm256_mul_ps(values, scale));
+      }
+    }
+  } else if constexpr (T == kKvQ4) {
+    const uint8_t* tail = row + d / 2;
+    const __m128i nibble = _mm_set1_epi8(15);
+    for (int64_t b = 0; b < d / kKvBlock; ++b) {
+      const __m256 scale = _mm256_set1_ps(f16_at(tail + 2 * b));
+      const __m256 low = _mm256_set1_ps(f16_at(tail + 2 * (d / kKvBlock + b)));
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * b));
+      const __m128i lows = _mm_and_si128(bytes, nibble);  // values 0-15 of the block
+      const __m128i highs = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);  // 16-31
+      const __m128i parts[4] = {lows, _mm_srli_si128(lows, 8), highs, _mm_srli_si128(highs, 8)};
+      for (int i = 0; i < 4; ++i) {
+        const __m256 codes = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i]));
+        _mm256_storeu_ps(out + kKvBlock * b + 8 * i, _mm256_fmadd_ps(codes, scale, low));
+      }
+    }
+  } else {
+    for (int64_t c = 0; c < d / 8; ++c) _mm256_storeu_ps(out + 8 * c, load8<T>(row, c, d));
+  }
+}
+
+template <int T>
+TARGET_AVX2 void decode_row(const uint8_t* row, int64_t d, float* out, bool rotated) {
+  for (int64_t c = 0; c < d / 8; ++c) _mm256_storeu_ps(out + 8 * c, load8<T>(row, c, d));
+  if (rotated) rotate_row(out, d);
+}
+
+// One row of d fp32 values (stride 1) into its stored form; blocks of 32 for q8 and q4,
+// codes from the f16-rounded scale (and minimum), rounded half to even as torch.round does.
+TARGET_AVX2 void encode_row(int type, const float* x, int64_t d, uint8_t* out, bool rotated) {
+  if (type == kKvF32) {
+    memcpy(out, x, sizeof(float) * d);
+    return;
+  }
+  if (type == kKvF16) {
+    for (int64_t i = 0; i < d; ++i) put_f16(out + 2 * i, x[i]);
+    return;
+  }
+  if (type == kKvBf16) {  // round to nearest even, as torch converts
+    for (int64_t i = 0; i < d; ++i) {
+      uint32_t bits;
+      memcpy(&bits, x + i, sizeof bits);
+      const uint16_t top = static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+      memcpy(out + 2 * i, &top, sizeof top);
+    }
+    return;
+  }
+  float turned[kMaxHeadDim];
+  if (rotated) {
+    memcpy(turned, x, sizeof(float) * d);
+    rotate_row(turned, d);
+    x = turned;
+  }
+  const int64_t n_blocks = d / kKvBlock;
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    const float* v = x + b * kKvBlock;
+    if (type == kKvQ8) {
+      float top = 0.0f;
+      for (int64_t i = 0; i < kKvBlock; ++i) top = fabsf(v[i]) > top ? fabsf(v[i]) : top;
+      put_f16(out + d + 2 * b, top / 127.0f);
+      const float scale = f16_at(out + d + 2 * b);
+      for (int64_t i = 0; i < kKvBlock; ++i) {
+        float q = scale > 0.0f ? nearbyintf(v[i] / scale) : 0.0f;
+        q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
+        out[b * kKvBlock + i] = static_cast<uint8_t>(static_cast<int8_t>(q));
+      }
+      continue;
+    }
+    float low = v[0], high = v[0];
+    for (int64_t i = 1; i < kKvBlock; ++i) {
+      low = v[i] < low ? v[i] : low;
+      high = v[i] > high ? v[i] : high;
+    }
+    uint8_t* tail = out + d / 2;
+    put_f16(tail + 2 * (n_blocks + b), low);
+    low = f16_at(tail + 2 * (n_blocks + b));
+    put_f16(tail + 2 * b, (high - low) / 15.0f);
+    const float scale = f16_at(tail + 2 * b);
+    uint8_t codes[kKvBlock];
+    for (int64_t i = 0; i < kKvBlock; ++i) {
+      float q = scale > 0.0f ? nearbyintf((v[i] - low) / scale) : 0.0f;
+      q = q > 15.0f ? 15.0f : (q < 0.0f ? 0.0f : q);
+      codes[i] = static_cast<uint8_t>(q);
+    }
+    for (int64_t i = 0; i < kKvBlock / 2; ++i) {
+      out[b * kKvBlock / 2 + i] = static_cast<uint8_t>(codes[i] | (codes[i + kKvBlock / 2] << 4));
+    }
+  }
+}
+
+// -------------------------------------------------------------------- Attention, continued
+
 // Where one query row's keys are: its own k and v (rows of different sequences of a batch
-// read different caches), the keys it scans, and the mask over them (null: all visible).
+// read different caches), stored as `type` (KvType), the keys it scans, and the mask over
+// them (null: all visible).
 struct RowKeys {
-  const float* k;
-  const float* v;
-  int64_t kv_head_stride;  // floats between kv heads in k and v
+  const uint8_t* k;
+  const uint8_t* v;
+  int64_t kv_head_stride;  // bytes between kv heads in k and v
   int64_t scanned;  // keys 0..scanned-1
   const uint8_t* mask;  // [scanned] or null
+  int type;
 };
 
 struct AttendProblem {
@@ -623,12 +833,27 @@ TARGET_AVX2 inline float sum8(__m256 x) {
   return _mm_cvtss_f32(s);
 }
 
-// One part of one row for one group of query heads.
+// A stored row's values as fp32: f32 rows are read where they are, the others unpacked.
+template <int T>
+TARGET_AVX2 inline const float* row_floats(const uint8_t* row, int64_t d, float* buffer) {
+  if constexpr (T == kKvF32) {
+    return reinterpret_cast<const float*>(row);
+  } else {
+    unpack_row<T>(row, d, buffer);
+    return buffer;
+  }
+}
+
+TARGET_AVX2 inline __m256 load_floats8(const float* x) { return _mm256_loadu_ps(x); }
+
+// One part of one row for one group of query heads, reading keys and values stored as T.
+template <int T>
 TARGET_AVX2 void attend_part(const AttendProblem& p, const AttendTask& t) {
   const int64_t d = p.head_dim, g = p.group, chunks = d / 8;
   const RowKeys& source = p.rows[t.row];
-  const float* k = source.k + t.kv_head * source.kv_head_stride;
-  const float* v = source.v + t.kv_head * source.kv_head_stride;
+  const int64_t row_bytes = kv_row_bytes(T, d);
+  const uint8_t* k = source.k + t.kv_head * source.kv_head_stride;
+  const uint8_t* v = source.v + t.kv_head * source.kv_head_stride;
   const float* q = p.q + (t.row * p.n_heads + t.kv_head * g) * d;
   const uint8_t* mask = source.mask;
   int32_t keys[kKeysPerPart];
@@ -637,12 +862,13 @@ TARGET_AVX2 void attend_part(const AttendProblem& p, const AttendTask& t) {
     if (!mask || mask[j]) keys[n++] = static_cast<int32_t>(j);
   }
   alignas(32) float scores[kMaxGroup][kKeysPerPart + 8];
+  alignas(32) float unpacked[kMaxHeadDim];  // a stored key or value row as fp32
   for (int64_t i = 0; i < n; ++i) {
-    const float* kj = k + keys[i] * d;
+    const float* kj = row_floats<T>(k + keys[i] * row_bytes, d, unpacked);
     __m256 acc[kMaxGroup];
     for (int64_t h = 0; h < g; ++h) acc[h] = _mm256_setzero_ps();
     for (int64_t c = 0; c < chunks; ++c) {
-      const __m256 kc = _mm256_loadu_ps(kj + 8 * c);
+      const __m256 kc = load_floats8(kj + 8 * c);
       for (int64_t h = 0; h < g; ++h) {
         acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * d + 8 * c), kc, acc[h]);
       }
@@ -666,19 +892,30 @@ TARGET_AVX2 void attend_part(const AttendProblem& p, const AttendTask& t) {
     for (int64_t i = 0; i < padded; i += 8) total = _mm256_add_ps(total, _mm256_load_ps(sc + i));
     part[0] = top;
     part[1] = n ? sum8(total) : 0.0f;
-    float* o = part + 2;
-    for (int64_t c = 0; c < d; ++c) o[c] = 0.0f;
   }
-  for (int64_t i = 0; i < n; ++i) {
-    const float* vj = v + keys[i] * d;
-    for (int64_t c = 0; c < chunks; ++c) {
-      const __m256 vc = _mm256_loadu_ps(vj + 8 * c);
+  // Values chunk by chunk, every key in order into registers: each output element sums the
+  // same terms in the same order as one running sum per key would, without a round trip
+  // through memory per key.
+  for (int64_t c = 0; c < chunks; ++c) {
+    __m256 acc[kMaxGroup];
+    for (int64_t h = 0; h < g; ++h) acc[h] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; ++i) {
+      const __m256 vc = load8<T>(v + keys[i] * row_bytes, c, d);
       for (int64_t h = 0; h < g; ++h) {
-        float* o = t.partial + h * (2 + d) + 2 + 8 * c;
-        _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_set1_ps(scores[h][i]), vc,
-                                            _mm256_loadu_ps(o)));
+        acc[h] = _mm256_fmadd_ps(_mm256_set1_ps(scores[h][i]), vc, acc[h]);
       }
     }
+    for (int64_t h = 0; h < g; ++h) _mm256_storeu_ps(t.partial + h * (2 + d) + 2 + 8 * c, acc[h]);
+  }
+}
+
+void attend_part_of_type(const AttendProblem& p, const AttendTask& t) {
+  switch (p.rows[t.row].type) {
+    case kKvF32: return attend_part<kKvF32>(p, t);
+    case kKvF16: return attend_part<kKvF16>(p, t);
+    case kKvBf16: return attend_part<kKvBf16>(p, t);
+    case kKvQ8: return attend_part<kKvQ8>(p, t);
+    default: return attend_part<kKvQ4>(p, t);
   }
 }
 
@@ -713,15 +950,32 @@ int attend(const float* q, const RowKeys* sources, int64_t rows, int64_t n_heads
   if (!cpu_has(kIsaAvx2) || rows < 0 || kv_heads <= 0 || n_heads % kv_heads) return -1;
   if (head_dim % 8 || head_dim > kMaxHeadDim || n_heads / kv_heads > kMaxGroup) return -1;
   if (rows == 0) return 0;
-  AttendProblem p = {q, sources, n_heads, kv_heads, n_heads / kv_heads, head_dim, scale, out};
+  // Rows over rotated keys and values attend with rotated queries (a copy); their outputs
+  // are rotated back below.
+  float* rotated_q = nullptr;
+  for (int64_t r = 0; r < rows; ++r) {
+    if (!stored_rotated(sources[r].type)) continue;
+    if (!rotated_q) {
+      rotated_q = static_cast<float*>(malloc(sizeof(float) * rows * n_heads * head_dim));
+      if (!rotated_q) return -1;
+      memcpy(rotated_q, q, sizeof(float) * rows * n_heads * head_dim);
+    }
+    for (int64_t h = 0; h < n_heads; ++h) rotate_row(rotated_q + (r * n_heads + h) * head_dim, head_dim);
+  }
+  AttendProblem p = {rotated_q ? rotated_q : q, sources, n_heads, kv_heads,
+                     n_heads / kv_heads, head_dim, scale, out};
   // Tasks: every part of every row, for each kv head, in a fixed order.
   int64_t n_tasks = 0, key_macs = 0;
   int64_t* first_task = static_cast<int64_t*>(malloc(sizeof(int64_t) * (rows + 1)));
-  if (!first_task) return -1;
+  if (!first_task) {
+    free(rotated_q);
+    return -1;
+  }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t scanned = sources[r].scanned;
-    if (scanned < 0) {
+    if (scanned < 0 || !kv_type_takes(sources[r].type, head_dim)) {
       free(first_task);
+      free(rotated_q);
       return -1;
     }
     first_task[r] = n_tasks;
@@ -736,6 +990,7 @@ int attend(const float* q, const RowKeys* sources, int64_t rows, int64_t n_heads
     free(first_task);
     free(partials);
     free(tasks);
+    free(rotated_q);
     return -1;
   }
   for (int64_t r = 0, i = 0; r < rows; ++r) {
@@ -750,10 +1005,10 @@ int attend(const float* q, const RowKeys* sources, int64_t rows, int64_t n_heads
   }
   if (threads > n_tasks) threads = static_cast<int>(n_tasks);
   if (threads <= 1 || key_macs < kMinParallelKeyMacs) {
-    for (int64_t i = 0; i < n_tasks; ++i) attend_part(p, tasks[i]);
+    for (int64_t i = 0; i < n_tasks; ++i) attend_part_of_type(p, tasks[i]);
   } else {
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t i = 0; i < n_tasks; ++i) attend_part(p, tasks[i]);
+    for (int64_t i = 0; i < n_tasks; ++i) attend_part_of_type(p, tasks[i]);
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t parts_per_head = (first_task[r + 1] - first_task[r]) / kv_heads;
@@ -767,10 +1022,14 @@ int attend(const float* q, const RowKeys* sources, int64_t rows, int64_t n_heads
       const float* parts = partials + (first_task[r] + h * parts_per_head) * partial_floats;
       merge_parts(p, r, h, parts, parts_per_head);
     }
+    if (stored_rotated(sources[r].type)) {
+      for (int64_t h = 0; h < n_heads; ++h) rotate_row(out + (r * n_heads + h) * head_dim, head_dim);
+    }
   }
   free(first_task);
   free(partials);
   free(tasks);
+  free(rotated_q);
   return 0;
 }
 
@@ -779,14 +1038,14 @@ int attend(const float* q, const RowKeys* sources, int64_t rows, int64_t n_heads
 extern "C" {
 
 // out [rows, n_heads, head_dim] = attention of q [rows, n_heads, head_dim] (contiguous fp32)
-// over k, v (fp32, [kv_heads, tokens, head_dim], head rows contiguous, kv_head_stride floats
-// between heads). There are mask_keys keys: row r sees the keys its mask row marks (mask:
-// [rows, mask_keys] bytes), else its first lengths[r], else all of them. Returns 0, or -1
-// for shapes it does not take.
-int miniapp_attend_rows(const float* q, const float* k, const float* v, int64_t kv_head_stride,
-                        const int32_t* lengths, const uint8_t* mask, int64_t mask_keys,
-                        int64_t rows, int64_t n_heads, int64_t kv_heads, int64_t head_dim,
-                        float scale, float* out, int threads) {
+// over k, v stored as kv_type ([kv_heads, tokens] rows of head_dim values, rows contiguous,
+// kv_head_stride bytes between heads). There are mask_keys keys: row r sees the keys its mask
+// row marks (mask: [rows, mask_keys] bytes), else its first lengths[r], else all of them.
+// Returns 0, or -1 for shapes it does not take.
+int miniapp_attend_rows(const float* q, const uint8_t* k, const uint8_t* v, int kv_type,
+                        int64_t kv_head_stride, const int32_t* lengths, const uint8_t* mask,
+                        int64_t mask_keys, int64_t rows, int64_t n_heads, int64_t kv_heads,
+                        int64_t head_dim, float scale, float* out, int threads) {
   if (rows <= 0) return rows == 0 ? 0 : -1;
   RowKeys* sources = static_cast<RowKeys*>(malloc(sizeof(RowKeys) * rows));
   if (!sources) return -1;
@@ -796,29 +1055,79 @@ int miniapp_attend_rows(const float* q, const float* k, const float* v, int64_t 
       free(sources);
       return -1;
     }
-    sources[r] = {k, v, kv_head_stride, scanned, mask ? mask + r * mask_keys : nullptr};
+    sources[r] = {k, v, kv_head_stride, scanned, mask ? mask + r * mask_keys : nullptr, kv_type};
   }
   const int status = attend(q, sources, rows, n_heads, kv_heads, head_dim, scale, out, threads);
   free(sources);
   return status;
 }
 
-// The same, each row over its own sequence's keys (rows of a batch): k[r], v[r] with
-// kv_head_strides[r], keys[r] of them, masks[r] (bytes [keys[r]]) or null for all visible.
-int miniapp_attend_sequences(const float* q, const float* const* k, const float* const* v,
-                             const int64_t* kv_head_strides, const int64_t* keys,
-                             const uint8_t* const* masks, int64_t rows, int64_t n_heads,
-                             int64_t kv_heads, int64_t head_dim, float scale, float* out,
-                             int threads) {
+// The same, each row over its own sequence's keys (rows of a batch): k[r], v[r] stored as
+// kv_types[r] with kv_head_strides[r] bytes between heads, keys[r] of them, masks[r] (bytes
+// [keys[r]]) or null for all visible.
+int miniapp_attend_sequences(const float* q, const uint8_t* const* k, const uint8_t* const* v,
+                             const int32_t* kv_types, const int64_t* kv_head_strides,
+                             const int64_t* keys, const uint8_t* const* masks, int64_t rows,
+                             int64_t n_heads, int64_t kv_heads, int64_t head_dim, float scale,
+                             float* out, int threads) {
   if (rows <= 0) return rows == 0 ? 0 : -1;
   RowKeys* sources = static_cast<RowKeys*>(malloc(sizeof(RowKeys) * rows));
   if (!sources) return -1;
   for (int64_t r = 0; r < rows; ++r) {
-    sources[r] = {k[r], v[r], kv_head_strides[r], keys[r], masks ? masks[r] : nullptr};
+    sources[r] = {k[r], v[r], kv_head_strides[r], keys[r], masks ? masks[r] : nullptr,
+                  kv_types[r]};
   }
   const int status = attend(q, sources, rows, n_heads, kv_heads, head_dim, scale, out, threads);
   free(sources);
   return status;
+}
+
+// Stored rows out of fp32 ones: x [heads, tokens, head_dim] with head_stride and token_stride
+// floats between rows (values contiguous) -> out [heads, tokens] rows of
+// kv_row_bytes(kv_type, head_dim), contiguous; kv_type + kKvRotated rotates each row first
+// (as the quantized types are stored). Returns 0, or -1 for a type it does not take.
+int miniapp_kv_encode(int kv_type_code, const float* x, int64_t heads, int64_t tokens,
+                      int64_t head_stride, int64_t token_stride, int64_t head_dim, uint8_t* out) {
+  const int kv_type = kv_type_code & ~kKvRotated;
+  const bool rotated = (kv_type_code & kKvRotated) && stored_rotated(kv_type);
+  if (!cpu_has(kIsaAvx2) || !kv_type_takes(kv_type, head_dim) || heads < 0 || tokens < 0) {
+    return -1;
+  }
+  const int64_t row_bytes = kv_row_bytes(kv_type, head_dim);
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t t = 0; t < tokens; ++t) {
+      encode_row(kv_type, x + h * head_stride + t * token_stride, head_dim,
+                 out + (h * tokens + t) * row_bytes, rotated);
+    }
+  }
+  return 0;
+}
+
+// fp32 rows out of stored ones: rows [heads, tokens] stored as kv_type, head_stride bytes
+// between heads (tokens contiguous) -> out [heads, tokens, head_dim] fp32, contiguous;
+// kv_type + kKvRotated rotates each row back.
+int miniapp_kv_decode(int kv_type_code, const uint8_t* stored, int64_t heads, int64_t tokens,
+                      int64_t head_stride, int64_t head_dim, float* out) {
+  const int kv_type = kv_type_code & ~kKvRotated;
+  const bool rotated = (kv_type_code & kKvRotated) && stored_rotated(kv_type);
+  if (!cpu_has(kIsaAvx2) || !kv_type_takes(kv_type, head_dim) || heads < 0 || tokens < 0) {
+    return -1;
+  }
+  const int64_t row_bytes = kv_row_bytes(kv_type, head_dim);
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t t = 0; t < tokens; ++t) {
+      const uint8_t* row = stored + h * head_stride + t * row_bytes;
+      float* into = out + (h * tokens + t) * head_dim;
+      switch (kv_type) {
+        case kKvF32: decode_row<kKvF32>(row, head_dim, into, rotated); break;
+        case kKvF16: decode_row<kKvF16>(row, head_dim, into, rotated); break;
+        case kKvBf16: decode_row<kKvBf16>(row, head_dim, into, rotated); break;
+        case kKvQ8: decode_row<kKvQ8>(row, head_dim, into, rotated); break;
+        default: decode_row<kKvQ4>(row, head_dim, into, rotated); break;
+      }
+    }
+  }
+  return 0;
 }
 
 }  // extern "C"

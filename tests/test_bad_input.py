@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 import pytest
 from gguf.constants import GGMLQuantizationType as Q
 from tiny_gguf import TinyModel, write_tiny_model
 
+from miniapp.engine.kv_types import KV_TYPE_NAMES
 
-def _run(exe: str, *args: str, stdin: str = "hi\n") -> subprocess.CompletedProcess:
-    return subprocess.run([exe, *args], input=stdin, capture_output=True, text=True, timeout=120)
+KV_CHOICES = "choose from " + ", ".join(KV_TYPE_NAMES)
+
+
+def _run(exe: str, *args: str, stdin: str = "hi\n", env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([exe, *args], input=stdin, capture_output=True, text=True, timeout=120,
+                          env=env)  # fmt: skip
 
 
 def _assert_one_line_error(done: subprocess.CompletedProcess, *fragments: str) -> str:
@@ -76,3 +82,22 @@ def test_text_too_short_for_ctx(miniapp_exe, tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("just a few words")
     _assert_one_line_error(_run(miniapp_exe, "eval", "ppl", str(short)), "needs at least")
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["chat", "--kv-type", "q9"], ["eval", "ppl", "__TEXT__", "--kv-type", "nonsense"],
+     ["bench", "--kv-type", "q9"], ["doctor", "--kv-type", "int3"]],
+    ids=["chat", "eval-ppl", "bench", "doctor"],
+)  # fmt: skip
+def test_a_bad_kv_type_is_one_line_naming_the_choices(miniapp_exe, tmp_path, command):
+    """Checked as the flags are parsed: the engine's line, not argparse's usage block."""
+    text = tmp_path / "text.txt"
+    text.write_text("some text " * 50)
+    args = [str(text) if a == "__TEXT__" else a for a in command]
+    _assert_one_line_error(_run(miniapp_exe, *args), f"--kv-type '{args[-1]}'", KV_CHOICES)
+
+
+def test_a_bad_kv_type_from_the_environment_is_one_line_naming_it(miniapp_exe):
+    done = _run(miniapp_exe, "chat", env={**os.environ, "MINIAPP_KV_TYPE": "q9"})
+    _assert_one_line_error(done, "setting kv_type (from the environment)", KV_CHOICES)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from miniapp.engine.compute_thread import ComputeThread
 from miniapp.engine.events import Finished, GenerationStats, TextDelta
 from miniapp.engine.generation import GenerationRequest, generate
 from miniapp.engine.gguf_file import GGUFFile
+from miniapp.engine.kv_types import F32, KV_TYPES, bytes_per_token, storable_kv_types
 from miniapp.engine.models import CachePolicy, build_model
 from miniapp.engine.runtimes.torch_runtime import TorchRuntime
 from miniapp.engine.sampling import GREEDY
@@ -131,21 +133,26 @@ def test_a_sequence_past_its_context_goes_on_while_others_run(model):
 @torch.inference_mode()
 def test_every_row_of_a_mixed_pass_is_bit_identical_to_decoding_alone(model):
     """Decode rows and prompt chunks of different sequences in one pass: each row's hidden
-    state equals, bit for bit, what feeding its sequence one token at a time gives."""
+    state equals, bit for bit, what feeding its sequence one token at a time gives, for
+    caches of every storage type the model's heads fit."""
     prompts = [p for p in _prompts(12, seed=9) if len(p) > 24][:4]
     new = [20, 5, 1, 1]  # two prompt chunks (one past 16 rows), two decode steps
     fed = [p[:-n] for p, n in zip(prompts, new, strict=True)]  # in the caches before
     rows = [p[-n:] for p, n in zip(prompts, new, strict=True)]
-    caches = [model.make_caches(POLICY) for _ in prompts]
-    for before, own in zip(fed, caches, strict=True):
-        model.hidden_segments([(before, own)])
-    mixed = model.hidden_segments(list(zip(rows, caches, strict=True)))
-    at = 0
-    for prompt, n in zip(prompts, new, strict=True):
-        alone = model.make_caches(POLICY)
-        states = [model.hidden_states(torch.tensor([t]), alone) for t in prompt]
-        assert torch.equal(mixed[at : at + n], torch.cat(states[-n:]))
-        at += n
+    kinds = storable_kv_types(model.config.head_dim)
+    assert len(kinds) >= 3  # f32, f16, bf16 (and q8, q4 for heads of 32)
+    for kind in kinds:
+        policy = replace(POLICY, kv_type=kind)
+        caches = [model.make_caches(policy) for _ in prompts]
+        for before, own in zip(fed, caches, strict=True):
+            model.hidden_segments([(before, own)])
+        mixed = model.hidden_segments(list(zip(rows, caches, strict=True)))
+        at = 0
+        for prompt, n in zip(prompts, new, strict=True):
+            alone = model.make_caches(policy)
+            states = [model.hidden_states(torch.tensor([t]), alone) for t in prompt]
+            assert torch.equal(mixed[at : at + n], torch.cat(states[-n:])), kind.name
+            at += n
 
 
 def test_an_engine_loop_serves_consumers_on_other_threads(model):
@@ -275,6 +282,15 @@ def test_the_torch_runtime_with_parallel_answers_several_callers_at_once(tmp_pat
     again, stats = _answer(together, prompts[last], request)
     assert again == expected[last] and stats.cached_prompt_tokens == len(prompts[last]) - 1
     assert together.scheduler.peak_batch == 2
+
+
+def test_the_kv_budget_counts_bytes_of_the_policys_kv_type(model):
+    c = model.config
+    fp32 = BatchScheduler(model, replace(POLICY, kv_type=F32)).kv_bytes_per_token
+    assert fp32 == 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4
+    for kind in KV_TYPES.values():
+        per_token = BatchScheduler(model, replace(POLICY, kv_type=kind)).kv_bytes_per_token
+        assert per_token == bytes_per_token(kind, c.n_layers, c.n_kv_heads, c.head_dim)
 
 
 def test_the_kv_budget_decides_how_many_run_and_pooled_prefixes_go_first(model):

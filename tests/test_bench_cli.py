@@ -14,6 +14,7 @@ from miniapp.app.bench import bench_prompt
 from miniapp.app.bench_serve import find_llama_server
 from miniapp.app.worker_process import exit_description
 from miniapp.engine.errors import MiniappError
+from miniapp.engine.kv_types import DEFAULT_KV_TYPE, bytes_per_token, kv_type
 
 
 def test_bench_json_reports_both_backends(miniapp_exe):
@@ -43,6 +44,8 @@ def test_bench_json_reports_both_backends(miniapp_exe):
         assert row["prompt_tokens"] == 32 and row["generated_tokens"] == 8
         for key in ("prefill_tok_s", "ttft_s", "decode_tok_s", "peak_rss_mb"):
             assert row[key] > 0, (backend, key, row[key])
+    # Each backend's own KV cache type, left out of the command line.
+    assert (report["torch"]["kv_type"], report["llamacpp"]["kv_type"]) == (DEFAULT_KV_TYPE, "f16")
     # Each backend ran in its own process: llama.cpp's process never loaded torch (~200 MB).
     assert report["llamacpp"]["peak_rss_mb"] < report["torch"]["peak_rss_mb"]
 
@@ -119,7 +122,9 @@ def test_bench_serve_reports_each_client_count_as_json(miniapp_exe):
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert list(report["torch"]) == ["1", "2"] and report["identical_output"] is True
-    assert report["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4  # SmolLM2's layers, fp32
+    # SmolLM2's layers, as the default KV cache type stores them
+    assert report["kv_type"] == DEFAULT_KV_TYPE
+    assert report["kv_bytes_per_token"] == bytes_per_token(kv_type(DEFAULT_KV_TYPE), 30, 3, 64)
     for count, row in report["torch"].items():
         assert row["clients"] == int(count) and row["requests"] == int(count)
         for key in ("aggregate_tok_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "peak_rss_mb"):

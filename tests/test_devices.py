@@ -25,6 +25,7 @@ from miniapp.engine.devices import (
 )
 from miniapp.engine.errors import DeviceUnavailableError, MiniappError
 from miniapp.engine.gguf_file import GGUFFile
+from miniapp.engine.kv_types import DEFAULT_KV_TYPE, KV_TYPE_NAMES
 
 # A 7B-like model: 4 GiB packed, 13 GiB as bf16, 1 GiB of KV, 32 layers.
 BIG = ModelFootprint(int4_bytes=4 * GIB, bf16_bytes=13 * GIB, kv_bytes=1 * GIB, n_layers=32)
@@ -117,6 +118,24 @@ def test_doctor_reports_this_machine(miniapp_exe):
     assert report["plan"]["device"] == "cpu"
     assert isinstance(report["llama_cpp"]["gpu_offload"], bool)  # what this build can do
     assert "devices" in report["audio_inputs"]
+
+
+def test_doctor_reports_the_kv_cache_of_the_chosen_type(miniapp_exe):
+    done = _doctor(miniapp_exe, "--json", "--kv-type", "f16", "--ctx", "1000")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    kv, per_type = report["kv_cache"], report["kv_cache"]["per_type"]
+    assert kv["type"] == "f16" and kv["bytes_per_token"] == 2 * 30 * 3 * 64 * 2  # SmolLM2
+    assert kv["bytes_at_ctx"] == 1000 * kv["bytes_per_token"] == report["footprint"]["kv_bytes"]
+    assert set(per_type) == set(KV_TYPE_NAMES)
+    assert per_type["q4"] < per_type["q8"] < per_type["f16"] == per_type["bf16"] < per_type["f32"]
+    text = _doctor(miniapp_exe, "--ctx", "4096")  # the default type, in words
+    assert text.returncode == 0, text.stderr
+    per_token = per_type[DEFAULT_KV_TYPE]
+    assert (f"KV cache: {DEFAULT_KV_TYPE}, {per_token / 1024:.1f} KiB a token, "
+            f"{per_token * 4096 / 2**20:.1f} MiB at 4096 tokens") in text.stdout  # fmt: skip
+    if DEFAULT_KV_TYPE != "f32":
+        assert f"(f32: {per_type['f32'] / 1024:.1f} KiB a token)" in text.stdout
 
 
 def test_doctor_explains_a_fallback_on_a_simulated_mi300(miniapp_exe):
@@ -216,8 +235,9 @@ def test_a_gpu_without_the_int4_kernel_runs_dequantized_bf16_weights(
 def test_a_model_split_between_gpu_and_cpu_answers_as_the_cpu_does(default_model, cpu_answer, spec):
     from miniapp.engine.runtimes.torch_runtime import TorchRuntime
 
-    # 0.6 GiB free leaves ~107 MB after the margin: most, not all, of the 122 MB model.
-    runtime = TorchRuntime(default_model, n_ctx=512, spec=spec,
+    # 0.6 GiB free leaves ~107 MB after the margin: most, not all, of the 122 MB model and
+    # its fp32 cache (a q8 cache is small enough for all of it to fit).
+    runtime = TorchRuntime(default_model, n_ctx=512, spec=spec, kv="f32",
                            probe=SimulatedProbe("cuda:Small:0.6:8.6"))  # fmt: skip
     plan = runtime.device_plan
     assert plan.weights == "int4" and 0 < plan.gpu_layers < 30

@@ -175,11 +175,13 @@ def test_regenerate_replaces_the_answer_and_edit_takes_the_message_back(page, mi
     short = _words(_answer(page))
     # Regenerate with new settings: greedy again, so the longer answer starts as the short one.
     _set_max_tokens(page, 8)
+    before = page.inner_text("#figures")  # the short answer's, until the new one finishes
     page.click("#regenerate")
     bubbles = page.locator("#chatbot .bot")
     deadline = time.monotonic() + ANSWER_S
     while time.monotonic() < deadline:
-        done = "tok/s" in page.inner_text("#figures") and bubbles.count() == 1
+        figures = page.inner_text("#figures")
+        done = "tok/s" in figures and figures != before and bubbles.count() == 1
         if done and len(_words(bubbles.last.inner_text())) > len(short):
             break
         time.sleep(0.1)

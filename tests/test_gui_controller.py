@@ -3,20 +3,30 @@ vision model and projector, written with gguf's writer), and bad uploads."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 from image_fixtures import TinyProjector, encode, text_image, write_tiny_projector
 from tiny_gguf import LLAMA, write_tiny_model
 
+from miniapp.app.cli import build_parser
 from miniapp.app.gui.controller import (
     ChatSettings,
     ModelHost,
     Transcriber,
     UnsupportedUploadError,
+    figures_line,
     prepare_user_message,
     stream_answer,
 )
 from miniapp.app.gui.history import SavedChat
+from miniapp.app.gui.server import settings_from_args
+from miniapp.app.settings import apply
+from miniapp.engine.devices import DevicePlan
 from miniapp.engine.errors import MiniappError
+from miniapp.engine.events import GenerationStats
+from miniapp.engine.runtimes.base import RuntimeInfo
 
 
 @pytest.fixture
@@ -81,3 +91,45 @@ def test_an_unsupported_file_is_one_line_and_nothing_is_sent(tmp_path):
         prepare_user_message("hi", [other], ChatSettings(), Transcriber())
     with pytest.raises(MiniappError, match="nothing to send"):
         prepare_user_message("  ", [], ChatSettings(), Transcriber())
+
+
+def _runtime_saying(info: RuntimeInfo, n_ctx: int = 4096):
+    return SimpleNamespace(info=lambda: info, n_ctx=n_ctx)
+
+
+def test_the_figures_line_shows_the_kv_cache_after_the_placement():
+    stats = GenerationStats("torch", 200, 0, 100, 0.25, 800.0, 20.0)
+    plan = DevicePlan("cpu", "int4", 0, "no GPU visible to torch")
+    ours = RuntimeInfo("torch", Path("m.gguf"), plan, kv_type="q8", kv_bytes_per_token=12288)
+    line = figures_line(stats, _runtime_saying(ours))
+    assert line.endswith("cpu (int4) · KV q8, 12.0 KiB/token · context 300/4096"), line
+    theirs = RuntimeInfo("llamacpp", Path("m.gguf"), kv_type="f16")
+    assert "llamacpp · KV f16 · context" in figures_line(stats, _runtime_saying(theirs))
+    unknown = RuntimeInfo("torch", Path("m.gguf"), plan)  # a runtime that does not say
+    assert "cpu (int4) · context 300/4096" in figures_line(stats, _runtime_saying(unknown))
+
+
+@pytest.mark.parametrize(
+    ("flags", "wanted"), [([], None), (["--kv-type", "q4"], "q4"), (["--kv-type", "F32"], "f32")]
+)
+def test_the_launch_kv_type_reaches_the_model_load(flags, wanted):
+    """Left at its default, the GUI asks for none (each backend keeps its own, llama.cpp's
+    f16, also after a backend change in the panel); given, it loads with it."""
+    args = build_parser().parse_args(["gui", *flags])
+    apply(args, "gui")
+    settings = settings_from_args(args)
+    assert settings.kv_type == wanted and settings.load_spec.kv_type == wanted
+    assert ChatSettings().load_spec.kv_type is None
+
+
+def test_the_model_host_opens_the_runtime_with_the_kv_type(tmp_path):
+    opened = {}
+
+    def opener(backend, path, **options):
+        opened.update(options)
+        info = RuntimeInfo(backend, Path(path), kv_type=options["kv"])
+        return SimpleNamespace(run_steps_on=lambda compute: None, info=lambda: info)
+
+    model = write_tiny_model(tmp_path / "tiny.gguf", LLAMA)
+    ModelHost(opener).wait_for(ChatSettings(model=str(model), kv_type="q4").load_spec, 60)
+    assert opened["kv"] == "q4"

@@ -10,8 +10,18 @@ import subprocess
 
 import pytest
 
-from miniapp.app.settings import Settings, add_flags, parse_value, read_file, resolve, write_file
+from miniapp.app.settings import (
+    Settings,
+    add_flags,
+    apply,
+    parse_value,
+    read_file,
+    resolve,
+    runtime_kv_type,
+    write_file,
+)
 from miniapp.engine.errors import MiniappError
+from miniapp.engine.kv_types import DEFAULT_KV_TYPE, KV_TYPE_NAMES
 
 
 def test_each_layer_overrides_the_one_below():
@@ -57,6 +67,44 @@ def test_flags_are_made_from_the_model():
         "port",
         "parallel",
     }
+
+
+def test_kv_type_comes_from_the_environment_and_is_checked_by_the_engine():
+    settings, sources = resolve({}, {}, {})
+    assert (settings.kv_type, sources["kv_type"]) == (DEFAULT_KV_TYPE, "default")
+    settings, sources = resolve({}, {"kv_type": "f16"}, {"MINIAPP_KV_TYPE": "Q4"})
+    assert (settings.kv_type, sources["kv_type"]) == ("q4", "environment")  # as the engine names it
+    choices = "choose from " + ", ".join(KV_TYPE_NAMES)
+    with pytest.raises(MiniappError, match=r"setting kv_type \(from the environment\)") as bad:
+        resolve({}, {}, {"MINIAPP_KV_TYPE": "q9"})
+    assert choices in str(bad.value) and "\n" not in str(bad.value)
+    with pytest.raises(MiniappError, match=r"setting kv_type \(from the file\)"):
+        resolve({}, {"kv_type": "int3"}, {})
+    assert parse_value("kv_type", "BF16") == "bf16"
+    with pytest.raises(MiniappError, match="choose from"):
+        parse_value("kv_type", "q9")
+
+
+def test_the_kv_type_flag_and_what_each_backend_gets(monkeypatch):
+    """Left at its default, the runtime gets None: each backend keeps its own (llama.cpp's
+    f16); set anywhere, either backend gets it."""
+    parser = argparse.ArgumentParser()
+    add_flags(parser, "chat")
+    assert vars(parser.parse_args(["--kv-type", "F16"])) == {"kv_type": "f16"}
+    with pytest.raises(MiniappError, match="--kv-type 'q9': choose from"):  # one line, exit 2
+        parser.parse_args(["--kv-type", "q9"])
+    for command in ("chat", "gui"):
+        assert "kv_type" in Settings.fields_for(command)
+    args = parser.parse_args(["--backend", "llamacpp"])
+    apply(args, "chat")
+    assert args.kv_type == DEFAULT_KV_TYPE and runtime_kv_type(args) is None
+    monkeypatch.setenv("MINIAPP_KV_TYPE", "q4")
+    args = parser.parse_args(["--backend", "llamacpp"])
+    apply(args, "chat")
+    assert runtime_kv_type(args) == "q4"
+    args = parser.parse_args(["--kv-type", "f32"])
+    apply(args, "chat")
+    assert runtime_kv_type(args) == "f32"
 
 
 def _miniapp(exe, config, *args, env_extra=None, stdin=None):

@@ -14,6 +14,7 @@ from tiny_gguf import TinyModel, write_tiny_model
 
 from miniapp.engine.cache import RotatingKVCache
 from miniapp.engine.evaluation.calibrate import agreement_runs, prompt_tokens
+from miniapp.engine.kv_types import DEFAULT_KV_TYPE, KV_TYPES, Q4, Q8
 from miniapp.engine.models import CachePolicy
 from miniapp.engine.runtimes.torch_runtime import TorchRuntime
 from miniapp.engine.sampling import GREEDY, SamplingParams
@@ -64,10 +65,14 @@ def test_greedy_output_is_token_identical_to_plain_decoding(smol, mode, layer, d
     assert spec == plain
 
 
-@pytest.mark.parametrize(("mode", "layer"), [("early-exit", 8), ("lookup", None)])
-def test_greedy_identical_while_the_rotating_cache_wraps(default_model, mode, layer):
+@pytest.mark.parametrize(
+    ("mode", "layer", "kv"),
+    [("early-exit", 8, DEFAULT_KV_TYPE), ("lookup", None, DEFAULT_KV_TYPE), ("lookup", None, "f32"),
+     ("early-exit", 8, "q4")],
+)  # fmt: skip
+def test_greedy_identical_while_the_rotating_cache_wraps(default_model, mode, layer, kv):
     # ctx 96: 4 sinks + a 92-token window in a ring of 156; 220 generated tokens wrap it.
-    runtime = TorchRuntime(default_model, n_ctx=96, threads=2, spec="off")
+    runtime = TorchRuntime(default_model, n_ctx=96, threads=2, spec="off", kv=kv)
     prompt = prompt_tokens(runtime, QUESTIONS[2])
     plain = _generate(runtime, prompt, 220)
     _force(runtime, mode, layer, 4)
@@ -108,6 +113,8 @@ def _assert_same_visible_state(drafted, clean):
         (CachePolicy(512, streaming=False), 150),  # the full cache
         (CachePolicy(96, sinks=4), 150),  # ring of 156: the drafts make it wrap the first time
         (CachePolicy(96, sinks=4), 400),  # a ring that wrapped long ago
+        (CachePolicy(96, sinks=4, kv_type=Q4), 400),  # ... storing 4-bit rotated keys
+        (CachePolicy(512, streaming=False, kv_type=Q8), 150),
     ],
 )
 @torch.inference_mode()
@@ -132,10 +139,11 @@ def test_rollback_leaves_the_cache_as_if_nothing_was_drafted(smol, policy, fed):
     assert torch.equal(after_drafted, after_clean)
 
 
+@pytest.mark.parametrize("kind", list(KV_TYPES.values()), ids=list(KV_TYPES))
 @torch.inference_mode()
-def test_verification_rows_are_bit_identical_to_decode_steps(smol):
+def test_verification_rows_are_bit_identical_to_decode_steps(smol, kind):
     model = smol.model
-    caches = model.make_caches(CachePolicy(512, streaming=False))
+    caches = model.make_caches(CachePolicy(512, streaming=False, kv_type=kind))
     model.hidden_states(torch.arange(100, 200), caches)
     rows = torch.tensor([500, 501, 502, 503, 504])
     one_by_one = torch.cat(

@@ -6,6 +6,8 @@ errors on a graph break or a recompilation)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from cache_snapshots import restore, snapshot
@@ -14,6 +16,7 @@ from tiny_gguf import GEMMA3, LLAMA, write_tiny_model
 
 from miniapp.engine.devices import SimulatedProbe
 from miniapp.engine.gguf_file import GGUFFile
+from miniapp.engine.kv_types import BLOCK, F16, F32, Q8
 from miniapp.engine.models import CachePolicy, build_model
 from miniapp.engine.models.static_step import StaticDecodeStep, span_bucket
 from miniapp.engine.runtimes.torch_runtime import TorchRuntime
@@ -68,8 +71,12 @@ def _static_logits(step):
     return run
 
 
-def test_static_steps_give_the_ordinary_steps_logits(model):
-    eager_caches, static_caches = _prefilled(model), _prefilled(model)
+@pytest.mark.parametrize("kind", [F32, F16, Q8], ids=["f32", "f16", "q8-where-it-fits"])
+def test_static_steps_give_the_ordinary_steps_logits(model, kind):
+    if kind.blocked and model.config.head_dim % BLOCK:  # tiny llama's heads of 16: f16 again
+        kind = F16
+    policy = replace(POLICY, kv_type=kind)  # q8: keys rotated and quantized in the step too
+    eager_caches, static_caches = _prefilled(model, policy), _prefilled(model, policy)
     want, want_logits = _tokens(lambda t: _eager_step(model, eager_caches, t))
     step = StaticDecodeStep(model, static_caches)
     got, got_logits = _tokens(_static_logits(step))

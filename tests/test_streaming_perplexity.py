@@ -39,3 +39,21 @@ def test_eval_ppl_json_reports_its_settings(miniapp_exe, tmp_path):
     report = json.loads(done.stdout)
     assert report["mode"] == "streaming" and report["window"] == 64 and report["sinks"] == 2
     assert report["ctx"] == 66 and report["ppl"] > 1
+
+
+RING_WINDOW = 16  # a ring of 16 + 64 (the roll-back slack): 20 wraps in 1600 tokens
+
+
+def test_a_q8_ring_that_wraps_20_times_stays_within_half_a_percent_of_f32(default_model):
+    """Streaming through 4 sinks and a window of 16, the ring wraps 20 times and the sinks
+    are re-rotated on every token; 8-bit rotated keys and values must not drift from f32."""
+    text = "\n\n".join(sample_texts())[:8_200]  # ~1800 tokens
+    results = {}
+    for kind in ("f32", "q8"):
+        runtime = TorchRuntime(default_model, n_ctx=4 + RING_WINDOW, sinks=4, window=RING_WINDOW,
+                               kv=kind)  # fmt: skip
+        results[kind] = streaming_perplexity(runtime, text, 4, RING_WINDOW)
+        ring = runtime.model.make_caches(runtime.policy)[0].ring_capacity
+    assert results["f32"].text_tokens >= 20 * ring + RING_WINDOW, results["f32"]
+    drift = abs(results["q8"].ppl - results["f32"].ppl) / results["f32"].ppl
+    assert drift < 0.005, (results["q8"], results["f32"])

@@ -46,6 +46,8 @@ class ChatSettings:
     sinks: int | None = None
     threads: int | None = None
     parallel: int = Settings.model_fields["parallel"].default
+    # The launch's --kv-type (None: each backend's own default; the panel does not change it).
+    kv_type: str | None = None
     system_prompt: str = ""
     temperature: float = Settings.model_fields["temperature"].default
     top_p: float = Settings.model_fields["top_p"].default
@@ -55,7 +57,7 @@ class ChatSettings:
     def load_spec(self) -> LoadSpec:
         parallel = self.parallel if self.backend == "torch" else 1  # llama.cpp: one at a time
         return LoadSpec(self.model, self.backend, self.device, self.spec, self.ctx,
-                        self.window, self.sinks, self.threads, parallel)  # fmt: skip
+                        self.window, self.sinks, self.threads, parallel, self.kv_type)  # fmt: skip
 
     def request(self) -> GenerationRequest:
         sampling = SamplingParams(temperature=self.temperature, top_p=self.top_p)
@@ -86,14 +88,17 @@ class AnswerUpdate:
 
 
 def figures_line(stats: GenerationStats, runtime: Runtime, elapsed_s: float | None = None) -> str:
-    """TTFT, tok/s, draft acceptance, device path and cache fill, in one line."""
+    """TTFT, tok/s, draft acceptance, device path, KV cache type and fill, in one line."""
     parts = [f"TTFT {stats.ttft_s * 1000:.0f} ms", f"{stats.decode_tok_s:.1f} tok/s"]
     if stats.speculation is not None and stats.speculation.drafted:
         spec = stats.speculation
         parts.append(f"drafts accepted {spec.acceptance_rate:.0%} ({spec.mode})")
     if stats.queued_s > QUEUED_SHOWN_S:
         parts.append(f"queued {stats.queued_s:.1f} s")
-    parts.append(runtime.info().placement)
+    info = runtime.info()
+    parts.append(info.placement)
+    if info.kv_summary:
+        parts.append(info.kv_summary)
     held = min(stats.prompt_tokens + stats.generated_tokens, runtime.n_ctx)
     parts.append(f"context {held}/{runtime.n_ctx}")
     return " · ".join(parts)

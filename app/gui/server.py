@@ -16,13 +16,15 @@ MAX_UPLOAD_ENV = "MINIAPP_MAX_UPLOAD"  # e.g. "1mb", to try the limit without a 
 
 
 def settings_from_args(args: argparse.Namespace):
+    from ..settings import runtime_kv_type
     from .controller import ChatSettings
 
     defaults = ChatSettings()
     return ChatSettings(
         model=args.model or defaults.model, backend=args.backend, device=args.device,
         spec=args.spec, ctx=args.ctx or defaults.ctx, window=args.window, sinks=args.sinks,
-        threads=args.threads, parallel=args.parallel, system_prompt=args.system or "",
+        threads=args.threads, parallel=args.parallel, kv_type=runtime_kv_type(args),
+        system_prompt=args.system or "",
         temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
     )  # fmt: skip
 

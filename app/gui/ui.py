@@ -73,7 +73,8 @@ def history_choices(store: ChatStore) -> list[tuple[str, str]]:
 
 def settings_from(values: list, launched: ChatSettings) -> ChatSettings:
     """Settings from the panel's widgets (ValueError, one line, for a value out of range);
-    what the panel does not show (threads, answers at once) stays as `launched`."""
+    what the panel does not show (threads, answers at once, KV cache type) stays as
+    `launched`."""
     (model, custom, backend, device, spec, ctx, window, sinks, system, temperature, top_p,
      max_tokens) = values  # fmt: skip
     return replace(

@@ -36,6 +36,7 @@ import torch
 from ..cache import Cache, keep_first, reusable_length
 from ..errors import MiniappError
 from ..events import SpeculationStats
+from ..kv_types import KVType, bytes_per_token
 from ..models import CachePolicy, DecoderModel
 from ..sampling import SamplingParams
 from ..speculative import SpeculativeDecoder
@@ -185,7 +186,7 @@ class BatchScheduler:
         self._pool: list[_Pooled] = []  # most recently finished last
         self._stepping = threading.Lock()  # held by the thread running a step
         self.serving = False  # a thread runs `serve`: consumers wait instead of stepping
-        self.kv_bytes_per_token = kv_bytes_per_token(model)
+        self.kv_bytes_per_token = kv_bytes_per_token(model, policy.kv_type)
         self.steps = 0  # forward passes run (for tests and figures)
         self.peak_batch = 0  # most sequences in one step
 
@@ -468,11 +469,11 @@ class BatchScheduler:
         sequence.caches = []
 
 
-def kv_bytes_per_token(model: DecoderModel) -> int:
-    """Bytes of keys and values one token takes over all layers (fp32 caches; a local
-    layer's ring is smaller, so this errs on the safe side)."""
+def kv_bytes_per_token(model: DecoderModel, kind: KVType) -> int:
+    """Bytes of keys and values one token takes over all layers, stored as `kind` (the
+    policy's kv type; a local layer's ring is smaller, so this errs on the safe side)."""
     c = model.config
-    return 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4
+    return bytes_per_token(kind, c.n_layers, c.n_kv_heads, c.head_dim)
 
 
 def _offset(sequence: _Sequence) -> int:

@@ -63,6 +63,8 @@ class BenchResult:
     spec: str = "off"
     acceptance_rate: float = 0.0  # drafts accepted / drafted, over all runs
     tokens_per_step: float = 1.0  # tokens per full-model pass, over all runs
+    kv_type: str | None = None  # how the KV cache stored keys and values (--kv-type)
+    kv_bytes_per_token: int | None = None  # their bytes a token, every layer (if known)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -93,11 +95,13 @@ class BenchSession:
         spec: str = "off",
         stop_at_end_of_turn: bool = False,
         device: str = "auto",
+        kv: str | None = None,
     ):
+        """`kv`: the KV cache type (None: the backend's own default)."""
         start = time.perf_counter()
         self.runtime: Runtime = open_runtime(
             backend, model, n_ctx=ctx, threads=threads, sinks=sinks, window=window, spec=spec,
-            device=device,
+            device=device, kv=kv,
         )  # fmt: skip
         self.load_s = time.perf_counter() - start
         self.backend, self.prompts, self.threads, self.ctx = backend, prompts, threads, ctx
@@ -105,6 +109,7 @@ class BenchSession:
         self.stop_tokens = self.runtime.tokenizer.eog_ids if stop_at_end_of_turn else frozenset()
         info = self.runtime.info()
         self.sinks, self.window = info.sinks, info.window  # the torch engine's sliding window
+        self.kv_type, self.kv_bytes_per_token = info.kv_type, info.kv_bytes_per_token
         self.n_tokens = n_tokens
         self._run(prompts[0][::-1], WARMUP_TOKENS)  # a different prompt: nothing reused below
         self.samples: list[RunStats] = []
@@ -179,4 +184,6 @@ class BenchSession:
             spec=self.spec,
             acceptance_rate=sum(s.accepted for s in spec) / drafted if drafted else 0.0,
             tokens_per_step=sum(s.emitted for s in spec) / steps if steps else 1.0,
+            kv_type=self.kv_type,
+            kv_bytes_per_token=self.kv_bytes_per_token,
         )

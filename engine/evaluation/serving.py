@@ -21,6 +21,7 @@ import torch
 from ..batching import BatchConfig, BatchScheduler
 from ..devices import estimate_footprint
 from ..gguf_file import GGUFFile
+from ..kv_types import KVType, default_kv_type, kv_type
 from ..models import CachePolicy, build_model
 from ..runtimes.base import default_threads
 from ..sampling import GREEDY
@@ -59,13 +60,18 @@ def percentile(values: list[float], q: float) -> float:
 
 class ServingBench:
     def __init__(self, model_path: Path, prompts: list[list[int]], tokens: int, ctx: int,
-                 threads: int | None = None):  # fmt: skip
+                 threads: int | None = None, kv: str | KVType | None = None):  # fmt: skip
+        """`kv`: how every sequence's KV cache stores keys and values (--kv-type; None: the
+        default for the model)."""
+        asked = None if kv is None else kv_type(kv)  # a bad name is one line, before loading
         torch.set_num_threads(threads or default_threads())
         gguf = GGUFFile(model_path)
         self.model = build_model(gguf)
+        self.kv_type = asked or default_kv_type(self.model.config.head_dim)
+        self.kv_type.check(self.model.config.head_dim)
         self.prompts, self.tokens = prompts, tokens
-        self.policy = CachePolicy(ctx)
-        self.kv_bytes_per_token = estimate_footprint(gguf, ctx=1).kv_bytes  # fp32 keys, values
+        self.policy = CachePolicy(ctx, kv_type=self.kv_type)
+        self.kv_bytes_per_token = estimate_footprint(gguf, 1, self.kv_type).kv_bytes
         self._lone: dict[int, list[int]] = {}
 
     def lone_answers(self) -> None:

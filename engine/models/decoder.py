@@ -77,7 +77,10 @@ class Attention:
         keys, values = cache.update_and_fetch(qk[self.n_heads :][None], v[None])
         queries = qk[: self.n_heads]
         if self._native_for(queries, keys):  # every row sees all keys, or as the mask says
-            return self._attend_natively(queries, keys, values, None, mask)
+            return self._attend_natively(queries, keys, values, None, mask, cache)
+        # A prompt chunk (or a device without the kernel): torch's attention, over the keys
+        # decoded one layer at a time (the copy lives for this layer's call only).
+        keys, values = cache.key_codec.decode(keys), cache.value_codec.decode(values)
         return F.scaled_dot_product_attention(
             queries[None], keys, values, attn_mask=mask, enable_gqa=True, scale=self.scale
         )
@@ -89,11 +92,12 @@ class Attention:
             and queries.shape[1] <= NATIVE_ATTENTION_ROWS
         )
 
-    def _attend_natively(self, queries, keys, values, lengths, mask) -> torch.Tensor:
-        """queries [heads, rows, head_dim] over keys [1, kv_heads, tokens, head_dim] ->
+    def _attend_natively(self, queries, keys, values, lengths, mask, cache: Cache) -> torch.Tensor:
+        """queries [heads, rows, head_dim] over stored keys [1, kv_heads, tokens, width] ->
         [1, heads, rows, head_dim], as scaled_dot_product_attention returns it."""
         rows_first = queries.transpose(0, 1).contiguous()
-        out = self.native(rows_first, keys[0], values[0], self.scale, lengths, mask)
+        kind = cache.key_codec.kind.code
+        out = self.native(rows_first, keys[0], values[0], self.scale, lengths, mask, kind)
         return out.transpose(0, 1)[None]
 
     def _attend_segments(self, qk, v, segments: Segments) -> torch.Tensor:
@@ -101,7 +105,7 @@ class Attention:
         over that sequence alone would attend them (one row: a decode step; more: the
         exact-rows path). On the CPU the decode rows of all sequences take one native call."""
         outs: list[torch.Tensor | None] = []
-        decodes: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        decodes: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor | None, Cache]] = []
         start = 0
         for cache, count, mask in segments:
             rows = slice(start, start + count)
@@ -110,7 +114,7 @@ class Attention:
             if count == 1 and self.native is not None and qk.device.type == "cpu":
                 keys, values = cache.update_and_fetch(qk[self.n_heads :, rows][None],
                                                       v[:, rows][None])  # fmt: skip
-                decodes.append((len(outs), start, keys[0], values[0], mask))
+                decodes.append((len(outs), start, keys[0], values[0], mask, cache))
                 outs.append(None)
             elif isinstance(mask, RowMasks):
                 outs.append(self._attend_rows(qk[:, rows], v[:, rows], cache, mask))
@@ -118,11 +122,12 @@ class Attention:
                 outs.append(self._attend(qk[:, rows], v[:, rows], cache, mask))
             start += count
         if decodes:
-            at = [row for _, row, _, _, _ in decodes]
+            at = [d[1] for d in decodes]
             queries = qk[: self.n_heads, at].transpose(0, 1).contiguous()
             attended = self.native.sequences(
                 queries, [d[2] for d in decodes], [d[3] for d in decodes], self.scale,
                 [None if d[4] is None else d[4][0] for d in decodes],
+                [d[5].key_codec.kind.code for d in decodes],
             )  # fmt: skip
             for j, (index, *_) in enumerate(decodes):
                 outs[index] = attended[j : j + 1].transpose(0, 1)[None]
@@ -153,7 +158,8 @@ class Attention:
         # decode step runs that kernel too, so every row matches it bit for bit).
         if self.native is not None and keys.device.type == "cpu":
             lengths = torch.arange(before + 1, before + n_rows + 1, dtype=torch.int32)
-            return self._attend_natively(qk[: self.n_heads], keys, values, lengths, None)
+            return self._attend_natively(qk[: self.n_heads], keys, values, lengths, None, cache)
+        keys, values = cache.key_codec.decode(keys), cache.value_codec.decode(values)
         queries = qk[: self.n_heads][None]
         rows = [
             F.scaled_dot_product_attention(

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import Cache, KVCache, RotatingKVCache
+from ..kv_types import F32, KVType
 from ..layers import CPU_INT4, Rope, WeightTarget
 from .config import DecoderConfig
 
@@ -24,13 +25,15 @@ class CachePolicy:
     Streaming (the default) keeps `sinks` first tokens plus the last `window` in constant
     memory, so generation never stops at a full context. Without it, a fixed cache of `ctx`
     positions refuses to overflow (evaluation on chunks that fit). Sliding-window layers
-    always get a ring the size of their own window.
+    always get a ring the size of their own window. Every cache stores keys and values as
+    `kv_type` says.
     """
 
     ctx: int
     sinks: int = 4
     window: int | None = None  # default: ctx - sinks
     streaming: bool = True
+    kv_type: KVType = F32
 
     @property
     def window_size(self) -> int:
@@ -51,17 +54,19 @@ class CachePolicy:
             if c.is_local(i):
                 cache = RotatingKVCache(
                     c.n_kv_heads, c.head_dim, sinks=0, window=c.sliding_window,
-                    slack=PREFILL_CHUNK, rope=ropes[True], device=device,
+                    slack=PREFILL_CHUNK, rope=ropes[True], kv_type=self.kv_type, device=device,
                 )  # fmt: skip
             elif self.streaming:
                 cache = RotatingKVCache(
                     c.n_kv_heads, c.head_dim, sinks=self.sinks, window=self.window_size,
-                    slack=ROLLBACK_SLACK, rope=ropes[False], device=device,
+                    slack=ROLLBACK_SLACK, rope=ropes[False], kv_type=self.kv_type,
+                    device=device,
                 )  # fmt: skip
             else:
                 cache = KVCache(
-                    c.n_kv_heads, c.head_dim, self.ctx, rope=ropes[False], device=device
-                )
+                    c.n_kv_heads, c.head_dim, self.ctx, rope=ropes[False], kv_type=self.kv_type,
+                    device=device,
+                )  # fmt: skip
             caches.append(cache)
         return caches
 

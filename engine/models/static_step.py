@@ -63,18 +63,19 @@ class _StaticCacheView:
 
     def __init__(self, cache: StaticCache, inputs: _KindInputs, length: int):
         self.keys, self.values = cache.keys, cache.values
+        self.key_codec, self.value_codec = cache.key_codec, cache.value_codec
         self.inputs = inputs
         self.sinks = cache.sinks
         self.start, self.stop = cache.static_span()[0], cache.static_span()[0] + length
 
     def update_and_fetch(self, k: torch.Tensor, v: torch.Tensor):
-        inputs = self.inputs
-        self.keys.index_copy_(2, inputs.write_at, k)
-        self.values.index_copy_(2, inputs.write_at, v)
+        inputs, codec = self.inputs, self.key_codec
+        self.keys.index_copy_(2, inputs.write_at, codec.encode(k))
+        self.values.index_copy_(2, inputs.write_at, self.value_codec.encode(v))
         if self.sinks:  # sinks re-rotated into the newest query's frame (idempotent)
-            own = self.keys[0, :, : self.sinks].transpose(0, 1)
+            own = codec.decode(self.keys[:, :, : self.sinks])[0].transpose(0, 1)
             framed = apply_rope(own, inputs.sink_shift).transpose(0, 1)[None]
-            self.keys[:, :, self.sinks : 2 * self.sinks].copy_(framed)
+            self.keys[:, :, self.sinks : 2 * self.sinks].copy_(codec.encode(framed))
         return self.keys[:, :, self.start : self.stop], self.values[:, :, self.start : self.stop]
 
 

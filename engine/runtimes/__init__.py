@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import MiniappError
+from ..kv_types import kv_type
 from ..spec_modes import SpecMode
 from .base import DEFAULT_CTX, DEFAULT_PARALLEL, DEFAULT_SINKS, Runtime, VisionRuntime
 
@@ -23,18 +24,21 @@ def open_runtime(
     spec: str = SpecMode.AUTO,
     device: str = "auto",
     parallel: int = 1,
+    kv: str | None = None,
 ) -> Runtime:
     """`sinks` and `window` shape the torch engine's sliding-window cache (see TorchRuntime);
     llama.cpp's Python binding has no equivalent, so it stops at a full context instead.
     `parallel`: generations the torch engine runs at once (continuous batching); llama.cpp
-    here runs one at a time."""
+    here runs one at a time. `kv`: how the KV cache stores keys and values (kv_types.py;
+    None: the torch engine's default for the model, llama.cpp's own f16)."""
+    kind = None if kv is None else kv_type(kv)  # a bad name is one line, before any loading
     if backend == "torch":
         from .torch_runtime import TorchRuntime
 
         sinks = DEFAULT_SINKS if sinks is None else sinks
         return TorchRuntime(
             model_path, n_ctx=n_ctx, threads=threads, sinks=sinks, window=window, spec=spec,
-            device=device, parallel=parallel,
+            device=device, parallel=parallel, kv=kind,
         )  # fmt: skip
     if backend == "llamacpp":
         from .llamacpp_runtime import LlamaCppRuntime
@@ -48,7 +52,8 @@ def open_runtime(
         if parallel > 1:
             raise MiniappError("--parallel applies to the torch backend (llama.cpp here "
                                "answers one at a time)")  # fmt: skip
-        return LlamaCppRuntime(model_path, n_ctx=n_ctx, threads=threads, logits_all=logits_all)
+        return LlamaCppRuntime(model_path, n_ctx=n_ctx, threads=threads, logits_all=logits_all,
+                               kv=kind)  # fmt: skip
     raise MiniappError(f"unknown backend '{backend}' (choose from {', '.join(BACKENDS)})")
 
 

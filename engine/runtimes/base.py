@@ -49,6 +49,17 @@ class RuntimeInfo:
     spec: str = "off"  # speculative decoding mode
     sinks: int | None = None  # the torch engine's sliding window: sinks kept, recent tokens
     window: int | None = None
+    kv_type: str | None = None  # how the KV cache stores keys and values (--kv-type)
+    kv_bytes_per_token: int | None = None  # its bytes a token, every layer
+
+    @property
+    def kv_summary(self) -> str | None:
+        """'KV q8, 12.8 KiB/token', or None when the runtime does not say."""
+        if self.kv_type is None:
+            return None
+        if self.kv_bytes_per_token is None:
+            return f"KV {self.kv_type}"
+        return f"KV {self.kv_type}, {self.kv_bytes_per_token / 1024:.1f} KiB/token"
 
     @property
     def placement(self) -> str:

@@ -10,13 +10,23 @@ import numpy as np
 
 from ..devices import DeviceProbe
 from ..gguf_file import GGUFFile
+from ..kv_types import KVType
 from ..llamacpp_lib import Llama, OpenedModel, open_model
 from ..sampling import SamplingParams
 from ..token_stream import GeneratedTokens, TokenStream
 from ..tokenizer import Tokenizer
-from .base import DEFAULT_CTX, LOGIT_BLOCK, Runtime, common_prefix, default_threads
+from .base import (
+    DEFAULT_CTX,
+    LOGIT_BLOCK,
+    Runtime,
+    RuntimeInfo,
+    common_prefix,
+    default_threads,
+)
 
 BATCH = 512  # prompt positions per llama.cpp batch
+# ggml's type numbers for our KV types (llama.cpp's q8_0 and q4_1 are the same maths).
+GGML_KV_TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8": 8, "q4": 3}
 
 
 class LlamaCppRuntime(Runtime):
@@ -29,15 +39,24 @@ class LlamaCppRuntime(Runtime):
         threads: int | None = None,
         logits_all: bool = False,
         probe: DeviceProbe | None = None,
+        kv: KVType | None = None,
     ):
+        """`kv`: llama.cpp's KV cache type (None: its default, f16); a quantized V cache
+        needs llama.cpp's flash attention, which is switched on for it."""
         self.model_path = Path(model_path)
         # Our own reader first: it names the problem in a bad file more clearly than llama.cpp.
         gguf = GGUFFile(self.model_path)
         self.chat_template = gguf.metadata.get("tokenizer.chat_template")
         self.architecture = gguf.architecture
         threads = threads or default_threads()
+        cache_params = {}
+        if kv is not None:
+            ggml = GGML_KV_TYPES[kv.name]
+            cache_params = {"type_k": ggml, "type_v": ggml, "flash_attn": kv.blocked}
+        self.kv_type = kv.name if kv is not None else "f16"
         opened = self._open(gguf, n_ctx, probe, n_batch=min(n_ctx, BATCH), n_threads=threads,
-                            n_threads_batch=threads, logits_all=logits_all)  # fmt: skip
+                            n_threads_batch=threads, logits_all=logits_all,
+                            **cache_params)  # fmt: skip
         self._llm, self.offload = opened.llama, opened.offload
         self.gpu_layers, self.fallbacks = opened.gpu_layers, opened.fallbacks
         self.tokenizer = Tokenizer(self.model_path, llama=self._llm)
@@ -63,6 +82,9 @@ class LlamaCppRuntime(Runtime):
 
     def reset(self) -> None:
         self._llm.reset()
+
+    def info(self) -> RuntimeInfo:
+        return RuntimeInfo(self.backend, self.model_path, kv_type=self.kv_type)
 
     def logit_blocks(
         self, tokens: Sequence[int], first: int = 0, block: int = LOGIT_BLOCK

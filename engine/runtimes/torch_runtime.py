@@ -24,6 +24,7 @@ from ..devices import (
 )
 from ..errors import MiniappError
 from ..gguf_file import GGUFFile
+from ..kv_types import KVType, bytes_per_token, default_kv_type, kv_type
 from ..memory import available_memory_bytes, limit_heap_fragmentation
 from ..models import CachePolicy, DecoderModel, Placement, build_model
 from ..models.static_step import StaticDecodeStep
@@ -75,22 +76,30 @@ class TorchRuntime(Runtime):
         device: str = "auto",
         probe: DeviceProbe | None = None,
         parallel: int = 1,
+        kv: KVType | str | None = None,
     ):
         if parallel < 1:
             raise MiniappError(f"--parallel {parallel}: run at least one generation at a time")
+        asked = None if kv is None else kv_type(kv)  # None: the default for the model
         self.model_path = Path(model_path)
         limit_heap_fragmentation()
         torch.set_num_threads(threads or default_threads())
         gguf = gguf or GGUFFile(self.model_path)
         self.gguf = gguf  # kept (memory-mapped) to rebuild the model on a fallback
         self.probe = probe or default_probe()
-        self.device_plan = plan_device(device, self.probe, estimate_footprint(gguf, n_ctx))
+        head_dim = int(gguf.arch_value("attention.key_length", 0)) or None
+        self.kv_type = asked or default_kv_type(head_dim or 0)
+        footprint = estimate_footprint(gguf, n_ctx, self.kv_type)
+        self.device_plan = plan_device(device, self.probe, footprint)
         self.model = self._load()
+        if asked is None:  # the metadata may leave the head size out: the model says it
+            self.kv_type = default_kv_type(self.model.config.head_dim)
+        self.kv_type.check(self.model.config.head_dim)
         self.chat_template = gguf.metadata.get("tokenizer.chat_template")
         self.architecture = gguf.architecture
         self.tokenizer = Tokenizer(self.model_path)
         self.n_ctx = n_ctx
-        self.policy = CachePolicy(n_ctx, sinks=sinks, window=window)
+        self.policy = CachePolicy(n_ctx, sinks=sinks, window=window, kv_type=self.kv_type)
         self._new_caches()
         self._tokens: list[int] = []  # every token fed, in order (the caches may keep fewer)
         self.spec_mode = SpecMode(spec)
@@ -264,9 +273,11 @@ class TorchRuntime(Runtime):
                                   drafters, mode=self.spec_mode.value)  # fmt: skip
 
     def info(self) -> RuntimeInfo:
-        policy = self.policy
+        policy, c = self.policy, self.model.config
+        per_token = bytes_per_token(self.kv_type, c.n_layers, c.n_kv_heads, c.head_dim)
         return RuntimeInfo(self.backend, self.model_path, self.device_plan, self.spec_mode.value,
-                           policy.sinks, policy.window_size)  # fmt: skip
+                           policy.sinks, policy.window_size, self.kv_type.name,
+                           per_token)  # fmt: skip
 
     def reset(self) -> None:
         # Under the scheduler there is no one context to forget: pooled prefixes serve
@@ -290,7 +301,8 @@ class TorchRuntime(Runtime):
     def logit_blocks(
         self, tokens: Sequence[int], first: int = 0, block: int = LOGIT_BLOCK
     ) -> Iterator[tuple[int, np.ndarray]]:
-        caches = self.model.make_caches(CachePolicy(len(tokens), streaming=False))
+        policy = CachePolicy(len(tokens), streaming=False, kv_type=self.kv_type)
+        caches = self.model.make_caches(policy)
         hidden = torch.cat(list(self._hidden_chunks(tokens, caches)))
         # Only the rows asked for go through the output head, the costliest matmul here.
         for start in range(first, len(tokens), block):

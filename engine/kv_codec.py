@@ -1,0 +1,143 @@
+"""The KV cache's codecs: fp32 keys and values into a KVType's storage (kv_types.py says the
+layout) and back. The torch functions are the reference and the path off the CPU (a GPU, a
+graph-captured step); on the CPU the native library does the same, bit for bit."""
+
+from __future__ import annotations
+
+import torch
+
+from .kv_types import BLOCK, F32, KVType
+
+F16_MAX = 65504.0
+
+
+def storage_dtype(kind: KVType) -> torch.dtype:
+    return getattr(torch, kind.storage)
+
+
+def encode(kind: KVType, x: torch.Tensor, rotated: bool | None = None) -> torch.Tensor:
+    """fp32 [..., head_dim] -> storage [..., width], in torch (any device). `rotated` stores
+    x times the Hadamard matrix (default: as the cache does, for the quantized types)."""
+    if kind is F32:
+        return x.float()
+    if not kind.blocked:
+        return x.to(storage_dtype(kind))
+    rotated = kind.blocked if rotated is None else rotated
+    x = rotate(x.float()) if rotated else x.float()
+    return _encode_q8(x) if kind.name == "q8" else _encode_q4(x)
+
+
+def decode(
+    kind: KVType, stored: torch.Tensor, head_dim: int, rotated: bool | None = None
+) -> torch.Tensor:
+    """storage [..., width] -> fp32 [..., head_dim], in torch (any device)."""
+    if not kind.blocked:
+        return stored.float()
+    rotated = kind.blocked if rotated is None else rotated
+    values = _decode_q8(stored, head_dim) if kind.name == "q8" else _decode_q4(stored, head_dim)
+    return rotate(values) if rotated else values
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """x [..., d] times the normalised Hadamard matrix (block-diagonal, blocks of the largest
+    power of two dividing d), which is its own inverse. The quantized types are stored rotated
+    (kv_types.py says why); these butterflies, in this order, give the native codec's bits."""
+    d = x.shape[-1]
+    size = d & -d
+    lead = x.shape[:-1]
+    y = x.reshape(*lead, d // size, size)
+    span = 1
+    while span < size:
+        pairs = y.reshape(*lead, d // size, size // (2 * span), 2, span)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        y = torch.stack([a + b, a - b], dim=-2).reshape(*lead, d // size, size)
+        span *= 2
+    scale = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(float(size)).sqrt()
+    return y.reshape(x.shape) * scale.to(x.device)
+
+
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    return x.float().reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+
+
+def _f16_bytes(values: torch.Tensor) -> torch.Tensor:
+    """fp32 [..., n] -> f16 [..., n] seen as bytes [..., 2n]."""
+    return values.clamp(-F16_MAX, F16_MAX).half().view(torch.uint8)
+
+
+def _encode_q8(x: torch.Tensor) -> torch.Tensor:
+    blocks = _blocks(x)
+    scale_bytes = _f16_bytes(blocks.abs().amax(-1) / 127.0)
+    scale = scale_bytes.view(torch.float16).float()[..., None]
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.where(scale > 0, torch.round(blocks / safe), torch.zeros_like(blocks))
+    codes = codes.clamp(-127, 127).to(torch.int8).view(torch.uint8).flatten(-2)
+    return torch.cat([codes, scale_bytes], dim=-1)
+
+
+def _decode_q8(stored: torch.Tensor, head_dim: int) -> torch.Tensor:
+    codes = stored[..., :head_dim].contiguous().view(torch.int8).float()
+    scale = stored[..., head_dim:].contiguous().view(torch.float16).float()
+    blocks = codes.reshape(*codes.shape[:-1], -1, BLOCK) * scale[..., None]
+    return blocks.flatten(-2)
+
+
+def _encode_q4(x: torch.Tensor) -> torch.Tensor:
+    blocks = _blocks(x)
+    low, high = blocks.amin(-1), blocks.amax(-1)
+    min_bytes = _f16_bytes(low)
+    low = min_bytes.view(torch.float16).float()[..., None]
+    scale_bytes = _f16_bytes((high[..., None] - low)[..., 0] / 15.0)
+    scale = scale_bytes.view(torch.float16).float()[..., None]
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.where(scale > 0, torch.round((blocks - low) / safe), torch.zeros_like(blocks))
+    codes = codes.clamp(0, 15).to(torch.uint8)
+    packed = codes[..., : BLOCK // 2] | (codes[..., BLOCK // 2 :] << 4)
+    return torch.cat([packed.flatten(-2), scale_bytes, min_bytes], dim=-1)
+
+
+def _decode_q4(stored: torch.Tensor, head_dim: int) -> torch.Tensor:
+    n_blocks = head_dim // BLOCK
+    packed = stored[..., : head_dim // 2].reshape(*stored.shape[:-1], n_blocks, BLOCK // 2)
+    codes = torch.cat([packed & 15, packed >> 4], dim=-1).float()
+    tail = stored[..., head_dim // 2 :].contiguous().view(torch.float16).float()
+    scale, low = tail[..., :n_blocks, None], tail[..., n_blocks:, None]
+    return (codes * scale + low).flatten(-2)
+
+
+class KVCodec:
+    """One cache's way into and out of its storage: the native codec for quantized rows on
+    the CPU (the same bits, without a dozen small torch ops per layer and step), torch
+    elsewhere. f32 passes through untouched. Quantized rows are stored rotated, and the
+    attention kernel rotates queries and outputs to match."""
+
+    ROTATED = 8  # added to the kind's code for the native codec: rows stored rotated
+
+    def __init__(self, kind: KVType, head_dim: int, device: torch.device):
+        kind.check(head_dim)
+        self.kind, self.head_dim = kind, head_dim
+        self.rotated = kind.blocked
+        self.width = kind.width(head_dim)
+        self.dtype = storage_dtype(kind)
+        self._native_code = kind.code + (self.ROTATED if self.rotated else 0)
+        self.native = None
+        if kind.blocked and device.type == "cpu":
+            from .kernels import cpu_kv_codec  # lazily: it loads the native library
+
+            self.native = cpu_kv_codec()
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 [1, heads, tokens, head_dim] -> storage [1, heads, tokens, width]."""
+        if self.kind is F32:
+            return x
+        if self.native is not None and x.device.type == "cpu":
+            return self.native.encode(self._native_code, x.float(), self.width, self.dtype)
+        return encode(self.kind, x, self.rotated)
+
+    def decode(self, stored: torch.Tensor) -> torch.Tensor:
+        """storage [1, heads, tokens, width] -> fp32 [1, heads, tokens, head_dim]."""
+        if self.kind is F32:
+            return stored
+        if self.native is not None and stored.device.type == "cpu":
+            return self.native.decode(self._native_code, stored, self.head_dim)
+        return decode(self.kind, stored, self.head_dim, self.rotated)
