@@ -150,7 +150,7 @@ class NativeKVCodec:
         self._encode.argtypes = [i32, ptr, i64, i64, i64, i64, i64, ptr]
         self._encode.restype = i32
         self._decode = library.cdll.miniapp_kv_decode
-        self._decode.argtypes = [i32, ptr, i64, i64, i64, i64, ptr]
+        self._decode.argtypes = [i32, ptr, i64, i64, i64, i64, ptr, i32]
         self._decode.restype = i32
 
     def encode(self, kind: int, x: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
@@ -177,7 +177,7 @@ class NativeKVCodec:
         if out is None:
             out = torch.empty((1, heads, tokens, head_dim), dtype=torch.float32)
         status = self._decode(kind, stored.data_ptr(), heads, tokens, _head_bytes(stored[0]),
-                              head_dim, out.data_ptr())  # fmt: skip
+                              head_dim, out.data_ptr(), torch.get_num_threads())  # fmt: skip
         if status:
             raise ValueError(f"native KV codec refused type {kind} with head_dim {head_dim}")
         return out

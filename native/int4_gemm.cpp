@@ -1105,26 +1105,29 @@ int miniapp_kv_encode(int kv_type_code, const float* x, int64_t heads, int64_t t
 
 // fp32 rows out of stored ones: rows [heads, tokens] stored as kv_type, head_stride bytes
 // between heads (tokens contiguous) -> out [heads, tokens, head_dim] fp32, contiguous;
-// kv_type + kKvRotated rotates each row back.
+// kv_type + kKvRotated rotates each row back. Rows are independent: any thread count gives
+// the same bits.
 int miniapp_kv_decode(int kv_type_code, const uint8_t* stored, int64_t heads, int64_t tokens,
-                      int64_t head_stride, int64_t head_dim, float* out) {
+                      int64_t head_stride, int64_t head_dim, float* out, int threads) {
   const int kv_type = kv_type_code & ~kKvRotated;
   const bool rotated = (kv_type_code & kKvRotated) && stored_rotated(kv_type);
   if (!cpu_has(kIsaAvx2) || !kv_type_takes(kv_type, head_dim) || heads < 0 || tokens < 0) {
     return -1;
   }
-  const int64_t row_bytes = kv_row_bytes(kv_type, head_dim);
-  for (int64_t h = 0; h < heads; ++h) {
-    for (int64_t t = 0; t < tokens; ++t) {
-      const uint8_t* row = stored + h * head_stride + t * row_bytes;
-      float* into = out + (h * tokens + t) * head_dim;
-      switch (kv_type) {
-        case kKvF32: decode_row<kKvF32>(row, head_dim, into, rotated); break;
-        case kKvF16: decode_row<kKvF16>(row, head_dim, into, rotated); break;
-        case kKvBf16: decode_row<kKvBf16>(row, head_dim, into, rotated); break;
-        case kKvQ8: decode_row<kKvQ8>(row, head_dim, into, rotated); break;
-        default: decode_row<kKvQ4>(row, head_dim, into, rotated); break;
-      }
+  const int64_t row_bytes = kv_row_bytes(kv_type, head_dim), rows = heads * tokens;
+  // A prompt chunk decodes a layer's whole cache: worth both threads past a few rows.
+  if (rows * head_dim < kMinParallelKeyMacs) threads = 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t h = i / tokens, t = i % tokens;
+    const uint8_t* row = stored + h * head_stride + t * row_bytes;
+    float* into = out + i * head_dim;
+    switch (kv_type) {
+      case kKvF32: decode_row<kKvF32>(row, head_dim, into, rotated); break;
+      case kKvF16: decode_row<kKvF16>(row, head_dim, into, rotated); break;
+      case kKvBf16: decode_row<kKvBf16>(row, head_dim, into, rotated); break;
+      case kKvQ8: decode_row<kKvQ8>(row, head_dim, into, rotated); break;
+      default: decode_row<kKvQ4>(row, head_dim, into, rotated); break;
     }
   }
   return 0;
