@@ -712,7 +712,7 @@ TARGET_AVX2 inline void unpack_row(const uint8_t* row, int64_t d, float* out) {
 
 template <int T>
 TARGET_AVX2 void decode_row(const uint8_t* row, int64_t d, float* out, bool rotated) {
-  for (int64_t c = 0; c < d / 8; ++c) _mm256_storeu_ps(out + 8 * c, load8<T>(row, c, d));
+  unpack_row<T>(row, d, out);
   if (rotated) rotate_row(out, d);
 }
 
@@ -844,8 +844,6 @@ TARGET_AVX2 inline const float* row_floats(const uint8_t* row, int64_t d, float*
   }
 }
 
-TARGET_AVX2 inline __m256 load_floats8(const float* x) { return _mm256_loadu_ps(x); }
-
 // One part of one row for one group of query heads, reading keys and values stored as T.
 template <int T>
 TARGET_AVX2 void attend_part(const AttendProblem& p, const AttendTask& t) {
@@ -868,7 +866,7 @@ TARGET_AVX2 void attend_part(const AttendProblem& p, const AttendTask& t) {
     __m256 acc[kMaxGroup];
     for (int64_t h = 0; h < g; ++h) acc[h] = _mm256_setzero_ps();
     for (int64_t c = 0; c < chunks; ++c) {
-      const __m256 kc = load_floats8(kj + 8 * c);
+      const __m256 kc = _mm256_loadu_ps(kj + 8 * c);
       for (int64_t h = 0; h < g; ++h) {
         acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * d + 8 * c), kc, acc[h]);
       }
