@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import logging
+import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
@@ -216,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_transcribe_parser(sub)
     _add_gui_parser(sub)
+    _add_serve_parser(sub)
     _add_models_parser(sub)
     _add_config_parser(sub)
     return parser
@@ -235,6 +237,46 @@ def _add_models_parser(sub) -> None:
     info = models_sub.add_parser("info", help="GGUF metadata and the chat template")
     info.add_argument("name", help="a GGUF path, a file in the models folder, or a bundled name")
     info.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _add_serve_parser(sub) -> None:
+    serve = sub.add_parser("serve", help="an OpenAI-compatible API server (/v1) on the model")
+    add_setting_flags(serve, "serve")
+    serve.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default: loopback; others need --api-key)",
+    )
+    serve.add_argument("--port", type=_port, default=8080, help="port (0: any free one)")
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("MINIAPP_API_KEY"),
+        help="requests must send Authorization: Bearer KEY (or MINIAPP_API_KEY)",
+    )
+    serve.add_argument(
+        "--max-body-mb", type=_positive_float, default=50.0, metavar="MB",
+        help="larger request bodies get 413 (default 50 MB: a few images as base64)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--queue",
+        type=_positive_int,
+        metavar="N",
+        help="requests that may wait for a free slot; more get 503 (default 64)",
+    )
+    serve.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="let browser pages from ORIGIN call the API (repeatable)",
+    )
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value < 65536:
+        raise argparse.ArgumentTypeError(f"must be 0..65535, got {value}")
+    return value
 
 
 def _add_gui_parser(sub) -> None:
@@ -345,6 +387,11 @@ def _dispatch(args: argparse.Namespace) -> int:
             args = build_parser().parse_args(["gui"])
         apply_settings(args, "gui")
         return run_gui(args)
+    if command == "serve":
+        from .serve.run import run_serve
+
+        apply_settings(args, "serve")
+        return run_serve(args)
     if command == "chat":
         from .chat import run_chat
 

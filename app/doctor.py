@@ -16,7 +16,7 @@ from miniapp.engine.devices import (
 )
 from miniapp.engine.gguf_file import GGUFFile
 from miniapp.engine.kernels import cpu_attention_kernel, cpu_int4_kernel
-from miniapp.engine.kv_types import KV_TYPES, kv_type
+from miniapp.engine.kv_types import KV_SETTING_NAMES, kv_type
 from miniapp.engine.model_store import resolve_model
 
 KIB, MIB = 1024, 2**20
@@ -64,8 +64,10 @@ def run_doctor(args: argparse.Namespace) -> int:
 
 def _kv_cache_report(gguf: GGUFFile, kind, ctx: int, bytes_at_ctx: int) -> dict:
     """The KV cache of the chosen type, and a token's bytes in each type (every layer)."""
-    per_type = {name: estimate_footprint(gguf, 1, t).kv_bytes for name, t in KV_TYPES.items()}
-    return {"type": kind.name, "bytes_per_token": per_type[kind.name], "ctx": ctx,
+    per_type = {name: estimate_footprint(gguf, 1, kv_type(name)).kv_bytes
+                for name in KV_SETTING_NAMES}  # fmt: skip
+    per_token = estimate_footprint(gguf, 1, kind).kv_bytes
+    return {"type": kind.name, "bytes_per_token": per_token, "ctx": ctx,
             "bytes_at_ctx": bytes_at_ctx, "per_type": per_type}  # fmt: skip
 
 

@@ -34,6 +34,7 @@ class LoadSpec:
     threads: int | None = None
     parallel: int = 1  # generations at once (the torch engine batches them)
     kv_type: str | None = None  # the KV cache's storage (None: the backend's own default)
+    max_queue: int | None = None  # batching: requests that may wait (None: the engine's)
 
 
 class LoadState(StrEnum):
@@ -106,7 +107,8 @@ class ModelHost:
                 wanted.backend, resolve_model(wanted.model), n_ctx=wanted.ctx,
                 threads=wanted.threads, sinks=wanted.sinks, window=wanted.window,
                 spec=wanted.spec, device=wanted.device, parallel=wanted.parallel,
-                kv=wanted.kv_type,
+                kv=wanted.kv_type, **({} if wanted.max_queue is None
+                                      else {"max_queue": wanted.max_queue}),
             )  # fmt: skip
             runtime.run_steps_on(self.compute)
         except (MiniappError, OSError, ValueError, RuntimeError) as exc:

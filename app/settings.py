@@ -29,7 +29,7 @@ from miniapp.engine.spec_modes import SPEC_MODES, SpecMode
 
 CONFIG_ENV = "MINIAPP_CONFIG"  # a config file elsewhere (tests, several profiles)
 ENV_PREFIX = "MINIAPP_"
-COMMANDS = ("chat", "gui")
+COMMANDS = ("chat", "gui", "serve")
 # The choices and defaults are the engine's own: one source for each.
 Backend = Literal[BACKENDS]
 Device = Literal[DEVICE_CHOICES]
@@ -37,7 +37,10 @@ Spec = Literal[SPEC_MODES]
 _SAMPLING, _REQUEST = SamplingParams(), GenerationRequest()
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 7860  # the GUI's (loopback only unless told)
 _KV_NAMES = [f"{n} (default)" if n == DEFAULT_KV_TYPE else n for n in KV_TYPE_NAMES]
-KV_TYPE_HELP = f"KV cache storage: {', '.join(_KV_NAMES[:-1])} or {_KV_NAMES[-1]}"
+KV_TYPE_HELP = (
+    f"KV cache storage: {', '.join(_KV_NAMES)}, or KEYS/VALUES types such as q8/q4 (keys "
+    "need the bits more)"
+)
 
 
 def kv_type_name(text: str) -> str:
@@ -67,18 +70,20 @@ class Settings(BaseModel):
     kv_type: str = _field(DEFAULT_KV_TYPE, KV_TYPE_HELP + " (llama.cpp keeps its f16 unless "
                           "this is set)")  # fmt: skip
     parallel: int = _field(DEFAULT_PARALLEL, "torch engine: answers generated at once, "
-                           "batched (more wait in a queue)", ("gui",), gt=0)  # fmt: skip
-    max_tokens: int = _field(_REQUEST.max_tokens, "most tokens in one answer", gt=0)
+                           "batched (more wait in a queue)", ("gui", "serve"), gt=0)  # fmt: skip
+    # The server's requests say their own limit (unset: what the context has left).
+    max_tokens: int = _field(_REQUEST.max_tokens, "most tokens in one answer", ("chat", "gui"),
+                             gt=0)  # fmt: skip
     temperature: float = _field(_SAMPLING.temperature, "0 = greedy", ge=0)
     top_k: int = _field(_SAMPLING.top_k, "sample from the k most likely tokens (0 = all)",
-                        ("chat",), ge=0)  # fmt: skip
+                        ("chat", "serve"), ge=0)  # fmt: skip
     top_p: float = _field(_SAMPLING.top_p, "nucleus sampling", gt=0, le=1)
     min_p: float = _field(_SAMPLING.min_p, "drop tokens below this share of the best",
-                          ("chat",), ge=0)  # fmt: skip
+                          ("chat", "serve"), ge=0)  # fmt: skip
     repeat_penalty: float = _field(_SAMPLING.repeat_penalty, "llama.cpp's repetition penalty",
-                                   ("chat",), gt=0)  # fmt: skip
-    seed: int | None = _field(None, "sampling seed", ("chat",))
-    system: str | None = _field(None, "system prompt")
+                                   ("chat", "serve"), gt=0)  # fmt: skip
+    seed: int | None = _field(None, "sampling seed", ("chat", "serve"))
+    system: str | None = _field(None, "system prompt", ("chat", "gui"))
     asr_model: str | None = _field(None, "a faster-whisper model folder (default: the bundled "
                                    "tiny.en)")  # fmt: skip
     host: str = _field(DEFAULT_HOST, "GUI: address to bind (default: loopback)", ("gui",))
@@ -222,7 +227,8 @@ def _base_type(annotation):
 
 def apply(args: argparse.Namespace, command: str) -> Settings:
     """Fill the namespace with the resolved settings of this command (flags already parsed)."""
-    flags = {name: value for name, value in vars(args).items() if name in Settings.model_fields}
+    own = Settings.fields_for(command)  # another command's flag of the same name is its own
+    flags = {name: value for name, value in vars(args).items() if name in own}
     settings, sources = resolve(flags)
     for name in Settings.fields_for(command):
         setattr(args, name, getattr(settings, name))

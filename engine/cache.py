@@ -6,7 +6,7 @@ protocol below; the fixed-shape decode step (a GPU replaying a captured graph, s
 `KVCache` holds every position up to a fixed maximum; `RotatingKVCache` keeps the first
 `sinks` tokens plus a sliding window of the most recent ones, in constant memory.
 
-Both store keys and values as their `KVType` says (f32, f16, bf16, or blocks of q8 / q4,
+Both store keys and values as their `KVSetting` says (f32, f16, bf16, or blocks of q8 / q4,
 see kv_types.py): `update_and_fetch` takes fp32 and returns the stored form, which the
 model's attention reads as it is (the native kernel) or decodes (`key_codec.decode`,
 `value_codec.decode`).
@@ -22,7 +22,7 @@ import torch
 
 from .errors import ContextFullError
 from .kv_codec import KVCodec
-from .kv_types import F32, KVType
+from .kv_types import F32, KVSetting
 from .layers import Rope, apply_rope
 
 
@@ -36,10 +36,11 @@ class _Update:
     allocated: int  # ring slots allocated afterwards
 
 
-def _codecs(kind: KVType, head_dim: int, device) -> tuple[KVCodec, KVCodec]:
-    """The key and value codecs (one type for both, for now)."""
-    codec = KVCodec(kind, head_dim, torch.device(device))
-    return codec, codec
+def _codecs(kind: KVSetting, head_dim: int, device) -> tuple[KVCodec, KVCodec]:
+    """The key and value codecs (the same one when both are stored alike)."""
+    device = torch.device(device)
+    keys = KVCodec(kind.key, head_dim, device)
+    return keys, keys if kind.value == kind.key else KVCodec(kind.value, head_dim, device)
 
 
 @dataclass(frozen=True)
@@ -151,16 +152,16 @@ class KVCache:
         head_dim: int,
         max_tokens: int,
         rope: Rope | None = None,
-        kv_type: KVType = F32,
+        kv_type: KVSetting = F32,
         device: torch.device | str = "cpu",
     ):
         self.max_tokens = max_tokens
         self.rope = rope  # needed only by `forget`, to re-rotate shifted keys
         self.offset = 0
         self.key_codec, self.value_codec = _codecs(kv_type, head_dim, device)
-        shape = (1, n_kv_heads, min(max_tokens, self.INITIAL_TOKENS), self.key_codec.width)
-        self.keys = torch.zeros(shape, dtype=self.key_codec.dtype, device=device)
-        self.values = torch.zeros(shape, dtype=self.key_codec.dtype, device=device)
+        tokens = min(max_tokens, self.INITIAL_TOKENS)
+        self.keys = self.key_codec.empty(n_kv_heads, tokens)
+        self.values = self.value_codec.empty(n_kv_heads, tokens)
 
     @property
     def capacity(self) -> int:
@@ -293,7 +294,7 @@ class RotatingKVCache:
         window: int,
         slack: int,
         rope: Rope,
-        kv_type: KVType = F32,
+        kv_type: KVSetting = F32,
         device: torch.device | str = "cpu",
     ):
         # Keys and values live on `device`; the bookkeeping (ring positions, masks) stays on
@@ -310,9 +311,8 @@ class RotatingKVCache:
         self.frame = 0  # positions by which the frame sinks are rotated beyond their own
         allocated = min(self.ring_capacity, self.INITIAL_TOKENS)
         self.key_codec, self.value_codec = _codecs(kv_type, head_dim, device)
-        shape = (1, n_kv_heads, 2 * sinks + allocated, self.key_codec.width)
-        self.keys = torch.zeros(shape, dtype=self.key_codec.dtype, device=device)
-        self.values = torch.zeros(shape, dtype=self.key_codec.dtype, device=device)
+        self.keys = self.key_codec.empty(n_kv_heads, 2 * sinks + allocated)
+        self.values = self.value_codec.empty(n_kv_heads, 2 * sinks + allocated)
         self.ring_pos = torch.full((allocated,), -1, dtype=torch.long)  # -1: empty
 
     # -- layout helpers

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from .errors import DeviceUnavailableError, MiniappError
-from .kv_types import F32, KVType, bytes_per_token
+from .kv_types import F32, KVSetting, bytes_per_token
 
 DEVICE_CHOICES = ("auto", "cuda", "rocm", "cpu")
 SIMULATE_ENV = "MINIAPP_SIMULATE_GPU"
@@ -370,7 +370,7 @@ def default_probe() -> DeviceProbe:
     return SimulatedProbe(spec) if spec else TorchProbe()
 
 
-def estimate_footprint(gguf, ctx: int, kv: KVType = F32) -> ModelFootprint:
+def estimate_footprint(gguf, ctx: int, kv: KVSetting = F32) -> ModelFootprint:
     """From the GGUF's tensor table and metadata alone (nothing loaded). The KV estimate is
     for every layer caching ctx positions as `kv` stores them; sliding-window layers need
     less."""

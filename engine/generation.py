@@ -10,6 +10,7 @@ from .errors import ContextFullError
 from .events import Finished, FinishReason, GenerationEvent, GenerationStats, TextDelta
 from .runtimes.base import Runtime
 from .sampling import SamplingParams
+from .token_stream import TokenStream
 from .tokenizer import IncrementalDecoder
 
 
@@ -60,8 +61,11 @@ def generate(
     prompt: Sequence[int],
     request: GenerationRequest,
     should_stop: Callable[[], bool] = lambda: False,
+    on_tokens: Callable[[TokenStream], None] | None = None,
 ) -> Iterator[GenerationEvent]:
-    """Stream an answer to `prompt` as TextDelta events, then one Finished event."""
+    """Stream an answer to `prompt` as TextDelta events, then one Finished event.
+    `on_tokens` receives the runtime's token stream as it opens: another thread may close
+    it to cancel at once (a batched sequence still waiting for a slot, say)."""
     if not prompt:
         raise ValueError("empty prompt")
     if not runtime.slides_past_ctx and len(prompt) >= runtime.n_ctx:
@@ -77,6 +81,8 @@ def generate(
     generated = 0
     first_at = last_at = start
     tokens = runtime.generate_tokens(prompt, request.sampling)
+    if on_tokens is not None:
+        on_tokens(tokens)
     try:
         for token in tokens:
             last_at = time.perf_counter()

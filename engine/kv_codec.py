@@ -115,7 +115,7 @@ class KVCodec:
 
     def __init__(self, kind: KVType, head_dim: int, device: torch.device):
         kind.check(head_dim)
-        self.kind, self.head_dim = kind, head_dim
+        self.kind, self.head_dim, self.device = kind, head_dim, device
         self.rotated = kind.blocked
         self.width = kind.width(head_dim)
         self.dtype = storage_dtype(kind)
@@ -125,6 +125,10 @@ class KVCodec:
             from .kernels import cpu_kv_codec  # lazily: it loads the native library
 
             self.native = cpu_kv_codec()
+
+    def empty(self, heads: int, tokens: int) -> torch.Tensor:
+        """Zeroed storage [1, heads, tokens, width]."""
+        return torch.zeros((1, heads, tokens, self.width), dtype=self.dtype, device=self.device)
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 [1, heads, tokens, head_dim] -> storage [1, heads, tokens, width]."""

@@ -1,4 +1,5 @@
-"""How the KV cache stores keys and values: `--kv-type f32|f16|bf16|q8|q4`.
+"""How the KV cache stores keys and values: `--kv-type f32|f16|bf16|q8|q4`, or one type for
+keys and another for values, `--kv-type K/V` (e.g. `q8/q4`).
 
 A cache holds one storage row per (kv head, token): `width(head_dim)` elements of
 `storage_dtype`. The float types store the values themselves. The quantized ones store bytes,
@@ -16,6 +17,10 @@ quantized caches: keys have a few large channels, and the rotation spreads them 
 row, so a block's scale no longer follows one outlier (q4's perplexity cost fell from +8% to
 +5% on SmolLM2, from +12% to +6% on Gemma 3). Queries are rotated alike and outputs back,
 so attention is unchanged.
+
+Keys suffer from quantization far more than values: on SmolLM2, 4-bit values with 8-bit keys
+cost +0.1% perplexity where 4-bit keys cost +5% (blocks of 8 still +2.2%), so `q8/q4` is
+the small cache that keeps the answers (docs/BENCHMARKS.md).
 
 Codes are computed from the f16-rounded scale (and minimum), so decoding is exact fp32
 arithmetic: code * scale is exact in fp32, and q4 adds the minimum with one rounding (the
@@ -62,6 +67,43 @@ class KVType:
                 f"heads have {head_dim} (use f16 or bf16)"
             )
 
+    # One type stores keys and values alike (see KVPair).
+    @property
+    def key(self) -> KVType:
+        return self
+
+    @property
+    def value(self) -> KVType:
+        return self
+
+
+@dataclass(frozen=True)
+class KVPair:
+    """Keys stored as one type and values as another (`--kv-type q8/q4`): what a cache
+    setting is, besides a single KVType, which stands for the pair (t, t)."""
+
+    key: KVType
+    value: KVType
+
+    @property
+    def name(self) -> str:
+        return f"{self.key.name}/{self.value.name}"
+
+    @property
+    def bits(self) -> float:
+        return (self.key.bits + self.value.bits) / 2
+
+    @property
+    def blocked(self) -> bool:
+        return self.key.blocked or self.value.blocked
+
+    def check(self, head_dim: int) -> None:
+        self.key.check(head_dim)
+        self.value.check(head_dim)
+
+
+KVSetting = KVType | KVPair
+
 
 F32 = KVType("f32", 0, "float32", 4, 32.0)
 F16 = KVType("f16", 1, "float16", 2, 16.0)
@@ -70,6 +112,8 @@ Q8 = KVType("q8", 3, "uint8", 1, 8.5, blocked=True)
 Q4 = KVType("q4", 4, "uint8", 1, 5.0, blocked=True)
 KV_TYPES = {t.name: t for t in (F32, F16, BF16, Q8, Q4)}
 KV_TYPE_NAMES = tuple(KV_TYPES)
+# The settings reports list: every type for both, and the pair that keeps keys in 8 bits.
+KV_SETTING_NAMES = (*KV_TYPE_NAMES, "q8/q4")
 # The default: the smallest type within the accuracy targets on our models, and faster than
 # f32 at long contexts (docs/BENCHMARKS.md, "KV cache types").
 DEFAULT_KV_TYPE = "q8"
@@ -89,16 +133,22 @@ def storable_kv_types(head_dim: int) -> list[KVType]:
     return [k for k in KV_TYPES.values() if not (k.blocked and head_dim % BLOCK)]
 
 
-def kv_type(name: str | KVType) -> KVType:
-    """The type called `name`; a one-line error naming the choices otherwise."""
-    if isinstance(name, KVType):
+def kv_type(name: str | KVSetting) -> KVSetting:
+    """The setting called `name`: one type (`q8`) or a key type and a value type (`q8/q4`;
+    `q8/q8` is `q8`); a one-line error naming the choices otherwise."""
+    if isinstance(name, KVType | KVPair):
         return name
-    found = KV_TYPES.get(str(name).strip().lower())
-    if found is None:
-        raise MiniappError(f"--kv-type {name!r}: choose from {', '.join(KV_TYPE_NAMES)}")
-    return found
+    parts = [KV_TYPES.get(part.strip()) for part in str(name).strip().lower().split("/")]
+    if not 1 <= len(parts) <= 2 or None in parts:
+        raise MiniappError(
+            f"--kv-type {name!r}: choose from {', '.join(KV_TYPE_NAMES)}, "
+            "or KEYS/VALUES such as q8/q4"
+        )
+    key, value = parts[0], parts[-1]
+    return key if key == value else KVPair(key, value)
 
 
-def bytes_per_token(kind: KVType, n_layers: int, n_kv_heads: int, head_dim: int) -> int:
+def bytes_per_token(kind: KVSetting, n_layers: int, n_kv_heads: int, head_dim: int) -> int:
     """Keys and values of one token over every layer."""
-    return 2 * n_layers * n_kv_heads * kind.row_bytes(head_dim)
+    rows = kind.key.row_bytes(head_dim) + kind.value.row_bytes(head_dim)
+    return n_layers * n_kv_heads * rows

@@ -12,6 +12,10 @@ class SamplingParams:
     top_p: float = 0.95  # >= 1 disables
     min_p: float = 0.05  # <= 0 disables
     repeat_penalty: float = 1.0  # 1 disables
+    # OpenAI's penalties, subtracted from a token's logit: presence once if the token is among
+    # the last repeat_last_n, frequency once per time it is there (llama.cpp's rule). 0 disables.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     repeat_last_n: int = 64
     seed: int | None = None
 

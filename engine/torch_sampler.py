@@ -48,8 +48,14 @@ class Sampler:
 
     def _penalized(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
         p = self.params
-        if p.repeat_penalty != 1.0 and p.repeat_last_n != 0 and history:
-            return apply_repeat_penalty(logits, history[-p.repeat_last_n :], p.repeat_penalty)
+        if p.repeat_last_n == 0 or not history:
+            return logits
+        recent = history[-p.repeat_last_n :]
+        if p.repeat_penalty != 1.0:
+            logits = apply_repeat_penalty(logits, recent, p.repeat_penalty)
+        if p.presence_penalty or p.frequency_penalty:
+            logits = apply_presence_frequency(logits, recent, p.presence_penalty,
+                                              p.frequency_penalty)  # fmt: skip
         return logits
 
     def _candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,6 +76,16 @@ def apply_repeat_penalty(
     logits = logits.clone()
     chosen = logits[ids]
     logits[ids] = torch.where(chosen > 0, chosen / penalty, chosen * penalty)
+    return logits
+
+
+def apply_presence_frequency(
+    logits: torch.Tensor, recent: Sequence[int], presence: float, frequency: float
+) -> torch.Tensor:
+    """Subtract presence (once) and frequency (per occurrence) from recent tokens' logits."""
+    ids, counts = torch.unique(torch.tensor(list(recent), dtype=torch.long), return_counts=True)
+    logits = logits.clone()
+    logits[ids] -= presence + frequency * counts.to(logits.dtype)
     return logits
 
 

@@ -19,19 +19,21 @@ from .int4 import Library
 
 MAX_GROUP = 16  # query heads per kv head the kernel takes
 MAX_HEAD_DIM = 512
+# The kernel's KV types of a call: a KVType.code for keys and values alike, or (key, value).
+KernelTypes = int | tuple[int, int]
 
 
 class NativeAttention:
     def __init__(self, library: Library):
         function = library.cdll.miniapp_attend_rows
         i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-        function.argtypes = [ptr, ptr, ptr, i32, i64, ptr, ptr, i64, i64, i64, i64, i64,
-                             ctypes.c_float, ptr, i32]  # fmt: skip
+        function.argtypes = [ptr, ptr, ptr, i32, i32, i64, i64, ptr, ptr, i64, i64, i64, i64,
+                             i64, ctypes.c_float, ptr, i32]  # fmt: skip
         function.restype = i32
         self._attend = function
         sequences = library.cdll.miniapp_attend_sequences
-        sequences.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64,
-                              ctypes.c_float, ptr, i32]  # fmt: skip
+        sequences.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64,
+                              i64, ctypes.c_float, ptr, i32]  # fmt: skip
         sequences.restype = i32
         self._attend_sequences = sequences
 
@@ -49,17 +51,19 @@ class NativeAttention:
         scale: float,
         lengths: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
-        kv_type: int = 0,
+        kv_type: KernelTypes = 0,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """queries fp32 [rows, heads, head_dim] (contiguous); keys and values stored as
-        `kv_type` (KVType.code) [kv_heads, tokens, width] with contiguous rows (one layout
-        for both). Each row sees the keys its mask row marks (bool [rows, tokens]), else its
-        first lengths[r] (int32 [rows]), else all of them. Returns fp32 [rows, heads,
-        head_dim] (written into `out` when given, as tests do to catch unwritten values)."""
+        `kv_type` (a KVType.code for both, or (key code, value code)) [kv_heads, tokens,
+        width] with contiguous rows. Each row sees the keys its mask row marks (bool [rows,
+        tokens]), else its first lengths[r] (int32 [rows]), else all of them. Returns fp32
+        [rows, heads, head_dim] (written into `out` when given, as tests do to catch
+        unwritten values)."""
         rows, n_heads, head_dim = queries.shape
         kv_heads, tokens, _ = keys.shape
         _check_layout(keys, values)
+        key_type, value_type = _codes(kv_type)
         out = torch.empty_like(queries) if out is None else out
         mask_ptr = lengths_ptr = None
         if mask is not None:
@@ -71,9 +75,9 @@ class NativeAttention:
                 lengths = lengths.to(torch.int32)
             lengths_ptr = lengths.contiguous().data_ptr()
         status = self._attend(
-            queries.data_ptr(), keys.data_ptr(), values.data_ptr(), kv_type, _head_bytes(keys),
-            lengths_ptr, mask_ptr, tokens, rows, n_heads, kv_heads, head_dim, scale,
-            out.data_ptr(), torch.get_num_threads(),
+            queries.data_ptr(), keys.data_ptr(), values.data_ptr(), key_type, value_type,
+            _head_bytes(keys), _head_bytes(values), lengths_ptr, mask_ptr, tokens, rows, n_heads,
+            kv_heads, head_dim, scale, out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if status:
             raise ValueError(f"native attention refused queries {tuple(queries.shape)}")
@@ -86,12 +90,12 @@ class NativeAttention:
         values: list[torch.Tensor],
         scale: float,
         masks: list[torch.Tensor | None],
-        kv_types: list[int] | None = None,
+        kv_types: list[KernelTypes] | None = None,
     ) -> torch.Tensor:
         """Rows of different sequences in one call (a batch's decode steps): queries fp32
         [rows, heads, head_dim] (contiguous); row r attends over keys[r] and values[r],
-        stored as kv_types[r] (default: f32) [kv_heads, tokens_r, width] with contiguous
-        rows (one layout for the pair), seeing the keys masks[r] marks (bool [tokens_r]) or,
+        stored as kv_types[r] (as in `__call__`; default: f32) [kv_heads, tokens_r, width]
+        with contiguous rows, seeing the keys masks[r] marks (bool [tokens_r]) or,
         for None, all of them. Each row comes out bit-identical to the same row in a call of
         its own. fp32 [rows, heads, head_dim]."""
         rows, n_heads, head_dim = queries.shape
@@ -99,14 +103,15 @@ class NativeAttention:
             raise ValueError("one key, value and mask source per row")
         kv_heads = keys[0].shape[0] if rows else 1
         held = []  # the masks' byte copies, alive until the call returns
-        key_ptrs, value_ptrs, strides, counts, mask_ptrs = [], [], [], [], []
+        key_ptrs, value_ptrs, key_strides, value_strides, counts, mask_ptrs = ([] for _ in range(6))
         for k, v, mask in zip(keys, values, masks, strict=True):
             _check_layout(k, v)
             if k.shape[0] != kv_heads:
                 raise ValueError("every row needs the same number of kv heads")
             key_ptrs.append(k.data_ptr())
             value_ptrs.append(v.data_ptr())
-            strides.append(_head_bytes(k))
+            key_strides.append(_head_bytes(k))
+            value_strides.append(_head_bytes(v))
             counts.append(k.shape[1])
             if mask is None:
                 mask_ptrs.append(None)
@@ -116,24 +121,33 @@ class NativeAttention:
             as_bytes = mask.reshape(-1).to(torch.uint8).contiguous()
             held.append(as_bytes)
             mask_ptrs.append(as_bytes.data_ptr())
-        kv_types = [0] * rows if kv_types is None else kv_types
+        codes = [_codes(t) for t in ([0] * rows if kv_types is None else kv_types)]
         out = torch.empty_like(queries)
         pointers = ctypes.c_void_p * max(rows, 1)
         int64s, int32s = ctypes.c_int64 * max(rows, 1), ctypes.c_int32 * max(rows, 1)
         status = self._attend_sequences(
-            queries.data_ptr(), pointers(*key_ptrs), pointers(*value_ptrs), int32s(*kv_types),
-            int64s(*strides), int64s(*counts), pointers(*mask_ptrs), rows, n_heads, kv_heads,
-            head_dim, scale, out.data_ptr(), torch.get_num_threads(),
+            queries.data_ptr(), pointers(*key_ptrs), pointers(*value_ptrs),
+            int32s(*(c[0] for c in codes)), int32s(*(c[1] for c in codes)),
+            int64s(*key_strides), int64s(*value_strides), int64s(*counts),
+            pointers(*mask_ptrs), rows, n_heads, kv_heads, head_dim, scale, out.data_ptr(),
+            torch.get_num_threads(),
         )  # fmt: skip
         if status:
             raise ValueError(f"native attention refused queries {tuple(queries.shape)}")
         return out
 
 
+def _codes(kv_type: KernelTypes) -> tuple[int, int]:
+    return (kv_type, kv_type) if isinstance(kv_type, int) else tuple(kv_type)
+
+
+def _rows_packed(stored: torch.Tensor) -> bool:
+    return stored.stride(2) == 1 and stored.stride(1) == stored.shape[2]
+
+
 def _check_layout(keys: torch.Tensor, values: torch.Tensor) -> None:
-    rows_packed = keys.stride(2) == 1 and keys.stride(1) == keys.shape[2]
-    if keys.stride() != values.stride() or keys.dtype != values.dtype or not rows_packed:
-        raise ValueError("keys and values need one layout with contiguous rows")
+    if keys.shape[:2] != values.shape[:2] or not (_rows_packed(keys) and _rows_packed(values)):
+        raise ValueError("keys and values need the same heads and tokens, with contiguous rows")
 
 
 def _head_bytes(stored: torch.Tensor) -> int:

@@ -45,7 +45,7 @@
 
 namespace {
 
-constexpr int kAbiVersion = 4;
+constexpr int kAbiVersion = 5;
 constexpr int kBlockRows = 16;  // output rows per block: one AVX-512 fp32 lane each
 constexpr int kChunkCols = 8;   // input columns per chunk: 4 nibbles x 2 adjacent columns
 constexpr int kChunkBytes = 64;  // 16 rows x 8 columns x 4 bits
@@ -782,15 +782,16 @@ TARGET_AVX2 void encode_row(int type, const float* x, int64_t d, uint8_t* out, b
 // -------------------------------------------------------------------- Attention, continued
 
 // Where one query row's keys are: its own k and v (rows of different sequences of a batch
-// read different caches), stored as `type` (KvType), the keys it scans, and the mask over
-// them (null: all visible).
+// read different caches), each stored as its own KvType (keys are the more sensitive to
+// quantization, so a cache may keep them in more bits than its values), the keys it scans,
+// and the mask over them (null: all visible).
 struct RowKeys {
   const uint8_t* k;
   const uint8_t* v;
-  int64_t kv_head_stride;  // bytes between kv heads in k and v
+  int64_t k_head_stride, v_head_stride;  // bytes between kv heads in k, in v
   int64_t scanned;  // keys 0..scanned-1
   const uint8_t* mask;  // [scanned] or null
-  int type;
+  int key_type, value_type;
 };
 
 struct AttendProblem {
@@ -844,14 +845,15 @@ TARGET_AVX2 inline const float* row_floats(const uint8_t* row, int64_t d, float*
   }
 }
 
-// One part of one row for one group of query heads, reading keys and values stored as T.
-template <int T>
+// One part of one row for one group of query heads, reading keys stored as TK and values
+// stored as TV.
+template <int TK, int TV>
 TARGET_AVX2 void attend_part(const AttendProblem& p, const AttendTask& t) {
   const int64_t d = p.head_dim, g = p.group, chunks = d / 8;
   const RowKeys& source = p.rows[t.row];
-  const int64_t row_bytes = kv_row_bytes(T, d);
-  const uint8_t* k = source.k + t.kv_head * source.kv_head_stride;
-  const uint8_t* v = source.v + t.kv_head * source.kv_head_stride;
+  const int64_t key_bytes = kv_row_bytes(TK, d), value_bytes = kv_row_bytes(TV, d);
+  const uint8_t* k = source.k + t.kv_head * source.k_head_stride;
+  const uint8_t* v = source.v + t.kv_head * source.v_head_stride;
   const float* q = p.q + (t.row * p.n_heads + t.kv_head * g) * d;
   const uint8_t* mask = source.mask;
   int32_t keys[kKeysPerPart];
@@ -862,7 +864,7 @@ TARGET_AVX2 void attend_part(const AttendProblem& p, const AttendTask& t) {
   alignas(32) float scores[kMaxGroup][kKeysPerPart + 8];
   alignas(32) float unpacked[kMaxHeadDim];  // a stored key or value row as fp32
   for (int64_t i = 0; i < n; ++i) {
-    const float* kj = row_floats<T>(k + keys[i] * row_bytes, d, unpacked);
+    const float* kj = row_floats<TK>(k + keys[i] * key_bytes, d, unpacked);
     __m256 acc[kMaxGroup];
     for (int64_t h = 0; h < g; ++h) acc[h] = _mm256_setzero_ps();
     for (int64_t c = 0; c < chunks; ++c) {
@@ -898,7 +900,7 @@ TARGET_AVX2 void attend_part(const AttendProblem& p, const AttendTask& t) {
     __m256 acc[kMaxGroup];
     for (int64_t h = 0; h < g; ++h) acc[h] = _mm256_setzero_ps();
     for (int64_t i = 0; i < n; ++i) {
-      const __m256 vc = load8<T>(v + keys[i] * row_bytes, c, d);
+      const __m256 vc = load8<TV>(v + keys[i] * value_bytes, c, d);
       for (int64_t h = 0; h < g; ++h) {
         acc[h] = _mm256_fmadd_ps(_mm256_set1_ps(scores[h][i]), vc, acc[h]);
       }
@@ -907,13 +909,24 @@ TARGET_AVX2 void attend_part(const AttendProblem& p, const AttendTask& t) {
   }
 }
 
+template <int TK>
+void attend_part_with_keys(const AttendProblem& p, const AttendTask& t) {
+  switch (p.rows[t.row].value_type) {
+    case kKvF32: return attend_part<TK, kKvF32>(p, t);
+    case kKvF16: return attend_part<TK, kKvF16>(p, t);
+    case kKvBf16: return attend_part<TK, kKvBf16>(p, t);
+    case kKvQ8: return attend_part<TK, kKvQ8>(p, t);
+    default: return attend_part<TK, kKvQ4>(p, t);
+  }
+}
+
 void attend_part_of_type(const AttendProblem& p, const AttendTask& t) {
-  switch (p.rows[t.row].type) {
-    case kKvF32: return attend_part<kKvF32>(p, t);
-    case kKvF16: return attend_part<kKvF16>(p, t);
-    case kKvBf16: return attend_part<kKvBf16>(p, t);
-    case kKvQ8: return attend_part<kKvQ8>(p, t);
-    default: return attend_part<kKvQ4>(p, t);
+  switch (p.rows[t.row].key_type) {
+    case kKvF32: return attend_part_with_keys<kKvF32>(p, t);
+    case kKvF16: return attend_part_with_keys<kKvF16>(p, t);
+    case kKvBf16: return attend_part_with_keys<kKvBf16>(p, t);
+    case kKvQ8: return attend_part_with_keys<kKvQ8>(p, t);
+    default: return attend_part_with_keys<kKvQ4>(p, t);
   }
 }
 
@@ -948,11 +961,11 @@ int attend(const float* q, const RowKeys* sources, int64_t rows, int64_t n_heads
   if (!cpu_has(kIsaAvx2) || rows < 0 || kv_heads <= 0 || n_heads % kv_heads) return -1;
   if (head_dim % 8 || head_dim > kMaxHeadDim || n_heads / kv_heads > kMaxGroup) return -1;
   if (rows == 0) return 0;
-  // Rows over rotated keys and values attend with rotated queries (a copy); their outputs
-  // are rotated back below.
+  // Rows over rotated keys attend with rotated queries (a copy); outputs summed from rotated
+  // values are rotated back below.
   float* rotated_q = nullptr;
   for (int64_t r = 0; r < rows; ++r) {
-    if (!stored_rotated(sources[r].type)) continue;
+    if (!stored_rotated(sources[r].key_type)) continue;
     if (!rotated_q) {
       rotated_q = static_cast<float*>(malloc(sizeof(float) * rows * n_heads * head_dim));
       if (!rotated_q) return -1;
@@ -971,7 +984,8 @@ int attend(const float* q, const RowKeys* sources, int64_t rows, int64_t n_heads
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t scanned = sources[r].scanned;
-    if (scanned < 0 || !kv_type_takes(sources[r].type, head_dim)) {
+    if (scanned < 0 || !kv_type_takes(sources[r].key_type, head_dim) ||
+        !kv_type_takes(sources[r].value_type, head_dim)) {
       free(first_task);
       free(rotated_q);
       return -1;
@@ -1020,7 +1034,7 @@ int attend(const float* q, const RowKeys* sources, int64_t rows, int64_t n_heads
       const float* parts = partials + (first_task[r] + h * parts_per_head) * partial_floats;
       merge_parts(p, r, h, parts, parts_per_head);
     }
-    if (stored_rotated(sources[r].type)) {
+    if (stored_rotated(sources[r].value_type)) {
       for (int64_t h = 0; h < n_heads; ++h) rotate_row(out + (r * n_heads + h) * head_dim, head_dim);
     }
   }
@@ -1036,12 +1050,13 @@ int attend(const float* q, const RowKeys* sources, int64_t rows, int64_t n_heads
 extern "C" {
 
 // out [rows, n_heads, head_dim] = attention of q [rows, n_heads, head_dim] (contiguous fp32)
-// over k, v stored as kv_type ([kv_heads, tokens] rows of head_dim values, rows contiguous,
-// kv_head_stride bytes between heads). There are mask_keys keys: row r sees the keys its mask
-// row marks (mask: [rows, mask_keys] bytes), else its first lengths[r], else all of them.
-// Returns 0, or -1 for shapes it does not take.
-int miniapp_attend_rows(const float* q, const uint8_t* k, const uint8_t* v, int kv_type,
-                        int64_t kv_head_stride, const int32_t* lengths, const uint8_t* mask,
+// over k stored as key_type and v as value_type ([kv_heads, tokens] rows of head_dim values,
+// rows contiguous, k_head_stride and v_head_stride bytes between heads). There are mask_keys
+// keys: row r sees the keys its mask row marks (mask: [rows, mask_keys] bytes), else its
+// first lengths[r], else all of them. Returns 0, or -1 for shapes it does not take.
+int miniapp_attend_rows(const float* q, const uint8_t* k, const uint8_t* v, int key_type,
+                        int value_type, int64_t k_head_stride, int64_t v_head_stride,
+                        const int32_t* lengths, const uint8_t* mask,
                         int64_t mask_keys, int64_t rows, int64_t n_heads, int64_t kv_heads,
                         int64_t head_dim, float scale, float* out, int threads) {
   if (rows <= 0) return rows == 0 ? 0 : -1;
@@ -1053,18 +1068,20 @@ int miniapp_attend_rows(const float* q, const uint8_t* k, const uint8_t* v, int 
       free(sources);
       return -1;
     }
-    sources[r] = {k, v, kv_head_stride, scanned, mask ? mask + r * mask_keys : nullptr, kv_type};
+    sources[r] = {k, v, k_head_stride, v_head_stride, scanned,
+                  mask ? mask + r * mask_keys : nullptr, key_type, value_type};
   }
   const int status = attend(q, sources, rows, n_heads, kv_heads, head_dim, scale, out, threads);
   free(sources);
   return status;
 }
 
-// The same, each row over its own sequence's keys (rows of a batch): k[r], v[r] stored as
-// kv_types[r] with kv_head_strides[r] bytes between heads, keys[r] of them, masks[r] (bytes
-// [keys[r]]) or null for all visible.
+// The same, each row over its own sequence's keys (rows of a batch): k[r] stored as
+// key_types[r], v[r] as value_types[r], with k_head_strides[r] and v_head_strides[r] bytes
+// between heads, keys[r] of them, masks[r] (bytes [keys[r]]) or null for all visible.
 int miniapp_attend_sequences(const float* q, const uint8_t* const* k, const uint8_t* const* v,
-                             const int32_t* kv_types, const int64_t* kv_head_strides,
+                             const int32_t* key_types, const int32_t* value_types,
+                             const int64_t* k_head_strides, const int64_t* v_head_strides,
                              const int64_t* keys, const uint8_t* const* masks, int64_t rows,
                              int64_t n_heads, int64_t kv_heads, int64_t head_dim, float scale,
                              float* out, int threads) {
@@ -1072,8 +1089,8 @@ int miniapp_attend_sequences(const float* q, const uint8_t* const* k, const uint
   RowKeys* sources = static_cast<RowKeys*>(malloc(sizeof(RowKeys) * rows));
   if (!sources) return -1;
   for (int64_t r = 0; r < rows; ++r) {
-    sources[r] = {k[r], v[r], kv_head_strides[r], keys[r], masks ? masks[r] : nullptr,
-                  kv_types[r]};
+    sources[r] = {k[r], v[r], k_head_strides[r], v_head_strides[r], keys[r],
+                  masks ? masks[r] : nullptr, key_types[r], value_types[r]};
   }
   const int status = attend(q, sources, rows, n_heads, kv_heads, head_dim, scale, out, threads);
   free(sources);

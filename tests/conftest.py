@@ -18,7 +18,7 @@ os.environ["MINIAPP_CONFIG"] = os.path.join(tempfile.mkdtemp(prefix="miniapp-tes
                                             "config.toml")  # fmt: skip
 _SETTINGS = ("MODEL", "BACKEND", "DEVICE", "THREADS", "CTX", "WINDOW", "SINKS", "SPEC",
              "MAX_TOKENS", "TEMPERATURE", "TOP_K", "TOP_P", "MIN_P", "REPEAT_PENALTY", "SEED",
-             "SYSTEM", "ASR_MODEL", "HOST", "PORT", "KV_TYPE")  # fmt: skip
+             "SYSTEM", "ASR_MODEL", "HOST", "PORT", "KV_TYPE", "PARALLEL", "API_KEY")  # fmt: skip
 for _name in _SETTINGS:
     os.environ.pop("MINIAPP_" + _name, None)
 # The suite runs the CPU path on every machine, a GPU machine too: GPU paths are tested

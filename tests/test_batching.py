@@ -17,7 +17,15 @@ from miniapp.engine.compute_thread import ComputeThread
 from miniapp.engine.events import Finished, GenerationStats, TextDelta
 from miniapp.engine.generation import GenerationRequest, generate
 from miniapp.engine.gguf_file import GGUFFile
-from miniapp.engine.kv_types import F32, KV_TYPES, bytes_per_token, storable_kv_types
+from miniapp.engine.kv_types import (
+    F32,
+    KV_TYPES,
+    Q4,
+    Q8,
+    KVPair,
+    bytes_per_token,
+    storable_kv_types,
+)
 from miniapp.engine.models import CachePolicy, build_model
 from miniapp.engine.runtimes.torch_runtime import TorchRuntime
 from miniapp.engine.sampling import GREEDY
@@ -102,6 +110,11 @@ def test_a_waiting_sequence_knows_its_place_and_the_queue_has_a_bound(model):
     assert (first.queue_position, second.queue_position, third.queue_position) == (0, 1, 2)
     with pytest.raises(QueueFullError, match="2 requests are already waiting for one of 1 slots"):
         scheduler.submit([1, 9], GREEDY, 4)
+    idle = BatchScheduler(model, POLICY, BatchConfig(slots=2, max_queue=1))
+    submitted = [idle.submit([1, 5 + i], GREEDY, 2) for i in range(3)]  # two of them for slots
+    with pytest.raises(QueueFullError, match="1 requests are already waiting for one of 2"):
+        idle.submit([1, 9], GREEDY, 2)
+    assert [len(list(s)) for s in submitted] == [2, 2, 2]
     _take(first, 3)  # the waiting ones wait through these steps
     first.close()
     assert list(second) == _alone(model, [1, 5, 6], 4)
@@ -140,7 +153,9 @@ def test_every_row_of_a_mixed_pass_is_bit_identical_to_decoding_alone(model):
     fed = [p[:-n] for p, n in zip(prompts, new, strict=True)]  # in the caches before
     rows = [p[-n:] for p, n in zip(prompts, new, strict=True)]
     kinds = storable_kv_types(model.config.head_dim)
-    assert len(kinds) >= 3  # f32, f16, bf16 (and q8, q4 for heads of 32)
+    assert len(kinds) >= 3  # f32, f16, bf16 (and q8, q4, q8/q4 for heads of 32)
+    if Q8 in kinds:
+        kinds.append(KVPair(Q8, Q4))
     for kind in kinds:
         policy = replace(POLICY, kv_type=kind)
         caches = [model.make_caches(policy) for _ in prompts]
@@ -288,7 +303,7 @@ def test_the_kv_budget_counts_bytes_of_the_policys_kv_type(model):
     c = model.config
     fp32 = BatchScheduler(model, replace(POLICY, kv_type=F32)).kv_bytes_per_token
     assert fp32 == 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4
-    for kind in KV_TYPES.values():
+    for kind in [*KV_TYPES.values(), KVPair(Q8, Q4)]:
         per_token = BatchScheduler(model, replace(POLICY, kv_type=kind)).kv_bytes_per_token
         assert per_token == bytes_per_token(kind, c.n_layers, c.n_kv_heads, c.head_dim)
 

@@ -16,13 +16,26 @@ from miniapp.engine.cache import RotatingKVCache
 from miniapp.engine.errors import MiniappError
 from miniapp.engine.kernels import cpu_int4_kernel
 from miniapp.engine.kv_codec import KVCodec
-from miniapp.engine.kv_types import BLOCK, KV_TYPES, Q4, Q8, bytes_per_token, kv_type
+from miniapp.engine.kv_types import (
+    BLOCK,
+    F16,
+    F32,
+    KV_TYPES,
+    Q4,
+    Q8,
+    KVPair,
+    bytes_per_token,
+    kv_type,
+)
 from miniapp.engine.layers import Rope
 from miniapp.native import reference
 from miniapp.native.attention import NativeAttention, NativeKVCodec
 
 CPU = torch.device("cpu")
 KINDS = list(KV_TYPES.values())
+# Keys and values stored apart: rotated keys with rotated values in fewer bits, with plain
+# values, and plain keys with rotated values (each rotation undone on its own side).
+PAIRS = [KVPair(Q8, Q4), KVPair(Q4, F32), KVPair(F16, Q8)]
 ATTENTION_TOLERANCE = 2e-5  # of the outputs' scale: fp32 sums over up to ~1300 keys
 
 
@@ -94,7 +107,7 @@ def test_decoding_is_within_the_types_error_bound(kind, rotated):
     assert error.abs().max() > 0  # it is quantized: this test would notice it was not
 
 
-@pytest.mark.parametrize("kind", KINDS, ids=[k.name for k in KINDS])
+@pytest.mark.parametrize("kind", KINDS + PAIRS, ids=[k.name for k in KINDS + PAIRS])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "tokens"),
     [(9, 3, 64, 37), (9, 3, 64, 1300), (4, 1, 256, 700), (6, 2, 96, 300)],
@@ -102,7 +115,7 @@ def test_decoding_is_within_the_types_error_bound(kind, rotated):
 def test_attention_reads_each_type_as_the_reference_over_its_decoded_rows(
     library, kind, heads, kv_heads, head_dim, tokens
 ):
-    key_codec = value_codec = KVCodec(kind, head_dim, CPU)
+    key_codec, value_codec = KVCodec(kind.key, head_dim, CPU), KVCodec(kind.value, head_dim, CPU)
     capacity = tokens + 9  # a view of a larger storage, as caches fetch them
     keys = key_codec.encode(_rows(kv_heads, capacity, head_dim, seed=1))[:, :, :tokens]
     values = value_codec.encode(_rows(kv_heads, capacity, head_dim, seed=2))[:, :, :tokens]
@@ -110,27 +123,29 @@ def test_attention_reads_each_type_as_the_reference_over_its_decoded_rows(
     queries = torch.randn(len(lengths), heads, head_dim, generator=torch.Generator().manual_seed(3))
     poisoned = torch.full_like(queries, float("nan"))
     got = NativeAttention(library)(queries, keys[0], values[0], 0.125,
-                                   lengths=torch.tensor(lengths), kv_type=kind.code,
+                                   lengths=torch.tensor(lengths),
+                                   kv_type=(kind.key.code, kind.value.code),
                                    out=poisoned)  # fmt: skip
     want = reference.attend_rows(queries, key_codec.decode(keys)[0],
                                  value_codec.decode(values)[0], 0.125, lengths=lengths)  # fmt: skip
     assert (got.double() - want).abs().max() < ATTENTION_TOLERANCE * want.abs().max()
 
 
-@pytest.mark.parametrize("kind", [Q8, Q4], ids=["q8", "q4"])
+@pytest.mark.parametrize("kind", [Q8, Q4, KVPair(Q8, Q4)], ids=["q8", "q4", "q8/q4"])
 def test_rows_are_bit_identical_alone_and_in_a_batch_of_mixed_types(library, kind):
     """Verification rows (one call, each its own length) and a batch's decode steps (one call,
     each its own cache and type) come out as each row's call of its own."""
     attend, head_dim = NativeAttention(library), 64
-    codecs = [KVCodec(k, head_dim, CPU) for k in (kind, KV_TYPES["f32"], kind)]
-    value_codecs = codecs
+    settings = (kind, F32, KVPair(kind.value, kind.key))
+    codecs = [KVCodec(k.key, head_dim, CPU) for k in settings]
+    value_codecs = [KVCodec(k.value, head_dim, CPU) for k in settings]
     sizes = (900, 300, 40)
     keys = [c.encode(_rows(3, n, head_dim, seed=n))[0] for c, n in zip(codecs, sizes, strict=True)]
     values = [c.encode(_rows(3, n, head_dim, seed=n + 1))[0]
               for c, n in zip(value_codecs, sizes, strict=True)]  # fmt: skip
     queries = torch.randn(3, 9, head_dim, generator=torch.Generator().manual_seed(7))
     masks = [None, torch.arange(300) % 3 != 0, None]
-    codes = [c.kind.code for c in codecs]
+    codes = [(k.kind.code, v.kind.code) for k, v in zip(codecs, value_codecs, strict=True)]
     batch = attend.sequences(queries, keys, values, 0.125, masks, codes)
     for row in range(3):
         mask = None if masks[row] is None else masks[row][None]
@@ -179,13 +194,20 @@ def _rotated(heads: torch.Tensor, rope: Rope, delta: int) -> torch.Tensor:
 
 def test_bytes_per_token_of_each_type():
     # SmolLM2: 30 layers, 3 kv heads of 64.
-    per_token = {k.name: bytes_per_token(k, 30, 3, 64) for k in KINDS}
-    assert per_token == {"f32": 46080, "f16": 23040, "bf16": 23040, "q8": 12240, "q4": 7200}
+    per_token = {k.name: bytes_per_token(k, 30, 3, 64) for k in KINDS + PAIRS}
+    assert per_token == {"f32": 46080, "f16": 23040, "bf16": 23040, "q8": 12240, "q4": 7200,
+                         "q8/q4": 9720, "q4/f32": 26640, "f16/q8": 17640}  # fmt: skip
 
 
 def test_a_bad_name_or_an_unfit_head_size_is_one_line():
     with pytest.raises(MiniappError, match=r"--kv-type 'q9': choose from f32, f16, bf16, q8, q4"):
         kv_type("q9")
+    for bad in ("q8/q9", "q8/q4/f16", "/q4"):
+        with pytest.raises(MiniappError, match="or KEYS/VALUES such as q8/q4"):
+            kv_type(bad)
     assert kv_type(" Q8 ") is Q8
+    assert kv_type("q8/q8") is Q8 and kv_type("q8/Q4") == KVPair(Q8, Q4)
+    with pytest.raises(MiniappError, match="--kv-type q4 stores blocks of 32"):
+        kv_type("f16/q4").check(80)
     with pytest.raises(MiniappError, match="blocks of 32 values; this model's heads have 80"):
         KVCodec(Q4, 80, CPU)

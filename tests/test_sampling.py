@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 
 from miniapp.engine.sampling import SamplingParams
-from miniapp.engine.torch_sampler import Sampler, apply_repeat_penalty
+from miniapp.engine.torch_sampler import Sampler, apply_presence_frequency, apply_repeat_penalty
 
 
 def test_greedy_is_argmax():
@@ -52,3 +52,15 @@ def test_repeat_penalty_follows_llama_cpp_rule():
     out = apply_repeat_penalty(logits, [0, 1, 1], penalty=2.0)
     assert out.tolist() == [1.0, -4.0, 1.0]
     assert logits.tolist() == [2.0, -2.0, 1.0]  # input untouched
+
+
+def test_presence_and_frequency_penalties_follow_openais_rule_over_the_recent_tokens():
+    logits = torch.tensor([2.0, -2.0, 1.0, 0.5])
+    out = apply_presence_frequency(logits, [0, 1, 1, 1], presence=0.5, frequency=0.25)
+    assert out.tolist() == [2.0 - 0.75, -2.0 - 1.25, 1.0, 0.5]
+    assert logits.tolist() == [2.0, -2.0, 1.0, 0.5]  # input untouched
+    # Through the sampler: only the last repeat_last_n tokens count; a strong presence
+    # penalty turns greedy away from a token it just produced.
+    params = SamplingParams(temperature=0, presence_penalty=2.0, repeat_last_n=2)
+    assert Sampler(params)(torch.tensor([3.0, 2.0, 0.0]), [0]) == 1
+    assert Sampler(params)(torch.tensor([3.0, 2.0, 0.0]), [0, 2, 2]) == 0  # 0 is out of range

@@ -14,7 +14,7 @@ from tiny_gguf import TinyModel, write_tiny_model
 
 from miniapp.engine.cache import RotatingKVCache
 from miniapp.engine.evaluation.calibrate import agreement_runs, prompt_tokens
-from miniapp.engine.kv_types import DEFAULT_KV_TYPE, KV_TYPES, Q4, Q8
+from miniapp.engine.kv_types import DEFAULT_KV_TYPE, KV_TYPES, Q4, Q8, KVPair
 from miniapp.engine.models import CachePolicy
 from miniapp.engine.runtimes.torch_runtime import TorchRuntime
 from miniapp.engine.sampling import GREEDY, SamplingParams
@@ -114,6 +114,7 @@ def _assert_same_visible_state(drafted, clean):
         (CachePolicy(96, sinks=4), 150),  # ring of 156: the drafts make it wrap the first time
         (CachePolicy(96, sinks=4), 400),  # a ring that wrapped long ago
         (CachePolicy(96, sinks=4, kv_type=Q4), 400),  # ... storing 4-bit rotated keys
+        (CachePolicy(96, sinks=4, kv_type=KVPair(Q8, Q4)), 150),  # keys and values apart
         (CachePolicy(512, streaming=False, kv_type=Q8), 150),
     ],
 )
@@ -139,7 +140,7 @@ def test_rollback_leaves_the_cache_as_if_nothing_was_drafted(smol, policy, fed):
     assert torch.equal(after_drafted, after_clean)
 
 
-@pytest.mark.parametrize("kind", list(KV_TYPES.values()), ids=list(KV_TYPES))
+@pytest.mark.parametrize("kind", [*KV_TYPES.values(), KVPair(Q8, Q4)], ids=[*KV_TYPES, "q8/q4"])
 @torch.inference_mode()
 def test_verification_rows_are_bit_identical_to_decode_steps(smol, kind):
     model = smol.model

@@ -16,7 +16,7 @@ from tiny_gguf import GEMMA3, LLAMA, write_tiny_model
 
 from miniapp.engine.devices import SimulatedProbe
 from miniapp.engine.gguf_file import GGUFFile
-from miniapp.engine.kv_types import BLOCK, F16, F32, Q8
+from miniapp.engine.kv_types import BLOCK, F16, F32, Q4, Q8, KVPair
 from miniapp.engine.models import CachePolicy, build_model
 from miniapp.engine.models.static_step import StaticDecodeStep, span_bucket
 from miniapp.engine.runtimes.torch_runtime import TorchRuntime
@@ -71,7 +71,9 @@ def _static_logits(step):
     return run
 
 
-@pytest.mark.parametrize("kind", [F32, F16, Q8], ids=["f32", "f16", "q8-where-it-fits"])
+@pytest.mark.parametrize(
+    "kind", [F32, F16, Q8, KVPair(Q8, Q4)], ids=["f32", "f16", "q8-where-it-fits", "q8/q4-where"]
+)
 def test_static_steps_give_the_ordinary_steps_logits(model, kind):
     if kind.blocked and model.config.head_dim % BLOCK:  # tiny llama's heads of 16: f16 again
         kind = F16

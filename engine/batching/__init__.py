@@ -1,5 +1,13 @@
 """Many sequences at once on the torch engine (continuous batching): see scheduler.py."""
 
-from .scheduler import UNLIMITED, BatchConfig, BatchScheduler, QueueFullError, SequenceStream
+from .scheduler import (
+    DEFAULT_QUEUE,
+    UNLIMITED,
+    BatchConfig,
+    BatchScheduler,
+    QueueFullError,
+    SequenceStream,
+)
 
-__all__ = ["UNLIMITED", "BatchConfig", "BatchScheduler", "QueueFullError", "SequenceStream"]
+__all__ = ["DEFAULT_QUEUE", "UNLIMITED", "BatchConfig", "BatchScheduler", "QueueFullError",
+           "SequenceStream"]  # fmt: skip

@@ -36,7 +36,7 @@ import torch
 from ..cache import Cache, keep_first, reusable_length
 from ..errors import MiniappError
 from ..events import SpeculationStats
-from ..kv_types import KVType, bytes_per_token
+from ..kv_types import KVSetting, bytes_per_token
 from ..models import CachePolicy, DecoderModel
 from ..sampling import SamplingParams
 from ..speculative import SpeculativeDecoder
@@ -213,9 +213,12 @@ class BatchScheduler:
         sequence = _Sequence(stream, list(prompt), Sampler(params), max(1, max_new),
                              frozenset(stop_ids), history=list(prompt))  # fmt: skip
         with self._lock:
-            if len(self._waiting) >= self.config.max_queue:
+            # Sequences submitted but not yet admitted to a free slot do not wait for one.
+            free = max(0, self.config.slots - len(self._running))
+            waiting = len(self._waiting) - free
+            if waiting >= self.config.max_queue:
                 raise QueueFullError(
-                    f"{len(self._waiting)} requests are already waiting for one of "
+                    f"{waiting} requests are already waiting for one of "
                     f"{self.config.slots} slots; try again shortly"
                 )
             self._waiting.append(sequence)
@@ -469,7 +472,7 @@ class BatchScheduler:
         sequence.caches = []
 
 
-def kv_bytes_per_token(model: DecoderModel, kind: KVType) -> int:
+def kv_bytes_per_token(model: DecoderModel, kind: KVSetting) -> int:
     """Bytes of keys and values one token takes over all layers, stored as `kind` (the
     policy's kv type; a local layer's ring is smaller, so this errs on the safe side)."""
     c = model.config

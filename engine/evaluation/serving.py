@@ -21,7 +21,7 @@ import torch
 from ..batching import BatchConfig, BatchScheduler
 from ..devices import estimate_footprint
 from ..gguf_file import GGUFFile
-from ..kv_types import KVType, default_kv_type, kv_type
+from ..kv_types import KVSetting, default_kv_type, kv_type
 from ..models import CachePolicy, build_model
 from ..runtimes.base import default_threads
 from ..sampling import GREEDY
@@ -60,7 +60,7 @@ def percentile(values: list[float], q: float) -> float:
 
 class ServingBench:
     def __init__(self, model_path: Path, prompts: list[list[int]], tokens: int, ctx: int,
-                 threads: int | None = None, kv: str | KVType | None = None):  # fmt: skip
+                 threads: int | None = None, kv: str | KVSetting | None = None):  # fmt: skip
         """`kv`: how every sequence's KV cache stores keys and values (--kv-type; None: the
         default for the model)."""
         asked = None if kv is None else kv_type(kv)  # a bad name is one line, before loading

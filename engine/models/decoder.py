@@ -96,8 +96,8 @@ class Attention:
         """queries [heads, rows, head_dim] over stored keys [1, kv_heads, tokens, width] ->
         [1, heads, rows, head_dim], as scaled_dot_product_attention returns it."""
         rows_first = queries.transpose(0, 1).contiguous()
-        kind = cache.key_codec.kind.code
-        out = self.native(rows_first, keys[0], values[0], self.scale, lengths, mask, kind)
+        out = self.native(rows_first, keys[0], values[0], self.scale, lengths, mask,
+                          _kernel_types(cache))  # fmt: skip
         return out.transpose(0, 1)[None]
 
     def _attend_segments(self, qk, v, segments: Segments) -> torch.Tensor:
@@ -127,7 +127,7 @@ class Attention:
             attended = self.native.sequences(
                 queries, [d[2] for d in decodes], [d[3] for d in decodes], self.scale,
                 [None if d[4] is None else d[4][0] for d in decodes],
-                [d[5].key_codec.kind.code for d in decodes],
+                [_kernel_types(d[5]) for d in decodes],
             )  # fmt: skip
             for j, (index, *_) in enumerate(decodes):
                 outs[index] = attended[j : j + 1].transpose(0, 1)[None]
@@ -409,3 +409,8 @@ def _rope(config: DecoderConfig, rope: RopeConfig, freq_factors: torch.Tensor | 
         position_scale=rope.position_scale,
         freq_factors=freq_factors,
     )
+
+
+def _kernel_types(cache: Cache) -> tuple[int, int]:
+    """The native attention's type codes for a cache's keys and values."""
+    return cache.key_codec.kind.code, cache.value_codec.kind.code

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import Cache, KVCache, RotatingKVCache
-from ..kv_types import F32, KVType
+from ..kv_types import F32, KVSetting
 from ..layers import CPU_INT4, Rope, WeightTarget
 from .config import DecoderConfig
 
@@ -33,7 +33,7 @@ class CachePolicy:
     sinks: int = 4
     window: int | None = None  # default: ctx - sinks
     streaming: bool = True
-    kv_type: KVType = F32
+    kv_type: KVSetting = F32
 
     @property
     def window_size(self) -> int:

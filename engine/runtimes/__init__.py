@@ -25,12 +25,15 @@ def open_runtime(
     device: str = "auto",
     parallel: int = 1,
     kv: str | None = None,
+    max_queue: int | None = None,
 ) -> Runtime:
     """`sinks` and `window` shape the torch engine's sliding-window cache (see TorchRuntime);
     llama.cpp's Python binding has no equivalent, so it stops at a full context instead.
     `parallel`: generations the torch engine runs at once (continuous batching); llama.cpp
-    here runs one at a time. `kv`: how the KV cache stores keys and values (kv_types.py;
-    None: the torch engine's default for the model, llama.cpp's own f16)."""
+    here runs one at a time; `max_queue` more may wait for a slot (None: the engine's
+    default), and further ones are refused (QueueFullError). `kv`: how the KV cache stores
+    keys and values (kv_types.py; None: the torch engine's default for the model, llama.cpp's
+    own f16)."""
     kind = None if kv is None else kv_type(kv)  # a bad name is one line, before any loading
     if backend == "torch":
         from .torch_runtime import TorchRuntime
@@ -39,6 +42,7 @@ def open_runtime(
         return TorchRuntime(
             model_path, n_ctx=n_ctx, threads=threads, sinks=sinks, window=window, spec=spec,
             device=device, parallel=parallel, kv=kind,
+            **({} if max_queue is None else {"max_queue": max_queue}),
         )  # fmt: skip
     if backend == "llamacpp":
         from .llamacpp_runtime import LlamaCppRuntime

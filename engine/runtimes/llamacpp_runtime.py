@@ -10,7 +10,7 @@ import numpy as np
 
 from ..devices import DeviceProbe
 from ..gguf_file import GGUFFile
-from ..kv_types import KVType
+from ..kv_types import KVSetting
 from ..llamacpp_lib import Llama, OpenedModel, open_model
 from ..sampling import SamplingParams
 from ..token_stream import GeneratedTokens, TokenStream
@@ -39,7 +39,7 @@ class LlamaCppRuntime(Runtime):
         threads: int | None = None,
         logits_all: bool = False,
         probe: DeviceProbe | None = None,
-        kv: KVType | None = None,
+        kv: KVSetting | None = None,
     ):
         """`kv`: llama.cpp's KV cache type (None: its default, f16); a quantized V cache
         needs llama.cpp's flash attention, which is switched on for it."""
@@ -51,8 +51,11 @@ class LlamaCppRuntime(Runtime):
         threads = threads or default_threads()
         cache_params = {}
         if kv is not None:
-            ggml = GGML_KV_TYPES[kv.name]
-            cache_params = {"type_k": ggml, "type_v": ggml, "flash_attn": kv.blocked}
+            cache_params = {
+                "type_k": GGML_KV_TYPES[kv.key.name],
+                "type_v": GGML_KV_TYPES[kv.value.name],
+                "flash_attn": kv.blocked,  # llama.cpp needs it for a quantized V cache
+            }
         self.kv_type = kv.name if kv is not None else "f16"
         opened = self._open(gguf, n_ctx, probe, n_batch=min(n_ctx, BATCH), n_threads=threads,
                             n_threads_batch=threads, logits_all=logits_all,
@@ -114,4 +117,6 @@ def sample_with_llamacpp(
         top_p=params.top_p,
         min_p=params.min_p,
         repeat_penalty=params.repeat_penalty,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
     )

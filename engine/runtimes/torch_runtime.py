@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..batching import UNLIMITED, BatchConfig, BatchScheduler
+from ..batching import DEFAULT_QUEUE, UNLIMITED, BatchConfig, BatchScheduler
 from ..cache import Cache, keep_first, reusable_length
 from ..compute_thread import ComputeThread
 from ..devices import (
@@ -24,7 +24,7 @@ from ..devices import (
 )
 from ..errors import MiniappError
 from ..gguf_file import GGUFFile
-from ..kv_types import KVType, bytes_per_token, default_kv_type, kv_type
+from ..kv_types import KVSetting, bytes_per_token, default_kv_type, kv_type
 from ..memory import available_memory_bytes, limit_heap_fragmentation
 from ..models import CachePolicy, DecoderModel, Placement, build_model
 from ..models.static_step import StaticDecodeStep
@@ -76,7 +76,8 @@ class TorchRuntime(Runtime):
         device: str = "auto",
         probe: DeviceProbe | None = None,
         parallel: int = 1,
-        kv: KVType | str | None = None,
+        max_queue: int = DEFAULT_QUEUE,
+        kv: KVSetting | str | None = None,
     ):
         if parallel < 1:
             raise MiniappError(f"--parallel {parallel}: run at least one generation at a time")
@@ -109,7 +110,7 @@ class TorchRuntime(Runtime):
         self.parallel = parallel
         self.scheduler = None
         if parallel > 1:
-            config = BatchConfig(slots=parallel, pooled_prefixes=parallel,
+            config = BatchConfig(slots=parallel, pooled_prefixes=parallel, max_queue=max_queue,
                                  kv_budget_bytes=_kv_budget())  # fmt: skip
             self.scheduler = BatchScheduler(self.model, self.policy, config, self._lone_decoder)
 

@@ -1,0 +1,297 @@
+"""The OpenAI-compatible HTTP API (FastAPI), a thin layer over `service.py`.
+
+Routes: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions.
+Streams are server-sent events in OpenAI's chunk shape, ending with `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
+
+from miniapp.engine.chat_template import Message
+from miniapp.engine.events import Finished, TextDelta
+from miniapp.engine.generation import GenerationRequest
+from miniapp.engine.sampling import SamplingParams
+
+from ..model_host import LoadState
+from .errors import ApiError, bad_request, error_response
+from .middleware import ApiKeyMiddleware, BodyLimitMiddleware
+from .models import model_listing
+from .protocol import ChatCompletionRequest, CompletionRequest, Sampling
+from .service import Job, Relay, ServedModel, check_fits, finish_reason, seeded, token_limit
+
+log = logging.getLogger("miniapp.serve")
+DEFAULT_BODY_LIMIT = 50 * 1024 * 1024  # bytes (--max-body-mb): a few large images as base64
+FINGERPRINT = "miniapp"
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    api_key: str | None = None
+    cors_origins: tuple[str, ...] = ()
+    body_limit: int = DEFAULT_BODY_LIMIT
+    defaults: SamplingParams = SamplingParams()  # the settings' sampling, for unset fields
+
+
+def create_app(served: ServedModel, options: ServeOptions) -> FastAPI:
+    app = FastAPI(title="miniapp", docs_url=None, redoc_url=None, openapi_url=None)
+    if options.cors_origins:
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(options.cors_origins),
+            allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"],
+        )  # fmt: skip
+    app.add_middleware(ApiKeyMiddleware, api_key=options.api_key)
+    app.add_middleware(BodyLimitMiddleware, limit=options.body_limit)
+    _add_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        status = served.host.status
+        if served.host.runtime is None or status.state is LoadState.LOADING:
+            return error_response(503, status.message, kind="unavailable_error",
+                                  code="model_loading")  # fmt: skip
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": model_listing(served)})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        _refuse_unsupported(body.unsupported())
+        served.check_model(body.model)
+        runtime = served.runtime()
+        messages = [_message(m) for m in body.messages]
+        prompt = served.chat_prompt(runtime, messages)
+        check_fits(runtime, prompt, "messages")
+        base = _generation_request(
+            body, options.defaults, token_limit(runtime, prompt, body.token_limit())
+        )
+        jobs = [Job(i, prompt, seeded(base, i)) for i in range(body.n)]
+        answer = Answer("chatcmpl", served.model_id, body, prompt_tokens=len(prompt))
+        return await _respond(served, runtime, jobs, answer, request)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        _refuse_unsupported(body.unsupported())
+        served.check_model(body.model)
+        runtime = served.runtime()
+        jobs, prompt_tokens, echoes = [], 0, {}
+        for p, given in enumerate(body.prompts()):
+            prompt = served.text_prompt(runtime, given)
+            check_fits(runtime, prompt, "prompt")
+            prompt_tokens += len(prompt)
+            base = _generation_request(
+                body, options.defaults, token_limit(runtime, prompt, body.token_limit())
+            )
+            for j in range(body.n):
+                index = p * body.n + j
+                jobs.append(Job(index, prompt, seeded(base, j)))
+                if body.echo:
+                    echoes[index] = given if isinstance(given, str) else \
+                        runtime.tokenizer.decode(list(given))  # fmt: skip
+        answer = Answer("cmpl", served.model_id, body, prompt_tokens, echoes=echoes)
+        return await _respond(served, runtime, jobs, answer, request)
+
+    return app
+
+
+# ------------------------------------------------------------------ requests
+
+
+def _refuse_unsupported(field: str | None) -> None:
+    if field is not None:
+        raise bad_request(f"'{field}' is not supported by this server yet", field,
+                          code="unsupported_parameter")  # fmt: skip
+
+
+def _message(message) -> Message:
+    if message.images():
+        raise bad_request("image_url parts are not supported by this server yet",
+                          "messages", code="unsupported_parameter")  # fmt: skip
+    role = "system" if message.role == "developer" else message.role
+    return Message(role, message.text())
+
+
+def _generation_request(body: Sampling, defaults: SamplingParams, max_tokens: int):
+    fields = {name: getattr(body, name) for name in ("temperature", "top_p", "seed", "top_k",
+              "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty")}  # fmt: skip
+    sampling = replace(defaults, **{k: v for k, v in fields.items() if v is not None})
+    return GenerationRequest(max_tokens=max_tokens, sampling=sampling, stop=body.stops())
+
+
+# ------------------------------------------------------------------ responses
+
+
+@dataclass
+class Answer:
+    """The response being built: one id and creation time for every chunk."""
+
+    prefix: str  # "chatcmpl" or "cmpl"
+    model: str
+    body: Sampling
+    prompt_tokens: int
+    echoes: dict[int, str] | None = None
+
+    def __post_init__(self):
+        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.chat = self.prefix == "chatcmpl"
+
+    def envelope(self, choices: list[dict], chunk: bool) -> dict:
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {"id": self.id, "object": kind + (".chunk" if chunk and self.chat else ""),
+                "created": self.created, "model": self.model,
+                "system_fingerprint": FINGERPRINT, "choices": choices}  # fmt: skip
+
+    def usage(self, finished: dict[int, Finished]) -> dict:
+        completion = sum(f.stats.generated_tokens for f in finished.values())
+        cached = max((f.stats.cached_prompt_tokens for f in finished.values()), default=0)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+
+    def choice(self, index: int, text: str, finished: Finished) -> dict:
+        reason = finish_reason(finished)
+        if self.chat:
+            return {"index": index, "message": {"role": "assistant", "content": text},
+                    "logprobs": None, "finish_reason": reason}  # fmt: skip
+        echo = (self.echoes or {}).get(index, "")
+        return {"index": index, "text": echo + text, "logprobs": None, "finish_reason": reason}
+
+    def delta(self, index: int, text: str | None = None, role: bool = False,
+              reason: str | None = None) -> dict:  # fmt: skip
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else {}
+            if text is not None:
+                delta["content"] = text
+            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+        return {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
+
+
+async def _respond(served: ServedModel, runtime, jobs: list[Job], answer: Answer,
+                   request: Request):  # fmt: skip
+    relay = Relay(served.host, runtime, jobs).start()
+    try:
+        await relay.accepted()
+    except BaseException:
+        relay.close()
+        raise
+    if answer.body.stream:
+        return StreamingResponse(_stream(relay, answer), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})  # fmt: skip
+    return await _complete(relay, answer, request)
+
+
+async def _complete(relay: Relay, answer: Answer, request: Request) -> JSONResponse:
+    texts: dict[int, list[str]] = {job.index: [] for job in relay.jobs}
+    finished: dict[int, Finished] = {}
+    async for index, event in _until_disconnected(relay, request):
+        if isinstance(event, TextDelta):
+            texts[index].append(event.text)
+        elif isinstance(event, Finished):
+            finished[index] = event
+    choices = [answer.choice(i, "".join(texts[i]), finished[i]) for i in sorted(finished)]
+    body = answer.envelope(choices, chunk=False)
+    body["usage"] = answer.usage(finished)
+    return JSONResponse(body)
+
+
+async def _until_disconnected(relay: Relay, request: Request) -> AsyncIterator:
+    """The relay's events; a client that hangs up on a plain response cancels it too."""
+    checked = time.monotonic()
+    async for item in relay.events():
+        yield item
+        if time.monotonic() - checked > 0.25:
+            checked = time.monotonic()
+            if await request.is_disconnected():
+                relay.close()
+                return
+
+
+async def _stream(relay: Relay, answer: Answer) -> AsyncIterator[str]:
+    """Server-sent events. Cancelled (the client went away), the relay's `finally` stops
+    every generation."""
+    finished: dict[int, Finished] = {}
+    usage_field = {"usage": None} if answer.body.include_usage else {}
+    started: set[int] = set()
+    for job in relay.jobs:
+        if answer.chat:
+            started.add(job.index)
+            yield _sse(answer.envelope([answer.delta(job.index, role=True)], True) | usage_field)
+        elif answer.echoes and job.index in answer.echoes:
+            chunk = answer.envelope([answer.delta(job.index, answer.echoes[job.index])], True)
+            yield _sse(chunk | usage_field)
+    async for index, event in relay.events():
+        if isinstance(event, TextDelta):
+            yield _sse(answer.envelope([answer.delta(index, event.text)], True) | usage_field)
+        elif isinstance(event, Finished):
+            finished[index] = event
+            last = answer.delta(index, reason=finish_reason(event))
+            yield _sse(answer.envelope([last], True) | usage_field)
+    if answer.body.include_usage:
+        yield _sse(answer.envelope([], True) | {"usage": answer.usage(finished)})
+    yield "data: [DONE]\n\n"
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+# ------------------------------------------------------------------ errors
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(_request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        status = exc.status_code
+        message = {404: "no such endpoint", 405: "method not allowed"}.get(status, exc.detail)
+        code = {413: "request_too_large"}.get(status, str(status))
+        return error_response(status, str(message), code=code)
+
+    @app.exception_handler(Exception)
+    async def crashed(_request: Request, exc: Exception) -> JSONResponse:
+        log.exception("request failed")
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}",
+                              kind="server_error")  # fmt: skip
+
+
+def _validation_error(exc: RequestValidationError) -> ApiError:
+    """pydantic's first complaint, as one line naming the field."""
+    error = exc.errors()[0]
+    location = [str(part) for part in error.get("loc", ()) if part != "body"]
+    field = ".".join(location) or None
+    kind = error.get("type", "")
+    if kind == "json_invalid":
+        return bad_request("We could not parse the JSON body of your request: "
+                           f"{error.get('ctx', {}).get('error', 'invalid JSON')}",
+                           code="invalid_json")  # fmt: skip
+    if kind == "extra_forbidden":
+        return bad_request(f"Unrecognized request argument supplied: {field}", field,
+                           code="unknown_parameter")  # fmt: skip
+    if kind == "missing":
+        return bad_request(f"Missing required parameter: '{field}'", field,
+                           code="missing_required_parameter")  # fmt: skip
+    if kind == "model_attributes_type" or not field:
+        return bad_request("the request body must be a JSON object", code="invalid_type")
+    return bad_request(f"Invalid value for '{field}': {error.get('msg')}", field,
+                       code="invalid_value")  # fmt: skip

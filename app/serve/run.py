@@ -1,0 +1,106 @@
+"""`miniapp serve`: the API on uvicorn in a background thread, the engine's work on the main
+thread (OpenMP runs about 3x slower on any other, see engine/compute_thread.py), the model
+loading in the background while /health says 503."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import signal
+import threading
+import time
+
+from miniapp.engine.errors import MiniappError
+from miniapp.engine.model_store import BUNDLED, resolve_model
+from miniapp.engine.sampling import SamplingParams
+
+from ..model_host import LoadSpec, ModelHost
+from ..settings import runtime_kv_type
+from .api import ServeOptions, create_app
+from .service import ServedModel
+
+STARTUP_TIMEOUT_S = 30.0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    _check_exposure(args.host, args.api_key)
+    model_path = resolve_model(args.model)
+    if not model_path.is_file():
+        raise MiniappError(f"{args.model}: model file not found")
+    spec = load_spec(args)
+    host = ModelHost()
+    host.request(spec)
+    served = ServedModel(host, spec, _model_id(args.model, model_path.name))
+    options = ServeOptions(api_key=args.api_key, cors_origins=tuple(args.cors_origin),
+                           body_limit=int(args.max_body_mb * 1024 * 1024),
+                           defaults=_sampling_defaults(args))  # fmt: skip
+    server = _start_uvicorn(create_app(served, options), args.host, args.port)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    print(f"miniapp serve: http://{_url_host(args.host)}:{port}/v1 ({served.model_id}, "
+          f"{args.backend}; loading, /health says when it is ready)", flush=True)  # fmt: skip
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        host.compute.serve(stop)  # until Ctrl-C or SIGTERM
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.should_exit = True
+    return 0
+
+
+def load_spec(args: argparse.Namespace) -> LoadSpec:
+    parallel = args.parallel if args.backend == "torch" else 1  # llama.cpp: one at a time
+    return LoadSpec(args.model, args.backend, args.device, args.spec,
+                    args.ctx, args.window, args.sinks, args.threads, parallel,
+                    runtime_kv_type(args), args.queue)  # fmt: skip
+
+
+def _model_id(asked: str, file_name: str) -> str:
+    """What /v1/models calls it: a bundled model's name, or the GGUF's file name."""
+    return asked if asked in BUNDLED else file_name
+
+
+def _sampling_defaults(args: argparse.Namespace) -> SamplingParams:
+    """The settings' sampling, for what a request leaves unset (as llama-server does)."""
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          min_p=args.min_p, repeat_penalty=args.repeat_penalty,
+                          seed=args.seed)  # fmt: skip
+
+
+def _check_exposure(host: str, api_key: str | None) -> None:
+    """Loopback is the default; any other address lets other machines in, so it needs a key."""
+    if _is_loopback(host) or api_key:
+        return
+    raise MiniappError(f"--host {host} lets other machines reach the API: give --api-key KEY "
+                       "(or MINIAPP_API_KEY) too, or bind 127.0.0.1")  # fmt: skip
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _start_uvicorn(app, host: str, port: int):
+    import uvicorn
+
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=2)  # fmt: skip
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise MiniappError(f"could not listen on {host}:{port} (in use, or not an "
+                               "address of this machine)")  # fmt: skip
+        time.sleep(0.02)
+    return server

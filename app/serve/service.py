@@ -1,0 +1,247 @@
+"""What the API's handlers ask of the engine: the loaded model, prompts as tokens, and answers
+as typed events relayed from generation threads into the event loop.
+
+On the batching engine (`--parallel` above 1) every answer runs on its own thread and its
+sequence joins the running batch; the steps themselves run on the host's compute thread
+(the process's main thread). Otherwise answers take turns under the host's generation lock,
+produced on the compute thread as the GUI's are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from miniapp.engine.batching import QueueFullError
+from miniapp.engine.chat_template import ChatTemplate, Message
+from miniapp.engine.errors import ContextFullError, MiniappError
+from miniapp.engine.events import Finished, FinishReason, GenerationEvent
+from miniapp.engine.generation import GenerationRequest, generate
+from miniapp.engine.runtimes import Runtime
+from miniapp.engine.token_stream import TokenStream
+
+from ..model_host import LoadSpec, LoadState, ModelHost, ModelLoadError
+from .errors import ApiError, bad_request
+
+RETRY_AFTER_S = 1  # what a client told "busy" (503) should wait before trying again
+
+
+@dataclass(frozen=True)
+class Job:
+    """One answer to produce: a choice of a request."""
+
+    index: int  # the choice's index in the response
+    prompt: list[int]
+    request: GenerationRequest
+
+
+class ServedModel:
+    """The one model this server answers with, loaded by the shared ModelHost."""
+
+    def __init__(self, host: ModelHost, spec: LoadSpec, model_id: str):
+        self.host, self.spec, self.model_id = host, spec, model_id
+        self._templates: dict[int, ChatTemplate] = {}
+
+    @property
+    def aliases(self) -> set[str]:
+        """Names a request may give for this model: its id, its file's name and stem."""
+        path = Path(self.spec.model)
+        return {self.model_id, self.spec.model, path.name, path.stem}
+
+    def check_model(self, name: str) -> None:
+        if name not in self.aliases:
+            raise ApiError(404, f"The model '{name}' does not exist or is not loaded (this "
+                           f"server runs '{self.model_id}')", code="model_not_found",
+                           param="model")  # fmt: skip
+
+    def runtime(self) -> Runtime:
+        """The loaded runtime; 503 while it loads (or if it failed to)."""
+        status = self.host.status
+        runtime = self.host.runtime
+        if runtime is None or status.state is LoadState.LOADING:
+            raise ApiError(503, f"the model is not ready: {status.message}",
+                           kind="server_error", code="model_loading",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
+        return runtime
+
+    def chat_prompt(self, runtime: Runtime, messages: list[Message]) -> list[int]:
+        template = self._templates.get(id(runtime))
+        if template is None:
+            template = ChatTemplate.for_model(runtime.chat_template, runtime.tokenizer,
+                                              runtime.architecture)  # fmt: skip
+            self._templates = {id(runtime): template}
+        try:
+            rendered = template.render(messages)
+        except MiniappError as exc:
+            raise bad_request(f"the chat template refused these messages: {exc}",
+                              "messages") from None  # fmt: skip
+        return runtime.tokenizer.encode_chat(rendered)
+
+    def text_prompt(self, runtime: Runtime, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            tokens = runtime.tokenizer.encode(prompt)
+        else:
+            tokens = list(prompt)
+            vocab = runtime.tokenizer.n_vocab
+            if any(not 0 <= t < vocab for t in tokens):
+                raise bad_request(f"prompt token ids must be in 0..{vocab - 1}", "prompt")
+        if not tokens:
+            raise bad_request("the prompt is empty", "prompt")
+        return tokens
+
+
+def check_fits(runtime: Runtime, prompt: list[int], param: str) -> None:
+    """A prompt the context cannot hold is a 400 with the counts, before anything runs."""
+    if len(prompt) >= runtime.n_ctx:
+        raise bad_request(
+            f"This model's maximum context length is {runtime.n_ctx} tokens. However, your "
+            f"{param} resulted in {len(prompt)} tokens.", param, code="context_length_exceeded"
+        )  # fmt: skip
+
+
+def token_limit(runtime: Runtime, prompt: list[int], asked: int | None) -> int:
+    """max_tokens as asked; unset, what the context has left (a sliding window keeps going
+    past it only when asked for more)."""
+    if asked is not None:
+        return asked
+    return max(1, runtime.n_ctx - len(prompt))
+
+
+def seeded(request: GenerationRequest, index: int) -> GenerationRequest:
+    """Choice `index` of a seeded request draws from its own seed (seed + index), so choices
+    differ and each is reproducible."""
+    seed = request.sampling.seed
+    if seed is None or index == 0:
+        return request
+    return replace(request, sampling=replace(request.sampling, seed=seed + index))
+
+
+class Relay:
+    """Runs the jobs' generations on threads; `events()` yields (index, event) in the event
+    loop. `close()` (the client went away) cancels every job at once."""
+
+    _DONE = object()
+    _OPENED = object()  # a job's generation was accepted (it runs, or waits for a slot)
+
+    def __init__(self, host: ModelHost, runtime: Runtime, jobs: list[Job]):
+        self.host, self.runtime, self.jobs = host, runtime, jobs
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._cancel = threading.Event()
+        self._streams: list[TokenStream] = []
+        self._lock = threading.Lock()
+        self._early: list = []  # events that arrived while `accepted` waited
+
+    def start(self) -> Relay:
+        if self.runtime.parallel > 1:
+            for job in self.jobs:
+                threading.Thread(target=self._run, args=([job],), daemon=True).start()
+        else:
+            threading.Thread(target=self._run_in_turn, daemon=True).start()
+        return self
+
+    async def accepted(self) -> None:
+        """Wait until the engine has taken the request (its answers run or wait for a slot):
+        what refuses it (a full queue, a prompt the runtime will not take) surfaces here,
+        before any response is sent. Answers that take turns are taken one at a time."""
+        needed = len(self.jobs) if self.runtime.parallel > 1 else 1
+        opened = 0
+        while opened < needed:
+            item = await self._queue.get()
+            _raise_if_error(item)
+            if item[1] is self._OPENED:
+                opened += 1
+            else:
+                self._early.append(item)
+                opened += item[1] is self._DONE  # ended before its stream opened (cancelled)
+
+    async def events(self) -> AsyncIterator[tuple[int, GenerationEvent]]:
+        remaining = len(self.jobs)
+        try:
+            while remaining:
+                item = self._early.pop(0) if self._early else await self._queue.get()
+                _raise_if_error(item)
+                index, event = item
+                if event is self._OPENED:
+                    continue
+                if event is self._DONE:
+                    remaining -= 1
+                    continue
+                yield index, event
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self._cancel.set()
+        with self._lock:
+            streams = list(self._streams)
+        for stream in streams:  # a batched sequence is dropped at the next step
+            stream.close()
+
+    # -- the generation threads
+
+    def _put(self, item) -> None:
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    def _opened(self, index: int, stream: TokenStream) -> None:
+        if self.runtime.parallel > 1:  # a batched stream may be closed from any thread
+            with self._lock:
+                self._streams.append(stream)
+            if self._cancel.is_set():
+                stream.close()
+        self._put((index, self._OPENED))
+
+    def _run(self, jobs: list[Job], relay=lambda events: events) -> None:
+        try:
+            for job in jobs:
+                if self._cancel.is_set():
+                    break
+                opened = functools.partial(self._opened, job.index)
+                events = generate(self.runtime, job.prompt, job.request, self._cancel.is_set,
+                                  on_tokens=opened)  # fmt: skip
+                for event in relay(events):
+                    self._put((job.index, event))
+                self._put((job.index, self._DONE))
+        except BaseException as exc:  # noqa: BLE001 - raised in the event loop instead
+            self._put(exc)
+
+    def _run_in_turn(self) -> None:
+        """One answer at a time on a runtime that does not batch, on the compute thread."""
+        try:
+            with self.host.generation_lock:
+                self._run(self.jobs, self.host.compute.iterate)
+        except BaseException as exc:  # noqa: BLE001
+            self._put(exc)
+
+
+def _raise_if_error(item) -> None:
+    if isinstance(item, BaseException):
+        raise api_error_for(item) from item
+
+
+def api_error_for(exc: BaseException) -> ApiError | BaseException:
+    """The HTTP answer to an error raised while generating."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, QueueFullError):
+        return ApiError(503, str(exc), kind="server_error", code="queue_full",
+                        headers={"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
+    if isinstance(exc, ModelLoadError):
+        return ApiError(503, str(exc), kind="server_error", code="model_loading",
+                        headers={"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
+    if isinstance(exc, ContextFullError):
+        return bad_request(str(exc), code="context_length_exceeded")
+    if isinstance(exc, MiniappError):
+        return bad_request(str(exc))
+    return exc
+
+
+def finish_reason(finished: Finished) -> str:
+    """OpenAI's finish_reason: the model ended or hit a stop string, or ran out of tokens."""
+    if finished.reason in (FinishReason.END_OF_TURN, FinishReason.STOP_STRING):
+        return "stop"
+    return "length"

@@ -1,0 +1,324 @@
+"""`miniapp serve`, through real clients: the official `openai` package and raw HTTP (httpx)
+against a real server process on a loopback port, answering with the bundled SmolLM2 on the
+batching engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+import openai
+import pytest
+
+MODEL = "smollm2-135m-instruct"
+START_TIMEOUT_S = 120.0
+KEY = "sekret-123"
+
+
+@contextmanager
+def running_server(miniapp_exe: str, *flags: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    """A `miniapp serve` process on a free loopback port; yields it and its base URL."""
+    proc = subprocess.Popen(
+        [miniapp_exe, "serve", "--port", "0", "--ctx", "1024", "--spec", "off", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy(),
+    )  # fmt: skip
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("miniapp serve: http://127.0.0.1:"), line + proc.stdout.read()
+        base = line.split()[2].removesuffix("/v1")
+        threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep the pipe drained
+        yield proc, base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def wait_ready(base: str) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if httpx.get(base + "/health").status_code == 200:
+            return
+        time.sleep(0.2)
+    raise AssertionError("the server never became ready")
+
+
+@pytest.fixture(scope="module")
+def server(miniapp_exe):
+    with running_server(miniapp_exe, "--parallel", "4", "--queue", "8") as (_, base):
+        wait_ready(base)
+        yield base
+
+
+@pytest.fixture(scope="module")
+def guarded(miniapp_exe):
+    """Two slots, one waiting place, a key and a 1 MB body limit."""
+    flags = ("--parallel", "2", "--queue", "1", "--api-key", KEY, "--max-body-mb", "1")
+    with running_server(miniapp_exe, *flags) as (_, base):
+        wait_ready(base)
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+
+
+def chat(client, content: str, **options):
+    return client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], **options
+    )
+
+
+def first_content(lines: Iterator[str]) -> str:
+    """Read a chat stream's lines up to its first piece of answer text. (Keep the iterator:
+    one dropped half-way closes the connection, and the server then cancels the answer.)"""
+    for line in lines:
+        if line.startswith("data: {"):
+            delta = json.loads(line.removeprefix("data: "))["choices"][0]["delta"]
+            if delta.get("content"):
+                return delta["content"]
+    raise AssertionError("the stream ended without text")
+
+
+# ------------------------------------------------------------------ the openai package
+
+
+def test_plain_and_streamed_chat_give_the_same_greedy_answer(client):
+    plain = chat(client, "Name three colours.", temperature=0, max_tokens=24)
+    assert plain.object == "chat.completion" and plain.model == MODEL
+    [choice] = plain.choices
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    usage = plain.usage
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert 0 < usage.completion_tokens <= 24
+
+    chunks = list(chat(client, "Name three colours.", temperature=0, max_tokens=24, stream=True,
+                       stream_options={"include_usage": True}))  # fmt: skip
+    assert len({c.id for c in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant"
+    *body, last_choice, usage_chunk = chunks
+    assert last_choice.choices[0].finish_reason == choice.finish_reason
+    assert all(c.choices[0].finish_reason is None for c in body)
+    assert (
+        usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == usage.completion_tokens
+    )
+    assert usage_chunk.usage.prompt_tokens_details.cached_tokens > 0  # the same prompt again
+    text = "".join(c.choices[0].delta.content or "" for c in body)
+    assert text == choice.message.content
+
+
+def test_max_tokens_ends_with_length_and_stop_strings_cut_the_answer(client):
+    short = chat(client, "Tell me a long story about a dragon.", temperature=0, max_tokens=3)
+    assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 3
+    limited = chat(client, "Tell me a long story about a dragon.", temperature=0,
+                   max_completion_tokens=40)  # fmt: skip
+    full = limited.choices[0].message.content
+    words = full.split()
+    assert len(words) > 6, full
+    stop = " " + words[5]
+    cut = chat(client, "Tell me a long story about a dragon.", temperature=0, max_tokens=40,
+               stop=[stop, "never-appears"])  # fmt: skip
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].message.content == full[: full.index(stop)]
+
+
+def test_a_seed_reproduces_a_sampled_answer_and_n_gives_that_many(client):
+    options = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 16, "seed": 1234}
+    first = chat(client, "Write a word.", **options).choices[0].message.content
+    again = chat(client, "Write a word.", **options).choices[0].message.content
+    assert first == again
+    several = chat(client, "Write a word.", n=2, **options)
+    assert [c.index for c in several.choices] == [0, 1]
+    assert several.choices[0].message.content == first  # choice 0 draws from the seed itself
+    alone = chat(client, "Write a word.", **options)
+    assert several.usage.completion_tokens > alone.usage.completion_tokens  # both counted
+    assert several.usage.prompt_tokens == alone.usage.prompt_tokens  # the prompt once
+
+
+def test_completions_plain_streamed_and_several_prompts(client):
+    plain = client.completions.create(model=MODEL, prompt="The capital of France is",
+                                      max_tokens=6, temperature=0)  # fmt: skip
+    assert plain.object == "text_completion" and plain.choices[0].text
+    streamed = client.completions.create(model=MODEL, prompt="The capital of France is",
+                                         max_tokens=6, temperature=0, stream=True)  # fmt: skip
+    pieces = list(streamed)
+    assert "".join(p.choices[0].text for p in pieces) == plain.choices[0].text
+    assert pieces[-1].choices[0].finish_reason == plain.choices[0].finish_reason
+    both = client.completions.create(model=MODEL, prompt=["One, two,", "The capital of France is"],
+                                     max_tokens=6, temperature=0, n=2)  # fmt: skip
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    assert both.choices[2].text == both.choices[3].text == plain.choices[0].text
+    echoed = client.completions.create(model=MODEL, prompt="One, two,", max_tokens=6,
+                                       temperature=0, echo=True)  # fmt: skip
+    assert echoed.choices[0].text == "One, two," + both.choices[0].text
+
+
+def test_eight_clients_at_once_each_get_the_answer_they_get_alone(client):
+    prompts = [f"Give one fact about the number {n}." for n in range(8)]
+    alone = [chat(client, p, temperature=0, max_tokens=20).choices[0].message.content
+             for p in prompts]  # fmt: skip
+    together: dict[int, str] = {}
+
+    def ask(i: int) -> None:
+        together[i] = (
+            chat(client, prompts[i], temperature=0, max_tokens=20).choices[0].message.content
+        )
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert [together.get(i) for i in range(8)] == alone
+
+
+def test_unsupported_and_bad_requests_are_400s_naming_the_field(client):
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        chat(client, "hi", logprobs=True, top_logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="Unrecognized request argument supplied: "
+                                                     "tools_extra"):  # fmt: skip
+        chat(client, "hi", extra_body={"tools_extra": 1})
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        chat(client, "hi", temperature=5)
+    with pytest.raises(openai.NotFoundError, match="does not exist or is not loaded"):
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+    long = "word " * 1500
+    too_long = r"maximum context length is 1024 tokens\. However, your messages resulted in \d+"
+    with pytest.raises(openai.BadRequestError, match=too_long):
+        chat(client, long)
+
+
+def test_the_models_list_names_the_loaded_model_with_its_context(client):
+    models = client.models.list().data
+    assert models[0].id == MODEL
+    assert models[0].model_extra["context_length"] == 1024 and models[0].model_extra["loaded"]
+
+
+# ------------------------------------------------------------------ raw HTTP
+
+
+def test_the_event_stream_framing_and_done(server):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+            "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    with httpx.stream("POST", server + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert all(e.startswith("data: ") for e in events[:-1])
+    assert all(p["object"] == "chat.completion.chunk" for p in payloads)
+    assert all(p["usage"] is None for p in payloads[:-1])
+    assert payloads[-1]["choices"] == [] and payloads[-1]["usage"]["completion_tokens"] == 4
+
+
+def test_error_bodies_have_openais_shape(server):
+    def error(response, status):
+        assert response.status_code == status, response.text
+        found = response.json()["error"]
+        assert set(found) == {"message", "type", "param", "code"} and found["message"]
+        return found
+
+    url = server + "/v1/chat/completions"
+    bad_json = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
+    assert error(bad_json, 400)["code"] == "invalid_json"
+    assert error(httpx.post(url, json={"model": MODEL}), 400)["param"] == "messages"
+    wrong_type = httpx.post(url, json={"model": MODEL, "messages": "hi"})
+    assert error(wrong_type, 400)["param"].startswith("messages")
+    assert error(httpx.post(url, json=[1, 2]), 400)["message"]
+    unknown = httpx.post(
+        url, json={"model": "nope", "messages": [{"role": "user", "content": "x"}]}
+    )
+    assert error(unknown, 404)["code"] == "model_not_found"
+    assert error(httpx.get(server + "/v1/nothing-here"), 404)["message"] == "no such endpoint"
+
+
+def test_a_key_guards_the_api_but_not_health(guarded):
+    assert httpx.get(guarded + "/health").status_code == 200
+    denied = openai.OpenAI(base_url=guarded + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError, match="Incorrect API key"):
+        denied.models.list()
+    response = httpx.get(guarded + "/v1/models")
+    assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+    allowed = openai.OpenAI(base_url=guarded + "/v1", api_key=KEY, max_retries=0)
+    assert allowed.models.list().data[0].id == MODEL
+
+
+def test_a_body_over_the_limit_is_413(guarded):
+    headers = {"authorization": f"Bearer {KEY}"}
+    big = {"model": MODEL, "messages": [{"role": "user", "content": "x" * (2 << 20)}]}
+    response = httpx.post(guarded + "/v1/chat/completions", json=big, headers=headers)
+    assert response.status_code == 413 and "over the limit" in response.json()["error"]["message"]
+
+    def chunked():
+        yield b'{"model": "' + MODEL.encode() + b'", "messages": [{"role": "user", "content": "'
+        for _ in range(40):
+            yield b"y" * 65536
+        yield b'"}]}'
+
+    streamed = httpx.post(guarded + "/v1/chat/completions", content=chunked(),
+                          headers=headers | {"content-type": "application/json"})  # fmt: skip
+    assert streamed.status_code == 413
+
+
+def test_a_full_queue_is_503_and_a_client_that_leaves_frees_its_slot(guarded):
+    headers = {"authorization": f"Bearer {KEY}"}
+    long_answer = {
+        "model": MODEL,
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+        "messages": [{"role": "user", "content": "Write a very long essay on rivers."}],
+    }
+    clients = [httpx.Client(timeout=120, headers=headers) for _ in range(3)]
+    streams = []
+    try:
+        for c in clients:  # two slots busy, one request waiting
+            request = c.build_request("POST", guarded + "/v1/chat/completions", json=long_answer)
+            streams.append(c.send(request, stream=True))
+        assert [s.status_code for s in streams] == [200, 200, 200]
+        lines = [s.iter_lines() for s in streams]
+        for stream_lines in lines[:2]:
+            first_content(stream_lines)  # both are generating
+        full = httpx.post(guarded + "/v1/chat/completions", json=long_answer, headers=headers)
+        assert full.status_code == 503, full.text
+        assert full.headers["retry-after"] == "1" and full.json()["error"]["code"] == "queue_full"
+        # The first client hangs up mid-answer: the waiting request takes its slot at once.
+        streams[0].close()
+        clients[0].close()
+        started = time.monotonic()
+        first_content(lines[2])
+        assert time.monotonic() - started < 10, "the freed slot was not reused at once"
+    finally:
+        for s in streams:
+            s.close()
+        for c in clients:
+            c.close()
+
+
+def test_health_is_503_while_the_model_loads(miniapp_exe):
+    with running_server(miniapp_exe) as (_, base):
+        first = httpx.get(base + "/health")
+        assert first.status_code == 503 and first.json()["error"]["code"] == "model_loading"
+        wait_ready(base)
+        assert httpx.get(base + "/health").json() == {"status": "ok"}
+
+
+def test_binding_beyond_loopback_needs_a_key(miniapp_exe):
+    done = subprocess.run([miniapp_exe, "serve", "--host", "0.0.0.0", "--port", "0"],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip().endswith("or bind 127.0.0.1") and "--api-key" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
