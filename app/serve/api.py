@@ -25,7 +25,9 @@ from miniapp.engine.generation import GenerationRequest
 from miniapp.engine.sampling import SamplingParams
 
 from ..model_host import LoadState
+from .audio import audio_router
 from .errors import ApiError, bad_request, error_response
+from .metrics import metrics_router
 from .middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from .models import model_listing
 from .protocol import ChatCompletionRequest, CompletionRequest, Sampling
@@ -42,6 +44,8 @@ class ServeOptions:
     cors_origins: tuple[str, ...] = ()
     body_limit: int = DEFAULT_BODY_LIMIT
     defaults: SamplingParams = SamplingParams()  # the settings' sampling, for unset fields
+    asr_model: str | None = None  # transcriptions: a faster-whisper folder (None: bundled)
+    threads: int | None = None  # CPU threads for transcription (None: all)
 
 
 def create_app(served: ServedModel, options: ServeOptions) -> FastAPI:
@@ -54,6 +58,8 @@ def create_app(served: ServedModel, options: ServeOptions) -> FastAPI:
     app.add_middleware(ApiKeyMiddleware, api_key=options.api_key)
     app.add_middleware(BodyLimitMiddleware, limit=options.body_limit)
     _add_error_handlers(app)
+    app.include_router(audio_router(served, options))
+    app.include_router(metrics_router(served, options))
 
     @app.get("/health")
     async def health() -> JSONResponse:

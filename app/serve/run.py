@@ -33,7 +33,8 @@ def run_serve(args: argparse.Namespace) -> int:
     served = ServedModel(host, spec, _model_id(args.model, model_path.name))
     options = ServeOptions(api_key=args.api_key, cors_origins=tuple(args.cors_origin),
                            body_limit=int(args.max_body_mb * 1024 * 1024),
-                           defaults=_sampling_defaults(args))  # fmt: skip
+                           defaults=_sampling_defaults(args), asr_model=args.asr_model,
+                           threads=args.threads)  # fmt: skip
     server = _start_uvicorn(create_app(served, options), args.host, args.port)
     port = server.servers[0].sockets[0].getsockname()[1]
     print(f"miniapp serve: http://{_url_host(args.host)}:{port}/v1 ({served.model_id}, "
