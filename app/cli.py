@@ -249,21 +249,29 @@ def _add_serve_parser(sub) -> None:
     )
     serve.add_argument("--port", type=_port, default=8080, help="port (0: any free one)")
     serve.add_argument(
-        "--api-key",
-        default=os.environ.get("MINIAPP_API_KEY"),
-        help="requests must send Authorization: Bearer KEY (or MINIAPP_API_KEY)",
-    )
-    serve.add_argument(
-        "--max-body-mb", type=_positive_float, default=50.0, metavar="MB",
-        help="larger request bodies get 413 (default 50 MB: a few images as base64)",
-    )  # fmt: skip
-    serve.add_argument(
         "--queue",
         type=_positive_int,
         metavar="N",
         help="requests that may wait for a free slot; more get 503 (default 64)",
     )
-    serve.add_argument(
+    _add_api_flags(serve)
+
+
+def _add_api_flags(parser: argparse.ArgumentParser) -> None:
+    """What the API takes, served alone (`serve`) or beside the GUI (`gui --api`)."""
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("MINIAPP_API_KEY"),
+        help="API requests must send Authorization: Bearer KEY (or MINIAPP_API_KEY)",
+    )
+    parser.add_argument(
+        "--max-body-mb",
+        type=_positive_float,
+        default=50.0,
+        metavar="MB",
+        help="larger API request bodies get 413 (default 50 MB)",
+    )
+    parser.add_argument(
         "--cors-origin",
         action="append",
         default=[],
@@ -283,6 +291,11 @@ def _add_gui_parser(sub) -> None:
     gui = sub.add_parser("gui", help="the desktop GUI in your browser (also plain `miniapp`)")
     add_setting_flags(gui, "gui")
     gui.add_argument("--no-browser", action="store_true", help="do not open a browser")
+    gui.add_argument(
+        "--api", action="store_true", help="also serve the OpenAI-compatible API on the GUI's model"
+    )
+    gui.add_argument("--api-port", type=_port, default=8080, help="--api: its port (0: any)")
+    _add_api_flags(gui)
 
 
 def _add_config_parser(sub) -> None:

@@ -87,6 +87,11 @@ class ModelHost:
     def runtime(self) -> Runtime | None:
         return self._runtime
 
+    @property
+    def loaded_spec(self) -> LoadSpec | None:
+        """What the loaded runtime was opened with (None before the first load)."""
+        return self._loaded
+
     def request(self, wanted: LoadSpec) -> None:
         """Start loading this model, unless it is loaded or loading."""
         with self._changed:

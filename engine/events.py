@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from .sampling import TokenLogprob
+
 
 class FinishReason(StrEnum):
     END_OF_TURN = "end_of_turn"  # the model emitted an end-of-generation token
@@ -16,9 +18,11 @@ class FinishReason(StrEnum):
 
 @dataclass(frozen=True)
 class TextDelta:
-    """A piece of answer text, ready to print."""
+    """A piece of answer text, ready to print, and, when asked for (SamplingParams.logprobs),
+    the log-probabilities of the tokens that made it."""
 
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass

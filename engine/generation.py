@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from .errors import ContextFullError
 from .events import Finished, FinishReason, GenerationEvent, GenerationStats, TextDelta
 from .runtimes.base import Runtime
-from .sampling import SamplingParams
+from .sampling import SamplingParams, TokenLogprob
 from .token_stream import TokenStream
 from .tokenizer import IncrementalDecoder
 
@@ -83,6 +83,7 @@ def generate(
     tokens = runtime.generate_tokens(prompt, request.sampling)
     if on_tokens is not None:
         on_tokens(tokens)
+    unsent: list[TokenLogprob] = []  # logprobs of tokens whose text is not yielded yet
     try:
         for token in tokens:
             last_at = time.perf_counter()
@@ -92,9 +93,12 @@ def generate(
             if token in eog:
                 reason = FinishReason.END_OF_TURN
                 break
+            if tokens.logprobs is not None:
+                unsent.append(tokens.logprobs[generated - 1])
             text, hit = stops.push(decoder.push(token))
             if text:
-                yield TextDelta(text)
+                yield TextDelta(text, tuple(unsent))
+                unsent.clear()
             if hit:
                 reason = FinishReason.STOP_STRING
                 break
@@ -111,7 +115,7 @@ def generate(
     if reason != FinishReason.STOP_STRING:
         tail = stops.push(decoder.flush())[0] + stops.flush()
         if tail:
-            yield TextDelta(tail)
+            yield TextDelta(tail, tuple(unsent))
     evaluated = len(prompt) - tokens.cached_prompt_tokens
     ttft = first_at - start
     prefill_time = ttft - tokens.queued_s

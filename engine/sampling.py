@@ -18,10 +18,24 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repeat_last_n: int = 64
     seed: int | None = None
+    # Report each sampled token's log-probability and this many most likely alternatives
+    # (None: report nothing). From the model's own distribution (the raw logits'
+    # log-softmax), whatever the sampling settings, as OpenAI's and vLLM's logprobs are.
+    # Answers that report them are decoded without speculation.
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability, and the most likely tokens at its position."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token, logprob), most likely first
 
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from .events import SpeculationStats
+from .sampling import TokenLogprob
 
 
 class TokenStream(Iterator[int]):
@@ -15,6 +16,9 @@ class TokenStream(Iterator[int]):
     cached_prompt_tokens: int = 0  # leading prompt tokens found already evaluated
     queued_s: float = 0.0  # time spent waiting for a free slot before evaluation began
     speculation: SpeculationStats | None = None  # drafting's counts, when it drafted
+    # One entry per token yielded, appended before the token is (SamplingParams.logprobs);
+    # None when not asked for.
+    logprobs: list[TokenLogprob] | None = None
 
     def close(self) -> None:  # noqa: B027 - nothing to release by default
         """Stop generating; the runtime's state stays consistent."""

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .sampling import SamplingParams
+from .sampling import SamplingParams, TokenLogprob
 
 
 class Sampler:
@@ -66,6 +66,17 @@ class Sampler:
         keep = _top_p_mask(probs, p.top_p) & _min_p_mask(probs, p.min_p)
         values, ids = values[keep], ids[keep]
         return torch.softmax(values / p.temperature, dim=-1), ids
+
+
+def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """`token`'s log-probability under the model's distribution (fp32 logits [vocab]), and
+    the `top` most likely tokens'."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    best = torch.topk(logprobs, top) if top > 0 else None
+    alternatives = () if best is None else tuple(
+        (int(t), float(lp)) for lp, t in zip(best.values, best.indices, strict=True)
+    )  # fmt: skip
+    return TokenLogprob(token, float(logprobs[token]), alternatives)
 
 
 def apply_repeat_penalty(

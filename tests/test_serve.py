@@ -145,6 +145,28 @@ def test_a_seed_reproduces_a_sampled_answer_and_n_gives_that_many(client):
     assert several.usage.prompt_tokens == alone.usage.prompt_tokens  # the prompt once
 
 
+def test_logprobs_join_to_the_answer_plain_and_streamed(client):
+    plain = chat(client, "Name a fruit.", temperature=0, max_tokens=12, logprobs=True,
+                 top_logprobs=2)  # fmt: skip
+    choice = plain.choices[0]
+    content = choice.logprobs.content
+    assert "".join(t.token for t in content) == choice.message.content
+    assert all(t.logprob <= 0 and len(t.top_logprobs) == 2 for t in content)
+    assert all(t.top_logprobs[0].token == t.token for t in content)  # greedy: the best one
+    assert all(bytes(t.bytes).decode() == t.token for t in content)
+    chunks = chat(client, "Name a fruit.", temperature=0, max_tokens=12, logprobs=True,
+                  top_logprobs=2, stream=True)  # fmt: skip
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs
+                for t in c.choices[0].logprobs.content]  # fmt: skip
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+    text = client.completions.create(model=MODEL, prompt="One, two,", max_tokens=5,
+                                     temperature=0, logprobs=2)  # fmt: skip
+    lp = text.choices[0].logprobs
+    assert "".join(lp.tokens) == text.choices[0].text and len(lp.top_logprobs[0]) == 2
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+    assert all(v <= 0 for v in lp.token_logprobs)
+
+
 def test_completions_plain_streamed_and_several_prompts(client):
     plain = client.completions.create(model=MODEL, prompt="The capital of France is",
                                       max_tokens=6, temperature=0)  # fmt: skip
@@ -183,8 +205,8 @@ def test_eight_clients_at_once_each_get_the_answer_they_get_alone(client):
 
 
 def test_unsupported_and_bad_requests_are_400s_naming_the_field(client):
-    with pytest.raises(openai.BadRequestError, match="logprobs"):
-        chat(client, "hi", logprobs=True, top_logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs: true"):
+        chat(client, "hi", top_logprobs=2)
     with pytest.raises(openai.BadRequestError, match="Unrecognized request argument supplied: "
                                                      "tools_extra"):  # fmt: skip
         chat(client, "hi", extra_body={"tools_extra": 1})
@@ -322,3 +344,31 @@ def test_binding_beyond_loopback_needs_a_key(miniapp_exe):
     assert done.returncode == 2
     assert done.stderr.strip().endswith("or bind 127.0.0.1") and "--api-key" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_the_gui_serves_the_api_beside_it_on_the_same_model(miniapp_exe):
+    command = [miniapp_exe, "gui", "--no-browser", "--port", str(_free_port()), "--ctx", "1024",
+               "--api", "--api-port", "0"]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = [proc.stdout.readline() for _ in range(2)]
+        api = next(line for line in lines if line.startswith("miniapp serve: "))
+        gui = next(line for line in lines if line.startswith("miniapp GUI: "))
+        threading.Thread(target=proc.stdout.read, daemon=True).start()
+        base = api.split()[2].removesuffix("/v1")
+        wait_ready(base)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+        answer = chat(client, "Say hi.", temperature=0, max_tokens=4)
+        assert answer.model == MODEL and answer.usage.completion_tokens > 0
+        assert httpx.get(gui.split()[2]).status_code == 200  # the GUI is up beside it
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

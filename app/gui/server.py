@@ -38,9 +38,14 @@ def run_gui(args: argparse.Namespace) -> int:
     from .ui import GuiContext, build_ui
 
     settings = settings_from_args(args)
+    if args.api:
+        from ..serve.run import check_exposure
+
+        check_exposure(args.host, args.api_key)  # before anything loads
     context = GuiContext(ModelHost(), ChatStore(),
                          Transcriber(args.asr_model, args.threads), settings)  # fmt: skip
     context.host.request(settings.load_spec)  # loads while the page comes up
+    api = _start_api(context.host, settings.load_spec, args) if args.api else None
     demo = build_ui(context)
     demo.queue(default_concurrency_limit=1)
     theme = gr.themes.Default(font=["system-ui", "sans-serif"], font_mono=["monospace"])
@@ -58,7 +63,17 @@ def run_gui(args: argparse.Namespace) -> int:
         pass
     finally:
         demo.close()
+        if api is not None:
+            api.should_exit = True
     return 0
+
+
+def _start_api(host, spec, args: argparse.Namespace):
+    """The OpenAI-compatible API beside the GUI, on the same host (the model it loaded, and
+    whichever it loads next), at the GUI's address and --api-port."""
+    from ..serve.run import start_api
+
+    return start_api(host, spec, args, args.host, args.api_port)
 
 
 def _icon() -> str | None:

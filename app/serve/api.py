@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API (FastAPI), a thin layer over `service.py`.
 
-Routes: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions.
+Routes: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions,
+GET /metrics.
 Streams are server-sent events in OpenAI's chunk shape, ending with `data: [DONE]`.
 """
 
@@ -10,7 +11,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 
 from fastapi import FastAPI, Request
@@ -22,12 +23,15 @@ from starlette.middleware.cors import CORSMiddleware
 from miniapp.engine.chat_template import Message
 from miniapp.engine.events import Finished, TextDelta
 from miniapp.engine.generation import GenerationRequest
-from miniapp.engine.sampling import SamplingParams
+from miniapp.engine.sampling import SamplingParams, TokenLogprob
+from miniapp.engine.tokenizer import Tokenizer
 
 from ..model_host import LoadState
 from .audio import audio_router
 from .errors import ApiError, bad_request, error_response
-from .metrics import metrics_router
+from .images import ServedImages, vision_producer
+from .logprobs import chat_logprobs, completion_logprobs
+from .metrics import ServeMetrics, metrics_router
 from .middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from .models import model_listing
 from .protocol import ChatCompletionRequest, CompletionRequest, Sampling
@@ -58,8 +62,10 @@ def create_app(served: ServedModel, options: ServeOptions) -> FastAPI:
     app.add_middleware(ApiKeyMiddleware, api_key=options.api_key)
     app.add_middleware(BodyLimitMiddleware, limit=options.body_limit)
     _add_error_handlers(app)
+    images = ServedImages(served.model_path, served.spec.backend)
     app.include_router(audio_router(served, options))
-    app.include_router(metrics_router(served, options))
+    metrics = ServeMetrics(served)
+    app.include_router(metrics_router(metrics))
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -75,22 +81,26 @@ def create_app(served: ServedModel, options: ServeOptions) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        _refuse_unsupported(body.unsupported())
+        _refuse(body.refused())
         served.check_model(body.model)
         runtime = served.runtime()
-        messages = [_message(m) for m in body.messages]
+        messages = await images.messages(body.messages)
+        if any(m.pictures for m in messages):
+            pictured = _jobs_with_pictures(served, images, body, messages, options.defaults)
+            answer = Answer("chatcmpl", served.model_id, body, None, runtime.tokenizer)
+            return await _respond(served, runtime, pictured, answer, request, metrics)
         prompt = served.chat_prompt(runtime, messages)
         check_fits(runtime, prompt, "messages")
         base = _generation_request(
             body, options.defaults, token_limit(runtime, prompt, body.token_limit())
         )
         jobs = [Job(i, prompt, seeded(base, i)) for i in range(body.n)]
-        answer = Answer("chatcmpl", served.model_id, body, prompt_tokens=len(prompt))
-        return await _respond(served, runtime, jobs, answer, request)
+        answer = Answer("chatcmpl", served.model_id, body, len(prompt), runtime.tokenizer)
+        return await _respond(served, runtime, jobs, answer, request, metrics)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        _refuse_unsupported(body.unsupported())
+        _refuse(body.refused())
         served.check_model(body.model)
         runtime = served.runtime()
         jobs, prompt_tokens, echoes = [], 0, {}
@@ -107,8 +117,8 @@ def create_app(served: ServedModel, options: ServeOptions) -> FastAPI:
                 if body.echo:
                     echoes[index] = given if isinstance(given, str) else \
                         runtime.tokenizer.decode(list(given))  # fmt: skip
-        answer = Answer("cmpl", served.model_id, body, prompt_tokens, echoes=echoes)
-        return await _respond(served, runtime, jobs, answer, request)
+        answer = Answer("cmpl", served.model_id, body, prompt_tokens, runtime.tokenizer, echoes)
+        return await _respond(served, runtime, jobs, answer, request, metrics)
 
     return app
 
@@ -116,24 +126,17 @@ def create_app(served: ServedModel, options: ServeOptions) -> FastAPI:
 # ------------------------------------------------------------------ requests
 
 
-def _refuse_unsupported(field: str | None) -> None:
-    if field is not None:
-        raise bad_request(f"'{field}' is not supported by this server yet", field,
-                          code="unsupported_parameter")  # fmt: skip
-
-
-def _message(message) -> Message:
-    if message.images():
-        raise bad_request("image_url parts are not supported by this server yet",
-                          "messages", code="unsupported_parameter")  # fmt: skip
-    role = "system" if message.role == "developer" else message.role
-    return Message(role, message.text())
+def _refuse(refusal: tuple[str, str] | None) -> None:
+    if refusal is not None:
+        field, why = refusal
+        raise bad_request(why, field, code="unsupported_parameter")
 
 
 def _generation_request(body: Sampling, defaults: SamplingParams, max_tokens: int):
     fields = {name: getattr(body, name) for name in ("temperature", "top_p", "seed", "top_k",
               "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty")}  # fmt: skip
-    sampling = replace(defaults, **{k: v for k, v in fields.items() if v is not None})
+    sampling = replace(defaults, **{k: v for k, v in fields.items() if v is not None},
+                       logprobs=body.logprob_count())  # fmt: skip
     return GenerationRequest(max_tokens=max_tokens, sampling=sampling, stop=body.stops())
 
 
@@ -147,7 +150,8 @@ class Answer:
     prefix: str  # "chatcmpl" or "cmpl"
     model: str
     body: Sampling
-    prompt_tokens: int
+    prompt_tokens: int | None  # None: as the answers' figures say (the vision path)
+    tokenizer: Tokenizer
     echoes: dict[int, str] | None = None
 
     def __post_init__(self):
@@ -164,31 +168,60 @@ class Answer:
     def usage(self, finished: dict[int, Finished]) -> dict:
         completion = sum(f.stats.generated_tokens for f in finished.values())
         cached = max((f.stats.cached_prompt_tokens for f in finished.values()), default=0)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.prompt_tokens + completion,
+        prompt = self.prompt_tokens
+        if prompt is None:
+            prompt = max((f.stats.prompt_tokens for f in finished.values()), default=0)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
 
-    def choice(self, index: int, text: str, finished: Finished) -> dict:
+    def choice(self, index: int, text: str, finished: Finished,
+               logprobs: Sequence[TokenLogprob]) -> dict:  # fmt: skip
         reason = finish_reason(finished)
+        echo = (self.echoes or {}).get(index, "")
+        shown = self._logprobs(logprobs, len(echo))
         if self.chat:
             return {"index": index, "message": {"role": "assistant", "content": text},
-                    "logprobs": None, "finish_reason": reason}  # fmt: skip
-        echo = (self.echoes or {}).get(index, "")
-        return {"index": index, "text": echo + text, "logprobs": None, "finish_reason": reason}
+                    "logprobs": shown, "finish_reason": reason}  # fmt: skip
+        return {"index": index, "text": echo + text, "logprobs": shown, "finish_reason": reason}
 
     def delta(self, index: int, text: str | None = None, role: bool = False,
-              reason: str | None = None) -> dict:  # fmt: skip
+              reason: str | None = None, logprobs: Sequence[TokenLogprob] = (),
+              offset: int = 0) -> dict:  # fmt: skip
+        shown = self._logprobs(logprobs, offset) if logprobs else None
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else {}
             if text is not None:
                 delta["content"] = text
-            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
-        return {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
+            return {"index": index, "delta": delta, "logprobs": shown, "finish_reason": reason}
+        return {"index": index, "text": text or "", "logprobs": shown, "finish_reason": reason}
+
+    def _logprobs(self, entries: Sequence[TokenLogprob], offset: int) -> dict | None:
+        if self.body.logprob_count() is None:
+            return None
+        if self.chat:
+            return chat_logprobs(entries, self.tokenizer)
+        return completion_logprobs(entries, self.tokenizer, offset)
+
+
+def _jobs_with_pictures(
+    served: ServedModel, images: ServedImages, body: ChatCompletionRequest,
+    messages: list[Message], defaults: SamplingParams,
+) -> list[Job]:  # fmt: skip
+    """A chat with pictures goes to the model's vision projector: its answers take turns on
+    the vision runtime, which evaluates the pictures (OCR'd images never come here)."""
+    if body.logprob_count() is not None:
+        raise bad_request("logprobs are not reported for answers about pictures (the vision "
+                          "model's path)", "logprobs", code="unsupported_parameter")  # fmt: skip
+    limit = body.token_limit() or served.runtime().n_ctx
+    requests = [seeded(_generation_request(body, defaults, limit), i) for i in range(body.n)]
+    return [Job(i, [], r, produce=vision_producer(served, images.route, messages, r))
+            for i, r in enumerate(requests)]  # fmt: skip
 
 
 async def _respond(served: ServedModel, runtime, jobs: list[Job], answer: Answer,
-                   request: Request):  # fmt: skip
-    relay = Relay(served.host, runtime, jobs).start()
+                   request: Request, metrics: ServeMetrics):  # fmt: skip
+    relay = Relay(served.host, runtime, jobs, metrics.observer(len(jobs))).start()
     try:
         await relay.accepted()
     except BaseException:
@@ -202,13 +235,16 @@ async def _respond(served: ServedModel, runtime, jobs: list[Job], answer: Answer
 
 async def _complete(relay: Relay, answer: Answer, request: Request) -> JSONResponse:
     texts: dict[int, list[str]] = {job.index: [] for job in relay.jobs}
+    logprobs: dict[int, list[TokenLogprob]] = {job.index: [] for job in relay.jobs}
     finished: dict[int, Finished] = {}
     async for index, event in _until_disconnected(relay, request):
         if isinstance(event, TextDelta):
             texts[index].append(event.text)
+            logprobs[index].extend(event.logprobs)
         elif isinstance(event, Finished):
             finished[index] = event
-    choices = [answer.choice(i, "".join(texts[i]), finished[i]) for i in sorted(finished)]
+    choices = [answer.choice(i, "".join(texts[i]), finished[i], logprobs[i])
+               for i in sorted(finished)]  # fmt: skip
     body = answer.envelope(choices, chunk=False)
     body["usage"] = answer.usage(finished)
     return JSONResponse(body)
@@ -231,17 +267,20 @@ async def _stream(relay: Relay, answer: Answer) -> AsyncIterator[str]:
     every generation."""
     finished: dict[int, Finished] = {}
     usage_field = {"usage": None} if answer.body.include_usage else {}
-    started: set[int] = set()
+    offsets = dict.fromkeys((job.index for job in relay.jobs), 0)  # characters sent, per choice
     for job in relay.jobs:
         if answer.chat:
-            started.add(job.index)
             yield _sse(answer.envelope([answer.delta(job.index, role=True)], True) | usage_field)
         elif answer.echoes and job.index in answer.echoes:
-            chunk = answer.envelope([answer.delta(job.index, answer.echoes[job.index])], True)
-            yield _sse(chunk | usage_field)
+            echo = answer.echoes[job.index]
+            offsets[job.index] = len(echo)
+            yield _sse(answer.envelope([answer.delta(job.index, echo)], True) | usage_field)
     async for index, event in relay.events():
         if isinstance(event, TextDelta):
-            yield _sse(answer.envelope([answer.delta(index, event.text)], True) | usage_field)
+            delta = answer.delta(index, event.text, logprobs=event.logprobs,
+                                 offset=offsets[index])  # fmt: skip
+            offsets[index] += len(event.text)
+            yield _sse(answer.envelope([delta], True) | usage_field)
         elif isinstance(event, Finished):
             finished[index] = event
             last = answer.delta(index, reason=finish_reason(event))

@@ -1,9 +1,231 @@
-"""`GET /metrics` (not built yet: the router has no routes)."""
+"""`GET /metrics`: the server's figures in Prometheus's text format, named as vLLM and
+llama-server name theirs, prefixed `miniapp_`.
+
+Counts and timings are recorded as answers run, by one observer per request that its relay
+calls (service.RelayObserver). How busy the engine is (sequences running and waiting, KV
+memory) is read at scrape time from the batching scheduler; without one (llama.cpp, or
+--parallel 1) answers take turns, and the relays' reports say which runs and which wait. Each
+app has a registry of its own, not prometheus-client's global one, so apps in one process
+never share figures.
+
+Every figure is per answer: a request with `n` choices, or several prompts, runs that many
+sequences, and each counts its own prompt.
+"""
 
 from __future__ import annotations
 
+import threading
+import time
+
 from fastapi import APIRouter
+from fastapi.responses import Response
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from miniapp.engine.events import Finished, FinishReason
+
+from .service import RelayObserver, ServedModel, finish_reason
+
+# Seconds, for a CPU engine: a first token comes tens of ms after a short cached prompt, tens
+# of seconds after a long prompt queued behind a full batch; tokens follow each other a few ms
+# apart (speculative bursts) to a few hundred ms (a full batch of a larger model).
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25,
+                       0.5, 1.0, 2.5)  # fmt: skip
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+FINISH_REASONS = ("stop", "length", "cancelled")
 
 
-def metrics_router(served, options) -> APIRouter:
-    return APIRouter()
+def metrics_router(metrics: ServeMetrics) -> APIRouter:
+    router = APIRouter()
+
+    # A plain function: FastAPI runs it on a worker thread, so the scheduler's lock, which a
+    # scrape takes, is never waited for in the event loop.
+    @router.get("/metrics")
+    def scrape() -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    return router
+
+
+class ServeMetrics:
+    """One app's figures, and the observers that record them."""
+
+    def __init__(self, served: ServedModel):
+        self.served = served
+        self.registry = CollectorRegistry()
+        self.turns = _TurnCounts()
+        self._define_counters()
+        self._define_histograms()
+        self._define_gauges()
+
+    def observer(self, jobs: int) -> RequestObserver:
+        """The observer of one request's relay, started now (its latencies count from here)."""
+        return RequestObserver(self, jobs)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # -- definitions (prometheus-client appends `_total` to a counter's name)
+
+    def _define_counters(self) -> None:
+        def counter(name: str, text: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, text, labels, registry=self.registry)
+
+        self.prompt_tokens = counter("miniapp_prompt_tokens", "Prompt tokens of answers")
+        self.cached_prompt_tokens = counter(
+            "miniapp_prompt_tokens_cached", "Prompt tokens found already evaluated (reused)"
+        )
+        self.generation_tokens = counter("miniapp_generation_tokens", "Tokens generated")
+        self.requests_finished = counter(
+            "miniapp_requests_finished", "Answers finished, by finish_reason", ("finish_reason",)
+        )
+        for reason in FINISH_REASONS:  # every series exists from the start, at 0
+            self.requests_finished.labels(reason)
+        self.drafted_tokens = counter(
+            "miniapp_spec_decode_draft_tokens", "Tokens drafted by speculative decoding"
+        )
+        self.accepted_tokens = counter(
+            "miniapp_spec_decode_accepted_tokens", "Drafted tokens the model accepted"
+        )
+
+    def _define_histograms(self) -> None:
+        def histogram(name: str, text: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, text, buckets=buckets, registry=self.registry)
+
+        self.ttft = histogram(
+            "miniapp_time_to_first_token_seconds",
+            "Request received to an answer's first token",
+            TTFT_BUCKETS,
+        )
+        self.inter_token = histogram(
+            "miniapp_inter_token_latency_seconds",
+            "Gap between successive tokens of an answer",
+            INTER_TOKEN_BUCKETS,
+        )
+        self.e2e = histogram(
+            "miniapp_e2e_request_latency_seconds",
+            "Request received to an answer's end",
+            E2E_BUCKETS,
+        )
+
+    def _define_gauges(self) -> None:
+        figures = {
+            "miniapp_requests_running": ("Answers generating (or evaluating their prompt)",
+                                         self._running),
+            "miniapp_requests_waiting": ("Answers waiting for a slot or their turn",
+                                         self._waiting),
+            "miniapp_kv_cache_reserved_bytes": ("KV memory reserved by running answers and "
+                                                "kept prefixes (batching engine)",
+                                                self._kv_reserved),
+            "miniapp_kv_cache_budget_bytes": ("KV memory the batching engine may reserve "
+                                              "(0: no bound, or no batching engine)",
+                                              self._kv_budget),
+            "miniapp_kv_cache_usage_ratio": ("KV memory reserved / budget (0 without a budget)",
+                                             self._kv_usage),
+        }  # fmt: skip
+        for name, (text, read) in figures.items():
+            Gauge(name, text, registry=self.registry).set_function(read)
+
+    # -- what the gauges read at scrape time
+
+    def _scheduler(self):
+        """The batching scheduler: the torch engine's with --parallel above 1, else None."""
+        return getattr(self.served.host.runtime, "scheduler", None)
+
+    def _running(self) -> int:
+        scheduler = self._scheduler()
+        return self.turns.running if scheduler is None else scheduler.running_count
+
+    def _waiting(self) -> int:
+        scheduler = self._scheduler()
+        return self.turns.waiting if scheduler is None else scheduler.waiting_count
+
+    def _kv_reserved(self) -> int:
+        scheduler = self._scheduler()
+        return 0 if scheduler is None else scheduler.kv_reserved_bytes
+
+    def _kv_budget(self) -> int:
+        scheduler = self._scheduler()
+        return 0 if scheduler is None else scheduler.config.kv_budget_bytes or 0
+
+    def _kv_usage(self) -> float:
+        budget = self._kv_budget()
+        return self._kv_reserved() / budget if budget else 0.0
+
+
+class _TurnCounts:
+    """Answers running and waiting where they take turns (a runtime without a scheduler:
+    llama.cpp, or --parallel 1), as their relays report them."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.running = 0
+        self.waiting = 0
+
+    def add(self, running: int = 0, waiting: int = 0) -> None:
+        with self._lock:
+            self.running += running
+            self.waiting += waiting
+
+
+class RequestObserver(RelayObserver):
+    """Records one request's answers into the app's metrics. Latencies count from the
+    observer's creation, so a first token's includes the time waiting for a slot."""
+
+    def __init__(self, metrics: ServeMetrics, jobs: int):
+        self.metrics = metrics
+        self.started_at = time.perf_counter()
+        self._last_token_at: dict[int, float] = {}  # each index is one generation thread's
+        self._lock = threading.Lock()
+        self._unopened = jobs  # jobs waiting for their turn
+        self._closed = False
+        metrics.turns.add(waiting=jobs)
+
+    def opened(self, index: int) -> None:
+        with self._lock:
+            opened = 1 if self._unopened else 0  # one may open after `closed` (a race)
+            self._unopened -= opened
+        self.metrics.turns.add(running=1, waiting=-opened)
+
+    def token(self, index: int) -> None:
+        now = time.perf_counter()
+        last = self._last_token_at.get(index)
+        if last is None:
+            self.metrics.ttft.observe(now - self.started_at)
+        else:
+            self.metrics.inter_token.observe(now - last)
+        self._last_token_at[index] = now
+
+    def ended(self, index: int) -> None:
+        self.metrics.turns.add(running=-1)
+
+    def finished(self, index: int, finished: Finished) -> None:
+        metrics, stats = self.metrics, finished.stats
+        metrics.e2e.observe(time.perf_counter() - self.started_at)
+        metrics.prompt_tokens.inc(stats.prompt_tokens)
+        metrics.cached_prompt_tokens.inc(stats.cached_prompt_tokens)
+        metrics.generation_tokens.inc(stats.generated_tokens)
+        metrics.requests_finished.labels(self._finish_reason(finished)).inc()
+        if stats.speculation is not None:
+            metrics.drafted_tokens.inc(stats.speculation.drafted)
+            metrics.accepted_tokens.inc(stats.speculation.accepted)
+
+    def closed(self) -> None:
+        with self._lock:
+            unopened, self._unopened, self._closed = self._unopened, 0, True
+        self.metrics.turns.add(waiting=-unopened)
+
+    def _finish_reason(self, finished: Finished) -> str:
+        """OpenAI's finish_reason, or "cancelled": the relay closes before an answer ends only
+        when its client went away (or the request was refused), and a cancelled batched
+        sequence may end looking like one that ran out of tokens."""
+        if self._closed or finished.reason is FinishReason.CANCELLED:
+            return "cancelled"
+        return finish_reason(finished)

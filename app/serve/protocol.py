@@ -1,9 +1,9 @@
 """The request bodies the server takes, in OpenAI's field names, checked by pydantic.
 
 A field OpenAI defines that we do not implement is refused by name (400), never ignored:
-`extra="forbid"` for unknown names, and `unsupported()` for known ones left at a value other
-than their default. `top_k`, `min_p` and `repeat_penalty` are extras our sampler has, as
-llama-server and vLLM accept them.
+`extra="forbid"` for unknown names, and `refused()` for known ones set to what we do not
+do. `top_k`, `min_p` and `repeat_penalty` are extras our sampler has, as llama-server and
+vLLM accept them.
 """
 
 from __future__ import annotations
@@ -94,6 +94,10 @@ class Sampling(_Body):
     def token_limit(self) -> int | None:
         return self.max_tokens
 
+    def logprob_count(self) -> int | None:
+        """Alternatives to report with each token's log-probability (None: no logprobs)."""
+        return None
+
 
 class ChatCompletionRequest(Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -104,11 +108,13 @@ class ChatCompletionRequest(Sampling):
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
-    def unsupported(self) -> str | None:
-        if self.logprobs:
-            return "logprobs"
-        if self.top_logprobs:
-            return "top_logprobs"
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def refused(self) -> tuple[str, str] | None:
+        """(field, why) for a request we will not answer as asked."""
+        if self.top_logprobs and not self.logprobs:  # as OpenAI, which refuses it alone too
+            return "top_logprobs", "top_logprobs needs logprobs: true"
         return None
 
 
@@ -128,11 +134,12 @@ class CompletionRequest(Sampling):
             return [list(prompt)]
         return list(prompt)
 
-    def unsupported(self) -> str | None:
-        if self.logprobs:
-            return "logprobs"
+    def logprob_count(self) -> int | None:
+        return self.logprobs
+
+    def refused(self) -> tuple[str, str] | None:
         if self.best_of not in (None, self.n):
-            return "best_of"
+            return "best_of", "'best_of' is not supported by this server"
         if self.suffix:
-            return "suffix"
+            return "suffix", "'suffix' (insertion) is not supported by this server"
         return None

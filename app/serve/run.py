@@ -11,7 +11,7 @@ import threading
 import time
 
 from miniapp.engine.errors import MiniappError
-from miniapp.engine.model_store import BUNDLED, resolve_model
+from miniapp.engine.model_store import resolve_model
 from miniapp.engine.sampling import SamplingParams
 
 from ..model_host import LoadSpec, ModelHost
@@ -23,22 +23,14 @@ STARTUP_TIMEOUT_S = 30.0
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    _check_exposure(args.host, args.api_key)
+    check_exposure(args.host, args.api_key)
     model_path = resolve_model(args.model)
     if not model_path.is_file():
         raise MiniappError(f"{args.model}: model file not found")
     spec = load_spec(args)
     host = ModelHost()
     host.request(spec)
-    served = ServedModel(host, spec, _model_id(args.model, model_path.name))
-    options = ServeOptions(api_key=args.api_key, cors_origins=tuple(args.cors_origin),
-                           body_limit=int(args.max_body_mb * 1024 * 1024),
-                           defaults=_sampling_defaults(args), asr_model=args.asr_model,
-                           threads=args.threads)  # fmt: skip
-    server = _start_uvicorn(create_app(served, options), args.host, args.port)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    print(f"miniapp serve: http://{_url_host(args.host)}:{port}/v1 ({served.model_id}, "
-          f"{args.backend}; loading, /health says when it is ready)", flush=True)  # fmt: skip
+    server = start_api(host, spec, args, args.host, args.port)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
@@ -50,6 +42,22 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def start_api(host: ModelHost, spec: LoadSpec, args: argparse.Namespace, address: str,
+              port: int):  # fmt: skip
+    """The API on uvicorn in a background thread, over `host` (the server's own, or the
+    GUI's); prints its URL once it listens. Returns the uvicorn server."""
+    served = ServedModel(host, spec)
+    options = ServeOptions(api_key=args.api_key, cors_origins=tuple(args.cors_origin),
+                           body_limit=int(args.max_body_mb * 1024 * 1024),
+                           defaults=_sampling_defaults(args), asr_model=args.asr_model,
+                           threads=args.threads)  # fmt: skip
+    server = _start_uvicorn(create_app(served, options), address, port)
+    bound = server.servers[0].sockets[0].getsockname()[1]
+    print(f"miniapp serve: http://{_url_host(address)}:{bound}/v1 ({served.model_id}, "
+          f"{spec.backend}; /health says when the model is ready)", flush=True)  # fmt: skip
+    return server
+
+
 def load_spec(args: argparse.Namespace) -> LoadSpec:
     parallel = args.parallel if args.backend == "torch" else 1  # llama.cpp: one at a time
     return LoadSpec(args.model, args.backend, args.device, args.spec,
@@ -57,19 +65,15 @@ def load_spec(args: argparse.Namespace) -> LoadSpec:
                     runtime_kv_type(args), args.queue)  # fmt: skip
 
 
-def _model_id(asked: str, file_name: str) -> str:
-    """What /v1/models calls it: a bundled model's name, or the GGUF's file name."""
-    return asked if asked in BUNDLED else file_name
-
-
 def _sampling_defaults(args: argparse.Namespace) -> SamplingParams:
-    """The settings' sampling, for what a request leaves unset (as llama-server does)."""
-    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                          min_p=args.min_p, repeat_penalty=args.repeat_penalty,
-                          seed=args.seed)  # fmt: skip
+    """The settings' sampling, for what a request leaves unset (as llama-server does); the
+    GUI's settings have no top_k, min_p, repeat penalty or seed: the engine's defaults."""
+    given = {name: getattr(args, name) for name in ("temperature", "top_k", "top_p", "min_p",
+             "repeat_penalty", "seed") if hasattr(args, name)}  # fmt: skip
+    return SamplingParams(**given)
 
 
-def _check_exposure(host: str, api_key: str | None) -> None:
+def check_exposure(host: str, api_key: str | None) -> None:
     """Loopback is the default; any other address lets other machines in, so it needs a key."""
     if _is_loopback(host) or api_key:
         return

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -21,6 +21,7 @@ from miniapp.engine.chat_template import ChatTemplate, Message
 from miniapp.engine.errors import ContextFullError, MiniappError
 from miniapp.engine.events import Finished, FinishReason, GenerationEvent
 from miniapp.engine.generation import GenerationRequest, generate
+from miniapp.engine.model_store import BUNDLED, resolve_model
 from miniapp.engine.runtimes import Runtime
 from miniapp.engine.token_stream import TokenStream
 
@@ -37,14 +38,32 @@ class Job:
     index: int  # the choice's index in the response
     prompt: list[int]
     request: GenerationRequest
+    # Instead of generating from `prompt` on the relay's runtime: this function's events
+    # (given should_stop), taking turns with other answers (the vision model's chats).
+    produce: Callable[[Callable[[], bool]], Iterator[GenerationEvent]] | None = None
 
 
 class ServedModel:
-    """The one model this server answers with, loaded by the shared ModelHost."""
+    """The one model this server answers with, loaded by the shared ModelHost: the model
+    asked for at start, or, beside the GUI, whichever model the GUI loaded since."""
 
-    def __init__(self, host: ModelHost, spec: LoadSpec, model_id: str):
-        self.host, self.spec, self.model_id = host, spec, model_id
+    def __init__(self, host: ModelHost, spec: LoadSpec):
+        self.host, self._asked = host, spec
         self._templates: dict[int, ChatTemplate] = {}
+
+    @property
+    def spec(self) -> LoadSpec:
+        return self.host.loaded_spec or self._asked
+
+    @property
+    def model_id(self) -> str:
+        """What /v1/models calls it: a bundled model's name, or the GGUF's file name."""
+        name = self.spec.model
+        return name if name in BUNDLED else Path(name).name
+
+    @property
+    def model_path(self) -> Path:
+        return resolve_model(self.spec.model)
 
     @property
     def aliases(self) -> set[str]:
@@ -120,6 +139,27 @@ def seeded(request: GenerationRequest, index: int) -> GenerationRequest:
     return replace(request, sampling=replace(request.sampling, seed=seed + index))
 
 
+class RelayObserver:
+    """What a relay reports of its jobs as they run (the server's metrics). The hooks are
+    called on generation threads and the compute thread, so they must be quick and
+    thread-safe; these do nothing."""
+
+    def opened(self, index: int) -> None:
+        """Job `index` has its token stream: it runs, or waits for a batch slot."""
+
+    def token(self, index: int) -> None:
+        """Job `index` got one more token from the engine."""
+
+    def ended(self, index: int) -> None:
+        """Job `index`'s token stream closed: it finished, failed or was cancelled."""
+
+    def finished(self, index: int, finished: Finished) -> None:
+        """Job `index`'s answer is complete (called before the client can see it)."""
+
+    def closed(self) -> None:
+        """The relay was closed (maybe more than once): jobs not opened yet never run."""
+
+
 class Relay:
     """Runs the jobs' generations on threads; `events()` yields (index, event) in the event
     loop. `close()` (the client went away) cancels every job at once."""
@@ -127,8 +167,10 @@ class Relay:
     _DONE = object()
     _OPENED = object()  # a job's generation was accepted (it runs, or waits for a slot)
 
-    def __init__(self, host: ModelHost, runtime: Runtime, jobs: list[Job]):
+    def __init__(self, host: ModelHost, runtime: Runtime, jobs: list[Job],
+                 observer: RelayObserver | None = None):  # fmt: skip
         self.host, self.runtime, self.jobs = host, runtime, jobs
+        self.observer = observer or RelayObserver()
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
         self._cancel = threading.Event()
@@ -137,7 +179,7 @@ class Relay:
         self._early: list = []  # events that arrived while `accepted` waited
 
     def start(self) -> Relay:
-        if self.runtime.parallel > 1:
+        if self.batched:
             for job in self.jobs:
                 threading.Thread(target=self._run, args=([job],), daemon=True).start()
         else:
@@ -148,16 +190,20 @@ class Relay:
         """Wait until the engine has taken the request (its answers run or wait for a slot):
         what refuses it (a full queue, a prompt the runtime will not take) surfaces here,
         before any response is sent. Answers that take turns are taken one at a time."""
-        needed = len(self.jobs) if self.runtime.parallel > 1 else 1
-        opened = 0
-        while opened < needed:
+        needed = len(self.jobs) if self.batched else 1
+        taken: set[int] = set()  # jobs that opened a stream or already produced something
+        while len(taken) < needed:
             item = await self._queue.get()
             _raise_if_error(item)
-            if item[1] is self._OPENED:
-                opened += 1
-            else:
+            index, event = item
+            if event is not self._OPENED:
                 self._early.append(item)
-                opened += item[1] is self._DONE  # ended before its stream opened (cancelled)
+            taken.add(index)
+
+    @property
+    def batched(self) -> bool:
+        """Whether the jobs run at once (the batching engine), rather than in turn."""
+        return self.runtime.parallel > 1 and not any(job.produce for job in self.jobs)
 
     async def events(self) -> AsyncIterator[tuple[int, GenerationEvent]]:
         remaining = len(self.jobs)
@@ -177,6 +223,7 @@ class Relay:
 
     def close(self) -> None:
         self._cancel.set()
+        self.observer.closed()
         with self._lock:
             streams = list(self._streams)
         for stream in streams:  # a batched sequence is dropped at the next step
@@ -201,9 +248,15 @@ class Relay:
                 if self._cancel.is_set():
                     break
                 opened = functools.partial(self._opened, job.index)
-                events = generate(self.runtime, job.prompt, job.request, self._cancel.is_set,
-                                  on_tokens=opened)  # fmt: skip
+                if job.produce is not None:
+                    events = job.produce(self._cancel.is_set)
+                else:
+                    runtime = _ObservedRuntime(self.runtime, self.observer, job.index)
+                    events = generate(runtime, job.prompt, job.request, self._cancel.is_set,
+                                      on_tokens=opened)  # fmt: skip
                 for event in relay(events):
+                    if isinstance(event, Finished):
+                        self.observer.finished(job.index, event)
                     self._put((job.index, event))
                 self._put((job.index, self._DONE))
         except BaseException as exc:  # noqa: BLE001 - raised in the event loop instead
@@ -216,6 +269,49 @@ class Relay:
                 self._run(self.jobs, self.host.compute.iterate)
         except BaseException as exc:  # noqa: BLE001
             self._put(exc)
+
+
+class _ObservedRuntime:
+    """The runtime as `generate` sees it for one job: the observer hears of every token (the
+    events carry text, which holds any number of tokens) and of the stream's opening and
+    closing. Everything else is the runtime's own."""
+
+    def __init__(self, runtime: Runtime, observer: RelayObserver, index: int):
+        self._runtime, self._observer, self._index = runtime, observer, index
+
+    def __getattr__(self, name: str):
+        return getattr(self._runtime, name)
+
+    def generate_tokens(self, *args, **kwargs) -> _ObservedTokens:
+        tokens = self._runtime.generate_tokens(*args, **kwargs)
+        self._observer.opened(self._index)
+        return _ObservedTokens(tokens, self._observer, self._index)
+
+
+class _ObservedTokens:
+    """A token stream that tells the observer of each token as it arrives and of its closing;
+    its figures (cached_prompt_tokens, queued_s, ...) are read from the stream itself."""
+
+    def __init__(self, tokens: TokenStream, observer: RelayObserver, index: int):
+        self._tokens, self._observer, self._index = tokens, observer, index
+        self._unclosed = threading.Lock()  # taken by the first close
+
+    def __getattr__(self, name: str):
+        return getattr(self._tokens, name)
+
+    def __iter__(self) -> _ObservedTokens:
+        return self
+
+    def __next__(self) -> int:
+        token = next(self._tokens)
+        self._observer.token(self._index)
+        return token
+
+    def close(self) -> None:
+        self._tokens.close()
+        # A client that leaves has the relay close the stream while `generate` closes it too.
+        if self._unclosed.acquire(blocking=False):
+            self._observer.ended(self._index)
 
 
 def _raise_if_error(item) -> None:

@@ -41,7 +41,7 @@ from ..models import CachePolicy, DecoderModel
 from ..sampling import SamplingParams
 from ..speculative import SpeculativeDecoder
 from ..token_stream import TokenStream
-from ..torch_sampler import Sampler
+from ..torch_sampler import Sampler, token_logprob
 
 DEFAULT_SLOTS = 4
 DEFAULT_QUEUE = 64  # requests that may wait for a slot before new ones are refused
@@ -152,7 +152,7 @@ class _Sequence:
     history: list[int] = field(default_factory=list)  # prompt and sampled tokens
     generated: int = 0
     decoder: SpeculativeDecoder | None = None  # while it runs alone and drafts
-    drafts: bool = True  # False once the factory said drafting is off
+    drafts: bool = True  # False once the factory said drafting is off (or logprobs are asked)
 
     @property
     def prefilling(self) -> bool:
@@ -196,6 +196,27 @@ class BatchScheduler:
         driver = self.driver
         return self.serving or (self._driven and driver is not None and driver.serving)
 
+    # Read-only figures for monitoring (a server's /metrics), read from any thread: under the
+    # lock, so a scrape never sees a queue half-changed by a step.
+
+    @property
+    def running_count(self) -> int:
+        """Sequences in a slot: evaluating their prompt or decoding."""
+        with self._lock:
+            return len(self._running)
+
+    @property
+    def waiting_count(self) -> int:
+        """Sequences submitted that have no slot yet."""
+        with self._lock:
+            return len(self._waiting)
+
+    @property
+    def kv_reserved_bytes(self) -> int:
+        """What `kv_bytes_reserved` says, taken under the lock."""
+        with self._lock:
+            return self.kv_bytes_reserved()
+
     # -- the caller's side ------------------------------------------------------------------
 
     def submit(
@@ -211,7 +232,10 @@ class BatchScheduler:
             raise ValueError("empty prompt")
         stream = SequenceStream(self)
         sequence = _Sequence(stream, list(prompt), Sampler(params), max(1, max_new),
-                             frozenset(stop_ids), history=list(prompt))  # fmt: skip
+                             frozenset(stop_ids), history=list(prompt),
+                             drafts=params.logprobs is None)  # fmt: skip
+        if params.logprobs is not None:
+            stream.logprobs = []
         with self._lock:
             # Sequences submitted but not yet admitted to a free slot do not wait for one.
             free = max(0, self.config.slots - len(self._running))
@@ -446,6 +470,9 @@ class BatchScheduler:
 
     def _sample(self, sequence: _Sequence, logits: torch.Tensor) -> None:
         token = sequence.sampler(logits, sequence.history)
+        logprobs = sequence.stream.logprobs
+        if logprobs is not None:  # before the token reaches the stream's reader
+            logprobs.append(token_logprob(logits, token, sequence.sampler.params.logprobs))
         sequence.history.append(token)
         self._emit(sequence, token)
 

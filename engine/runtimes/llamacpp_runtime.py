@@ -12,7 +12,7 @@ from ..devices import DeviceProbe
 from ..gguf_file import GGUFFile
 from ..kv_types import KVSetting
 from ..llamacpp_lib import Llama, OpenedModel, open_model
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, TokenLogprob
 from ..token_stream import GeneratedTokens, TokenStream
 from ..tokenizer import Tokenizer
 from .base import (
@@ -81,7 +81,10 @@ class LlamaCppRuntime(Runtime):
 
     def generate_tokens(self, prompt: Sequence[int], params: SamplingParams) -> TokenStream:
         cached = self.reusable_prefix(prompt)
-        return GeneratedTokens(sample_with_llamacpp(self._llm, prompt, params), cached)
+        stream = GeneratedTokens(cached_prompt_tokens=cached)
+        if params.logprobs is not None:
+            stream.logprobs = []
+        return stream.feeding(sample_with_llamacpp(self._llm, prompt, params, stream.logprobs))
 
     def reset(self) -> None:
         self._llm.reset()
@@ -105,12 +108,16 @@ class LlamaCppRuntime(Runtime):
 
 
 def sample_with_llamacpp(
-    llm: Llama, prompt: Sequence[int], params: SamplingParams
+    llm: Llama,
+    prompt: Sequence[int],
+    params: SamplingParams,
+    logprobs: list[TokenLogprob] | None = None,
 ) -> Iterator[int]:
-    """Tokens after `prompt` from llama.cpp's own sampler, with our sampling parameters."""
+    """Tokens after `prompt` from llama.cpp's own sampler, with our sampling parameters;
+    each one's log-probability goes into `logprobs` first, when given."""
     seed = params.seed if params.seed is not None else random.randrange(2**31)
     llm.set_seed(seed)
-    yield from llm.generate(
+    tokens = llm.generate(
         list(prompt),
         temp=max(params.temperature, 0.0),
         top_k=params.top_k,
@@ -120,3 +127,20 @@ def sample_with_llamacpp(
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,
     )
+    try:
+        for token in tokens:
+            if logprobs is not None:
+                logprobs.append(_last_logprob(llm, token, params.logprobs or 0))
+            yield token
+    finally:
+        tokens.close()
+
+
+def _last_logprob(llm: Llama, token: int, top: int) -> TokenLogprob:
+    """From the logits llama.cpp just sampled `token` from (its last output row)."""
+    row = np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(llm.n_vocab(),))
+    shifted = row.astype(np.float64) - row.max()
+    logprobs = shifted - np.log(np.exp(shifted).sum())
+    best = np.argsort(-logprobs)[:top] if top > 0 else []
+    return TokenLogprob(token, float(logprobs[token]),
+                        tuple((int(t), float(logprobs[t])) for t in best))  # fmt: skip

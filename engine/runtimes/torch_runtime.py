@@ -39,7 +39,7 @@ from ..speculative import (
 from ..speculative.calibration import default_exit_setting, load_exit_setting
 from ..token_stream import GeneratedTokens, TokenStream
 from ..tokenizer import Tokenizer
-from ..torch_sampler import Sampler
+from ..torch_sampler import Sampler, token_logprob
 from .base import (
     DEFAULT_CTX,
     DEFAULT_SINKS,
@@ -248,7 +248,7 @@ class TorchRuntime(Runtime):
         self._truncate(reuse)
         logits = self._feed(prompt[reuse:])
         self.last_speculation = None
-        if self.spec_mode is not SpecMode.OFF:
+        if self.spec_mode is not SpecMode.OFF and sampler.params.logprobs is None:
             drafters = build_drafters(self.spec_mode, self.model, self.early_exit)
             decoder = SpeculativeDecoder(
                 self.model, self.caches, self._tokens, sampler, self.draft_controller,
@@ -257,8 +257,12 @@ class TorchRuntime(Runtime):
             self.last_speculation = stream.speculation = decoder.stats
             yield from decoder.run(logits, history)
             return
+        if sampler.params.logprobs is not None and stream.logprobs is None:
+            stream.logprobs = []  # kept across a retry after running out of GPU memory
         while True:
             token = sampler(logits, history)
+            if stream.logprobs is not None:
+                stream.logprobs.append(token_logprob(logits, token, sampler.params.logprobs))
             yield token
             history.append(token)
             logits = self._feed([token])

@@ -84,6 +84,9 @@ class WhisperASR:
         from faster_whisper.transcribe import get_suppressed_tokens
 
         self._suppressed = get_suppressed_tokens(self._tokenizer, [-1])
+        # The latest window's decoding (its tokens and confidence figures), for callers that
+        # report them (the API's verbose_json); None when that window gave no words.
+        self.last_decode: _Decoded | None = None
 
     def transcribe(
         self, audio: np.ndarray, prompt: str = "", offset: float = 0.0, beam_size: int = 1
@@ -91,6 +94,7 @@ class WhisperASR:
         """Words in `audio` (16 kHz mono float32, at most 30 s), times shifted by `offset`."""
         if len(audio) > MAX_WINDOW_S * SAMPLE_RATE:
             raise ValueError(f"a window is at most {MAX_WINDOW_S} s")
+        self.last_decode = None
         content_frames = len(audio) // SAMPLES_PER_FRAME
         if content_frames == 0:
             return []
@@ -104,7 +108,12 @@ class WhisperASR:
             if decoded.is_hallucination():
                 log.debug("dropped a transcript that looks hallucinated")
                 return []
+        self.last_decode = decoded
         return self._words(decoded.tokens, encoder_output, content_frames, offset)
+
+    def text_tokens(self, text: str) -> list[int]:
+        """The token ids Whisper writes `text` with (after a space, as within a transcript)."""
+        return self._tokenizer.encode(" " + text.strip())
 
     def _encode(self, audio: np.ndarray):
         context_s = _context_seconds(len(audio) / SAMPLE_RATE)

@@ -1,0 +1,162 @@
+"""Serving many clients at once through `miniapp serve`'s HTTP API, measured as serving.py
+measures the engine in-process (`miniapp bench serve --http`): the same prompts as token ids,
+the same number of new tokens (end of turn ignored), greedy, each client on its own
+connection. What it adds to the in-process figures is the cost of the HTTP layer: uvicorn,
+JSON, server-sent events and the relay from the engine's thread to the event loop.
+
+The server streams text, one event per piece of text (a token, or a few whose bytes only
+make text together): an event's arrival times its tokens, and the answer's length is the
+usage chunk's count. Answers are compared, piece by piece, with a lone client's.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+from ..errors import MiniappError
+from .llama_server_bench import HOST, HTTP_TIMEOUT, READY_TIMEOUT_S, STOP_TIMEOUT_S, _free_port
+from .serving import ServingResult, run_clients, summarize
+
+
+class ApiServer:
+    """`miniapp serve` on a free port of 127.0.0.1, as a context manager that waits until
+    /health says the model is ready and stops it afterwards."""
+
+    def __init__(self, model: Path, slots: int, ctx: int, threads: int, kv_type: str):
+        self.url = f"http://{HOST}:{_free_port()}"
+        port = self.url.rsplit(":", 1)[1]
+        self.command = [
+            sys.executable, "-m", "miniapp.app", "serve", "--model", str(model),
+            "--host", HOST, "--port", port, "--parallel", str(slots),
+            "--queue", str(slots * 2), "--ctx", str(ctx), "--threads", str(threads),
+            "--kv-type", kv_type, "--spec", "off",  # as the in-process bench: no drafting
+        ]  # fmt: skip
+        self._log = None
+        self._process: subprocess.Popen | None = None
+
+    def __enter__(self) -> ApiServer:
+        self._log = tempfile.TemporaryFile()
+        self._process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL,
+                                         stdout=self._log, stderr=subprocess.STDOUT)  # fmt: skip
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def peak_rss_mb(self) -> float:
+        try:
+            status = Path(f"/proc/{self._process.pid}/status").read_text()
+        except OSError:
+            return 0.0
+        for line in status.splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+        return 0.0
+
+    def stop(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        if self._log is not None:
+            self._log.close()
+
+    def _last_line(self) -> str:
+        self._log.seek(0)
+        lines = self._log.read().decode("utf-8", "replace").strip().splitlines()
+        return lines[-1] if lines else "(no output)"
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        with httpx.Client(timeout=2.0, trust_env=False) as client:
+            while time.monotonic() < deadline:
+                if self._process.poll() is not None:
+                    raise MiniappError(f"miniapp serve stopped: {self._last_line()}")
+                try:
+                    if client.get(f"{self.url}/health").status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.1)
+        raise MiniappError(f"miniapp serve was not ready after {READY_TIMEOUT_S:.0f} s")
+
+
+def stream_answer(client: httpx.Client, url: str, model: str, prompt: list[int],
+                  tokens: int) -> Iterator[str]:  # fmt: skip
+    """One streamed completion of exactly `tokens` tokens: yields each event's text as it
+    arrives, then an empty piece for each token that came in an event with others (the
+    usage chunk's count says how many), so that one item stands for one token."""
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
+            "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    pieces, count = 0, 0
+    with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            response.read()
+            raise MiniappError(f"miniapp serve answered {response.status_code}: {response.text}")
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue  # separators and the closing [DONE]
+            event = json.loads(line.removeprefix("data: "))
+            if event.get("usage"):
+                count = event["usage"]["completion_tokens"]
+            for choice in event.get("choices", []):
+                if choice.get("text"):
+                    pieces += 1
+                    yield choice["text"]
+    yield from [""] * max(0, count - pieces)
+
+
+class ApiServerBench:
+    """`miniapp serve` with N slots for N clients, as LlamaServerBench runs llama-server."""
+
+    def __init__(self, model: Path, prompts: list[list[int]], tokens: int, ctx: int,
+                 threads: int, kv_type: str):  # fmt: skip
+        self.model, self.prompts, self.tokens = model, prompts, tokens
+        self.ctx, self.threads, self.kv_type = ctx, threads, kv_type
+        self._lone: dict[int, list[str]] = {}
+
+    def lone_answers(self) -> None:
+        """Each prompt's answer from a one-slot server: the reference for `identical`."""
+        with self._server(1) as server, _client() as client:
+            for index, prompt in enumerate(self.prompts):
+                self._lone[index] = list(self._answer(server, client, prompt))
+
+    def run(self, clients: int, requests_per_client: int) -> ServingResult:
+        with self._server(clients) as server, _client() as client:
+            done, wall = run_clients(
+                clients,
+                requests_per_client,
+                len(self.prompts),
+                lambda i: self._answer(server, client, self.prompts[i]),
+            )
+            peak_rss_mb = server.peak_rss_mb()
+        return summarize(clients, done, wall, self._lone, peak_rss_mb)  # fmt: skip
+
+    def _server(self, slots: int) -> ApiServer:
+        return ApiServer(self.model, slots, self.ctx, self.threads, self.kv_type)
+
+    def _answer(self, server: ApiServer, client: httpx.Client, prompt: list[int]):
+        return stream_answer(client, server.url, self.model.name, prompt, self.tokens)
+
+
+def _client() -> httpx.Client:
+    # One connection a client at most; no proxy for 127.0.0.1.
+    return httpx.Client(timeout=HTTP_TIMEOUT, trust_env=False,
+                        limits=httpx.Limits(max_connections=64))  # fmt: skip
