@@ -104,6 +104,9 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         report["torch"] = worker["results"]
         extras["kv_type"] = worker["kv_type"]
         extras["kv_bytes_per_token"] = worker["kv_bytes_per_token"]
+        if args.http:
+            report["torch-http"] = _measure_api(model, prompts, clients, args, ctx, threads,
+                                                worker["kv_type"])  # fmt: skip
     if server_binary is not None:
         report["llama-server"], server_extras = _measure_llama_server(
             server_binary, model, prompts, clients, args, ctx, threads
@@ -137,6 +140,16 @@ def _measure_torch(model: Path, prompts: list[list[int]], clients: list[int],
         cause = done.stderr.strip().splitlines()[-1:] or [exit_description(done.returncode)]
         raise MiniappError(f"the serving benchmark failed: {cause[0]}")
     return json.loads(done.stdout)
+
+
+def _measure_api(model: Path, prompts: list[list[int]], clients: list[int],
+                 args: argparse.Namespace, ctx: int, threads: int, kv: str) -> dict:  # fmt: skip
+    """Our engine through `miniapp serve` (a process of its own per client count)."""
+    from miniapp.engine.evaluation.api_server_bench import ApiServerBench
+
+    bench = ApiServerBench(model, prompts, args.tokens, ctx, threads, kv)
+    bench.lone_answers()
+    return {str(n): bench.run(n, args.requests).to_dict() for n in clients}
 
 
 def _measure_llama_server(binary: Path, model: Path, prompts: list[list[int]],
@@ -173,7 +186,8 @@ def _client_counts(text: str) -> list[int]:
     return counts
 
 
-ENGINE_TITLES = {"torch": "torch engine", "llama-server": "llama-server"}
+ENGINE_TITLES = {"torch": "torch engine", "torch-http": "torch engine through miniapp serve",
+                 "llama-server": "llama-server"}  # fmt: skip
 
 
 def _print_table(report: dict, args: argparse.Namespace) -> None:
@@ -184,6 +198,8 @@ def _print_table(report: dict, args: argparse.Namespace) -> None:
             _print_rows(title, report[engine])
     if "torch" in report and "llama-server" in report:
         _print_comparison(report["torch"], report["llama-server"])
+    if "torch-http" in report:
+        _print_http_cost(report["torch"], report["torch-http"], report.get("llama-server"))
     if "kv_bytes_per_token" in report:
         per_token = report["kv_bytes_per_token"]
         print(f"torch KV cache per sequence ({report['kv_type']}): {per_token / 1024:.1f} KiB a "
@@ -216,6 +232,19 @@ def _print_comparison(torch_rows: dict, server_rows: dict) -> None:
         ratio = ours["aggregate_tok_s"] / max(theirs["aggregate_tok_s"], 1e-9)
         print(f"{count:>7}  {ratio:20.2f}x  "
               f"{ours['itl_p99_s'] * 1000:7.1f} / {theirs['itl_p99_s'] * 1000:.1f}")  # fmt: skip
+
+
+def _print_http_cost(inside: dict, http: dict, server: dict | None) -> None:
+    print("miniapp serve vs in-process" + (" (and llama-server's TTFT)" if server else ""))
+    print("clients  aggregate tok/s HTTP / in-process  TTFT p50/p99 (s) HTTP"
+          + ("  llama-server" if server else ""))  # fmt: skip
+    for count, ours in http.items():
+        ratio = ours["aggregate_tok_s"] / max(inside[count]["aggregate_tok_s"], 1e-9)
+        line = f"{count:>7}  {ratio:33.3f}x  {ours['ttft_p50_s']:.2f} / {ours['ttft_p99_s']:.2f}"
+        if server:
+            theirs = server[count]
+            line += f"         {theirs['ttft_p50_s']:.2f} / {theirs['ttft_p99_s']:.2f}"
+        print(line)
 
 
 def _worker(argv: list[str]) -> int:

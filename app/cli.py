@@ -180,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     _add_spec_arg(bench)
     bench.set_defaults(spec=None)
+    bench.add_argument("--http", action="store_true",
+                       help="bench serve: also measure our engine through `miniapp serve`'s "
+                       "HTTP API (the same prompts, as streamed completions)")  # fmt: skip
     bench.add_argument("--clients", default="1,2,4,8",
                        help="bench serve: client counts to measure, e.g. 1,2,4,8")  # fmt: skip
     bench.add_argument("--requests", type=_positive_int, default=4,

@@ -120,6 +120,11 @@ def test_plain_and_streamed_chat_give_the_same_greedy_answer(client):
 def test_max_tokens_ends_with_length_and_stop_strings_cut_the_answer(client):
     short = chat(client, "Tell me a long story about a dragon.", temperature=0, max_tokens=3)
     assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 3
+    brief = chat(client, "Say hello in five words.", temperature=0, max_tokens=40)
+    assert brief.choices[0].finish_reason == "stop" and brief.usage.completion_tokens < 40
+    forced = chat(client, "Say hello in five words.", temperature=0, max_tokens=40,
+                  extra_body={"ignore_eos": True})  # fmt: skip
+    assert forced.choices[0].finish_reason == "length" and forced.usage.completion_tokens == 40
     limited = chat(client, "Tell me a long story about a dragon.", temperature=0,
                    max_completion_tokens=40)  # fmt: skip
     full = limited.choices[0].message.content

@@ -137,7 +137,8 @@ def _generation_request(body: Sampling, defaults: SamplingParams, max_tokens: in
               "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty")}  # fmt: skip
     sampling = replace(defaults, **{k: v for k, v in fields.items() if v is not None},
                        logprobs=body.logprob_count())  # fmt: skip
-    return GenerationRequest(max_tokens=max_tokens, sampling=sampling, stop=body.stops())
+    return GenerationRequest(max_tokens=max_tokens, sampling=sampling, stop=body.stops(),
+                             ignore_end_of_turn=body.ignore_eos)  # fmt: skip
 
 
 # ------------------------------------------------------------------ responses

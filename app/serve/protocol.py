@@ -81,6 +81,7 @@ class Sampling(_Body):
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0, le=1)
     repeat_penalty: float | None = Field(None, gt=0)
+    ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks)
 
     def stops(self) -> tuple[str, ...]:
         if self.stop is None:
