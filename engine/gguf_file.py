@@ -8,6 +8,7 @@ repacked. Every structural problem becomes a `ModelFileError` naming the file an
 from __future__ import annotations
 
 import mmap
+import struct
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,3 +152,68 @@ def _field_value(field: Any) -> Any:
 def _short(exc: Exception) -> str:
     text = str(exc).strip().splitlines()
     return text[0][:160] if text else type(exc).__name__
+
+
+# ------------------------------------------------------------------ one value, fast
+
+# Sizes of GGUF's fixed-size value types (type id -> bytes); 8 is a string, 9 an array.
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+                   10: "<Q", 11: "<q", 12: "<d"}  # fmt: skip
+_STRING, _ARRAY = 8, 9
+_MAX_STRING = 64 << 20  # longer than any key or chat template: a corrupt length
+
+
+def read_scalar(path: Path | str, key: str) -> Any:
+    """One scalar metadata value (a number, bool or string) without parsing the whole file:
+    GGUFFile reads every key, and a 262k-word vocabulary takes seconds. Scans the key-value
+    section in order and stops at `key`; None if absent, ModelFileError if the file is bad."""
+    path = Path(path)
+    _check_header(path)
+    try:
+        with path.open("rb") as handle:
+            return _scan_for(handle, key)
+    except (OSError, struct.error, UnicodeDecodeError, ValueError) as exc:
+        raise ModelFileError(path, f"corrupt or truncated GGUF ({_short(exc)})") from exc
+
+
+def _scan_for(handle, key: str) -> Any:
+    handle.seek(4)
+    version, _tensors, count = struct.unpack("<IQQ", handle.read(20))
+    if version < 2:
+        raise ValueError(f"GGUF version {version} is too old")
+    for _ in range(count):
+        name = _read_string(handle)
+        kind = struct.unpack("<I", handle.read(4))[0]
+        if name == key and kind != _ARRAY:
+            return _read_scalar(handle, kind)
+        _skip_value(handle, kind)
+    return None
+
+
+def _read_string(handle) -> str:
+    (length,) = struct.unpack("<Q", handle.read(8))
+    if length > _MAX_STRING:  # a corrupt length must not become a huge allocation
+        raise ValueError(f"a string of {length} bytes")
+    return handle.read(length).decode("utf-8")
+
+
+def _read_scalar(handle, kind: int) -> Any:
+    if kind == _STRING:
+        return _read_string(handle)
+    return struct.unpack(_SCALAR_FORMATS[kind], handle.read(_SCALAR_SIZES[kind]))[0]
+
+
+def _skip_value(handle, kind: int) -> None:
+    if kind == _STRING:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        handle.seek(length, 1)
+    elif kind == _ARRAY:
+        element, items = struct.unpack("<IQ", handle.read(12))
+        if element in _SCALAR_SIZES:
+            handle.seek(_SCALAR_SIZES[element] * items, 1)
+        else:
+            for _ in range(items):
+                _skip_value(handle, element)
+    else:
+        handle.seek(_SCALAR_SIZES[kind], 1)

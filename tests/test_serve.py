@@ -61,7 +61,8 @@ def server(miniapp_exe):
 @pytest.fixture(scope="module")
 def guarded(miniapp_exe):
     """Two slots, one waiting place, a key and a 1 MB body limit."""
-    flags = ("--parallel", "2", "--queue", "1", "--api-key", KEY, "--max-body-mb", "1")
+    flags = ("--parallel", "2", "--queue", "1", "--api-key", KEY, "--max-body-mb", "1",
+             "--cors-origin", "http://editor.example")  # fmt: skip
     with running_server(miniapp_exe, *flags) as (_, base):
         wait_ready(base)
         yield base
@@ -283,6 +284,19 @@ def test_a_key_guards_the_api_but_not_health(guarded):
     assert allowed.models.list().data[0].id == MODEL
 
 
+def test_cors_answers_only_the_origins_named(guarded, server):
+    preflight = {"origin": "http://editor.example", "access-control-request-method": "POST",
+                 "access-control-request-headers": "authorization, content-type"}  # fmt: skip
+    allowed = httpx.options(guarded + "/v1/chat/completions", headers=preflight)
+    assert allowed.status_code == 200
+    assert allowed.headers["access-control-allow-origin"] == "http://editor.example"
+    other = httpx.options(guarded + "/v1/chat/completions",
+                          headers=preflight | {"origin": "http://elsewhere.example"})  # fmt: skip
+    assert "access-control-allow-origin" not in other.headers
+    plain = httpx.get(server + "/v1/models", headers={"origin": "http://editor.example"})
+    assert "access-control-allow-origin" not in plain.headers  # off unless named
+
+
 def test_a_body_over_the_limit_is_413(guarded):
     headers = {"authorization": f"Bearer {KEY}"}
     big = {"model": MODEL, "messages": [{"role": "user", "content": "x" * (2 << 20)}]}
@@ -335,12 +349,19 @@ def test_a_full_queue_is_503_and_a_client_that_leaves_frees_its_slot(guarded):
             c.close()
 
 
-def test_health_is_503_while_the_model_loads(miniapp_exe):
-    with running_server(miniapp_exe) as (_, base):
+def test_health_is_503_while_the_model_loads_and_answers_slide_past_the_context(miniapp_exe):
+    with running_server(miniapp_exe, "--ctx", "128") as (_, base):
         first = httpx.get(base + "/health")
         assert first.status_code == 503 and first.json()["error"]["code"] == "model_loading"
         wait_ready(base)
         assert httpx.get(base + "/health").json() == {"status": "ok"}
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+        # The torch engine's sliding window: an answer asked for more than the context holds
+        # goes on past it, as in the terminal.
+        long = chat(client, "Count from one to a thousand.", temperature=0, max_tokens=200,
+                    extra_body={"ignore_eos": True})  # fmt: skip
+        assert long.usage.prompt_tokens + long.usage.completion_tokens > 128
+        assert long.usage.completion_tokens == 200 and long.choices[0].finish_reason == "length"
 
 
 def test_binding_beyond_loopback_needs_a_key(miniapp_exe):

@@ -33,7 +33,7 @@ from .images import ServedImages, vision_producer
 from .logprobs import chat_logprobs, completion_logprobs
 from .metrics import ServeMetrics, metrics_router
 from .middleware import ApiKeyMiddleware, BodyLimitMiddleware
-from .models import model_listing
+from .models import model_listing, warm_listing
 from .protocol import ChatCompletionRequest, CompletionRequest, Sampling
 from .service import Job, Relay, ServedModel, check_fits, finish_reason, seeded, token_limit
 
@@ -54,15 +54,15 @@ class ServeOptions:
 
 def create_app(served: ServedModel, options: ServeOptions) -> FastAPI:
     app = FastAPI(title="miniapp", docs_url=None, redoc_url=None, openapi_url=None)
-    if options.cors_origins:
+    app.add_middleware(ApiKeyMiddleware, api_key=options.api_key)
+    app.add_middleware(BodyLimitMiddleware, limit=options.body_limit)
+    if options.cors_origins:  # added last, so outermost: a 401 or 413 carries its headers too
         app.add_middleware(
             CORSMiddleware, allow_origins=list(options.cors_origins),
             allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"],
         )  # fmt: skip
-    app.add_middleware(ApiKeyMiddleware, api_key=options.api_key)
-    app.add_middleware(BodyLimitMiddleware, limit=options.body_limit)
     _add_error_handlers(app)
-    images = ServedImages(served.model_path, served.spec.backend)
+    images = ServedImages(served)
     app.include_router(audio_router(served, options))
     metrics = ServeMetrics(served)
     app.include_router(metrics_router(metrics))
@@ -75,8 +75,11 @@ def create_app(served: ServedModel, options: ServeOptions) -> FastAPI:
                                   code="model_loading")  # fmt: skip
         return JSONResponse({"status": "ok"})
 
+    warm_listing()
+
+    # A plain function: FastAPI runs it on a worker thread (a GGUF's metadata may be read).
     @app.get("/v1/models")
-    async def models() -> JSONResponse:
+    def models() -> JSONResponse:
         return JSONResponse({"object": "list", "data": model_listing(served)})
 
     @app.post("/v1/chat/completions")

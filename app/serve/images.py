@@ -9,7 +9,6 @@ import base64
 import binascii
 import re
 import threading
-from functools import cached_property
 from pathlib import Path
 
 from miniapp.engine.chat_template import Message
@@ -32,15 +31,20 @@ DATA_URI = re.compile(r"data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?)
 
 
 class ServedImages:
-    """Where this model's images go, decided once (reading a projector takes a moment)."""
+    """Where the served model's images go, decided once per model (reading a projector takes
+    a moment; beside the GUI the model may change)."""
 
-    def __init__(self, model_path: Path, backend: str):
-        self.model_path, self.backend = model_path, backend
+    def __init__(self, served):
+        self.served = served
+        self._routes: dict[tuple[Path, str], ImageRoute] = {}
         self._ocr_lock = threading.Lock()  # OCR runs one image at a time, off the event loop
 
-    @cached_property
+    @property
     def route(self) -> ImageRoute:
-        return choose_route(self.model_path, self.backend, None, allow_backend_switch=True)
+        key = (self.served.model_path, self.served.spec.backend)
+        if key not in self._routes:
+            self._routes[key] = choose_route(*key, None, allow_backend_switch=True)
+        return self._routes[key]
 
     @property
     def to_vision_model(self) -> bool:

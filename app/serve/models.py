@@ -1,34 +1,48 @@
 """`GET /v1/models`: the loaded model first, then the models folder's other GGUFs, each with
-its context length (the loaded one's as it runs, the others' as trained)."""
+its context length (the loaded one's as it runs, the others' as trained).
+
+Each file's context length is read once (per size and modification time), by a scan that
+stops at that key, off the event loop; the server reads them in the background as it
+starts."""
 
 from __future__ import annotations
 
+import threading
+from functools import lru_cache
 from pathlib import Path
 
 from miniapp.engine.errors import MiniappError
-from miniapp.engine.gguf_file import GGUFFile
-
-from ..models_cmd import SPEECH, list_models
+from miniapp.engine.gguf_file import read_scalar
+from miniapp.engine.model_store import BUNDLED, models_dir
 
 
 def model_listing(served) -> list[dict]:
     runtime = served.host.runtime
-    loaded_path = Path(runtime.model_path).resolve() if runtime is not None else None
-    listed = [_entry(served.model_id, runtime.n_ctx if runtime else None, loaded=True,
-                     created=_created(loaded_path))]  # fmt: skip
-    for entry in list_models():
-        if not entry.installed or entry.architecture == SPEECH:
-            continue
-        path = Path(entry.path).resolve()
-        if path == loaded_path:
-            continue
-        listed.append(_entry(entry.name, _trained_context(path), loaded=False,
-                             created=_created(path)))  # fmt: skip
+    loaded = Path(runtime.model_path).resolve() if runtime is not None else None
+    listed = [_entry(served.model_id, runtime.n_ctx if runtime else None, True, loaded)]
+    for name, path in _gguf_files():
+        if path.resolve() != loaded:
+            listed.append(_entry(name, _trained_context(path), False, path))
     return listed
 
 
-def _entry(name: str, context: int | None, loaded: bool, created: int) -> dict:
-    return {"id": name, "object": "model", "created": created, "owned_by": "miniapp",
+def warm_listing() -> None:
+    """Read every listed file's context length now, in a background thread."""
+    threading.Thread(target=lambda: [_trained_context(p) for _, p in _gguf_files()],
+                     name="models-listing", daemon=True).start()  # fmt: skip
+
+
+def _gguf_files() -> list[tuple[str, Path]]:
+    """(name, path) of each GGUF in the models folder, bundled ones under their names;
+    projectors (mmproj) are not models of their own."""
+    folder = models_dir()
+    bundled = {model.filename: name for name, model in BUNDLED.items()}
+    paths = sorted(folder.glob("*.gguf")) if folder.is_dir() else []
+    return [(bundled.get(p.name, p.name), p) for p in paths if "mmproj" not in p.name.lower()]
+
+
+def _entry(name: str, context: int | None, loaded: bool, path: Path | None) -> dict:
+    return {"id": name, "object": "model", "created": _created(path), "owned_by": "miniapp",
             "context_length": context, "loaded": loaded}  # fmt: skip
 
 
@@ -41,7 +55,17 @@ def _created(path: Path | None) -> int:
 
 def _trained_context(path: Path) -> int | None:
     try:
-        value = GGUFFile(path).arch_value("context_length", None)
-    except (MiniappError, OSError):
+        stat = path.stat()
+    except OSError:
         return None
-    return int(value) if value is not None else None
+    return _context_of(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@lru_cache(maxsize=256)
+def _context_of(path: str, _mtime_ns: int, _size: int) -> int | None:
+    try:
+        architecture = read_scalar(path, "general.architecture")
+        value = read_scalar(path, f"{architecture}.context_length") if architecture else None
+    except MiniappError:
+        return None
+    return int(value) if isinstance(value, int) else None

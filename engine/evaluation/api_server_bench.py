@@ -33,9 +33,11 @@ class ApiServer:
     def __init__(self, model: Path, slots: int, ctx: int, threads: int, kv_type: str):
         self.url = f"http://{HOST}:{_free_port()}"
         port = self.url.rsplit(":", 1)[1]
+        # Two slots at least: one is the engine without its scheduler, another code path
+        # (the in-process bench's lone client runs on a one-slot scheduler).
         self.command = [
             sys.executable, "-m", "miniapp.app", "serve", "--model", str(model),
-            "--host", HOST, "--port", port, "--parallel", str(slots),
+            "--host", HOST, "--port", port, "--parallel", str(max(slots, 2)),
             "--queue", str(slots * 2), "--ctx", str(ctx), "--threads", str(threads),
             "--kv-type", kv_type, "--spec", "off",  # as the in-process bench: no drafting
         ]  # fmt: skip
