@@ -116,12 +116,17 @@ def test_exit_descriptions():
 def test_bench_serve_reports_each_client_count_as_json(miniapp_exe):
     done = subprocess.run(
         [miniapp_exe, "bench", "serve", "--clients", "2,1", "--requests", "1", "--tokens", "4",
-         "--threads", "2", "--ctx", "1024", "--backend", "torch", "--json"],
+         "--threads", "2", "--ctx", "1024", "--backend", "torch", "--http", "--json"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert list(report["torch"]) == ["1", "2"] and report["identical_output"] is True
+    # --http: the same clients through `miniapp serve`, every answer its lone client's
+    assert list(report["torch-http"]) == ["1", "2"]
+    for count, row in report["torch-http"].items():
+        assert row["identical_output"] and row["requests"] == int(count)
+        assert row["aggregate_tok_s"] > 0 and row["peak_rss_mb"] > 0
     # SmolLM2's layers, as the default KV cache type stores them
     assert report["kv_type"] == DEFAULT_KV_TYPE
     assert report["kv_bytes_per_token"] == bytes_per_token(kv_type(DEFAULT_KV_TYPE), 30, 3, 64)

@@ -25,7 +25,7 @@ from miniapp.engine.devices import (
 )
 from miniapp.engine.errors import DeviceUnavailableError, MiniappError
 from miniapp.engine.gguf_file import GGUFFile
-from miniapp.engine.kv_types import DEFAULT_KV_TYPE, KV_TYPE_NAMES
+from miniapp.engine.kv_types import DEFAULT_KV_TYPE, KV_SETTING_NAMES
 
 # A 7B-like model: 4 GiB packed, 13 GiB as bf16, 1 GiB of KV, 32 layers.
 BIG = ModelFootprint(int4_bytes=4 * GIB, bf16_bytes=13 * GIB, kv_bytes=1 * GIB, n_layers=32)
@@ -127,8 +127,11 @@ def test_doctor_reports_the_kv_cache_of_the_chosen_type(miniapp_exe):
     kv, per_type = report["kv_cache"], report["kv_cache"]["per_type"]
     assert kv["type"] == "f16" and kv["bytes_per_token"] == 2 * 30 * 3 * 64 * 2  # SmolLM2
     assert kv["bytes_at_ctx"] == 1000 * kv["bytes_per_token"] == report["footprint"]["kv_bytes"]
-    assert set(per_type) == set(KV_TYPE_NAMES)
-    assert per_type["q4"] < per_type["q8"] < per_type["f16"] == per_type["bf16"] < per_type["f32"]
+    assert set(per_type) == set(KV_SETTING_NAMES)  # every type, and keys apart from values
+    assert per_type["q4"] < per_type["q8/q4"] < per_type["q8"] < per_type["f16"]
+    assert per_type["f16"] == per_type["bf16"] < per_type["f32"]
+    apart = json.loads(_doctor(miniapp_exe, "--json", "--kv-type", "q8/q4").stdout)["kv_cache"]
+    assert apart["type"] == "q8/q4" and apart["bytes_per_token"] == 30 * 3 * (68 + 40)
     text = _doctor(miniapp_exe, "--ctx", "4096")  # the default type, in words
     assert text.returncode == 0, text.stderr
     per_token = per_type[DEFAULT_KV_TYPE]

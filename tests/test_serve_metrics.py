@@ -114,7 +114,8 @@ def test_a_streaming_answer_is_running_and_one_whose_client_leaves_ends_cancelle
     before = scrape(server)
     with httpx.Client(timeout=60, headers=AUTH) as http:
         with http.stream("POST", server + "/v1/chat/completions", json=long_answer) as stream:
-            first_content(stream.iter_lines())  # it is generating
+            lines = stream.iter_lines()  # kept: a dropped iterator closes the connection
+            first_content(lines)  # it is generating
             during = scrape(server)
     assert during[("miniapp_requests_running", ())] == 1
     assert during[("miniapp_requests_waiting", ())] == 0

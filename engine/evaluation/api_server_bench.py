@@ -12,91 +12,33 @@ usage chunk's count. Answers are compared, piece by piece, with a lone client's.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 
 from ..errors import MiniappError
-from .llama_server_bench import HOST, HTTP_TIMEOUT, READY_TIMEOUT_S, STOP_TIMEOUT_S, _free_port
+from .llama_server_bench import HOST, HTTP_TIMEOUT, ServerProcess, _free_port
 from .serving import ServingResult, run_clients, summarize
 
 
-class ApiServer:
-    """`miniapp serve` on a free port of 127.0.0.1, as a context manager that waits until
-    /health says the model is ready and stops it afterwards."""
+class ApiServer(ServerProcess):
+    """`miniapp serve` with `slots` slots of `ctx` tokens, drafting off (as in-process)."""
+
+    name = "miniapp serve"
 
     def __init__(self, model: Path, slots: int, ctx: int, threads: int, kv_type: str):
-        self.url = f"http://{HOST}:{_free_port()}"
-        port = self.url.rsplit(":", 1)[1]
+        port = _free_port()
+        self.url = f"http://{HOST}:{port}"
         # Two slots at least: one is the engine without its scheduler, another code path
         # (the in-process bench's lone client runs on a one-slot scheduler).
-        self.command = [
+        super().__init__([
             sys.executable, "-m", "miniapp.app", "serve", "--model", str(model),
-            "--host", HOST, "--port", port, "--parallel", str(max(slots, 2)),
+            "--host", HOST, "--port", str(port), "--parallel", str(max(slots, 2)),
             "--queue", str(slots * 2), "--ctx", str(ctx), "--threads", str(threads),
-            "--kv-type", kv_type, "--spec", "off",  # as the in-process bench: no drafting
-        ]  # fmt: skip
-        self._log = None
-        self._process: subprocess.Popen | None = None
-
-    def __enter__(self) -> ApiServer:
-        self._log = tempfile.TemporaryFile()
-        self._process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL,
-                                         stdout=self._log, stderr=subprocess.STDOUT)  # fmt: skip
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
-
-    def peak_rss_mb(self) -> float:
-        try:
-            status = Path(f"/proc/{self._process.pid}/status").read_text()
-        except OSError:
-            return 0.0
-        for line in status.splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-        return 0.0
-
-    def stop(self) -> None:
-        if self._process is not None and self._process.poll() is None:
-            self._process.terminate()
-            try:
-                self._process.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
-        if self._log is not None:
-            self._log.close()
-
-    def _last_line(self) -> str:
-        self._log.seek(0)
-        lines = self._log.read().decode("utf-8", "replace").strip().splitlines()
-        return lines[-1] if lines else "(no output)"
-
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        with httpx.Client(timeout=2.0, trust_env=False) as client:
-            while time.monotonic() < deadline:
-                if self._process.poll() is not None:
-                    raise MiniappError(f"miniapp serve stopped: {self._last_line()}")
-                try:
-                    if client.get(f"{self.url}/health").status_code == 200:
-                        return
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.1)
-        raise MiniappError(f"miniapp serve was not ready after {READY_TIMEOUT_S:.0f} s")
+            "--kv-type", kv_type, "--spec", "off",
+        ])  # fmt: skip
 
 
 def stream_answer(client: httpx.Client, url: str, model: str, prompt: list[int],

@@ -39,22 +39,18 @@ class LlamaServerExited(MiniappError):
         super().__init__(f"llama-server ended (exit code {returncode}) while {doing}: {last_line}")
 
 
-class LlamaServer:
-    """One llama-server process on a free port of 127.0.0.1, with `slots` slots of
-    `ctx_per_slot` tokens; a context manager that waits until it is ready and stops it."""
+class ServerProcess:
+    """A server process on a free port of 127.0.0.1 (the command is a subclass's, given the
+    port); a context manager that waits until GET /health answers 200 and stops it."""
 
-    def __init__(self, binary: Path, model: Path, slots: int, ctx_per_slot: int, threads: int):
-        port = _free_port()
-        self.url = f"http://{HOST}:{port}"
-        self.command = [
-            str(binary), "-m", str(model), "--host", HOST, "--port", str(port),
-            "-t", str(threads), "-tb", str(threads), "--parallel", str(slots),
-            "-c", str(ctx_per_slot * slots), "-cb", "--no-webui",
-        ]  # fmt: skip
+    name = "the server"
+
+    def __init__(self, command: list[str]):
         self._log = None
         self._process: subprocess.Popen | None = None
+        self.command = command
 
-    def __enter__(self) -> LlamaServer:
+    def __enter__(self) -> ServerProcess:
         self._log = tempfile.TemporaryFile()  # a file, not a pipe: it never fills and blocks
         self._process = subprocess.Popen(
             self.command, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT
@@ -72,7 +68,11 @@ class LlamaServer:
     def check_running(self, doing: str) -> None:
         returncode = self._process.poll()
         if returncode is not None:
-            raise LlamaServerExited(doing, returncode, self.last_log_line())
+            raise self.exited(doing, returncode)
+
+    def exited(self, doing: str, returncode: int) -> MiniappError:
+        return MiniappError(f"{self.name} ended (exit code {returncode}) while {doing}: "
+                            f"{self.last_log_line()}")  # fmt: skip
 
     def peak_rss_mb(self) -> float:
         """The process's peak resident set so far (Linux's VmHWM); 0 where unknown."""
@@ -114,10 +114,28 @@ class LlamaServer:
                     pass  # not listening yet
                 if time.monotonic() > deadline:
                     raise MiniappError(
-                        f"llama-server was not ready after {READY_TIMEOUT_S:.0f} s: "
+                        f"{self.name} was not ready after {READY_TIMEOUT_S:.0f} s: "
                         f"{self.last_log_line()}"
                     )
                 time.sleep(0.1)
+
+
+class LlamaServer(ServerProcess):
+    """llama-server with `slots` slots of `ctx_per_slot` tokens."""
+
+    name = "llama-server"
+
+    def __init__(self, binary: Path, model: Path, slots: int, ctx_per_slot: int, threads: int):
+        port = _free_port()
+        self.url = f"http://{HOST}:{port}"
+        super().__init__([
+            str(binary), "-m", str(model), "--host", HOST, "--port", str(port),
+            "-t", str(threads), "-tb", str(threads), "--parallel", str(slots),
+            "-c", str(ctx_per_slot * slots), "-cb", "--no-webui",
+        ])  # fmt: skip
+
+    def exited(self, doing: str, returncode: int) -> MiniappError:
+        return LlamaServerExited(doing, returncode, self.last_log_line())
 
 
 def stream_completion(
