@@ -15,7 +15,7 @@ in blocks of 32 values along the head dimension, laid out for the native attenti
 Quantized rows are stored times a normalised Hadamard matrix, as llama.cpp rotates its
 quantized caches: keys have a few large channels, and the rotation spreads them over the
 row, so a block's scale no longer follows one outlier (q4's perplexity cost fell from +8% to
-+5% on SmolLM2, from +12% to +6% on Gemma 3). Queries are rotated alike and outputs back,
++5% on SmolLM2, from +12% to +9% on Gemma 3). Queries are rotated alike and outputs back,
 so attention is unchanged.
 
 Keys suffer from quantization far more than values: on SmolLM2, 4-bit values with 8-bit keys
