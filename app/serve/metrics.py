@@ -149,7 +149,7 @@ class ServeMetrics:
 
     def _kv_reserved(self) -> int:
         scheduler = self._scheduler()
-        return 0 if scheduler is None else scheduler.kv_reserved_bytes
+        return 0 if scheduler is None else scheduler.kv_bytes_reserved()
 
     def _kv_budget(self) -> int:
         scheduler = self._scheduler()

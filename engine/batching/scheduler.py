@@ -211,12 +211,6 @@ class BatchScheduler:
         with self._lock:
             return len(self._waiting)
 
-    @property
-    def kv_reserved_bytes(self) -> int:
-        """What `kv_bytes_reserved` says, taken under the lock."""
-        with self._lock:
-            return self.kv_bytes_reserved()
-
     # -- the caller's side ------------------------------------------------------------------
 
     def submit(
@@ -351,10 +345,12 @@ class BatchScheduler:
             self._running.append(sequence)
 
     def kv_bytes_reserved(self) -> int:
-        """KV memory the running sequences may reach, and what pooled prefixes hold."""
-        running = sum(self._reservation(s.prompt, s.max_new) for s in self._running)
-        pooled = sum(self._held_bytes(len(p.tokens)) for p in self._pool)
-        return running + pooled
+        """KV memory the running sequences may reach, and what pooled prefixes hold. Safe
+        from any thread (the lock is reentrant: admission calls it holding the lock)."""
+        with self._lock:
+            running = sum(self._reservation(s.prompt, s.max_new) for s in self._running)
+            pooled = sum(self._held_bytes(len(p.tokens)) for p in self._pool)
+            return running + pooled
 
     def _reservation(self, prompt: list[int], max_new: int) -> int:
         return self._held_bytes(len(prompt) + max_new)
