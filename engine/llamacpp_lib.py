@@ -5,7 +5,8 @@ in this process takes.
 
 The log: llama.cpp prints load and context messages straight to stderr, which would
 interleave with a streamed answer; here they go to the `miniapp.llamacpp` logger instead
-(shown with -v).
+(shown with -v). Nothing else is silenced: llama-cpp-python's own way, redirecting the
+process's stdout and stderr during a load, is turned off (see _LeaveStdStreamsAlone).
 
 The CPU weight path: at load, llama.cpp copies weights into "extra buffer types" laid out for
 the CPU's instructions: CPU_REPACK (interleaved blocks for AVX2/AVX-512, part of its speed)
@@ -28,6 +29,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import llama_cpp
+import llama_cpp._internals
+import llama_cpp.llama
+import llama_cpp.llama_chat_format
 import llama_cpp.llama_cpp as llama_cpp_api
 
 from .cpu_features import CpuFeatures, cpu_features
@@ -62,6 +66,28 @@ def _route_native_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> N
 
 
 llama_cpp.llama_log_set(_route_native_log, ctypes.c_void_p(0))
+
+
+class _LeaveStdStreamsAlone:
+    """Stands in for llama-cpp-python's `suppress_stdout_stderr`, which (with verbose=False)
+    points the process's file descriptors 1 and 2 at /dev/null while a model loads. That is
+    process-wide: whatever another thread prints meanwhile is lost, and two loads that overlap
+    (a tokenizer and a model on different threads) each save the other's /dev/null and
+    restore it for good: `miniapp serve`'s URL line vanished that way. llama.cpp's messages
+    come to the callback above instead, so the streams can stay as they are."""
+
+    def __init__(self, disable: bool = True):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> bool:
+        return False
+
+
+for _module in (llama_cpp.llama, llama_cpp._internals, llama_cpp.llama_chat_format):
+    _module.suppress_stdout_stderr = _LeaveStdStreamsAlone
 
 Llama = llama_cpp.Llama
 

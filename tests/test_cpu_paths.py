@@ -159,6 +159,37 @@ def test_a_model_opened_without_extra_buffers_still_answers(monkeypatch, default
     assert logits.shape[0] == 16 and abs(logits).max() > 0
 
 
+def test_loading_leaves_the_process_output_where_it_was(tmp_path):
+    """llama-cpp-python silences a load by pointing file descriptors 1 and 2 at /dev/null,
+    process-wide; two overlapping loads then left them there for good (the server's URL line
+    was lost). Every message llama.cpp logs during our loads must see the streams unmoved."""
+    from miniapp.engine.runtimes.llamacpp_runtime import LlamaCppRuntime
+    from miniapp.engine.tokenizer import Tokenizer
+
+    def stream_ids() -> tuple:
+        return tuple((os.fstat(fd).st_dev, os.fstat(fd).st_ino) for fd in (1, 2))
+
+    before, seen = stream_ids(), []
+
+    class Watch(logging.Handler):
+        def emit(self, record):
+            seen.append(stream_ids())
+
+    path = write_tiny_model(tmp_path / "tiny.gguf", LLAMA)
+    logger, watch = logging.getLogger("miniapp.llamacpp"), Watch(logging.DEBUG)
+    logger.addHandler(watch)
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    try:
+        Tokenizer(path)
+        LlamaCppRuntime(path, n_ctx=64).close()
+    finally:
+        logger.removeHandler(watch)
+        logger.setLevel(level)
+    assert len(seen) > 10  # llama.cpp said plenty while loading
+    assert set(seen) == {before} and stream_ids() == before
+
+
 # ------------------------------------------------------------------ doctor, on several CPUs
 
 
