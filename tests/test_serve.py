@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import threading
 import time
@@ -29,7 +30,7 @@ def running_server(miniapp_exe: str, *flags: str) -> Iterator[tuple[subprocess.P
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy(),
     )  # fmt: skip
     try:
-        line = proc.stdout.readline()
+        line = read_line(proc, START_TIMEOUT_S)
         assert line.startswith("miniapp serve: http://127.0.0.1:"), line + proc.stdout.read()
         base = line.split()[2].removesuffix("/v1")
         threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep the pipe drained
@@ -40,6 +41,17 @@ def running_server(miniapp_exe: str, *flags: str) -> Iterator[tuple[subprocess.P
             proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def read_line(proc: subprocess.Popen, timeout_s: float) -> str:
+    """The process's next line of output, failing after `timeout_s` rather than waiting for
+    ever on a line that never comes."""
+    line: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: line.put(proc.stdout.readline()), daemon=True).start()
+    try:
+        return line.get(timeout=timeout_s)
+    except queue.Empty:
+        raise AssertionError(f"no line from {proc.args[:2]} within {timeout_s:.0f} s") from None
 
 
 def wait_ready(base: str) -> None:
@@ -377,7 +389,7 @@ def test_the_gui_serves_the_api_beside_it_on_the_same_model(miniapp_exe):
                "--api", "--api-port", "0"]  # fmt: skip
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        lines = [proc.stdout.readline() for _ in range(2)]
+        lines = [read_line(proc, START_TIMEOUT_S) for _ in range(2)]
         api = next(line for line in lines if line.startswith("miniapp serve: "))
         gui = next(line for line in lines if line.startswith("miniapp GUI: "))
         threading.Thread(target=proc.stdout.read, daemon=True).start()
