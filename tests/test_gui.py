@@ -398,16 +398,17 @@ def test_the_microphone_streams_a_live_transcript_with_word_times(browser, serve
         page = listening.new_context(permissions=["microphone"]).new_page()
         page.goto(server.url)
         page.wait_for_selector("#message-box textarea", timeout=STARTUP_S * 1000)
-        page.get_by_text("Speak").click()
         record = page.get_by_role("button", name="Record")
         record.wait_for(state="visible")
-        time.sleep(1)  # the recorder sets itself up after the panel opens
+        time.sleep(1)  # the recorder sets itself up after the page loads
         record.click()
+        recording_began = time.monotonic()
         growing = set()
         deadline = time.monotonic() + 2.2 * speech.duration + 4
         while time.monotonic() < deadline:
             growing.add(len(_words(page.inner_text("#live-transcript"))))
             time.sleep(0.5)
+        recorded_s = time.monotonic() - recording_began
         page.get_by_role("button", name="Stop").last.click()
         box = page.locator("#message-box textarea")
         deadline = time.monotonic() + 30
@@ -419,14 +420,16 @@ def test_the_microphone_streams_a_live_transcript_with_word_times(browser, serve
     finally:
         listening.close()
     assert len(growing) >= 3, "the transcript did not grow while the speech played"
-    # The sentence was heard, though not word for word: the audio Chromium's fake device
-    # hands over is itself chopped on a loaded 2-core machine. With Debian's Chromium
-    # 156.0.8078.114 on an AMD EPYC, the GUI received stretches of silence inside the speech
-    # and an offline transcription of exactly the audio it received read "Please, the wind or
-    # the wind start" or "Please enter the code before meeting time" in half of the runs
-    # (both with --threads 1 for the recogniser, and with Chromium's background throttling
-    # off), so only the words that survive every run are asked for here.
+    # No audio was lost on the way. Gradio keeps only the newest chunk of a stream whose
+    # handler is busy; with 0.1 s chunks (what Gradio 6 sends from a microphone mounted after
+    # the page loaded, e.g. in a closed accordion) and the recogniser on both cores, about a
+    # tenth of the audio was lost here (1.9 s of 19). The recorder's start and the last
+    # chunk before Stop lose about a second.
+    heard_s = float(re.search(r"🎙 (\d+\.\d) s heard", transcript).group(1))
+    assert heard_s >= recorded_s - 1.5, (heard_s, recorded_s)
+    # Every chunk reaches the recogniser (the GUI's handler only queues it), so the sentence
+    # is heard. Chromium's fake device loops the file: the sentence may come more than once.
     heard = set(_words(said.lower()))
-    assert "please" in heard and len(heard & set(_words(sentence.lower()))) >= 2, said
+    assert len(heard & set(_words(sentence.lower()))) >= 6, said
     times = [float(t) for t in re.findall(r"(\d+\.\d\d)–\d+\.\d\d", transcript)]
     assert len(times) >= len(sentence.split()) and times == sorted(times)

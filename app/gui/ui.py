@@ -141,7 +141,10 @@ def build_ui(ctx: GuiContext) -> gr.Blocks:
                 with gr.Accordion("Camera", open=False):
                     camera = gr.Image(sources=["webcam"], type="filepath", label="Webcam")
                     attach_photo = gr.Button("Attach photo to the message", size="sm")
-                with gr.Accordion("Speak", open=False):
+                # Open from the start: Gradio 6 sends a microphone mounted later (as in a
+                # closed accordion) in 0.1 s chunks instead of 0.5 s, five times the requests,
+                # and a busy server loses chunks (it keeps only a stream's newest).
+                with gr.Accordion("Speak", open=True):
                     microphone = gr.Audio(sources=["microphone"], streaming=True,
                                           type="numpy", label="Microphone")  # fmt: skip
                     transcript = gr.Markdown("", elem_id="live-transcript")
