@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .constraints import OutputConstraint
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -23,6 +25,9 @@ class SamplingParams:
     # log-softmax), whatever the sampling settings, as OpenAI's and vLLM's logprobs are.
     # Answers that report them are decoded without speculation.
     logprobs: int | None = None
+    # What the answer must match (a JSON schema, a pattern...): tokens that would break it
+    # are masked before sampling (constraints.py). None: free text.
+    constraint: OutputConstraint | None = None
 
     @property
     def greedy(self) -> bool:

@@ -36,6 +36,11 @@ class Tokenizer:
         self.bos_text = self.token_text(self.bos_id) if self.bos_id >= 0 else ""
         self.eos_text = self.token_text(self.eos_id) if self.eos_id >= 0 else ""
 
+    @property
+    def vocab_handle(self):
+        """llama.cpp's vocabulary object (for libraries that read it, like llguidance)."""
+        return self._vocab
+
     def encode(
         self, text: str, add_bos: bool | None = None, parse_special: bool = True
     ) -> list[int]:

@@ -11,12 +11,15 @@ from collections.abc import Sequence
 
 import torch
 
+from .constraints import TokenGuide, token_guide
 from .sampling import SamplingParams, TokenLogprob
+from .tokenizer import Tokenizer
 
 
 class Sampler:
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, guide: TokenGuide | None = None):
         self.params = params
+        self.guide = guide  # the constraint's matcher, when the answer has one
         self._generator = torch.Generator()
         if params.seed is not None:
             self._generator.manual_seed(params.seed)
@@ -25,7 +28,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, history: Sequence[int]) -> int:
         """logits: fp32 [vocab]; history: all tokens so far (for the repetition penalty)."""
-        logits = self._penalized(logits, history)
+        logits = self._penalized(self._guided(logits, history), history)
         if self.params.greedy:
             return int(torch.argmax(logits))
         final, ids = self._candidates(logits)
@@ -35,7 +38,7 @@ class Sampler:
     def distribution(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
         """The probabilities __call__ draws from, dense fp32 [vocab] (speculative decoding
         compares the drafter's with the target's). Sampling only, not greedy."""
-        final, ids = self._candidates(self._penalized(logits, history))
+        final, ids = self._candidates(self._penalized(self._guided(logits, history), history))
         return torch.zeros(logits.shape[-1]).index_put_((ids,), final)
 
     def draw(self, probs: torch.Tensor) -> int:
@@ -45,6 +48,9 @@ class Sampler:
     def uniform(self) -> float:
         """A draw from U[0, 1) on this sampler's random stream (acceptance tests)."""
         return float(torch.rand((), generator=self._generator))
+
+    def _guided(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
+        return logits if self.guide is None else self.guide.mask_logits(logits, history)
 
     def _penalized(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
         p = self.params
@@ -66,6 +72,14 @@ class Sampler:
         keep = _top_p_mask(probs, p.top_p) & _min_p_mask(probs, p.min_p)
         values, ids = values[keep], ids[keep]
         return torch.softmax(values / p.temperature, dim=-1), ids
+
+
+def sampler_for(params: SamplingParams, tokenizer: Tokenizer, prompt_tokens: int) -> Sampler:
+    """A sampler for one generation after a prompt of `prompt_tokens` (with its constraint's
+    matcher, when the answer must match one)."""
+    if params.constraint is None:
+        return Sampler(params)
+    return Sampler(params, token_guide(params.constraint, tokenizer, prompt_tokens))
 
 
 def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:

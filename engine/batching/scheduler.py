@@ -34,6 +34,7 @@ from typing import Protocol
 import torch
 
 from ..cache import Cache, keep_first, reusable_length
+from ..constraints import TokenGuide
 from ..errors import MiniappError
 from ..events import SpeculationStats
 from ..kv_types import KVSetting, bytes_per_token
@@ -219,13 +220,15 @@ class BatchScheduler:
         params: SamplingParams,
         max_new: int,
         stop_ids: frozenset[int] = frozenset(),
+        guide: TokenGuide | None = None,
     ) -> SequenceStream:
         """Queue a sequence; its tokens come from the returned stream. Raises QueueFullError
-        when `max_queue` sequences are already waiting."""
+        when `max_queue` sequences are already waiting. `guide`: the matcher of the answer's
+        constraint (params.constraint), built by the caller, which has the tokenizer."""
         if not prompt:
             raise ValueError("empty prompt")
         stream = SequenceStream(self)
-        sequence = _Sequence(stream, list(prompt), Sampler(params), max(1, max_new),
+        sequence = _Sequence(stream, list(prompt), Sampler(params, guide), max(1, max_new),
                              frozenset(stop_ids), history=list(prompt),
                              drafts=params.logprobs is None)  # fmt: skip
         if params.logprobs is not None:

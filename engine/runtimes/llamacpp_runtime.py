@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..constraints import TokenGuide, token_guide
 from ..devices import DeviceProbe
 from ..gguf_file import GGUFFile
 from ..kv_types import KVSetting
@@ -84,7 +85,11 @@ class LlamaCppRuntime(Runtime):
         stream = GeneratedTokens(cached_prompt_tokens=cached)
         if params.logprobs is not None:
             stream.logprobs = []
-        return stream.feeding(sample_with_llamacpp(self._llm, prompt, params, stream.logprobs))
+        guide = None
+        if params.constraint is not None:  # compiled here: a bad schema fails the call
+            guide = token_guide(params.constraint, self.tokenizer, len(prompt))
+        tokens = sample_with_llamacpp(self._llm, prompt, params, stream.logprobs, guide)
+        return stream.feeding(tokens)
 
     def reset(self) -> None:
         self._llm.reset()
@@ -112,9 +117,11 @@ def sample_with_llamacpp(
     prompt: Sequence[int],
     params: SamplingParams,
     logprobs: list[TokenLogprob] | None = None,
+    guide: TokenGuide | None = None,
 ) -> Iterator[int]:
     """Tokens after `prompt` from llama.cpp's own sampler, with our sampling parameters;
-    each one's log-probability goes into `logprobs` first, when given."""
+    each one's log-probability goes into `logprobs` first, when given. `guide` masks the
+    tokens the answer's constraint forbids, before llama.cpp's sampler sees the logits."""
     seed = params.seed if params.seed is not None else random.randrange(2**31)
     llm.set_seed(seed)
     tokens = llm.generate(
@@ -126,6 +133,7 @@ def sample_with_llamacpp(
         repeat_penalty=params.repeat_penalty,
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,
+        logits_processor=None if guide is None else [guide.mask_scores],
     )
     try:
         for token in tokens:

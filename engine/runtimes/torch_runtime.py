@@ -39,7 +39,7 @@ from ..speculative import (
 from ..speculative.calibration import default_exit_setting, load_exit_setting
 from ..token_stream import GeneratedTokens, TokenStream
 from ..tokenizer import Tokenizer
-from ..torch_sampler import Sampler, token_logprob
+from ..torch_sampler import Sampler, sampler_for, token_logprob
 from .base import (
     DEFAULT_CTX,
     DEFAULT_SINKS,
@@ -215,19 +215,20 @@ class TorchRuntime(Runtime):
         return reusable_length(self.caches, self._tokens, prompt)
 
     def generate_tokens(self, prompt: Sequence[int], params: SamplingParams) -> TokenStream:
+        # The constraint compiles here, so a bad schema fails the call, not the stream.
+        sampler = sampler_for(params, self.tokenizer, len(prompt))
         if self.scheduler is not None:
-            return self.scheduler.submit(prompt, params, max_new=UNLIMITED)
+            return self.scheduler.submit(prompt, params, max_new=UNLIMITED, guide=sampler.guide)
         stream = GeneratedTokens(cached_prompt_tokens=self.reusable_prefix(prompt))
-        return stream.feeding(self._generate_alone(prompt, params, stream))
+        return stream.feeding(self._generate_alone(prompt, sampler, stream))
 
     def run_steps_on(self, compute: ComputeThread) -> None:
         if self.scheduler is not None:
             self.scheduler.driver = compute
 
     def _generate_alone(
-        self, prompt: Sequence[int], params: SamplingParams, stream: GeneratedTokens
+        self, prompt: Sequence[int], sampler: Sampler, stream: GeneratedTokens
     ) -> Iterator[int]:
-        sampler = Sampler(params)
         history = list(prompt)
         while True:
             try:

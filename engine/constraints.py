@@ -1,0 +1,198 @@
+"""Constrained decoding: answers that must match a JSON schema, any JSON object, a regular
+expression, a list of choices or a Lark grammar.
+
+llguidance (the grammar engine llama.cpp uses for JSON schemas) compiles the constraint and,
+at every step, says which tokens may come next; the sampler sets every other token's logit to
+-inf before it chooses. It reads our own llama.cpp vocabulary, so its tokens are ours.
+
+A `TokenGuide` follows one generation. It is told the whole history at each call, not fed
+token by token, so speculative verification (which asks about drafts that may be rejected)
+and the drafters (which ask about their own drafts) need nothing special: the guide rolls its
+matcher back to the common prefix and consumes the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import warnings
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .errors import MiniappError
+
+if TYPE_CHECKING:
+    from .tokenizer import Tokenizer
+
+
+# Whitespace between JSON tokens is bounded (llguidance's default allows any amount): a small
+# model can otherwise spend its whole answer on newlines and never close the value. 20 covers
+# a pretty-printed value several levels deep (llama.cpp's JSON grammars bound it alike).
+JSON_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": r"[ \t\n\r]{0,20}"}
+
+
+class ConstraintError(MiniappError):
+    """A schema, pattern or grammar that cannot be compiled (one line naming the problem)."""
+
+
+class ConstraintKind(StrEnum):
+    JSON_SCHEMA = "json_schema"  # source: the schema, as JSON text
+    JSON = "json"  # any JSON object; source unused
+    REGEX = "regex"
+    CHOICES = "choices"  # source: a JSON list of strings
+    LARK = "lark"
+
+
+@dataclass(frozen=True)
+class OutputConstraint:
+    """What the answer must match. Hashable and plain, so it travels in SamplingParams."""
+
+    kind: ConstraintKind
+    source: str = ""
+
+    def __post_init__(self):
+        try:
+            object.__setattr__(self, "kind", ConstraintKind(self.kind))
+        except ValueError:
+            raise ConstraintError(f"unknown kind of constraint: {self.kind!r}") from None
+
+    @classmethod
+    def json_schema(cls, schema: dict | bool) -> OutputConstraint:
+        return cls(ConstraintKind.JSON_SCHEMA, json.dumps(schema))
+
+    @classmethod
+    def json_object(cls) -> OutputConstraint:
+        return cls(ConstraintKind.JSON)
+
+    @classmethod
+    def choices(cls, options: Sequence[str]) -> OutputConstraint:
+        return cls(ConstraintKind.CHOICES, json.dumps(list(options)))
+
+    def grammar(self) -> str:
+        """The llguidance grammar, checked: ConstraintError (one line) if it is not valid."""
+        import llguidance
+
+        try:
+            grammar = self._grammar(llguidance.LLMatcher)
+        except (ValueError, TypeError, RuntimeError) as exc:
+            raise ConstraintError(f"invalid {self.kind.value}: {_one_line(exc)}") from None
+        problem = llguidance.LLMatcher.validate_grammar(grammar)
+        if problem:
+            raise ConstraintError(f"invalid {self.kind.value}: {_one_line(problem)}")
+        return grammar
+
+    def _grammar(self, matcher) -> str:
+        if self.kind is ConstraintKind.JSON_SCHEMA:
+            return matcher.grammar_from_json_schema(json.loads(self.source), JSON_OPTIONS)
+        if self.kind is ConstraintKind.JSON:
+            return matcher.grammar_from_json_schema({"type": "object"}, JSON_OPTIONS)
+        if self.kind is ConstraintKind.REGEX:
+            return matcher.grammar_from_regex(self.source)
+        if self.kind is ConstraintKind.CHOICES:
+            options = json.loads(self.source)
+            if not options or not all(isinstance(o, str) for o in options):
+                raise ValueError("choices must be a non-empty list of strings")
+            return matcher.grammar_from_lark("start: " + " | ".join(json.dumps(o) for o in options))
+        return matcher.grammar_from_lark(self.source)
+
+
+def _one_line(exc: object) -> str:
+    return " ".join(str(exc).split())[:300]
+
+
+class TokenGuide:
+    """One generation's matcher: which tokens may follow the tokens generated so far."""
+
+    def __init__(self, matcher, n_vocab: int, prompt_tokens: int):
+        self._matcher = matcher
+        self._n_vocab = n_vocab
+        self._start = prompt_tokens  # history[:start] is the prompt, not constrained
+        self._consumed: list[int] = []
+
+    def mask_logits(self, logits, history: Sequence[int]):
+        """torch `logits` [vocab] for the token after `history`, forbidden tokens at -inf."""
+        import torch  # here, so that the constraint itself stays importable without torch
+
+        allowed = torch.from_numpy(self.allowed_after(history))
+        n = min(len(allowed), logits.shape[-1])
+        masked = torch.full_like(logits, float("-inf"))
+        masked[:n] = torch.where(allowed[:n], logits[:n], masked[:n])
+        return masked
+
+    def mask_scores(self, history: Sequence[int], scores: np.ndarray) -> np.ndarray:
+        """The same for numpy scores (llama-cpp-python's logits processors)."""
+        allowed = self.allowed_after(history)
+        n = min(len(allowed), scores.shape[-1])
+        masked = np.full_like(scores, -np.inf)
+        masked[:n] = np.where(allowed[:n], scores[:n], masked[:n])
+        return masked
+
+    def allowed_after(self, history: Sequence[int]) -> np.ndarray:
+        """bool [vocab]: the tokens the constraint allows after `history`."""
+        self._follow(history[self._start :])
+        return self.allowed()
+
+    def allowed(self) -> np.ndarray:
+        """bool [vocab]: the tokens the constraint allows next."""
+        bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+        return np.unpackbits(bits, bitorder="little")[: self._n_vocab].astype(bool)
+
+    @property
+    def finished(self) -> bool:
+        """The constrained value is complete (only the end of the answer may follow)."""
+        return self._matcher.is_stopped() or self._matcher.is_accepting()
+
+    def _follow(self, generated: Sequence[int]) -> None:
+        kept = 0
+        for a, b in zip(self._consumed, generated, strict=False):
+            if a != b:
+                break
+            kept += 1
+        if kept < len(self._consumed):
+            self._matcher.rollback(len(self._consumed) - kept)
+            del self._consumed[kept:]
+        for token in map(int, generated[kept:]):
+            if not self._matcher.consume_token(token):
+                raise ConstraintError(f"token {token} broke the constraint: "
+                                      f"{_one_line(self._matcher.get_error())}")  # fmt: skip
+            self._consumed.append(token)
+
+
+# Building llguidance's view of a vocabulary reads every token (about a second for 260k), so
+# each tokenizer's is built once.
+_LL_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LL_LOCK = threading.Lock()
+
+
+def _ll_tokenizer(tokenizer: Tokenizer):
+    from llguidance.llamacpp import lltokenizer_from_vocab
+
+    with _LL_LOCK:
+        built = _LL_TOKENIZERS.get(tokenizer)
+        if built is None:
+            # Any end-of-generation token ends a constrained answer (an instruct model's
+            # end of turn, not only its end of text).
+            ends = sorted(tokenizer.eog_ids) or [tokenizer.eos_id]
+            with warnings.catch_warnings():  # it calls a deprecated name once per token
+                warnings.simplefilter("ignore", DeprecationWarning)
+                built = lltokenizer_from_vocab(tokenizer.vocab_handle, eos_token=ends)
+            _LL_TOKENIZERS[tokenizer] = built
+        return built
+
+
+def token_guide(
+    constraint: OutputConstraint, tokenizer: Tokenizer, prompt_tokens: int
+) -> TokenGuide:
+    """A fresh guide for one generation whose prompt is `prompt_tokens` long."""
+    import llguidance
+
+    matcher = llguidance.LLMatcher(_ll_tokenizer(tokenizer), constraint.grammar(), log_level=0)
+    if matcher.is_error():
+        raise ConstraintError(f"invalid {constraint.kind.value}: "
+                              f"{_one_line(matcher.get_error())}")  # fmt: skip
+    return TokenGuide(matcher, tokenizer.n_vocab, prompt_tokens)

@@ -1,0 +1,168 @@
+"""Constrained decoding on the bundled SmolLM2: answers that must match a JSON schema, any
+JSON object, a pattern or a list of choices, checked with the `jsonschema` package, on the
+plain, speculative and batching paths."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import jsonschema
+import pytest
+
+from miniapp.engine.constraints import ConstraintError, OutputConstraint, token_guide
+from miniapp.engine.events import Finished, FinishReason, TextDelta
+from miniapp.engine.generation import GenerationRequest, generate
+from miniapp.engine.runtimes.torch_runtime import TorchRuntime
+from miniapp.engine.sampling import SamplingParams
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "hobbies": {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 3},
+        "email": {"type": ["string", "null"]},
+    },
+    "required": ["name", "age", "hobbies"],
+    "additionalProperties": False,
+}
+ORDER = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"},
+        "status": {"enum": ["open", "shipped", "closed"]},
+        "lines": {
+            "type": "array",
+            "minItems": 1,
+            "maxItems": 2,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "sku": {"type": "string", "minLength": 2, "maxLength": 8},
+                    "quantity": {"type": "integer", "exclusiveMinimum": 0, "maximum": 9},
+                    "price": {"type": "number", "minimum": 0},
+                },
+                "required": ["sku", "quantity", "price"],
+                "additionalProperties": False,
+            },
+        },
+        "gift": {"type": "boolean"},
+    },
+    "required": ["id", "status", "lines"],
+    "additionalProperties": False,
+}
+ASKED = {
+    "person": (PERSON, "Describe a person named Ana as JSON."),
+    "order": (ORDER, "Write a shop order with two items as JSON."),
+}
+
+
+def _chat(runtime, text: str) -> list[int]:
+    rendered = f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+    return runtime.tokenizer.encode_chat(rendered)
+
+
+def _answer(runtime, prompt, constraint, temperature=0.0, seed=None, max_tokens=160):
+    sampling = SamplingParams(temperature=temperature, seed=seed, constraint=constraint)
+    events = list(generate(runtime, prompt, GenerationRequest(max_tokens, sampling)))
+    finished = events[-1]
+    assert isinstance(finished, Finished)
+    return "".join(e.text for e in events if isinstance(e, TextDelta)), finished
+
+
+@pytest.fixture(scope="module")
+def plain(default_model):
+    return TorchRuntime(default_model, n_ctx=1024, threads=2, spec="off")
+
+
+@pytest.fixture(scope="module")
+def speculative(default_model):
+    return TorchRuntime(default_model, n_ctx=1024, threads=2, spec="auto")
+
+
+@pytest.mark.parametrize("name", sorted(ASKED))
+def test_a_schema_answer_validates_and_speculation_gives_the_same_text(plain, speculative, name):
+    schema, question = ASKED[name]
+    constraint = OutputConstraint.json_schema(schema)
+    text, finished = _answer(plain, _chat(plain, question), constraint)
+    assert finished.reason is FinishReason.END_OF_TURN, text  # the value ended the answer
+    jsonschema.validate(json.loads(text), schema)
+    again, _ = _answer(speculative, _chat(speculative, question), constraint)
+    assert again == text
+
+
+def test_any_json_object_a_pattern_and_choices(plain):
+    question = "Return a JSON object with the name and colour of a fruit."
+    text, _ = _answer(plain, _chat(plain, question), OutputConstraint.json_object())
+    assert isinstance(json.loads(text), dict)
+    pattern = r"[0-9]{3}-[0-9]{4}"
+    text, _ = _answer(plain, _chat(plain, "A phone number?"), OutputConstraint("regex", pattern))
+    assert re.fullmatch(pattern, text), text
+    options = ["red", "green", "blue"]
+    text, _ = _answer(plain, _chat(plain, "Sky colour?"), OutputConstraint.choices(options))
+    assert text in options
+
+
+def test_sampled_answers_validate_and_a_seed_repeats_one(plain):
+    schema, question = ASKED["order"]
+    constraint = OutputConstraint.json_schema(schema)
+    prompt = _chat(plain, question)
+    answers = [_answer(plain, prompt, constraint, temperature=1.0, seed=s)[0] for s in (1, 2, 3)]
+    for text in answers:
+        jsonschema.validate(json.loads(text), schema)
+    assert _answer(plain, prompt, constraint, temperature=1.0, seed=2)[0] == answers[1]
+
+
+def test_batched_sequences_each_follow_their_own_constraint(default_model, plain):
+    """Two answers at once on the batching engine, one constrained and one free: each is
+    the answer it gets alone."""
+    together = TorchRuntime(default_model, n_ctx=1024, threads=2, spec="auto", parallel=2)
+    schema, question = ASKED["person"]
+    jobs = [(_chat(plain, question), OutputConstraint.json_schema(schema)),
+            (_chat(plain, "Name three fruits."), None)]  # fmt: skip
+    alone = [_answer(plain, prompt, c, max_tokens=60)[0] for prompt, c in jobs]
+    results: dict[int, str] = {}
+
+    def caller(i: int) -> None:
+        results[i] = _answer(together, *jobs[i], max_tokens=60)[0]
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert [results[0], results[1]] == alone
+    assert together.scheduler.peak_batch == 2
+
+
+@pytest.mark.parametrize(
+    ("constraint", "named"),
+    [
+        (OutputConstraint("json_schema", "{not json"), "invalid json_schema"),
+        (OutputConstraint.json_schema({"type": "strng"}), "strng"),
+        (OutputConstraint("regex", "a(b"), "unclosed group"),
+        (OutputConstraint.choices([]), "non-empty list"),
+        (OutputConstraint("lark", "start: missing_rule"), "missing_rule"),
+    ],
+)
+def test_a_bad_constraint_is_one_line_naming_the_problem(plain, constraint, named):
+    with pytest.raises(ConstraintError) as raised:
+        token_guide(constraint, plain.tokenizer, 0)
+    message = str(raised.value)
+    assert named in message and "\n" not in message
+
+
+def test_an_unknown_kind_is_refused():
+    with pytest.raises(ConstraintError, match="unknown kind"):
+        OutputConstraint("xml")
+
+
+def test_the_llamacpp_backend_follows_the_same_constraint(llamacpp_runtime):
+    """The oracle backend masks through llama-cpp-python's logits processors."""
+    schema, question = ASKED["order"]
+    prompt = _chat(llamacpp_runtime, question)
+    text, finished = _answer(llamacpp_runtime, prompt, OutputConstraint.json_schema(schema))
+    assert finished.reason is FinishReason.END_OF_TURN, text
+    jsonschema.validate(json.loads(text), schema)
