@@ -4,6 +4,7 @@ Interactive on a terminal (line editing, /commands, Ctrl-C stops the answer, not
 with piped input, the whole of stdin is one message and the answer is printed once.
 With --audio FILE the file's transcript is the (first) message; with --voice, Enter on an
 empty line records until the next Enter (push-to-talk). Spoken messages keep their word times.
+--json / --json-schema FILE constrain every answer to JSON (engine/constraints.py).
 Images (--image, /image) go with the next message: as OCR text, or to a vision model
 (chat_images.py). The conversation itself (history, template, fitting the context, the
 vision switch) is engine/conversation.py's.
@@ -12,6 +13,7 @@ vision switch) is engine/conversation.py's.
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 import threading
@@ -21,8 +23,9 @@ from pathlib import Path
 from typing import TextIO
 
 from miniapp.engine.chat_template import Message
+from miniapp.engine.constraints import ConstraintError, OutputConstraint
 from miniapp.engine.conversation import Conversation
-from miniapp.engine.errors import MiniappError
+from miniapp.engine.errors import InputFileError, MiniappError
 from miniapp.engine.events import Finished, FinishReason, GenerationEvent, TextDelta
 from miniapp.engine.generation import GenerationRequest
 from miniapp.engine.images import ImageAttachment
@@ -44,6 +47,7 @@ Ctrl-C stops an answer."""
 
 
 def request_from_args(args: argparse.Namespace) -> GenerationRequest:
+    """The answer's settings; a bad --json-schema is a one-line error here, before loading."""
     sampling = SamplingParams(
         temperature=args.temperature,
         top_k=args.top_k,
@@ -51,8 +55,32 @@ def request_from_args(args: argparse.Namespace) -> GenerationRequest:
         min_p=args.min_p,
         repeat_penalty=args.repeat_penalty,
         seed=args.seed,
+        constraint=answer_constraint(args),
     )
     return GenerationRequest(max_tokens=args.max_tokens, sampling=sampling, stop=tuple(args.stop))
+
+
+def answer_constraint(args: argparse.Namespace) -> OutputConstraint | None:
+    """--json: any JSON object; --json-schema FILE: JSON valid against the schema."""
+    if getattr(args, "json_schema", None):
+        path = Path(args.json_schema)
+        try:
+            schema = json.loads(path.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise InputFileError(f"{path}: cannot read the schema ({exc.strerror})") from None
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise InputFileError(f"{path}: not JSON ({exc})") from None
+        constraint = OutputConstraint.json_schema(schema)
+    elif getattr(args, "json", False):
+        constraint = OutputConstraint.json_object()
+    else:
+        return None
+    try:
+        constraint.grammar()  # compiles it now: a bad schema is reported before loading
+    except ConstraintError as exc:
+        where = f"{args.json_schema}: " if args.json_schema else ""
+        raise InputFileError(f"{where}{exc}") from None
+    return constraint
 
 
 class ChatTurns:
@@ -98,6 +126,8 @@ def run_chat(args: argparse.Namespace) -> int:
     turns = ChatTurns(conversation, images, args.show_prompt)
     if piped is not None:
         _say_spoken(spoken)
+        if request.sampling.constraint is not None:
+            return _json_piped(turns, piped, args.stats)
         return _answer_piped(turns, piped, args.stats)
     conversation.runtime  # noqa: B018 - load the model before greeting
     voice = VoiceInput.for_chat(args, interactive)
@@ -153,6 +183,25 @@ def _open_runtime(args: argparse.Namespace, model_path: Path, interactive: bool)
 def _answer_piped(turns: ChatTurns, message: str | Message, show_stats: bool) -> int:
     finish = _stream_answer(turns.send(message, lambda: False), sys.stdout)
     if show_stats and finish is not None:
+        print(finish.stats.summary(), file=sys.stderr)
+    return 0
+
+
+def _json_piped(turns: ChatTurns, message: str | Message, show_stats: bool) -> int:
+    """For scripts: exactly the JSON value on stdout, or a one-line error (exit 2) when the
+    answer stopped before the value was complete."""
+    text, finish = "", None
+    for event in turns.send(message, lambda: False):
+        if isinstance(event, TextDelta):
+            text += event.text
+        elif isinstance(event, Finished):
+            finish = event
+    if finish is None or finish.reason != FinishReason.END_OF_TURN:
+        limit = finish is not None and finish.reason == FinishReason.MAX_TOKENS
+        why = "--max-tokens" if limit else "a stop"
+        raise MiniappError(f"the answer ended at {why} before its JSON value was complete")
+    print(text.strip(), flush=True)
+    if show_stats:
         print(finish.stats.summary(), file=sys.stderr)
     return 0
 

@@ -131,6 +131,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--show-prompt", action="store_true",
         help="print each fully rendered prompt (template, image text, history) to stderr",
     )  # fmt: skip
+    shape = chat.add_mutually_exclusive_group()
+    shape.add_argument(
+        "--json", action="store_true",
+        help="every answer is a JSON object (with piped input: exactly the value is printed)",
+    )  # fmt: skip
+    shape.add_argument(
+        "--json-schema", metavar="FILE",
+        help="every answer is JSON valid against this JSON schema (a .json file)",
+    )  # fmt: skip
 
     evaluate = sub.add_parser("eval", help="evaluate a model")
     eval_sub = evaluate.add_subparsers(dest="eval_command", required=True)

@@ -30,10 +30,10 @@ if TYPE_CHECKING:
     from .tokenizer import Tokenizer
 
 
-# Whitespace between JSON tokens is bounded (llguidance's default allows any amount): a small
-# model can otherwise spend its whole answer on newlines and never close the value. 20 covers
-# a pretty-printed value several levels deep (llama.cpp's JSON grammars bound it alike).
-JSON_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": r"[ \t\n\r]{0,20}"}
+# Between JSON tokens: nothing, one space, or one line break and an indent of up to 20 (the
+# rule llama.cpp's JSON grammars use). llguidance's default allows any run of whitespace, and
+# a small model then spends its answer on blank lines or never closes the value.
+JSON_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": r"( |\n[ \t]{0,20})?"}
 
 
 class ConstraintError(MiniappError):

@@ -108,3 +108,50 @@ def test_ctrl_c_stops_the_answer_not_the_app(long_chat):
     chat.expect(pexpect.EOF)
     chat.close()
     assert chat.exitstatus == 0
+
+
+LOCATION = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 30},
+                   "country": {"type": "string", "maxLength": 30}},
+    "required": ["city", "country"],
+    "additionalProperties": False,
+}  # fmt: skip
+
+
+def _piped_chat(miniapp_exe, *flags: str, asked: str = "Where is the Eiffel Tower?\n"):
+    return subprocess.run(
+        [miniapp_exe, "chat", "--temperature", "0", *flags],
+        input=asked, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def test_json_schema_prints_exactly_the_value_for_scripts(miniapp_exe, tmp_path):
+    import json
+
+    import jsonschema
+
+    schema = tmp_path / "location.json"
+    schema.write_text(json.dumps(LOCATION))
+    done = _piped_chat(miniapp_exe, "--json-schema", str(schema))
+    assert done.returncode == 0, done.stderr
+    jsonschema.validate(json.loads(done.stdout), LOCATION)  # nothing but the value
+    assert done.stdout == done.stdout.strip() + "\n"
+
+
+@pytest.mark.parametrize(
+    ("schema_text", "named"),
+    [(None, "cannot read the schema"), ("{oops", "not JSON"), ('{"type": "strng"}', "strng")],
+)
+def test_a_bad_schema_file_is_one_line_and_exit_2(miniapp_exe, tmp_path, schema_text, named):
+    path = tmp_path / "schema.json"
+    if schema_text is not None:
+        path.write_text(schema_text)
+    done = _piped_chat(miniapp_exe, "--json-schema", str(path))
+    assert done.returncode == 2 and named in done.stderr and str(path) in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and not done.stdout
+
+
+def test_json_cut_short_by_max_tokens_is_an_error_not_half_a_value(miniapp_exe):
+    done = _piped_chat(miniapp_exe, "--json", "--max-tokens", "4")
+    assert done.returncode == 2 and "--max-tokens" in done.stderr and not done.stdout
