@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from miniapp.engine.chat_template import Message
+from miniapp.engine.constraints import ConstraintError, OutputConstraint
 from miniapp.engine.events import Finished, TextDelta
 from miniapp.engine.generation import GenerationRequest
 from miniapp.engine.sampling import SamplingParams, TokenLogprob
@@ -36,6 +37,7 @@ from .middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from .models import model_listing, warm_listing
 from .protocol import ChatCompletionRequest, CompletionRequest, Sampling
 from .service import Job, Relay, ServedModel, check_fits, finish_reason, seeded, token_limit
+from .tools import ToolCall, ToolPlan
 
 log = logging.getLogger("miniapp.serve")
 DEFAULT_BODY_LIMIT = 50 * 1024 * 1024  # bytes (--max-body-mb): a few large images as base64
@@ -86,34 +88,40 @@ def create_app(served: ServedModel, options: ServeOptions) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _refuse(body.refused())
         served.check_model(body.model)
+        tools = ToolPlan.of(body)
+        constraint = tools.constraint() if tools else _output_constraint(body)
         runtime = served.runtime()
         messages = await images.messages(body.messages)
+        if tools is not None:
+            messages = tools.described(messages)
         if any(m.pictures for m in messages):
-            pictured = _jobs_with_pictures(served, images, body, messages, options.defaults)
-            answer = Answer("chatcmpl", served.model_id, body, None, runtime.tokenizer)
+            pictured = _jobs_with_pictures(served, images, body, messages, options.defaults,
+                                           constraint)  # fmt: skip
+            answer = Answer("chatcmpl", served.model_id, body, None, runtime.tokenizer,
+                            tools=tools)  # fmt: skip
             return await _respond(served, runtime, pictured, answer, request, metrics)
         prompt = served.chat_prompt(runtime, messages)
         check_fits(runtime, prompt, "messages")
-        base = _generation_request(
-            body, options.defaults, token_limit(runtime, prompt, body.token_limit())
-        )
+        limit = token_limit(runtime, prompt, body.token_limit())
+        base = _generation_request(body, options.defaults, limit, constraint)
         jobs = [Job(i, prompt, seeded(base, i)) for i in range(body.n)]
-        answer = Answer("chatcmpl", served.model_id, body, len(prompt), runtime.tokenizer)
+        answer = Answer("chatcmpl", served.model_id, body, len(prompt), runtime.tokenizer,
+                        tools=tools)  # fmt: skip
         return await _respond(served, runtime, jobs, answer, request, metrics)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         _refuse(body.refused())
         served.check_model(body.model)
+        constraint = _output_constraint(body)
         runtime = served.runtime()
         jobs, prompt_tokens, echoes = [], 0, {}
         for p, given in enumerate(body.prompts()):
             prompt = served.text_prompt(runtime, given)
             check_fits(runtime, prompt, "prompt")
             prompt_tokens += len(prompt)
-            base = _generation_request(
-                body, options.defaults, token_limit(runtime, prompt, body.token_limit())
-            )
+            limit = token_limit(runtime, prompt, body.token_limit())
+            base = _generation_request(body, options.defaults, limit, constraint)
             for j in range(body.n):
                 index = p * body.n + j
                 jobs.append(Job(index, prompt, seeded(base, j)))
@@ -135,11 +143,20 @@ def _refuse(refusal: tuple[str, str] | None) -> None:
         raise bad_request(why, field, code="unsupported_parameter")
 
 
-def _generation_request(body: Sampling, defaults: SamplingParams, max_tokens: int):
+def _output_constraint(body: Sampling) -> OutputConstraint | None:
+    """response_format's constraint; a schema that does not compile is a 400 naming why."""
+    try:
+        return body.output_constraint()
+    except ConstraintError as exc:
+        raise bad_request(str(exc), "response_format", code="invalid_schema") from None
+
+
+def _generation_request(body: Sampling, defaults: SamplingParams, max_tokens: int,
+                        constraint: OutputConstraint | None = None):  # fmt: skip
     fields = {name: getattr(body, name) for name in ("temperature", "top_p", "seed", "top_k",
               "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty")}  # fmt: skip
     sampling = replace(defaults, **{k: v for k, v in fields.items() if v is not None},
-                       logprobs=body.logprob_count())  # fmt: skip
+                       logprobs=body.logprob_count(), constraint=constraint)  # fmt: skip
     return GenerationRequest(max_tokens=max_tokens, sampling=sampling, stop=body.stops(),
                              ignore_end_of_turn=body.ignore_eos)  # fmt: skip
 
@@ -157,6 +174,7 @@ class Answer:
     prompt_tokens: int | None  # None: as the answers' figures say (the vision path)
     tokenizer: Tokenizer
     echoes: dict[int, str] | None = None
+    tools: ToolPlan | None = None  # the answers may be tool calls
 
     def __post_init__(self):
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
@@ -184,10 +202,26 @@ class Answer:
         reason = finish_reason(finished)
         echo = (self.echoes or {}).get(index, "")
         shown = self._logprobs(logprobs, len(echo))
+        calls = self.tools.calls_in(text) if self.tools else None
+        if calls:
+            message = {"role": "assistant", "content": None,
+                       "tool_calls": [call.as_openai() for call in calls]}  # fmt: skip
+            return {"index": index, "message": message, "logprobs": None,
+                    "finish_reason": "tool_calls"}  # fmt: skip
         if self.chat:
             return {"index": index, "message": {"role": "assistant", "content": text},
                     "logprobs": shown, "finish_reason": reason}  # fmt: skip
         return {"index": index, "text": echo + text, "logprobs": shown, "finish_reason": reason}
+
+    def call_deltas(self, index: int, calls: list[ToolCall]) -> list[dict]:
+        """Streamed calls: each opens with its id and name, then its arguments follow."""
+        deltas = []
+        for k, call in enumerate(calls):
+            opening = call.as_openai(k) | {"function": {"name": call.name, "arguments": ""}}
+            arguments = {"index": k, "function": {"arguments": call.arguments}}
+            deltas += [{"index": index, "delta": {"tool_calls": [part]}, "logprobs": None,
+                        "finish_reason": None} for part in (opening, arguments)]  # fmt: skip
+        return deltas
 
     def delta(self, index: int, text: str | None = None, role: bool = False,
               reason: str | None = None, logprobs: Sequence[TokenLogprob] = (),
@@ -210,7 +244,7 @@ class Answer:
 
 def _jobs_with_pictures(
     served: ServedModel, images: ServedImages, body: ChatCompletionRequest,
-    messages: list[Message], defaults: SamplingParams,
+    messages: list[Message], defaults: SamplingParams, constraint: OutputConstraint | None,
 ) -> list[Job]:  # fmt: skip
     """A chat with pictures goes to the model's vision projector: its answers take turns on
     the vision runtime, which evaluates the pictures (OCR'd images never come here)."""
@@ -218,7 +252,8 @@ def _jobs_with_pictures(
         raise bad_request("logprobs are not reported for answers about pictures (the vision "
                           "model's path)", "logprobs", code="unsupported_parameter")  # fmt: skip
     limit = body.token_limit() or served.runtime().n_ctx
-    requests = [seeded(_generation_request(body, defaults, limit), i) for i in range(body.n)]
+    base = _generation_request(body, defaults, limit, constraint)
+    requests = [seeded(base, i) for i in range(body.n)]
     return [Job(i, [], r, produce=vision_producer(served, images.route, messages, r))
             for i, r in enumerate(requests)]  # fmt: skip
 
@@ -272,6 +307,9 @@ async def _stream(relay: Relay, answer: Answer) -> AsyncIterator[str]:
     finished: dict[int, Finished] = {}
     usage_field = {"usage": None} if answer.body.include_usage else {}
     offsets = dict.fromkeys((job.index for job in relay.jobs), 0)  # characters sent, per choice
+    # With tools, an answer's text is held until it is known not to be a call (a call is sent
+    # whole, as tool_calls deltas, once it has ended).
+    held = dict.fromkeys((job.index for job in relay.jobs), "") if answer.tools else {}
     for job in relay.jobs:
         if answer.chat:
             yield _sse(answer.envelope([answer.delta(job.index, role=True)], True) | usage_field)
@@ -281,13 +319,28 @@ async def _stream(relay: Relay, answer: Answer) -> AsyncIterator[str]:
             yield _sse(answer.envelope([answer.delta(job.index, echo)], True) | usage_field)
     async for index, event in relay.events():
         if isinstance(event, TextDelta):
-            delta = answer.delta(index, event.text, logprobs=event.logprobs,
-                                 offset=offsets[index])  # fmt: skip
-            offsets[index] += len(event.text)
+            text = event.text
+            if index in held:
+                held[index] += text
+                start = held[index].lstrip()
+                if not start or start.startswith("["):
+                    continue
+                text = held.pop(index)  # plain text: what was held goes first
+            delta = answer.delta(index, text, logprobs=event.logprobs, offset=offsets[index])
+            offsets[index] += len(text)
             yield _sse(answer.envelope([delta], True) | usage_field)
         elif isinstance(event, Finished):
             finished[index] = event
-            last = answer.delta(index, reason=finish_reason(event))
+            reason = finish_reason(event)
+            text = held.pop(index, "")
+            calls = answer.tools.calls_in(text) if text else None
+            if calls:
+                reason = "tool_calls"
+                for delta in answer.call_deltas(index, calls):
+                    yield _sse(answer.envelope([delta], True) | usage_field)
+            elif text:  # a call cut off by max_tokens: shown as the text it is
+                yield _sse(answer.envelope([answer.delta(index, text)], True) | usage_field)
+            last = answer.delta(index, reason=reason)
             yield _sse(answer.envelope([last], True) | usage_field)
     if answer.body.include_usage:
         yield _sse(answer.envelope([], True) | {"usage": answer.usage(finished)})

@@ -12,6 +12,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from miniapp.engine.constraints import ConstraintError, OutputConstraint
+
 MAX_CHOICES = 8  # `n`: answers to one request
 MAX_STOPS = 16
 
@@ -42,11 +44,26 @@ class ImagePart(_Body):
 ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
+class CalledFunction(_Body):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallMessage(_Body):
+    """A call an earlier assistant message made."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Body):
     # "developer" is what OpenAI's newer models call the system role.
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -60,6 +77,55 @@ class ChatMessage(_Body):
 
 
 Stop = str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None
+
+
+class JsonSchemaFormat(_Body):
+    name: str = Field(max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    # "schema" would shadow pydantic's own attribute: the field is read under that alias.
+    json_schema: dict | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def constraint(self) -> OutputConstraint | None:
+        if self.type == "json_object":
+            return OutputConstraint.json_object()
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise ValueError("json_schema is required when the type is json_schema")
+            schema = self.json_schema.json_schema
+            return OutputConstraint.json_schema(True if schema is None else schema)
+        return None
+
+
+class FunctionSpec(_Body):
+    name: str = Field(max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema for the arguments object
+    strict: bool | None = None
+
+    def spec(self) -> dict:
+        parameters = self.parameters or {"type": "object", "properties": {}}
+        return {"name": self.name, "description": self.description or "",
+                "parameters": parameters}  # fmt: skip
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class ChosenFunction(_Body):
+    name: str
+
+
+class ToolChoiceFunction(_Body):
+    type: Literal["function"]
+    function: ChosenFunction
 
 
 class Sampling(_Body):
@@ -82,6 +148,19 @@ class Sampling(_Body):
     min_p: float | None = Field(None, ge=0, le=1)
     repeat_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks)
+    response_format: ResponseFormat | None = None
+
+    def output_constraint(self) -> OutputConstraint | None:
+        """What response_format asks the answer to be (checked: ConstraintError if bad)."""
+        if self.response_format is None:
+            return None
+        try:
+            constraint = self.response_format.constraint()
+        except ValueError as exc:
+            raise ConstraintError(str(exc)) from None
+        if constraint is not None:
+            constraint.grammar()
+        return constraint
 
     def stops(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -105,6 +184,9 @@ class ChatCompletionRequest(Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = None
+    parallel_tool_calls: bool | None = None
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -116,6 +198,12 @@ class ChatCompletionRequest(Sampling):
         """(field, why) for a request we will not answer as asked."""
         if self.top_logprobs and not self.logprobs:  # as OpenAI, which refuses it alone too
             return "top_logprobs", "top_logprobs needs logprobs: true"
+        format_asked = self.response_format is not None and self.response_format.type != "text"
+        tools_used = bool(self.tools) and self.tool_choice != "none"
+        if format_asked and tools_used:
+            return "response_format", "response_format together with tools is not supported"
+        if tools_used and self.logprobs:
+            return "logprobs", "logprobs together with tools is not supported"
         return None
 
 

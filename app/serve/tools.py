@@ -1,0 +1,150 @@
+"""Tool calls (OpenAI's `tools` and `tool_choice`) on models whose chat template knows nothing
+of tools, which is every model we bundle.
+
+The documented format. The tools are described to the model in a system message (below), and
+a call is a JSON array of objects, written as the whole answer:
+
+    [{"name": "get_weather", "arguments": {"city": "Paris"}}]
+
+`tool_choice` "required" or a named function: the answer is constrained to such an array
+whose items are valid calls (the name one of the tools', the arguments valid against that
+tool's parameter schema). "auto": the answer is either text that does not begin with "[" or
+such an array, and once it begins with "[" it is constrained the same way. "none": the
+tools are not described and the answer is free text. `parallel_tool_calls: false` allows
+one call per answer.
+
+Earlier calls and their results go back into the conversation in the same format: an
+assistant's calls as the array it wrote, a tool's result as a user message naming the call.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+
+from miniapp.engine.chat_template import Message
+from miniapp.engine.constraints import ConstraintError, OutputConstraint
+
+from .errors import bad_request
+from .protocol import ChatCompletionRequest, ToolChoiceFunction
+
+MAX_PARALLEL_CALLS = 8
+TOOLS_PREAMBLE = (
+    "You can call functions. To call them, answer with only a JSON array of calls, each "
+    '{"name": <function name>, "arguments": <object>}, for example '
+    '[{"name": "get_weather", "arguments": {"city": "Paris"}}]. '
+    "Otherwise answer in plain text. The functions, as JSON:"
+)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # a JSON string, as OpenAI sends it
+
+    def as_openai(self, index: int | None = None) -> dict:
+        call = {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}  # fmt: skip
+        return call if index is None else {"index": index, **call}
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What a request's tools mean for its prompt, its constraint and its answer."""
+
+    functions: tuple[dict, ...]  # {"name", "description", "parameters"} each
+    choice: str  # "auto", "required", or the one function's name
+    parallel: bool
+
+    @classmethod
+    def of(cls, body: ChatCompletionRequest) -> ToolPlan | None:
+        """None when the answer is plain text (no tools, or tool_choice "none")."""
+        choice = body.tool_choice
+        if not body.tools:
+            if choice not in (None, "none"):
+                raise bad_request("tool_choice needs tools", "tool_choice")
+            return None
+        if choice == "none":
+            return None
+        functions = tuple(tool.function.spec() for tool in body.tools)
+        names = [f["name"] for f in functions]
+        if len(set(names)) != len(names):
+            raise bad_request("tools must have different names", "tools")
+        if isinstance(choice, ToolChoiceFunction):
+            chosen = choice.function.name
+            if chosen not in names:
+                raise bad_request(f"tool_choice names '{chosen}', which is not in tools",
+                                  "tool_choice")  # fmt: skip
+        else:
+            chosen = choice or "auto"
+        plan = cls(functions, chosen, body.parallel_tool_calls is not False)
+        plan.constraint()  # a tool's bad parameter schema is a 400 now
+        return plan
+
+    def calls_schema(self) -> dict:
+        allowed = [f for f in self.functions if self.choice in ("auto", "required", f["name"])]
+        calls = [{"type": "object",
+                  "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
+                  "required": ["name", "arguments"], "additionalProperties": False}
+                 for f in allowed]  # fmt: skip
+        return {"type": "array", "minItems": 1,
+                "maxItems": MAX_PARALLEL_CALLS if self.parallel else 1,
+                "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}  # fmt: skip
+
+    def constraint(self) -> OutputConstraint:
+        schema = self.calls_schema()
+        if self.choice == "auto":
+            # Text that does not start a call, or the calls themselves.
+            grammar = ("start: calls | text\n"
+                       f"calls: %json {json.dumps(schema)}\n"
+                       "text: /[^\\[\\s][\\s\\S]*/\n")  # fmt: skip
+            constraint = OutputConstraint("lark", grammar)
+        else:
+            constraint = OutputConstraint.json_schema(schema)
+        try:
+            constraint.grammar()
+        except ConstraintError as exc:
+            raise bad_request(f"a tool's parameters are not a usable JSON schema: {exc}",
+                              "tools") from None  # fmt: skip
+        return constraint
+
+    def described(self, messages: list[Message]) -> list[Message]:
+        """The conversation with the tools described in its system message."""
+        note = f"{TOOLS_PREAMBLE}\n{json.dumps(list(self.functions), ensure_ascii=False)}"
+        if messages and messages[0].role == "system":
+            first = messages[0]
+            return [Message("system", f"{first.content}\n\n{note}"), *messages[1:]]
+        return [Message("system", note), *messages]
+
+    def calls_in(self, text: str) -> list[ToolCall] | None:
+        """The calls an answer makes, or None when it is text."""
+        if not text.lstrip().startswith("["):
+            return None
+        try:
+            calls = json.loads(text)
+        except ValueError:
+            return None  # cut off by max_tokens: shown as the text it is
+        return [ToolCall(f"call_{uuid.uuid4().hex[:24]}", call["name"],
+                         json.dumps(call["arguments"], ensure_ascii=False))
+                for call in calls]  # fmt: skip
+
+
+def tool_messages_as_text(message_role: str, content: str, tool_calls, tool_call_id) -> Message:
+    """A conversation's tool traffic in the documented format, for templates without tools:
+    an assistant's calls as the JSON array it wrote, a tool's result as a user message."""
+    if message_role == "assistant" and tool_calls:
+        calls = [{"name": c.function.name, "arguments": _arguments(c.function.arguments)}
+                 for c in tool_calls]  # fmt: skip
+        return Message("assistant", json.dumps(calls, ensure_ascii=False))
+    if message_role == "tool":
+        return Message("user", f"Result of call {tool_call_id}: {content}")
+    return Message(message_role, content)
+
+
+def _arguments(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text

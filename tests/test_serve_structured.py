@@ -1,0 +1,190 @@
+"""Structured output and tool calls through `miniapp serve`, with the official `openai`
+package: `response_format` (a JSON object, a JSON schema), `tools` with `tool_choice`
+required / a named function / none / auto, streamed tool-call deltas, and a tool's result
+going back into the chat. Answers are checked with the `jsonschema` package."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+from test_serve import MODEL, running_server, wait_ready
+
+PLACE = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 40},
+        "country": {"type": "string", "maxLength": 40},
+        "population_millions": {"type": "number", "minimum": 0, "maximum": 40},
+    },
+    "required": ["city", "country", "population_millions"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 40},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The local time in a time zone.",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "maxLength": 40}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def base(miniapp_exe):
+    # --spec auto: the greedy answers below must be what plain decoding gives.
+    with running_server(miniapp_exe, "--parallel", "2", "--spec", "auto") as (_, url):
+        wait_ready(url)
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(base) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+
+
+def _ask(client, messages, **options):
+    options = {"temperature": 0, "max_tokens": 160, **options}
+    return client.chat.completions.create(model=MODEL, messages=messages, **options)
+
+
+def _parameters(tool: dict) -> dict:
+    return tool["function"]["parameters"]
+
+
+def test_a_json_schema_response_format_validates_on_chat_and_completions(client):
+    schema_format = {"type": "json_schema",
+                     "json_schema": {"name": "place", "schema": PLACE, "strict": True}}  # fmt: skip
+    asked = [{"role": "user", "content": "Tell me about Paris as JSON."}]
+    answer = _ask(client, asked, response_format=schema_format)
+    assert answer.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(answer.choices[0].message.content), PLACE)
+    streamed = _ask(client, asked, response_format=schema_format, stream=True)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices)
+    assert text == answer.choices[0].message.content
+    prompt = "<|im_start|>user\nTell me about Rome as JSON.<|im_end|>\n<|im_start|>assistant\n"
+    completion = client.completions.create(
+        model=MODEL, prompt=prompt, temperature=0, max_tokens=160,
+        extra_body={"response_format": schema_format},
+    )  # fmt: skip
+    jsonschema.validate(json.loads(completion.choices[0].text), PLACE)
+    fruit = "Return a JSON object with the name and colour of a fruit."
+    anything = _ask(client, [{"role": "user", "content": fruit}],
+                    response_format={"type": "json_object"})  # fmt: skip
+    assert isinstance(json.loads(anything.choices[0].message.content), dict)
+
+
+@pytest.mark.parametrize(
+    ("response_format", "named"),
+    [
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strng"}}},
+         "strng"),
+        ({"type": "json_schema"}, "json_schema is required"),
+    ],
+)  # fmt: skip
+def test_an_invalid_schema_is_a_400_naming_the_problem(client, response_format, named):
+    with pytest.raises(openai.BadRequestError) as raised:
+        _ask(client, ASK_WEATHER, response_format=response_format)
+    error = raised.value.body
+    assert raised.value.status_code == 400 and named in error["message"]
+    assert error["param"] == "response_format"
+
+
+def test_tool_choice_required_gives_one_valid_call_and_none_gives_none(client):
+    answer = _ask(client, ASK_WEATHER, tools=[WEATHER, TIME], tool_choice="required",
+                  parallel_tool_calls=False)  # fmt: skip
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), _parameters(tool))
+    plain = _ask(client, ASK_WEATHER, tools=[WEATHER, TIME], tool_choice="none")
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content
+    assert plain.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_named_function_is_the_one_called_and_streamed_deltas_reassemble(client):
+    named = {"type": "function", "function": {"name": "get_time"}}
+    whole = _ask(client, ASK_WEATHER, tools=[WEATHER, TIME], tool_choice=named)
+    calls = whole.choices[0].message.tool_calls
+    assert calls and all(c.function.name == "get_time" for c in calls)
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), _parameters(TIME))
+    streamed = _ask(client, ASK_WEATHER, tools=[WEATHER, TIME], tool_choice=named, stream=True)
+    parts: dict[int, dict] = {}
+    reasons = []
+    for chunk in streamed:
+        for choice in chunk.choices:
+            reasons.append(choice.finish_reason)
+            for delta in choice.delta.tool_calls or []:
+                part = parts.setdefault(delta.index, {"name": "", "arguments": ""})
+                part["id"] = delta.id or part.get("id")
+                if delta.function.name:
+                    part["name"] += delta.function.name
+                part["arguments"] += delta.function.arguments or ""
+    assert reasons[-1] == "tool_calls"
+    assert [(p["name"], json.loads(p["arguments"])) for _, p in sorted(parts.items())] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in calls
+    ]
+
+
+def test_a_tool_result_goes_back_into_the_chat(client):
+    first = _ask(client, ASK_WEATHER, tools=[WEATHER], tool_choice="required")
+    call = first.choices[0].message.tool_calls[0]
+    messages = [*ASK_WEATHER,
+                {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                {"role": "tool", "tool_call_id": call.id,
+                 "content": json.dumps({"temperature": 18, "sky": "sunny"})}]  # fmt: skip
+    reply = _ask(client, messages, tools=[WEATHER], tool_choice="none", max_tokens=40)
+    text = reply.choices[0].message.content
+    assert text and reply.choices[0].message.tool_calls is None
+    assert "18" in text or "sunny" in text.lower(), text
+
+
+def test_auto_answers_in_text_or_a_valid_call(client):
+    for question in ("What is the weather in Paris? Use the tool.", "Say hello."):
+        answer = _ask(client, [{"role": "user", "content": question}], tools=[WEATHER],
+                      tool_choice="auto")  # fmt: skip
+        message = answer.choices[0].message
+        if message.tool_calls:
+            assert answer.choices[0].finish_reason == "tool_calls"
+            for call in message.tool_calls:
+                assert call.function.name == "get_weather"
+                jsonschema.validate(json.loads(call.function.arguments), _parameters(WEATHER))
+        else:
+            assert message.content and not message.content.lstrip().startswith("[")
+
+
+def test_bad_tool_requests_are_400s(client):
+    unknown = {"type": "function", "function": {"name": "nope"}}
+    for options, param in [({"tools": [WEATHER], "tool_choice": unknown}, "tool_choice"),
+                           ({"tool_choice": "required"}, "tool_choice"),
+                           ({"tools": [WEATHER, WEATHER]}, "tools")]:  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as raised:
+            _ask(client, ASK_WEATHER, **options)
+        assert raised.value.body["param"] == param, raised.value.body
