@@ -1,5 +1,5 @@
 """Constrained decoding: answers that must match a JSON schema, any JSON object, a regular
-expression, a list of choices or a Lark grammar.
+expression, a list of choices, or a Lark or GBNF grammar.
 
 llguidance (the grammar engine llama.cpp uses for JSON schemas) compiles the constraint and,
 at every step, says which tokens may come next; the sampler sets every other token's logit to
@@ -46,6 +46,7 @@ class ConstraintKind(StrEnum):
     REGEX = "regex"
     CHOICES = "choices"  # source: a JSON list of strings
     LARK = "lark"
+    GBNF = "gbnf"  # llama.cpp's grammar format, converted to Lark by llguidance
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ class OutputConstraint:
 
         try:
             grammar = self._grammar(llguidance.LLMatcher)
-        except (ValueError, TypeError, RuntimeError) as exc:
+        except Exception as exc:  # the converters raise their own kinds for bad input
             raise ConstraintError(f"invalid {self.kind.value}: {_one_line(exc)}") from None
         problem = llguidance.LLMatcher.validate_grammar(grammar)
         if problem:
@@ -98,6 +99,10 @@ class OutputConstraint:
             if not options or not all(isinstance(o, str) for o in options):
                 raise ValueError("choices must be a non-empty list of strings")
             return matcher.grammar_from_lark("start: " + " | ".join(json.dumps(o) for o in options))
+        if self.kind is ConstraintKind.GBNF:
+            from llguidance.gbnf_to_lark import gbnf_to_lark
+
+            return matcher.grammar_from_lark(gbnf_to_lark(self.source))
         return matcher.grammar_from_lark(self.source)
 
 

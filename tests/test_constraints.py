@@ -103,6 +103,9 @@ def test_any_json_object_a_pattern_and_choices(plain):
     options = ["red", "green", "blue"]
     text, _ = _answer(plain, _chat(plain, "Sky colour?"), OutputConstraint.choices(options))
     assert text in options
+    gbnf = 'root ::= "The answer is " ("yes" | "no") "."'
+    text, _ = _answer(plain, _chat(plain, "Is water wet?"), OutputConstraint("gbnf", gbnf))
+    assert text in ("The answer is yes.", "The answer is no."), text
 
 
 def test_sampled_answers_validate_and_a_seed_repeats_one(plain):
@@ -145,6 +148,7 @@ def test_batched_sequences_each_follow_their_own_constraint(default_model, plain
         (OutputConstraint("regex", "a(b"), "unclosed group"),
         (OutputConstraint.choices([]), "non-empty list"),
         (OutputConstraint("lark", "start: missing_rule"), "missing_rule"),
+        (OutputConstraint("gbnf", "root ::= undefined_rule"), "undefined_rule"),
     ],
 )
 def test_a_bad_constraint_is_one_line_naming_the_problem(plain, constraint, named):

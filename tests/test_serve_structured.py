@@ -6,6 +6,7 @@ going back into the chat. Answers are checked with the `jsonschema` package."""
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import openai
@@ -188,3 +189,22 @@ def test_bad_tool_requests_are_400s(client):
         with pytest.raises(openai.BadRequestError) as raised:
             _ask(client, ASK_WEATHER, **options)
         assert raised.value.body["param"] == param, raised.value.body
+
+
+def test_other_servers_constraint_fields_work_and_two_at_once_are_refused(client):
+    """llama-server's GBNF `grammar`, vLLM's `guided_regex` and `guided_choice`."""
+    asked = [{"role": "user", "content": "Is the sky blue?"}]
+    gbnf = 'root ::= ("yes" | "no") " because " [a-z ]{1,40}'
+    answer = _ask(client, asked, extra_body={"grammar": gbnf}).choices[0].message.content
+    assert re.fullmatch(r"(yes|no) because [a-z ]{1,40}", answer), answer
+    pattern = r"[A-Z][a-z]{2,8}, [0-9]{4}"
+    answer = _ask(client, asked, extra_body={"guided_regex": pattern}).choices[0].message.content
+    assert re.fullmatch(pattern, answer), answer
+    answer = _ask(client, asked, extra_body={"guided_choice": ["yes", "no"]})
+    assert answer.choices[0].message.content in ("yes", "no")
+    with pytest.raises(openai.BadRequestError) as raised:
+        _ask(client, asked, extra_body={"guided_regex": "a+", "guided_choice": ["a"]})
+    assert "only one constraint" in raised.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as raised:
+        _ask(client, asked, extra_body={"grammar": "root ::= missing"})
+    assert raised.value.body["param"] == "grammar"

@@ -144,11 +144,11 @@ def _refuse(refusal: tuple[str, str] | None) -> None:
 
 
 def _output_constraint(body: Sampling) -> OutputConstraint | None:
-    """response_format's constraint; a schema that does not compile is a 400 naming why."""
+    """The answer's constraint; a schema that does not compile is a 400 naming why."""
     try:
         return body.output_constraint()
     except ConstraintError as exc:
-        raise bad_request(str(exc), "response_format", code="invalid_schema") from None
+        raise bad_request(str(exc), body.constraint_field(), code="invalid_schema") from None
 
 
 def _generation_request(body: Sampling, defaults: SamplingParams, max_tokens: int,

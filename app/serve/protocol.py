@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from miniapp.engine.constraints import ConstraintError, OutputConstraint
+from miniapp.engine.constraints import ConstraintError, ConstraintKind, OutputConstraint
 
 MAX_CHOICES = 8  # `n`: answers to one request
 MAX_STOPS = 16
@@ -149,18 +149,42 @@ class Sampling(_Body):
     repeat_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks)
     response_format: ResponseFormat | None = None
+    # Other servers' names for constraints: llama-server's GBNF `grammar`, vLLM's
+    # `guided_regex` and `guided_choice`.
+    grammar: str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
     def output_constraint(self) -> OutputConstraint | None:
-        """What response_format asks the answer to be (checked: ConstraintError if bad)."""
+        """What the answer must match (checked: ConstraintError if it does not compile)."""
+        asked = {name: value for name, value in (
+            ("response_format", self._format_constraint()),
+            ("grammar", self.grammar and OutputConstraint(ConstraintKind.GBNF, self.grammar)),
+            ("guided_regex", self.guided_regex and OutputConstraint("regex", self.guided_regex)),
+            ("guided_choice", self.guided_choice is not None
+             and OutputConstraint.choices(self.guided_choice)),
+        ) if value}  # fmt: skip
+        if len(asked) > 1:
+            raise ConstraintError(f"only one constraint at a time: {', '.join(asked)}")
+        for constraint in asked.values():
+            constraint.grammar()
+            return constraint
+        return None
+
+    def constraint_field(self) -> str:
+        """The request field a constraint came from, for errors."""
+        for name in ("grammar", "guided_regex", "guided_choice"):
+            if getattr(self, name) is not None:
+                return name
+        return "response_format"
+
+    def _format_constraint(self) -> OutputConstraint | None:
         if self.response_format is None:
             return None
         try:
-            constraint = self.response_format.constraint()
+            return self.response_format.constraint()
         except ValueError as exc:
             raise ConstraintError(str(exc)) from None
-        if constraint is not None:
-            constraint.grammar()
-        return constraint
 
     def stops(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -199,9 +223,11 @@ class ChatCompletionRequest(Sampling):
         if self.top_logprobs and not self.logprobs:  # as OpenAI, which refuses it alone too
             return "top_logprobs", "top_logprobs needs logprobs: true"
         format_asked = self.response_format is not None and self.response_format.type != "text"
+        constrained = format_asked or self.grammar or self.guided_regex or self.guided_choice
         tools_used = bool(self.tools) and self.tool_choice != "none"
-        if format_asked and tools_used:
-            return "response_format", "response_format together with tools is not supported"
+        if constrained and tools_used:
+            field = self.constraint_field()
+            return field, f"{field} together with tools is not supported"
         if tools_used and self.logprobs:
             return "logprobs", "logprobs together with tools is not supported"
         return None
