@@ -147,11 +147,6 @@ class TokenGuide:
         bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
         return np.unpackbits(bits, bitorder="little")[: self._n_vocab].astype(bool)
 
-    @property
-    def finished(self) -> bool:
-        """The constrained value is complete (only the end of the answer may follow)."""
-        return self._matcher.is_stopped() or self._matcher.is_accepting()
-
     def _follow(self, generated: Sequence[int]) -> None:
         kept = 0
         for a, b in zip(self._consumed, generated, strict=False):
