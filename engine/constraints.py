@@ -142,6 +142,11 @@ class TokenGuide:
         self._follow(history[self._start :])
         return self.allowed()
 
+    def forced_after(self, history: Sequence[int]) -> list[int]:
+        """The tokens the constraint forces after `history` (none where it allows a choice)."""
+        self._follow(history[self._start :])
+        return list(self._matcher.compute_ff_tokens())
+
     def allowed(self) -> np.ndarray:
         """bool [vocab]: the tokens the constraint allows next."""
         bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)

@@ -170,3 +170,25 @@ def test_the_llamacpp_backend_follows_the_same_constraint(llamacpp_runtime):
     text, finished = _answer(llamacpp_runtime, prompt, OutputConstraint.json_schema(schema))
     assert finished.reason is FinishReason.END_OF_TURN, text
     jsonschema.validate(json.loads(text), schema)
+
+
+def test_the_grammar_drafter_proposes_what_the_schema_forces(plain):
+    """After `{"` the schema's first key is the only way on: the grammar drafter proposes
+    it (verification then accepts it, since the masked target can choose nothing else)."""
+    from miniapp.engine.speculative.controller import DraftController
+    from miniapp.engine.speculative.grammar import GrammarDrafter
+    from miniapp.engine.torch_sampler import sampler_for
+
+    tokenizer = plain.tokenizer
+    prompt = _chat(plain, "A person?")
+    constraint = OutputConstraint.json_schema(PERSON)
+    sampler = sampler_for(SamplingParams(temperature=0, constraint=constraint), tokenizer,
+                          len(prompt))  # fmt: skip
+    opening = tokenizer.encode('{"', add_bos=False)
+    history = [*prompt, *opening]
+    drafter = GrammarDrafter(plain.model)
+    draft = drafter.propose(history[-1], DraftController(), [], sampler, history)
+    assert draft is not None and draft.pending == history[-1]
+    assert tokenizer.decode(draft.tokens).startswith("name"), draft.tokens
+    free = sampler_for(SamplingParams(temperature=0), tokenizer, len(prompt))
+    assert drafter.propose(history[-1], DraftController(), [], free, history) is None

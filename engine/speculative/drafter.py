@@ -60,13 +60,15 @@ class Drafter(Protocol):
 def build_drafters(
     mode: SpecMode, model: DecoderModel, early_exit: EarlyExitDrafter | None
 ) -> list[Drafter]:
-    """The drafters one generation asks, in order: prompt lookup (free to draft) where the
-    mode allows it, then early exit where calibration (or `--spec early-exit`) made one."""
+    """The drafters one generation asks, in order: what a constraint forces and prompt
+    lookup (both free to draft) where the mode allows them, then early exit where
+    calibration (or `--spec early-exit`) made one."""
+    from .grammar import GrammarDrafter
     from .lookup import LookupDrafter
 
     drafters: list[Drafter] = []
     if mode in (SpecMode.AUTO, SpecMode.LOOKUP):
-        drafters.append(LookupDrafter(model))
+        drafters += [GrammarDrafter(model), LookupDrafter(model)]
     if early_exit is not None:
         drafters.append(early_exit)
     return drafters
