@@ -163,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--json", action="store_true", help="print one JSON object")
 
     _add_asr_eval_parser(eval_sub)
+    _add_json_eval_parser(eval_sub)
 
     bench = sub.add_parser("bench", help="our engine vs llama.cpp, side by side")
     bench.add_argument(
@@ -347,6 +348,29 @@ def _add_asr_eval_parser(eval_sub) -> None:
     asr.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def _add_json_eval_parser(eval_sub) -> None:
+    from miniapp.engine.evaluation.json_validity import DEFAULT_MAX_TOKENS
+
+    json_eval = eval_sub.add_parser(
+        "json", help="constrained decoding on the bundled JSON schemas: validity and cost"
+    )
+    json_eval.add_argument(
+        "--model", help="GGUF path or bundled model name (default: smollm2-135m-instruct)"
+    )
+    json_eval.add_argument("--backend", choices=BACKENDS, default="torch")
+    json_eval.add_argument(
+        "--spec", choices=("off", "auto"), default="auto",
+        help="speculative decoding for both the constrained and the free answers",
+    )  # fmt: skip
+    json_eval.add_argument("--threads", type=_positive_int, help="CPU threads (default: all)")
+    json_eval.add_argument("--limit", type=_positive_int, help="only the first K schemas")
+    json_eval.add_argument(
+        "--max-tokens", type=_positive_int, default=DEFAULT_MAX_TOKENS,
+        help=f"longest answer, with and without the schema (default {DEFAULT_MAX_TOKENS})",
+    )  # fmt: skip
+    json_eval.add_argument("--json", action="store_true", help="print one JSON object")
+
+
 def _add_transcribe_parser(sub) -> None:
     transcribe = sub.add_parser("transcribe", help="speech to text, every word with its times")
     transcribe.add_argument("file", help="an audio file (anything FFmpeg reads)")
@@ -427,9 +451,9 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return run_config(args)
     if command == "eval":
-        from .evaluate import run_asr, run_compare, run_ppl
+        from .evaluate import run_asr, run_compare, run_json, run_ppl
 
-        handlers = {"ppl": run_ppl, "compare": run_compare, "asr": run_asr}
+        handlers = {"ppl": run_ppl, "compare": run_compare, "asr": run_asr, "json": run_json}
         return handlers[args.eval_command](args)
     if command == "bench" and args.mode == "serve":
         from .bench_serve import run_bench_serve

@@ -1,9 +1,10 @@
-"""`miniapp eval ppl`."""
+"""`miniapp eval`: ppl, compare, asr and json."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from miniapp.engine.errors import InputFileError, MiniappError
@@ -138,5 +139,53 @@ def _asr_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1000:.0f}"
+def _ms(seconds: float | None, digits: int = 0) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.{digits}f}"
+
+
+def run_json(args: argparse.Namespace) -> int:
+    """`miniapp eval json`: greedy answers to the bundled JSON schemas' prompts, with each
+    schema as the constraint and without one: validity, compile and mask times, decode
+    speed with and without (issue 22's measured targets)."""
+    from miniapp.engine.evaluation.json_validity import evaluate_json_schemas, schema_cases
+
+    model = resolve_model(args.model)
+    cases = schema_cases(args.limit)
+    # Each prompt is a short user message; its answer needs max_tokens more.
+    n_ctx = args.max_tokens + 512
+    runtime = open_runtime(args.backend, model, n_ctx=n_ctx, threads=args.threads, spec=args.spec)
+    # Other work on the machine slows both kinds of answer; the load says if there was any.
+    load_before = os.getloadavg()[0]
+    report = evaluate_json_schemas(runtime, cases, args.max_tokens)
+    load = {"before": load_before, "after": os.getloadavg()[0]}
+    if args.json:
+        print(json.dumps({"model": model.name, "threads": args.threads, "load_1m": load,
+                          **report.to_dict()}))  # fmt: skip
+    else:
+        print(_json_eval_table(model.name, args.threads, load, report))
+    return 0
+
+
+def _json_eval_table(model: str, threads: int | None, load: dict, r) -> str:
+    spec = f"spec {r.spec}" + (f", {r.accepted}/{r.drafted} drafts accepted" if r.drafted else "")
+    lines = [
+        f"{model}, {r.backend} ({spec}), {threads or 'all'} threads, "
+        f"{r.total} schemas, greedy, max {r.max_tokens} tokens; load average "
+        f"{load['before']:.1f} before, {load['after']:.1f} after",
+        f"  valid / parsed / finished / total   {r.valid} / {r.parsed} / {r.finished} / {r.total}"
+        f"   (cut by max tokens: {r.cut_by_max_tokens}; free answers: "
+        f"{r.free_cut_by_max_tokens})",
+        f"  compile a schema                    median {_ms(r.compile_median_s, 1)} ms, "
+        f"max {_ms(r.compile_max_s, 1)} ms",
+        f"  llguidance's vocabulary (once)      {_ms(r.tokenizer_build_s)} ms",
+        f"  mask per step (matcher)             median {_ms(r.mask_median_s, 2)} ms, "
+        f"p90 {_ms(r.mask_p90_s, 2)} ms  ({r.mask_calls} masks)",
+        f"  mask per step (matcher + -inf)      median {_ms(r.whole_mask_median_s, 2)} ms, "
+        f"p90 {_ms(r.whole_mask_p90_s, 2)} ms  ({r.mask_share:.1%} of decode time)",
+        f"  decode tok/s with / without schema  {r.decode_tok_s:.1f} / {r.free_decode_tok_s:.1f}"
+        f"  ratio {r.ratio:.2f}  (median of per-prompt ratios {r.paired_ratio_median:.2f})",
+    ]
+    for s in r.failures:
+        why = s.problem or f"{s.constrained.reason} after {s.constrained.generated_tokens} tokens"
+        lines.append(f"  FAILED {s.name}: {why}")
+    return "\n".join(lines)
