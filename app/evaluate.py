@@ -186,6 +186,7 @@ def _json_eval_table(model: str, threads: int | None, load: dict, r) -> str:
         f"  ratio {r.ratio:.2f}  (median of per-prompt ratios {r.paired_ratio_median:.2f})",
     ]
     for s in r.failures:
-        why = s.problem or f"{s.constrained.reason} after {s.constrained.generated_tokens} tokens"
-        lines.append(f"  FAILED {s.name}: {why}")
+        why = [] if s.finished else [f"ended by {s.constrained.reason} after "
+                                     f"{s.constrained.generated_tokens} tokens"]  # fmt: skip
+        lines.append(f"  FAILED {s.name}: " + "; ".join(why + [s.problem or "valid"]))
     return "\n".join(lines)
