@@ -13,6 +13,7 @@ matcher back to the common prefix and consumes the rest.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import warnings
@@ -75,7 +76,11 @@ class OutputConstraint:
         return cls(ConstraintKind.CHOICES, json.dumps(list(options)))
 
     def grammar(self) -> str:
-        """The llguidance grammar, checked: ConstraintError (one line) if it is not valid."""
+        """The llguidance grammar, checked: ConstraintError (one line) if it is not valid.
+        Compiled once per constraint: a request checks it, then its generation builds on it."""
+        return _checked_grammar(self)
+
+    def _compile(self) -> str:
         import llguidance
 
         try:
@@ -106,6 +111,11 @@ class OutputConstraint:
         return matcher.grammar_from_lark(self.source)
 
 
+@functools.lru_cache(maxsize=64)
+def _checked_grammar(constraint: OutputConstraint) -> str:
+    return constraint._compile()
+
+
 def _one_line(exc: object) -> str:
     return " ".join(str(exc).split())[:300]
 
@@ -125,8 +135,9 @@ class TokenGuide:
 
         allowed = torch.from_numpy(self.allowed_after(history))
         n = min(len(allowed), logits.shape[-1])
-        masked = torch.full_like(logits, float("-inf"))
-        masked[:n] = torch.where(allowed[:n], logits[:n], masked[:n])
+        masked = logits.clone()
+        masked[:n].masked_fill_(~allowed[:n], float("-inf"))
+        masked[n:] = float("-inf")
         return masked
 
     def mask_scores(self, history: Sequence[int], scores: np.ndarray) -> np.ndarray:

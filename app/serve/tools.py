@@ -79,9 +79,7 @@ class ToolPlan:
                                   "tool_choice")  # fmt: skip
         else:
             chosen = choice or "auto"
-        plan = cls(functions, chosen, body.parallel_tool_calls is not False)
-        plan.constraint()  # a tool's bad parameter schema is a 400 now
-        return plan
+        return cls(functions, chosen, body.parallel_tool_calls is not False)
 
     def calls_schema(self) -> dict:
         allowed = [f for f in self.functions if self.choice in ("auto", "required", f["name"])]

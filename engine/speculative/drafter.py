@@ -57,6 +57,17 @@ class Drafter(Protocol):
         ...
 
 
+class VerifiedFromTokens:
+    """For drafters whose drafts the full model verifies from the tokens alone: one pass
+    over [pending, *drafts], each row exactly as a decode step computes it."""
+
+    model: DecoderModel
+
+    def verify_logits(self, caches: Sequence[Cache], draft: Draft) -> torch.Tensor:
+        rows = torch.tensor([draft.pending, *draft.tokens])
+        return self.model.logits(self.model.hidden_states(rows, caches, exact_rows=True))
+
+
 def build_drafters(
     mode: SpecMode, model: DecoderModel, early_exit: EarlyExitDrafter | None
 ) -> list[Drafter]:

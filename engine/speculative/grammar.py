@@ -8,9 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import torch
-
-from .drafter import Draft
+from .drafter import Draft, VerifiedFromTokens
 
 if TYPE_CHECKING:
     from ..cache import Cache
@@ -19,7 +17,7 @@ if TYPE_CHECKING:
     from .controller import DraftController
 
 
-class GrammarDrafter:
+class GrammarDrafter(VerifiedFromTokens):
     name = "grammar"
 
     def __init__(self, model: DecoderModel):
@@ -42,7 +40,3 @@ class GrammarDrafter:
         # acceptance estimate is not asked; only its length cap applies.
         forced = sampler.guide.forced_after(history)[: controller.max_draft]
         return Draft(forced, pending=pending, key=self.name) if forced else None
-
-    def verify_logits(self, caches: Sequence[Cache], draft: Draft) -> torch.Tensor:
-        rows = torch.tensor([draft.pending, *draft.tokens])
-        return self.model.logits(self.model.hidden_states(rows, caches, exact_rows=True))

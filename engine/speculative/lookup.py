@@ -7,9 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-import torch
-
-from .drafter import Draft
+from .drafter import Draft, VerifiedFromTokens
 
 if TYPE_CHECKING:
     from ..cache import Cache
@@ -49,7 +47,7 @@ class PromptLookup:
         return [], 0
 
 
-class LookupDrafter:
+class LookupDrafter(VerifiedFromTokens):
     """Prompt lookup as a drafter: proposals cost nothing, and the full model verifies
     [pending, *drafts] in one pass. Acceptance is tracked per match length, since a 4-token
     match that recurs in a quote is worth verifying even when 2-token matches in free text
@@ -76,7 +74,3 @@ class LookupDrafter:
         key = f"{self.name}:{match}"
         count = controller.draft_length(key, len(proposal))
         return Draft(proposal[:count], pending=pending, key=key) if count else None
-
-    def verify_logits(self, caches: Sequence[Cache], draft: Draft) -> torch.Tensor:
-        rows = torch.tensor([draft.pending, *draft.tokens])
-        return self.model.logits(self.model.hidden_states(rows, caches, exact_rows=True))
