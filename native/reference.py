@@ -73,6 +73,19 @@ def error_bound(
     return codes.shape[1] * 2.0**-23 * magnitude
 
 
+QUERY_BLOCK = 32  # values per block of a query quantized for q8 and q4 keys
+
+
+def quantized_query(rotated: torch.Tensor) -> torch.Tensor:
+    """What the attention kernel dots with q8 and q4 keys in place of a (rotated) fp32 query
+    [..., d]: blocks of 32 as int8 codes, step = max |x| / 127 in fp32, rounded half to
+    even; returned dequantized, in float64."""
+    blocks = rotated.float().reshape(*rotated.shape[:-1], -1, QUERY_BLOCK)
+    step = blocks.abs().amax(-1, keepdim=True) / 127.0
+    codes = torch.where(step > 0, (blocks / step).round(), torch.zeros_like(blocks))
+    return (codes.clamp(-127, 127).double() * step.double()).reshape(rotated.shape)
+
+
 def attend_rows(
     queries: torch.Tensor,
     keys: torch.Tensor,

@@ -2,10 +2,11 @@
 decode steps and exact verification rows use it) against the native kernel (one call for all
 rows), over SmolLM2's head shapes and caches of several lengths.
 
-    .venv/bin/python scripts/bench_attention.py [--threads 2] [--repeat 300]
+    .venv/bin/python scripts/bench_attention.py [--threads 2] [--repeat 300] [--kv-type q8]
 
 Each call reads another of 30 caches (one per layer), so the keys come from memory as in a
-real decode step, not from a warm cache. Prints microseconds per layer.
+real decode step, not from a warm cache. Prints microseconds per layer. With --kv-type the
+native kernel reads the cache stored as that type (torch reads the same rows in fp32).
 """
 
 from __future__ import annotations
@@ -22,12 +23,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=300)
+    parser.add_argument("--kv-type", default="f32", help="the native kernel's cache type")
     args = parser.parse_args(argv)
 
     import torch
     import torch.nn.functional as F
 
+    from miniapp.engine import kv_codec
     from miniapp.engine.kernels import cpu_attention_kernel
+    from miniapp.engine.kv_types import kv_type
 
     torch.set_num_threads(args.threads)
     native = cpu_attention_kernel()
@@ -43,10 +47,15 @@ def main(argv: list[str] | None = None) -> int:
             step(i % LAYERS)
         return (time.perf_counter() - start) / args.repeat * 1e6
 
+    kind = kv_type(args.kv_type)
+    codes = (kind.key.code, kind.value.code)
+    print(f"native kernel over a {kind.name} cache")
     print("keys  rows  torch us  native us  speed-up")
     for tokens in (300, 1000, 3000):
         keys = [torch.randn(1, KV_HEADS, tokens, HEAD_DIM) for _ in range(LAYERS)]
         values = [torch.randn(1, KV_HEADS, tokens, HEAD_DIM) for _ in range(LAYERS)]
+        stored_keys = [kv_codec.encode(kind.key, k)[0].contiguous() for k in keys]
+        stored_values = [kv_codec.encode(kind.value, v)[0].contiguous() for v in values]
         for rows in (1, 2, 8):
             queries = torch.randn(1, HEADS, rows, HEAD_DIM)
             by_row = queries[0].transpose(0, 1).contiguous()
@@ -60,8 +69,8 @@ def main(argv: list[str] | None = None) -> int:
                         enable_gqa=True, scale=HEAD_DIM**-0.5,
                     )  # fmt: skip
 
-            def native_rows(layer, q=by_row, lengths=lengths, keys=keys, values=values):
-                native(q, keys[layer][0], values[layer][0], HEAD_DIM**-0.5, lengths=lengths)
+            def native_rows(layer, q=by_row, lengths=lengths, k=stored_keys, v=stored_values):
+                native(q, k[layer], v[layer], HEAD_DIM**-0.5, lengths=lengths, kv_type=codes)
 
             ours, theirs = timed(native_rows), timed(torch_rows)
             print(f"{tokens:5d} {rows:5d} {theirs:9.1f} {ours:10.1f} {theirs / ours:8.2f}x")
