@@ -615,7 +615,10 @@ bool kv_type_takes(int type, int64_t d) {
 
 // Codec calls add kKvRotated to a type for rows stored rotated (the quantized types).
 constexpr int kKvRotated = 8;
-bool stored_rotated(int type) { return type == kKvQ8 || type == kKvQ4; }
+// q8 and q4 store codes in blocks of 32 with their scales: stored rotated, and the attention
+// kernel dots such keys with an int8 query.
+constexpr bool quantized_type(int type) { return type == kKvQ8 || type == kKvQ4; }
+bool stored_rotated(int type) { return quantized_type(type); }
 
 // x (d values) times the normalised Hadamard matrix, in place: butterflies of widening span,
 // (a, b) -> (a + b, a - b), then one scale. The order is fixed, so the torch reference
@@ -854,8 +857,6 @@ TARGET_AVX2 inline const float* row_floats(const uint8_t* row, int64_t d, float*
   }
 }
 
-bool integer_scores(int key_type) { return key_type == kKvQ8 || key_type == kKvQ4; }
-
 // A query row (d values, rotated) as blocks of 32 int8 codes, step = max |x| / 127 in fp32,
 // rounded half to even: the same codes as native/reference.py's quantized_query.
 void quantize_query(const float* x, int64_t d, int8_t* codes, float* steps, float* sums) {
@@ -1028,7 +1029,7 @@ TARGET_AVX2 void attend_part(const AttendProblem& p, const AttendTask& t) {
   }
   alignas(32) float scores[kMaxGroup][kKeysPerPart + 8];
   alignas(32) float unpacked[kMaxHeadDim];  // a stored key or value row as fp32
-  if constexpr (TK == kKvQ8 || TK == kKvQ4) {
+  if constexpr (quantized_type(TK)) {
     const int64_t first_head = t.row * p.n_heads + t.kv_head * g, blocks = d / kKvBlock;
     const int8_t* q_codes = p.q_codes + first_head * d;
     const float* q_steps = p.q_steps + first_head * blocks;
@@ -1042,18 +1043,19 @@ TARGET_AVX2 void attend_part(const AttendProblem& p, const AttendTask& t) {
       default: MINIAPP_SCORES(0); break;
     }
 #undef MINIAPP_SCORES
-  }
-  for (int64_t i = 0; i < n && !(TK == kKvQ8 || TK == kKvQ4); ++i) {
-    const float* kj = row_floats<TK>(k + keys[i] * key_bytes, d, unpacked);
-    __m256 acc[kMaxGroup];
-    for (int64_t h = 0; h < g; ++h) acc[h] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < chunks; ++c) {
-      const __m256 kc = _mm256_loadu_ps(kj + 8 * c);
-      for (int64_t h = 0; h < g; ++h) {
-        acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * d + 8 * c), kc, acc[h]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      const float* kj = row_floats<TK>(k + keys[i] * key_bytes, d, unpacked);
+      __m256 acc[kMaxGroup];
+      for (int64_t h = 0; h < g; ++h) acc[h] = _mm256_setzero_ps();
+      for (int64_t c = 0; c < chunks; ++c) {
+        const __m256 kc = _mm256_loadu_ps(kj + 8 * c);
+        for (int64_t h = 0; h < g; ++h) {
+          acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * d + 8 * c), kc, acc[h]);
+        }
       }
+      for (int64_t h = 0; h < g; ++h) scores[h][i] = sum8(acc[h]) * p.scale;
     }
-    for (int64_t h = 0; h < g; ++h) scores[h][i] = sum8(acc[h]) * p.scale;
   }
   for (int64_t h = 0; h < g; ++h) {
     float* part = t.partial + h * (2 + d);
@@ -1073,7 +1075,7 @@ TARGET_AVX2 void attend_part(const AttendProblem& p, const AttendTask& t) {
     part[0] = top;
     part[1] = n ? sum8(total) : 0.0f;
   }
-  if constexpr (TV == kKvQ8 || TV == kKvQ4) {
+  if constexpr (quantized_type(TV)) {
     switch (g) {
       case 3: sum_quantized_values<TV, 3>(v, value_bytes, keys, n, d, g, scores, t.partial); break;
       case 4: sum_quantized_values<TV, 4>(v, value_bytes, keys, n, d, g, scores, t.partial); break;
@@ -1206,7 +1208,7 @@ int attend(const float* q, const RowKeys* sources, int64_t rows, int64_t n_heads
     int8_t* codes = reinterpret_cast<int8_t*>(steps + 2 * query_blocks);
     const int64_t blocks = head_dim / kKvBlock;
     for (int64_t r = 0; r < rows; ++r) {
-      if (!integer_scores(sources[r].key_type)) continue;
+      if (!quantized_type(sources[r].key_type)) continue;
       for (int64_t h = 0; h < n_heads; ++h) {
         const int64_t at = r * n_heads + h;
         quantize_query(rotated_q + at * head_dim, head_dim, codes + at * head_dim,
