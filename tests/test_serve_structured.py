@@ -157,14 +157,23 @@ def test_a_named_function_is_the_one_called_and_streamed_deltas_reassemble(clien
 def test_a_tool_result_goes_back_into_the_chat(client):
     first = _ask(client, ASK_WEATHER, tools=[WEATHER], tool_choice="required")
     call = first.choices[0].message.tool_calls[0]
-    messages = [*ASK_WEATHER,
-                {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-                {"role": "tool", "tool_call_id": call.id,
-                 "content": json.dumps({"temperature": 18, "sky": "sunny"})}]  # fmt: skip
-    reply = _ask(client, messages, tools=[WEATHER], tool_choice="none", max_tokens=40)
-    text = reply.choices[0].message.content
-    assert text and reply.choices[0].message.tool_calls is None
-    assert "18" in text or "sunny" in text.lower(), text
+    called = {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]}
+    asked_and_called = [*ASK_WEATHER, called]
+
+    def answer_given(result: dict):
+        tool_message = {"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)}
+        return _ask(client, [*asked_and_called, tool_message], tools=[WEATHER],
+                    tool_choice="none", max_tokens=40)  # fmt: skip
+
+    sunny = answer_given({"temperature": 18, "sky": "sunny", "wind_kmh": 5})
+    stormy = answer_given({"temperature": -7, "sky": "snow storm", "wind_kmh": 90})
+    for reply in (sunny, stormy):
+        assert reply.choices[0].message.content and reply.choices[0].message.tool_calls is None
+    # What a 135M model makes of a result varies with the CPU's rounding, so rather than
+    # looking for words, check that the result reached the prompt and steered the answer.
+    empty = answer_given({})
+    assert sunny.usage.prompt_tokens >= empty.usage.prompt_tokens + 8
+    assert sunny.choices[0].message.content != stormy.choices[0].message.content
 
 
 def test_auto_answers_in_text_or_a_valid_call(client):
