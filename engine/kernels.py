@@ -19,6 +19,7 @@ import torch
 
 from ..native import int4
 from ..native.attention import NativeAttention, NativeKVCodec
+from ..native.row_ops import NativeRowOps
 from .cpu_features import cpu_features
 
 TORCH_OP = "torch _weight_int4pack_mm_for_cpu"
@@ -78,6 +79,18 @@ def cpu_attention_kernel() -> NativeAttention | None:
 @functools.cache
 def _attention(library: int4.Library) -> NativeAttention:
     return NativeAttention(library)
+
+
+def cpu_row_ops() -> NativeRowOps | None:
+    """The native RMS norm and RoPE of a step on the CPU, with the native library (None:
+    torch's ops, as under MINIAPP_NATIVE=0, where torch.compile must see every op)."""
+    choice = cpu_int4_kernel()
+    return None if choice.library is None else _row_ops(choice.library)
+
+
+@functools.cache
+def _row_ops(library: int4.Library) -> NativeRowOps:
+    return NativeRowOps(library)
 
 
 def cpu_kv_codec() -> NativeKVCodec | None:

@@ -128,3 +128,29 @@ def attend_sequences(
         )
         rows.append(attend_rows(queries[row : row + 1], k, v, scale, mask=visible))
     return torch.cat(rows)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """What `miniapp_add_rms_norm` computes after its add, in float64: x / sqrt(mean(x^2) +
+    eps) * weight over the last dimension."""
+    x = x.double()
+    normed = x / torch.sqrt(x.square().mean(-1, keepdim=True) + eps)
+    return normed if weight is None else normed * weight.double()
+
+
+def rope(
+    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, rotary_dim: int,
+    interleaved: bool,
+) -> torch.Tensor:  # fmt: skip
+    """What `miniapp_rope` computes, from first principles in float64: x [rows, heads,
+    head_dim] with each pair of dimensions (2i, 2i + 1) if `interleaved`, else (i, i +
+    rotary_dim / 2), turned by position * inv_freq[i]; dimensions past rotary_dim kept."""
+    x = x.double().clone()
+    angles = positions.double()[:, None] * inv_freq.double()[None, :]  # [rows, rotary_dim / 2]
+    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    pairs = torch.arange(rotary_dim // 2)
+    first, second = (2 * pairs, 2 * pairs + 1) if interleaved else (pairs, pairs + rotary_dim // 2)
+    a, b = x[..., first].clone(), x[..., second].clone()
+    x[..., first] = a * cos - b * sin
+    x[..., second] = a * sin + b * cos
+    return x

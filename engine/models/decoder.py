@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache import Cache
-from ..kernels import cpu_attention_kernel
+from ..kernels import cpu_attention_kernel, cpu_row_ops
 from ..layers import Linear, Rope, RopeTables, apply_rope, rms_normalize
 from .config import DecoderConfig, RopeConfig
 from .exact_rows import RowMasks, Segments, row_tables
@@ -46,6 +46,7 @@ class Attention:
         takes = native is not None and native.takes(config.n_heads, config.n_kv_heads,
                                                      config.head_dim)  # fmt: skip
         self.native = native if takes else None
+        self.row_ops = cpu_row_ops()
 
     def forward(
         self,
@@ -63,7 +64,7 @@ class Attention:
         if self.qk_norm_weight is not None:
             qk = rms_normalize(qk, self.norm_eps) * self.qk_norm_weight
         # [tokens, heads, head_dim] -> [heads, tokens, head_dim]
-        qk = apply_rope(qk, rotation).transpose(0, 1)
+        qk = self._rotate(qk, rotation).transpose(0, 1)
         v = heads[:, self.n_rotated :].transpose(0, 1)
         if isinstance(cache, Segments):
             out = self._attend_segments(qk, v, cache)
@@ -72,6 +73,15 @@ class Attention:
         else:
             out = self._attend(qk, v, cache, mask)
         return self.wo.forward(out[0].transpose(0, 1).reshape(n_tokens, -1))
+
+    def _rotate(self, qk: torch.Tensor, rotation: RopeTables) -> torch.Tensor:
+        """RoPE over [tokens, heads, head_dim]: in place by the native row kernel on the CPU
+        (one call instead of five torch ops; qk is this pass's own projection output)."""
+        if self.row_ops is not None and qk.is_cpu and qk.dtype is torch.float32:
+            rope = rotation.rope
+            return self.row_ops.rope_(qk, rotation.cos, rotation.signed_sin, rope.rotary_dim,
+                                      rope.interleaved)  # fmt: skip
+        return apply_rope(qk, rotation)
 
     def _attend(self, qk, v, cache: Cache, mask: torch.Tensor | None) -> torch.Tensor:
         keys, values = cache.update_and_fetch(qk[self.n_heads :][None], v[None])
@@ -201,8 +211,7 @@ class Block:
         attended = self.attention.forward(self.attn_norm.forward(x), rotation, cache, mask)
         if self.post_attn_norm is not None:
             attended = self.post_attn_norm.forward(attended.float())
-        x.add_(attended)
-        fed = self.feed_forward.forward(self.ffn_norm.forward(x))
+        fed = self.feed_forward.forward(self.ffn_norm.add_and_norm(x, attended))
         if self.post_ffn_norm is not None:
             fed = self.post_ffn_norm.forward(fed.float())
         return x.add_(fed)
