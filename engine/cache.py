@@ -341,6 +341,18 @@ class RotatingKVCache:
         positions[: self.ring_count] = self.ring_pos[: self.ring_count]
         self.ring_pos = positions
 
+    @property
+    def ring_pos(self) -> torch.Tensor:
+        """The position held in each ring slot (int64 [allocated], on the CPU; -1: empty)."""
+        return self._ring_pos
+
+    @ring_pos.setter
+    def ring_pos(self, positions: torch.Tensor) -> None:
+        self._ring_pos = positions
+        # The same memory through numpy: a decode step writes one element per layer, ~0.3 us
+        # there against ~5 us through torch's indexing.
+        self._ring_pos_view = positions.numpy()
+
     # -- the interface
 
     def max_chunk(self) -> int:
@@ -427,7 +439,7 @@ class RotatingKVCache:
     def _take_slot(self) -> int:
         """Bookkeeping of one token entering the ring; returns its slot."""
         slot = self.ring_head
-        self.ring_pos[slot] = self.offset
+        self._ring_pos_view[slot] = self.offset
         self.ring_head = (slot + 1) % self.ring_capacity
         if self.ring_count < self.ring_capacity:
             self.ring_count += 1
