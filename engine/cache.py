@@ -52,6 +52,11 @@ class StaticStep:
     frame: int  # positions by which the frame sinks are rotated (0 without sinks)
 
 
+# ((key row, value row) [1, kv_heads, 1, width], (keys, values) [1, kv_heads, tokens, width]):
+# where a step's key and value go, and everything its query attends, views of one storage.
+OneSlot = tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
 @runtime_checkable
 class Cache(Protocol):
     """One layer's keys and values, as the model and speculative roll-back use them."""
@@ -66,6 +71,13 @@ class Cache(Protocol):
         """Store this step's keys/values, fp32 [1, kv_heads, n, head_dim] (already rotated by
         RoPE at their positions); return all keys/values the step's queries may attend to,
         as stored ([1, kv_heads, tokens, width])."""
+        ...
+
+    def take_one(self) -> OneSlot | None:
+        """A decode step's bookkeeping for a caller that writes the token's key and value
+        itself (the fused native layer): the storage rows they go into, and what
+        update_and_fetch would return after writing them. None, with nothing changed, when
+        this step needs update_and_fetch instead."""
         ...
 
     def make_mask(self, n_new: int) -> torch.Tensor | None:
@@ -195,6 +207,14 @@ class KVCache:
         self.values[:, :, self.offset : end] = self.value_codec.encode(v)
         self.offset = end
         return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def take_one(self) -> OneSlot | None:
+        end = self.offset + 1
+        if end > self.capacity:
+            return None  # the storage grows first, in update_and_fetch
+        at, self.offset = self.offset, end
+        slots = self.keys[:, :, at:end], self.values[:, :, at:end]
+        return slots, (self.keys[:, :, :end], self.values[:, :, :end])
 
     def make_mask(self, n_new: int) -> torch.Tensor | None:
         """Boolean [n_new, offset + n_new]: each query sees keys up to its own position."""
@@ -428,13 +448,23 @@ class RotatingKVCache:
         return self.ring_count < self._allocated or self._allocated == self.ring_capacity
 
     def _append_one(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        (key_slot, value_slot), fetched = self._one_slot()
+        key_slot.copy_(k)
+        value_slot.copy_(v)
+        return fetched
+
+    def take_one(self) -> OneSlot | None:
+        if self.sinks_held != self.sinks or not self._room_for_one():
+            return None
+        return self._one_slot()
+
+    def _one_slot(self) -> OneSlot:
         at = 2 * self.sinks + self._take_slot()
-        self.keys[:, :, at : at + 1] = k
-        self.values[:, :, at : at + 1] = v
         if self.sinks:
-            self._move_frame()
+            self._move_frame()  # the sinks only: the new token's row is not read
         end = self.sinks + self._fetch_length()
-        return self.keys[:, :, self.sinks : end], self.values[:, :, self.sinks : end]
+        slots = self.keys[:, :, at : at + 1], self.values[:, :, at : at + 1]
+        return slots, (self.keys[:, :, self.sinks : end], self.values[:, :, self.sinks : end])
 
     def _take_slot(self) -> int:
         """Bookkeeping of one token entering the ring; returns its slot."""

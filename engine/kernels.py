@@ -81,6 +81,15 @@ def _attention(library: int4.Library) -> NativeAttention:
     return NativeAttention(library)
 
 
+FUSED_ENV = "MINIAPP_FUSED_LAYERS"  # "0": decode steps call the layer's kernels one by one
+
+
+def fused_layers_enabled() -> bool:
+    """Whether one-token steps may run a whole layer in one native call (read at model load;
+    switching it off is for A/B measurements and as an escape hatch)."""
+    return os.environ.get(FUSED_ENV, "").strip().lower() not in _OFF
+
+
 def cpu_row_ops() -> NativeRowOps | None:
     """The native RMS norm and RoPE of a step on the CPU, with the native library (None:
     torch's ops, as under MINIAPP_NATIVE=0, where torch.compile must see every op)."""

@@ -1432,4 +1432,89 @@ int miniapp_rope(float* x, int64_t ldx, int64_t rows, int64_t heads, int64_t hea
   return 0;
 }
 
+
+// ---------------------------------------------------------------------------------------
+// One decoder layer's step for one token, in one call. A pre-norm layer with a fused Q|K|V
+// projection, a SiLU-gated feed-forward and no biases (SmolLM2 and the other llama-shaped
+// models) runs eight native kernels a step; called one by one from Python, the calls and the
+// torch ops between them cost about as much as the kernels. Here they run back to back: the
+// same functions, on the same values, in the same order as the layer-by-layer path
+// (engine/models/decoder.py), so the residual stream comes out bit for bit the same, and a
+// decode step still equals the speculative verification row of the same token.
+
+struct DecodeLayerWeights {
+  const Int4Weight* qkv;
+  const Int4Weight* out;
+  const Int4Weight* gate_up;  // gated: silu(gate) * up
+  const Int4Weight* down;
+  const float* attn_norm;
+  const float* ffn_norm;
+  float eps;
+  float scale;  // of the attention scores
+  int64_t dim, n_heads, kv_heads, head_dim, rotary_dim, ffn_dim;
+  int32_t interleaved;  // RoPE pairs (2i, 2i + 1), else (i, i + rotary_dim / 2)
+};
+
+struct DecodeLayerStep {
+  const float* cos;  // RoPE tables of the token's position, [head_dim] each
+  const float* signed_sin;
+  uint8_t* key_slot;  // where the token's key row goes, kv head 0 (heads key_head_stride apart)
+  uint8_t* value_slot;
+  const uint8_t* keys;  // the keys the token attends, kv head 0 (its own included)
+  const uint8_t* values;
+  int64_t key_head_stride, value_head_stride;  // bytes, in the storage and the keys alike
+  int64_t n_keys;
+  const uint8_t* mask;  // [n_keys], or null: every key visible
+  int32_t key_type, value_type;
+};
+
+// x fp32 [dim], the residual stream entering the layer, updated in place. Returns 0, or -1
+// for a layer or step it does not take (x may then be partly updated: the caller raises).
+int miniapp_decode_layer(const DecodeLayerWeights* w, const DecodeLayerStep* s, float* x,
+                         int threads) {
+  const int64_t d = w->head_dim, q_width = w->n_heads * d;
+  const int64_t qkv_width = (w->n_heads + 2 * w->kv_heads) * d;
+  if (!kv_type_takes(s->key_type, d) || !kv_type_takes(s->value_type, d)) return -1;
+  const int64_t floats = 2 * w->dim + qkv_width + q_width + w->dim + w->ffn_dim;
+  float* buffer = static_cast<float*>(malloc(sizeof(float) * floats));
+  if (!buffer) return -1;
+  float* normed = buffer;
+  float* qkv = normed + w->dim;
+  float* attended = qkv + qkv_width;
+  float* projected = attended + q_width;
+  float* gated = projected + w->dim;
+  float* fed = gated + w->ffn_dim;
+  int status = miniapp_add_rms_norm(x, w->dim, nullptr, 0, w->attn_norm, 1, w->dim, w->eps,
+                                    normed, w->dim);
+  status = status ? status : miniapp_int4_gemm(w->qkv, normed, w->dim, kFloat32, 1, qkv, threads);
+  status = status ? status
+                  : miniapp_rope(qkv, qkv_width, 1, w->n_heads + w->kv_heads, d, w->rotary_dim,
+                                 w->interleaved, s->cos, s->signed_sin);
+  if (!status) {
+    for (int64_t h = 0; h < w->kv_heads; ++h) {
+      encode_row(s->key_type, qkv + (w->n_heads + h) * d, d, s->key_slot + h * s->key_head_stride,
+                 stored_rotated(s->key_type));
+      encode_row(s->value_type, qkv + (w->n_heads + w->kv_heads + h) * d, d,
+                 s->value_slot + h * s->value_head_stride, stored_rotated(s->value_type));
+    }
+    const RowKeys source = {s->keys, s->values, s->key_head_stride, s->value_head_stride,
+                            s->n_keys, s->mask, s->key_type, s->value_type};
+    status = attend(qkv, &source, 1, w->n_heads, w->kv_heads, d, w->scale, attended, threads);
+  }
+  status = status ? status : miniapp_int4_gemm(w->out, attended, q_width, kFloat32, 1, projected,
+                                               threads);
+  status = status ? status
+                  : miniapp_add_rms_norm(x, w->dim, projected, w->dim, w->ffn_norm, 1, w->dim,
+                                         w->eps, normed, w->dim);
+  status = status ? status : miniapp_int4_gemm(w->gate_up, normed, w->dim, kFloat32, 1, gated,
+                                               threads);
+  status = status ? status : miniapp_int4_gemm(w->down, gated, w->ffn_dim, kFloat32, 1, fed,
+                                               threads);
+  if (!status) {
+    for (int64_t i = 0; i < w->dim; ++i) x[i] += fed[i];
+  }
+  free(buffer);
+  return status;
+}
+
 }  // extern "C"

@@ -16,9 +16,10 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from ...native.decode_layer import LayerShape, NativeDecodeLayer
 from ..cache import Cache
-from ..kernels import cpu_attention_kernel, cpu_row_ops
-from ..layers import Linear, Rope, RopeTables, apply_rope, rms_normalize
+from ..kernels import cpu_attention_kernel, cpu_int4_kernel, cpu_row_ops, fused_layers_enabled
+from ..layers import Int4Linear, Linear, RMSNorm, Rope, RopeTables, apply_rope, rms_normalize
 from .config import DecoderConfig, RopeConfig
 from .exact_rows import RowMasks, Segments, row_tables
 from .placement import CPU, CPU_PLACEMENT, PREFILL_CHUNK, CachePolicy, Placement
@@ -205,9 +206,21 @@ class Block:
         self.attn_norm, self.attention = attn_norm, attention
         self.ffn_norm, self.feed_forward = ffn_norm, feed_forward
         self.post_attn_norm, self.post_ffn_norm = post_attn_norm, post_ffn_norm
+        # The whole layer as one native call for one-token steps (DecoderModel sets it where
+        # the layer's shape allows; see `fused_layer`).
+        self.fused: NativeDecodeLayer | None = None
 
     def forward(self, x, rotation, cache, mask):
         """Updates the residual stream `x` (fp32 [tokens, dim]) in place and returns it."""
+        if self.fused is not None and x.shape[0] == 1 and x.is_cpu:
+            take_one = getattr(cache, "take_one", None)  # a batch's Segments have none
+            taken = take_one() if take_one is not None else None
+            if taken is not None:
+                slots, stored = taken
+                if mask is not None:
+                    mask = mask.contiguous()
+                return self.fused.step(x, rotation.cos, rotation.signed_sin, slots, stored,
+                                       mask, _kernel_types(cache))  # fmt: skip
         attended = self.attention.forward(self.attn_norm.forward(x), rotation, cache, mask)
         if self.post_attn_norm is not None:
             attended = self.post_attn_norm.forward(attended.float())
@@ -251,6 +264,9 @@ class DecoderModel:
         self._kinds: dict[bool, int] = {}
         for index, local in enumerate(self._layer_is_local):
             self._kinds.setdefault(local, index)
+        for index, block in enumerate(layers):
+            if self.layer_devices[index] == CPU:
+                block.fused = fused_layer(block, self.ropes[self._layer_is_local[index]])
         # Called before every pass over layers; a simulated device injects its failures here.
         self.fault_hook: Callable[[], None] | None = None
 
@@ -398,6 +414,47 @@ class DecoderModel:
             local = self._layer_is_local[layer]
             x = self.layers[layer].forward(x, rotations[local], caches[layer], masks[local])
         return x
+
+
+def fused_layer(block: Block, rope: Rope) -> NativeDecodeLayer | None:
+    """The native one-call step for a block, where its shape is one the call takes: on the
+    CPU with the native kernels, a fused Q|K|V and SiLU-gated feed-forward packed for our
+    kernel without biases, no Q/K norms and no post-norms (SmolLM2 and the other llama-shaped
+    models; Gemma 3 keeps the layer-by-layer path)."""
+    attention, feed_forward = block.attention, block.feed_forward
+    library = cpu_int4_kernel().library
+    linears = (attention.wqkv, attention.wo, feed_forward.w_gate_up, feed_forward.w_down)
+    norms = (block.attn_norm, block.ffn_norm)
+    if (
+        library is None
+        or not fused_layers_enabled()
+        or attention.native is None
+        or attention.qk_norm_weight is not None
+        or block.post_attn_norm is not None
+        or block.post_ffn_norm is not None
+        or not feed_forward.fused
+        or not all(_plain_native(linear) for linear in linears)
+        or not all(isinstance(norm, RMSNorm) and norm.native is not None for norm in norms)
+        or block.attn_norm.eps != block.ffn_norm.eps
+    ):
+        return None
+    shape = LayerShape(
+        dim=block.attn_norm.dim, n_heads=attention.n_heads, kv_heads=attention.n_kv_heads,
+        head_dim=attention.head_dim, rotary_dim=rope.rotary_dim, interleaved=rope.interleaved,
+        eps=block.attn_norm.eps, scale=attention.scale,
+    )  # fmt: skip
+    packed = (linear.native for linear in linears)
+    return NativeDecodeLayer(library, shape, *packed, block.attn_norm.doubled_weight,
+                             block.ffn_norm.doubled_weight)  # fmt: skip
+
+
+def _plain_native(linear) -> bool:
+    return (
+        isinstance(linear, Int4Linear)
+        and linear.native is not None
+        and linear.plain
+        and linear.bias is None
+    )
 
 
 def _on_device(device: torch.device, x: torch.Tensor, rotations: dict, masks: dict):

@@ -1,0 +1,109 @@
+"""One decoder layer's one-token step in one native call (`miniapp_decode_layer` in
+`int4_gemm.cpp`): RMS norm, the fused Q|K|V projection, RoPE, the new key and value written
+into the cache's storage, attention over the cache, the output projection, the residual add
+and norm, the SiLU-gated feed-forward and the last residual add. The same kernels the layer
+runs one by one from Python, in the same order, so the result is bit-identical; the engine
+uses it for decode steps of layers shaped for it (engine/models/decoder.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .int4 import Library, PackedInt4
+
+_i64, _f32, _i32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int32, ctypes.c_void_p
+
+
+class _Weights(ctypes.Structure):
+    _fields_ = [
+        ("qkv", _ptr), ("out", _ptr), ("gate_up", _ptr), ("down", _ptr),
+        ("attn_norm", _ptr), ("ffn_norm", _ptr), ("eps", _f32), ("scale", _f32),
+        ("dim", _i64), ("n_heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
+        ("rotary_dim", _i64), ("ffn_dim", _i64), ("interleaved", _i32),
+    ]  # fmt: skip
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [
+        ("cos", _ptr), ("signed_sin", _ptr), ("key_slot", _ptr), ("value_slot", _ptr),
+        ("keys", _ptr), ("values", _ptr), ("key_head_stride", _i64),
+        ("value_head_stride", _i64), ("n_keys", _i64), ("mask", _ptr), ("key_type", _i32),
+        ("value_type", _i32),
+    ]  # fmt: skip
+
+
+class LayerShape:
+    """What the fused step needs to know about a layer besides its weights."""
+
+    def __init__(self, dim, n_heads, kv_heads, head_dim, rotary_dim, interleaved, eps, scale):
+        self.dim, self.n_heads, self.kv_heads, self.head_dim = dim, n_heads, kv_heads, head_dim
+        self.rotary_dim, self.interleaved, self.eps, self.scale = (
+            rotary_dim, interleaved, eps, scale
+        )  # fmt: skip
+
+
+class NativeDecodeLayer:
+    """A layer's weights bound once; `step` runs one token through it."""
+
+    def __init__(
+        self,
+        library: Library,
+        shape: LayerShape,
+        qkv: PackedInt4,
+        out: PackedInt4,
+        gate_up: PackedInt4,
+        down: PackedInt4,
+        attn_norm: torch.Tensor,
+        ffn_norm: torch.Tensor,
+    ):
+        if not gate_up.shape.gated:
+            raise ValueError("the fused step takes a SiLU-gated feed-forward")
+        # Kept alive with the structure that points at them.
+        self._held = (qkv, out, gate_up, down, attn_norm.contiguous(), ffn_norm.contiguous())
+        ffn_dim = gate_up.shape.outputs
+        self._weights = _Weights(
+            qkv._address, out._address, gate_up._address, down._address,
+            self._held[4].data_ptr(), self._held[5].data_ptr(), shape.eps, shape.scale,
+            shape.dim, shape.n_heads, shape.kv_heads, shape.head_dim, shape.rotary_dim,
+            ffn_dim, int(shape.interleaved),
+        )  # fmt: skip
+        self._step = _Step()
+        self._function = library.cdll.miniapp_decode_layer
+        self._function.argtypes = [_ptr, _ptr, _ptr, ctypes.c_int]
+        self._function.restype = ctypes.c_int
+        self._weights_address = ctypes.addressof(self._weights)
+        self._step_address = ctypes.addressof(self._step)
+
+    def step(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        slots: tuple[torch.Tensor, torch.Tensor],
+        stored: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        kv_types: tuple[int, int],
+    ) -> torch.Tensor:
+        """x fp32 [1, dim] (contiguous), the residual stream, updated in place and returned.
+        `slots`: the storage rows [1, kv_heads, 1, width] the token's key and value go into;
+        `stored`: the keys and values it attends [1, kv_heads, n, width] (its own included,
+        heads as far apart as in the slots); `mask`: bool [1, n] or None (all visible);
+        cos and signed_sin: the RoPE tables of its position (fp32, contiguous)."""
+        keys, values = stored
+        step = self._step
+        step.cos, step.signed_sin = cos.data_ptr(), signed_sin.data_ptr()
+        step.key_slot, step.value_slot = slots[0].data_ptr(), slots[1].data_ptr()
+        step.keys, step.values = keys.data_ptr(), values.data_ptr()
+        step.key_head_stride = keys.stride(1) * keys.element_size()
+        step.value_head_stride = values.stride(1) * values.element_size()
+        step.n_keys = keys.shape[2]
+        step.mask = None if mask is None else mask.view(torch.uint8).data_ptr()
+        step.key_type, step.value_type = kv_types
+        status = self._function(self._weights_address, self._step_address, x.data_ptr(),
+                                torch.get_num_threads())  # fmt: skip
+        if status:
+            raise ValueError("the native decode layer refused its step")
+        return x

@@ -1,0 +1,85 @@
+"""The fused native decode layer (`native/decode_layer.py`): a one-token step through a whole
+layer in one call must give bit for bit what the layer-by-layer path gives, for every KV
+type, with a ring that wraps and sinks that move; and only layers of the shape it takes get
+one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_gguf import GEMMA3, QWEN2, write_tiny_model
+
+from miniapp.engine.gguf_file import GGUFFile
+from miniapp.engine.kernels import FUSED_ENV
+from miniapp.engine.kv_types import kv_type
+from miniapp.engine.model_store import DEFAULT_MODEL, bundled_path
+from miniapp.engine.models import CachePolicy, build_model
+
+PROMPT = [300 + i for i in range(40)]
+# 100 tokens through 4 sinks and a window of 16 (a ring of 16 + 64 slack): the ring wraps,
+# and the sinks' frame moves every step.
+STEPS = 60
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return build_model(GGUFFile(bundled_path(DEFAULT_MODEL)))
+
+
+def _decode(model, policy: CachePolicy, fused: bool, prompt=PROMPT, steps=STEPS):
+    """Greedy steps after a prompt, with the fused layers on or off: logits of every step,
+    and the caches afterwards."""
+    layers = [block.fused for block in model.layers]
+    try:
+        for block, layer in zip(model.layers, layers, strict=True):
+            block.fused = layer if fused else None
+        caches = model.make_caches(policy)
+        logits, token = [], 5
+        with torch.inference_mode():
+            model(torch.tensor(prompt), caches)
+            for _ in range(steps):
+                step = model(torch.tensor([token]), caches)
+                logits.append(step)
+                token = int(step.argmax())
+        return torch.cat(logits), caches
+    finally:
+        for block, layer in zip(model.layers, layers, strict=True):
+            block.fused = layer
+
+
+@pytest.mark.parametrize("kind", ["f32", "f16", "bf16", "q8", "q4"])
+def test_a_fused_step_is_bit_identical_to_the_layer_by_layer_step(smollm2, kind):
+    assert all(block.fused is not None for block in smollm2.layers)
+    policy = CachePolicy(ctx=512, sinks=4, window=16, kv_type=kv_type(kind))
+    fused_logits, fused_caches = _decode(smollm2, policy, fused=True)
+    plain_logits, plain_caches = _decode(smollm2, policy, fused=False)
+    assert fused_caches[0].wrapped and fused_caches[0].frame > 0
+    assert torch.equal(fused_logits, plain_logits)
+    for fused, plain in zip(fused_caches, plain_caches, strict=True):
+        assert torch.equal(fused.keys, plain.keys) and torch.equal(fused.values, plain.values)
+        assert torch.equal(fused.ring_pos, plain.ring_pos)
+
+
+def test_a_fixed_context_cache_fuses_too_and_grows_through_the_ordinary_path(smollm2):
+    # A fixed context's storage starts at 256 tokens and doubles: the step that needs more
+    # room goes through update_and_fetch, the others through the fused layer.
+    policy = CachePolicy(ctx=1024, streaming=False, kv_type=kv_type("q8"))
+    prompt = [300 + i for i in range(250)]
+    fused_logits, fused_caches = _decode(smollm2, policy, True, prompt, steps=12)
+    plain_logits, plain_caches = _decode(smollm2, policy, False, prompt, steps=12)
+    assert fused_caches[0].capacity == plain_caches[0].capacity == 512
+    assert torch.equal(fused_logits, plain_logits)
+    assert torch.equal(fused_caches[-1].keys, plain_caches[-1].keys)
+
+
+def test_only_layers_of_the_shape_it_takes_are_fused(tmp_path, monkeypatch):
+    llama = build_model(GGUFFile(write_tiny_model(tmp_path / "llama.gguf")))
+    assert all(block.fused is not None for block in llama.layers)
+    for spec in (GEMMA3, QWEN2):  # Q/K norms and post-norms; Q/K/V biases
+        model = build_model(
+            GGUFFile(write_tiny_model(tmp_path / f"{spec.architecture}.gguf", spec))
+        )
+        assert all(block.fused is None for block in model.layers), spec.architecture
+    monkeypatch.setenv(FUSED_ENV, "0")
+    off = build_model(GGUFFile(write_tiny_model(tmp_path / "off.gguf")))
+    assert all(block.fused is None for block in off.layers)
