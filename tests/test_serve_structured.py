@@ -143,12 +143,15 @@ def test_a_named_function_is_the_one_called_and_streamed_deltas_reassemble(clien
         for choice in chunk.choices:
             reasons.append(choice.finish_reason)
             for delta in choice.delta.tool_calls or []:
-                part = parts.setdefault(delta.index, {"name": "", "arguments": ""})
+                part = parts.setdefault(delta.index, {"name": "", "arguments": "", "pieces": 0})
                 part["id"] = delta.id or part.get("id")
                 if delta.function.name:
                     part["name"] += delta.function.name
                 part["arguments"] += delta.function.arguments or ""
+                part["pieces"] += bool(delta.function.arguments)
     assert reasons[-1] == "tool_calls"
+    # The arguments arrive as the model writes them, not in one piece at the end.
+    assert all(part["pieces"] > 1 for part in parts.values())
     assert [(p["name"], json.loads(p["arguments"])) for _, p in sorted(parts.items())] == [
         (c.function.name, json.loads(c.function.arguments)) for c in calls
     ]

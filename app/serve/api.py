@@ -37,7 +37,7 @@ from .middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from .models import model_listing, warm_listing
 from .protocol import ChatCompletionRequest, CompletionRequest, Sampling
 from .service import Job, Relay, ServedModel, check_fits, finish_reason, seeded, token_limit
-from .tools import ToolCall, ToolPlan
+from .tools import CallStream, ToolPlan
 
 log = logging.getLogger("miniapp.serve")
 DEFAULT_BODY_LIMIT = 50 * 1024 * 1024  # bytes (--max-body-mb): a few large images as base64
@@ -213,15 +213,10 @@ class Answer:
                     "logprobs": shown, "finish_reason": reason}  # fmt: skip
         return {"index": index, "text": echo + text, "logprobs": shown, "finish_reason": reason}
 
-    def call_deltas(self, index: int, calls: list[ToolCall]) -> list[dict]:
-        """Streamed calls: each opens with its id and name, then its arguments follow."""
-        deltas = []
-        for k, call in enumerate(calls):
-            opening = call.as_openai(k) | {"function": {"name": call.name, "arguments": ""}}
-            arguments = {"index": k, "function": {"arguments": call.arguments}}
-            deltas += [{"index": index, "delta": {"tool_calls": [part]}, "logprobs": None,
-                        "finish_reason": None} for part in (opening, arguments)]  # fmt: skip
-        return deltas
+    def call_delta(self, index: int, part: dict) -> dict:
+        """A streamed piece of a tool call (see tools.CallStream)."""
+        return {"index": index, "delta": {"tool_calls": [part]}, "logprobs": None,
+                "finish_reason": None}  # fmt: skip
 
     def delta(self, index: int, text: str | None = None, role: bool = False,
               reason: str | None = None, logprobs: Sequence[TokenLogprob] = (),
@@ -307,9 +302,10 @@ async def _stream(relay: Relay, answer: Answer) -> AsyncIterator[str]:
     finished: dict[int, Finished] = {}
     usage_field = {"usage": None} if answer.body.include_usage else {}
     offsets = dict.fromkeys((job.index for job in relay.jobs), 0)  # characters sent, per choice
-    # With tools, an answer's text is held until it is known not to be a call (a call is sent
-    # whole, as tool_calls deltas, once it has ended).
+    # With tools, an answer's text is held until it is known not to be a call; a call is sent
+    # as tool_calls deltas while the model writes it.
     held = dict.fromkeys((job.index for job in relay.jobs), "") if answer.tools else {}
+    calls: dict[int, CallStream] = {}
     for job in relay.jobs:
         if answer.chat:
             yield _sse(answer.envelope([answer.delta(job.index, role=True)], True) | usage_field)
@@ -323,22 +319,29 @@ async def _stream(relay: Relay, answer: Answer) -> AsyncIterator[str]:
             if index in held:
                 held[index] += text
                 start = held[index].lstrip()
-                if not start or start.startswith("["):
+                if not start:
                     continue
-                text = held.pop(index)  # plain text: what was held goes first
+                text = held.pop(index)  # what was held goes first
+                if start.startswith("["):
+                    calls[index] = CallStream()
+            if index in calls:
+                for part in calls[index].feed(text):
+                    yield _sse(answer.envelope([answer.call_delta(index, part)], True)
+                               | usage_field)  # fmt: skip
+                continue
             delta = answer.delta(index, text, logprobs=event.logprobs, offset=offsets[index])
             offsets[index] += len(text)
             yield _sse(answer.envelope([delta], True) | usage_field)
         elif isinstance(event, Finished):
             finished[index] = event
             reason = finish_reason(event)
-            text = held.pop(index, "")
-            calls = answer.tools.calls_in(text) if text else None
-            if calls:
+            text = held.pop(index, "")  # only blank text can still be held
+            stream = calls.pop(index, None)
+            if stream is not None and answer.tools.calls_in(stream.text):
                 reason = "tool_calls"
-                for delta in answer.call_deltas(index, calls):
-                    yield _sse(answer.envelope([delta], True) | usage_field)
-            elif text:  # a call cut off by max_tokens: shown as the text it is
+            elif stream is not None and not stream.opened:
+                text = stream.text  # cut off by max_tokens before a call opened: its text
+            if text:
                 yield _sse(answer.envelope([answer.delta(index, text)], True) | usage_field)
             last = answer.delta(index, reason=reason)
             yield _sse(answer.envelope([last], True) | usage_field)

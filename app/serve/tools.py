@@ -124,9 +124,97 @@ class ToolPlan:
             calls = json.loads(text)
         except ValueError:
             return None  # cut off by max_tokens: shown as the text it is
-        return [ToolCall(f"call_{uuid.uuid4().hex[:24]}", call["name"],
+        return [ToolCall(_call_id(), call["name"],
                          json.dumps(call["arguments"], ensure_ascii=False))
                 for call in calls]  # fmt: skip
+
+
+@dataclass
+class _PartialCall:
+    name: str | None = None
+    arguments: str = ""  # the arguments' JSON text as written so far
+
+
+def partial_calls(text: str) -> list[_PartialCall]:
+    """The calls of an answer in the documented format that is still being written: each
+    call's name once its string has ended, and its arguments' text so far (a prefix of the
+    final text, so what was sent stays valid as more arrives). The constraint keeps the
+    answer well-formed, so a scan of strings and nesting is enough."""
+    calls: list[_PartialCall] = []
+    depth, in_string, escaped = 0, False, False
+    key, expecting_key, string_start, value_start = None, False, 0, None
+    for at, char in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+                if depth == 2 and expecting_key:
+                    key, expecting_key = json.loads(text[string_start : at + 1]), False
+                elif depth == 2 and key == "name":
+                    calls[-1].name = json.loads(text[string_start : at + 1])
+                elif depth == 2 and key == "arguments":  # arguments given as a string
+                    calls[-1].arguments, value_start = text[value_start : at + 1], None
+            continue
+        if char == '"':
+            in_string, string_start = True, at
+            if depth == 2 and key == "arguments" and not expecting_key and value_start is None:
+                value_start = at
+        elif char in "{[":
+            if depth == 1:
+                calls.append(_PartialCall())
+                expecting_key = True
+            elif depth == 2 and key == "arguments" and value_start is None:
+                value_start = at
+            depth += 1
+        elif char in "}]":
+            depth -= 1
+            if depth == 2 and value_start is not None:
+                calls[-1].arguments, value_start = text[value_start : at + 1], None
+        elif char == "," and depth == 2:
+            key, expecting_key = None, True
+    if value_start is not None:
+        calls[-1].arguments = text[value_start:]
+    return calls
+
+
+class CallStream:
+    """One streamed answer's tool calls as `tool_calls` delta parts, sent while the model
+    writes them: a call opens (index, id, name) once its name has ended, and its arguments
+    follow piece by piece, as OpenAI streams them."""
+
+    def __init__(self):
+        self.text = ""
+        self.ids: list[str] = []  # of the calls opened so far
+        self.sent: list[int] = []  # characters of each call's arguments sent
+
+    def feed(self, text: str) -> list[dict]:
+        """The parts that `text`, the answer's next piece, makes sendable."""
+        self.text += text
+        parts = []
+        for k, call in enumerate(partial_calls(self.text)):
+            if call.name is None:
+                break  # a later call cannot open before this one
+            if k == len(self.ids):
+                self.ids.append(_call_id())
+                self.sent.append(0)
+                parts.append({"index": k, "id": self.ids[k], "type": "function",
+                              "function": {"name": call.name, "arguments": ""}})  # fmt: skip
+            if len(call.arguments) > self.sent[k]:
+                piece = call.arguments[self.sent[k] :]
+                self.sent[k] = len(call.arguments)
+                parts.append({"index": k, "function": {"arguments": piece}})
+        return parts
+
+    @property
+    def opened(self) -> bool:
+        return bool(self.ids)
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def tool_messages_as_text(message_role: str, content: str, tool_calls, tool_call_id) -> Message:
