@@ -9,6 +9,7 @@ uses it for decode steps of layers shaped for it (engine/models/decoder.py).
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
@@ -35,14 +36,18 @@ class _Step(ctypes.Structure):
     ]  # fmt: skip
 
 
+@dataclass(frozen=True)
 class LayerShape:
     """What the fused step needs to know about a layer besides its weights."""
 
-    def __init__(self, dim, n_heads, kv_heads, head_dim, rotary_dim, interleaved, eps, scale):
-        self.dim, self.n_heads, self.kv_heads, self.head_dim = dim, n_heads, kv_heads, head_dim
-        self.rotary_dim, self.interleaved, self.eps, self.scale = (
-            rotary_dim, interleaved, eps, scale
-        )  # fmt: skip
+    dim: int
+    n_heads: int
+    kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    interleaved: bool  # RoPE pairs (2i, 2i + 1), else (i, i + rotary_dim / 2)
+    eps: float  # of both norms
+    scale: float  # of the attention scores
 
 
 class NativeDecodeLayer:
@@ -61,14 +66,14 @@ class NativeDecodeLayer:
     ):
         if not gate_up.shape.gated:
             raise ValueError("the fused step takes a SiLU-gated feed-forward")
+        attn_norm, ffn_norm = attn_norm.contiguous(), ffn_norm.contiguous()
         # Kept alive with the structure that points at them.
-        self._held = (qkv, out, gate_up, down, attn_norm.contiguous(), ffn_norm.contiguous())
-        ffn_dim = gate_up.shape.outputs
+        self._held = (qkv, out, gate_up, down, attn_norm, ffn_norm)
         self._weights = _Weights(
             qkv._address, out._address, gate_up._address, down._address,
-            self._held[4].data_ptr(), self._held[5].data_ptr(), shape.eps, shape.scale,
+            attn_norm.data_ptr(), ffn_norm.data_ptr(), shape.eps, shape.scale,
             shape.dim, shape.n_heads, shape.kv_heads, shape.head_dim, shape.rotary_dim,
-            ffn_dim, int(shape.interleaved),
+            gate_up.shape.outputs, int(shape.interleaved),
         )  # fmt: skip
         self._step = _Step()
         self._function = library.cdll.miniapp_decode_layer

@@ -1406,14 +1406,17 @@ int miniapp_add_rms_norm(float* x, int64_t ldx, const float* add, int64_t ld_add
 // signed_sin[r], with the tables fp32 [rows, head_dim] (contiguous) as engine/layers.py's
 // Rope builds them (cos 1 and sin 0 past rotary_dim). Partners: (2i, 2i + 1) when
 // `interleaved`, else (i, i + rotary_dim / 2). Returns 0, or -1 for shapes it does not take.
+constexpr int64_t kMaxRopeHeadDim = 1024;  // the partner row's scratch
+
 int miniapp_rope(float* x, int64_t ldx, int64_t rows, int64_t heads, int64_t head_dim,
                  int64_t rotary_dim, int interleaved, const float* cos_table,
                  const float* signed_sin) {
-  if (rows < 0 || heads < 0 || rotary_dim % 2 || rotary_dim > head_dim || head_dim > 1024) {
+  if (rows < 0 || heads < 0 || rotary_dim % 2 || rotary_dim > head_dim ||
+      head_dim > kMaxRopeHeadDim) {
     return -1;
   }
   const int64_t half = rotary_dim / 2;
-  float partner[1024];
+  float partner[kMaxRopeHeadDim];
   for (int64_t r = 0; r < rows; ++r) {
     const float* c = cos_table + r * head_dim;
     const float* s = signed_sin + r * head_dim;

@@ -12,8 +12,6 @@ import torch
 
 from .int4 import Library
 
-MAX_HEAD_DIM = 1024  # the RoPE kernel's scratch row
-
 
 class NativeRowOps:
     def __init__(self, library: Library):

@@ -135,49 +135,81 @@ class _PartialCall:
     arguments: str = ""  # the arguments' JSON text as written so far
 
 
-def partial_calls(text: str) -> list[_PartialCall]:
-    """The calls of an answer in the documented format that is still being written: each
-    call's name once its string has ended, and its arguments' text so far (a prefix of the
-    final text, so what was sent stays valid as more arrives). The constraint keeps the
-    answer well-formed, so a scan of strings and nesting is enough."""
-    calls: list[_PartialCall] = []
-    depth, in_string, escaped = 0, False, False
-    key, expecting_key, string_start, value_start = None, False, 0, None
-    for at, char in enumerate(text):
-        if in_string:
-            if escaped:
-                escaped = False
+class _CallScanner:
+    """Reads an answer in the documented format while it is being written: each call's name
+    once its string has ended, and its arguments' text so far (a prefix of the final text, so
+    what was sent stays valid as more arrives). Each character is read once, whatever the
+    size of the pieces. The constraint keeps the answer well-formed, so following strings and
+    nesting is enough."""
+
+    def __init__(self):
+        self.text = ""
+        self.calls: list[_PartialCall] = []
+        self._depth, self._in_string, self._escaped = 0, False, False
+        self._key: str | None = None
+        self._expecting_key = False
+        self._string_start = 0
+        self._value_start: int | None = None  # where the arguments being written begin
+
+    def feed(self, piece: str) -> None:
+        begin = len(self.text)
+        self.text += piece
+        for at in range(begin, len(self.text)):
+            self._read(at, self.text[at])
+        if self._value_start is not None:
+            self.calls[-1].arguments = self.text[self._value_start :]
+
+    def _read(self, at: int, char: str) -> None:
+        if self._in_string:
+            if self._escaped:
+                self._escaped = False
             elif char == "\\":
-                escaped = True
+                self._escaped = True
             elif char == '"':
-                in_string = False
-                if depth == 2 and expecting_key:
-                    key, expecting_key = json.loads(text[string_start : at + 1]), False
-                elif depth == 2 and key == "name":
-                    calls[-1].name = json.loads(text[string_start : at + 1])
-                elif depth == 2 and key == "arguments":  # arguments given as a string
-                    calls[-1].arguments, value_start = text[value_start : at + 1], None
-            continue
+                self._in_string = False
+                self._string_ended(at)
+            return
+        top = self._depth == 2  # inside a call object, outside its values
         if char == '"':
-            in_string, string_start = True, at
-            if depth == 2 and key == "arguments" and not expecting_key and value_start is None:
-                value_start = at
+            self._in_string, self._string_start = True, at
+            arguments_string = top and self._key == "arguments" and not self._expecting_key
+            if arguments_string and self._value_start is None:
+                self._value_start = at
         elif char in "{[":
-            if depth == 1:
-                calls.append(_PartialCall())
-                expecting_key = True
-            elif depth == 2 and key == "arguments" and value_start is None:
-                value_start = at
-            depth += 1
+            if self._depth == 1:
+                self.calls.append(_PartialCall())
+                self._expecting_key = True
+            elif top and self._key == "arguments" and self._value_start is None:
+                self._value_start = at
+            self._depth += 1
         elif char in "}]":
-            depth -= 1
-            if depth == 2 and value_start is not None:
-                calls[-1].arguments, value_start = text[value_start : at + 1], None
-        elif char == "," and depth == 2:
-            key, expecting_key = None, True
-    if value_start is not None:
-        calls[-1].arguments = text[value_start:]
-    return calls
+            self._depth -= 1
+            if self._depth == 2 and self._value_start is not None:
+                self._end_arguments(at)
+        elif char == "," and top:
+            self._key, self._expecting_key = None, True
+
+    def _string_ended(self, at: int) -> None:
+        if self._depth != 2:
+            return
+        value = json.loads(self.text[self._string_start : at + 1])
+        if self._expecting_key:
+            self._key, self._expecting_key = value, False
+        elif self._key == "name":
+            self.calls[-1].name = value
+        elif self._key == "arguments":  # arguments given as a string
+            self._end_arguments(at)
+
+    def _end_arguments(self, at: int) -> None:
+        self.calls[-1].arguments = self.text[self._value_start : at + 1]
+        self._value_start = None
+
+
+def partial_calls(text: str) -> list[_PartialCall]:
+    """The calls of an answer still being written (see _CallScanner)."""
+    scanner = _CallScanner()
+    scanner.feed(text)
+    return scanner.calls
 
 
 class CallStream:
@@ -186,15 +218,19 @@ class CallStream:
     follow piece by piece, as OpenAI streams them."""
 
     def __init__(self):
-        self.text = ""
+        self._scanner = _CallScanner()
         self.ids: list[str] = []  # of the calls opened so far
         self.sent: list[int] = []  # characters of each call's arguments sent
 
+    @property
+    def text(self) -> str:
+        return self._scanner.text
+
     def feed(self, text: str) -> list[dict]:
         """The parts that `text`, the answer's next piece, makes sendable."""
-        self.text += text
+        self._scanner.feed(text)
         parts = []
-        for k, call in enumerate(partial_calls(self.text)):
+        for k, call in enumerate(self._scanner.calls):
             if call.name is None:
                 break  # a later call cannot open before this one
             if k == len(self.ids):
