@@ -105,6 +105,47 @@ def _decode_q4(stored: torch.Tensor, head_dim: int) -> torch.Tensor:
     return (codes * scale + low).flatten(-2)
 
 
+TILE_ROWS = 32  # tokens a q4 tile (kv_types.py)
+
+
+def encode_tiles(x: torch.Tensor) -> torch.Tensor:
+    """fp32 [..., tiles * TILE_ROWS, head_dim] -> q4 tiles [..., tiles * TILE_ROWS, width]
+    (native/int4_gemm.cpp, "q4 tiles"): per tile and channel a 4-bit code per token, an f16
+    scale and an f16 minimum over the tile's tokens, the side table spread over its rows."""
+    *lead, tokens, d = x.shape
+    tiles = x.float().reshape(*lead, tokens // TILE_ROWS, TILE_ROWS, d)
+    low_bytes = _f16_bytes(tiles.amin(-2))  # [..., tiles, 2d]
+    low = low_bytes.view(torch.float16).float()[..., None, :]
+    scale_bytes = _f16_bytes((tiles.amax(-2, keepdim=True) - low)[..., 0, :] / 15.0)
+    scale = scale_bytes.view(torch.float16).float()[..., None, :]
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.where(scale > 0, torch.round((tiles - low) / safe), torch.zeros_like(tiles))
+    blocks = codes.clamp(0, 15).to(torch.uint8).reshape(*codes.shape[:-1], d // BLOCK, BLOCK)
+    packed = (blocks[..., : BLOCK // 2] | (blocks[..., BLOCK // 2 :] << 4)).flatten(-2)
+    side = torch.cat([scale_bytes, low_bytes], dim=-1)  # [..., tiles, 4d]: row r holds r's share
+    side = side.reshape(*side.shape[:-1], TILE_ROWS, d // 8)
+    return torch.cat([packed, side], dim=-1).reshape(*lead, tokens, d // 2 + d // 8)
+
+
+def tile_tables(stored: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q4 tiles [..., tiles * TILE_ROWS, width] -> (codes [..., tokens, head_dim] as uint8,
+    per tile (scale, minimum) fp32 [..., tiles, 2, head_dim])."""
+    *lead, tokens, _ = stored.shape
+    d = head_dim
+    packed = stored[..., : d // 2].reshape(*lead, tokens, d // BLOCK, BLOCK // 2)
+    codes = torch.cat([packed & 15, packed >> 4], dim=-1).reshape(*lead, tokens, d)
+    side = stored[..., d // 2 :].reshape(*lead, tokens // TILE_ROWS, TILE_ROWS * d // 8)
+    tables = side.contiguous().view(torch.float16).float().reshape(*lead, -1, 2, d)
+    return codes, tables
+
+
+def decode_tiles(stored: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """q4 tiles [..., tiles * TILE_ROWS, width] -> fp32 [..., tiles * TILE_ROWS, head_dim]."""
+    codes, tables = tile_tables(stored, head_dim)
+    per_token = tables.repeat_interleave(TILE_ROWS, dim=-3)  # [..., tokens, 2, d]
+    return codes.float() * per_token[..., 0, :] + per_token[..., 1, :]
+
+
 class KVCodec:
     """One cache's way into and out of its storage: the native codec for quantized rows on
     the CPU (the same bits, without a dozen small torch ops per layer and step), torch

@@ -12,6 +12,7 @@ them (engine/kv_types.py: f32, f16, bf16, q8, q4), never dequantized into a copy
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
@@ -19,8 +20,41 @@ from .int4 import Library
 
 MAX_GROUP = 16  # query heads per kv head the kernel takes
 MAX_HEAD_DIM = 512
+Q4_TILES = 5  # the kernel's type number for keys stored as q4 tiles
+TILE_ROWS = 32  # tokens a tile (kTileRows)
 # The kernel's KV types of a call: a KVType.code for keys and values alike, or (key, value).
 KernelTypes = int | tuple[int, int]
+
+
+@dataclass(frozen=True)
+class TiledKeys:
+    """What a call over keys stored as q4 tiles reads besides the tiles (int4_gemm.cpp,
+    RowKeys): keys 0..lead_rows-1 are `lead`'s rows, the rest the tiles' rows in order, except
+    that a row's own tile comes from `recent` (tile t's row i at (t % 2) * TILE_ROWS + i)."""
+
+    lead: torch.Tensor | None  # fp32 [kv_heads, lead_rows, head_dim] (a ring's sinks), or None
+    recent: torch.Tensor  # fp32 [kv_heads, 2 * TILE_ROWS, head_dim]: the newest tiles' rows
+    own_tiles: torch.Tensor  # int32 [rows]: each query row's own tile (-1: none)
+
+    @property
+    def lead_rows(self) -> int:
+        return 0 if self.lead is None else self.lead.shape[1]
+
+    def check(self, tiles: torch.Tensor, reach: torch.Tensor) -> None:
+        """A one-line error unless the kernel can read these with `tiles` [kv_heads, tokens,
+        width] for query rows that see keys up to reach[r] (exclusive, lead rows counted):
+        fp32 rows, contiguous, and only complete tiles read from storage (an incomplete last
+        tile must be the own tile of every row that sees into it)."""
+        rows = reach.shape[0]
+        for part in (self.lead, self.recent):
+            if part is not None and (part.dtype != torch.float32 or not _rows_packed(part)):
+                raise ValueError("lead and recent keys must be fp32 with contiguous rows")
+        if self.recent.shape[1] != 2 * TILE_ROWS or self.own_tiles.shape != (rows,):
+            raise ValueError("recent keys hold two tiles, and each row names its own tile")
+        last = tiles.shape[1] // TILE_ROWS
+        sees_last = reach > self.lead_rows + last * TILE_ROWS
+        if tiles.shape[1] % TILE_ROWS and bool((sees_last & (self.own_tiles != last)).any()):
+            raise ValueError("an incomplete last tile must be every row's own")
 
 
 class NativeAttention:
@@ -28,7 +62,8 @@ class NativeAttention:
         function = library.cdll.miniapp_attend_rows
         i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
         function.argtypes = [ptr, ptr, ptr, i32, i32, i64, i64, ptr, ptr, i64, i64, i64, i64,
-                             i64, ctypes.c_float, ptr, i32]  # fmt: skip
+                             i64, ctypes.c_float, ptr, i64, i64, ptr, i64, ptr, ptr,
+                             i32]  # fmt: skip
         function.restype = i32
         self._attend = function
         sequences = library.cdll.miniapp_attend_sequences
@@ -53,17 +88,32 @@ class NativeAttention:
         mask: torch.Tensor | None = None,
         kv_type: KernelTypes = 0,
         out: torch.Tensor | None = None,
+        tiled: TiledKeys | None = None,
     ) -> torch.Tensor:
         """queries fp32 [rows, heads, head_dim] (contiguous); keys and values stored as
         `kv_type` (a KVType.code for both, or (key code, value code)) [kv_heads, tokens,
         width] with contiguous rows. Each row sees the keys its mask row marks (bool [rows,
         tokens]), else its first lengths[r] (int32 [rows]), else all of them. Returns fp32
         [rows, heads, head_dim] (written into `out` when given, as tests do to catch
-        unwritten values)."""
+        unwritten values). Keys stored as q4 tiles (Q4_TILES) need `tiled`, whose lead rows
+        come first among the keys that masks and lengths count."""
         rows, n_heads, head_dim = queries.shape
         kv_heads, tokens, _ = keys.shape
-        _check_layout(keys, values)
         key_type, value_type = _codes(kv_type)
+        lead_rows = tiled.lead_rows if key_type == Q4_TILES and tiled is not None else 0
+        _check_layout(keys, values, lead_rows)
+        lead_ptr = recent_ptr = own_ptr = None
+        lead_stride = recent_stride = 0
+        if key_type == Q4_TILES:
+            if tiled is None:
+                raise ValueError("keys stored as q4 tiles need their lead and recent rows")
+            tiled.check(keys, _reach(rows, tokens + lead_rows, lengths, mask))
+            if tiled.lead is not None:
+                lead_ptr, lead_stride = tiled.lead.data_ptr(), tiled.lead.stride(0)
+            recent_ptr, recent_stride = tiled.recent.data_ptr(), tiled.recent.stride(0)
+            own = tiled.own_tiles.to(torch.int32).contiguous()
+            own_ptr = own.data_ptr()
+            tokens += lead_rows
         out = torch.empty_like(queries) if out is None else out
         mask_ptr = lengths_ptr = None
         if mask is not None:
@@ -77,7 +127,8 @@ class NativeAttention:
         status = self._attend(
             queries.data_ptr(), keys.data_ptr(), values.data_ptr(), key_type, value_type,
             _head_bytes(keys), _head_bytes(values), lengths_ptr, mask_ptr, tokens, rows, n_heads,
-            kv_heads, head_dim, scale, out.data_ptr(), torch.get_num_threads(),
+            kv_heads, head_dim, scale, lead_ptr, lead_rows, lead_stride, recent_ptr,
+            recent_stride, own_ptr, out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if status:
             raise ValueError(f"native attention refused queries {tuple(queries.shape)}")
@@ -137,6 +188,17 @@ class NativeAttention:
         return out
 
 
+def _reach(rows: int, keys: int, lengths, mask) -> torch.Tensor:
+    """One past the last key each row sees."""
+    if mask is not None:
+        seen = mask.reshape(rows, keys).bool()
+        last = keys - seen.flip(-1).int().argmax(-1)
+        return torch.where(seen.any(-1), last, torch.zeros_like(last))
+    if lengths is not None:
+        return torch.as_tensor(lengths).reshape(rows)
+    return torch.full((rows,), keys)
+
+
 def _codes(kv_type: KernelTypes) -> tuple[int, int]:
     return (kv_type, kv_type) if isinstance(kv_type, int) else tuple(kv_type)
 
@@ -145,8 +207,11 @@ def _rows_packed(stored: torch.Tensor) -> bool:
     return stored.stride(2) == 1 and stored.stride(1) == stored.shape[2]
 
 
-def _check_layout(keys: torch.Tensor, values: torch.Tensor) -> None:
-    if keys.shape[:2] != values.shape[:2] or not (_rows_packed(keys) and _rows_packed(values)):
+def _check_layout(keys: torch.Tensor, values: torch.Tensor, lead_rows: int = 0) -> None:
+    """Keys and values of the same heads and tokens (the values of tiled keys' lead rows
+    first), with contiguous rows."""
+    same = keys.shape[0] == values.shape[0] and keys.shape[1] + lead_rows == values.shape[1]
+    if not same or not (_rows_packed(keys) and _rows_packed(values)):
         raise ValueError("keys and values need the same heads and tokens, with contiguous rows")
 
 
@@ -166,6 +231,12 @@ class NativeKVCodec:
         self._decode = library.cdll.miniapp_kv_decode
         self._decode.argtypes = [i32, ptr, i64, i64, i64, i64, ptr, i32]
         self._decode.restype = i32
+        self._encode_tiles = library.cdll.miniapp_kv_encode_tiles
+        self._encode_tiles.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, i64]
+        self._encode_tiles.restype = i32
+        self._decode_tiles = library.cdll.miniapp_kv_decode_tiles
+        self._decode_tiles.argtypes = [ptr, i64, i64, i64, i64, ptr]
+        self._decode_tiles.restype = i32
 
     def encode(self, kind: int, x: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
         """x fp32 [1, heads, tokens, head_dim] (any strides, values contiguous) -> storage
@@ -194,4 +265,32 @@ class NativeKVCodec:
                               head_dim, out.data_ptr(), torch.get_num_threads())  # fmt: skip
         if status:
             raise ValueError(f"native KV codec refused type {kind} with head_dim {head_dim}")
+        return out
+
+    def encode_tiles(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """x fp32 [1, heads, tiles * TILE_ROWS, head_dim] (values contiguous) -> q4 tiles,
+        written into `out` [1, heads, tiles * TILE_ROWS, width] uint8 (token rows
+        contiguous; a view of a cache's storage)."""
+        _, heads, tokens, head_dim = x.shape
+        if x.stride(3) != 1:
+            x = x.contiguous()
+        if tokens % TILE_ROWS or out.shape[:3] != x.shape[:3] or not _rows_packed(out[0]):
+            raise ValueError("q4 tiles take whole tiles of rows into contiguous rows")
+        status = self._encode_tiles(x.data_ptr(), heads, tokens // TILE_ROWS, x.stride(1),
+                                    x.stride(2), head_dim, out.data_ptr(),
+                                    _head_bytes(out[0]))  # fmt: skip
+        if status:
+            raise ValueError(f"native KV codec refused q4 tiles with head_dim {head_dim}")
+
+    def decode_tiles(self, stored: torch.Tensor, head_dim: int) -> torch.Tensor:
+        """q4 tiles [1, heads, tiles * TILE_ROWS, width] (token rows contiguous) -> fp32
+        [1, heads, tiles * TILE_ROWS, head_dim], contiguous."""
+        _, heads, tokens, _ = stored.shape
+        if tokens % TILE_ROWS or not _rows_packed(stored[0]):
+            raise ValueError("q4 tiles decode whole tiles of contiguous rows")
+        out = torch.empty((1, heads, tokens, head_dim), dtype=torch.float32)
+        status = self._decode_tiles(stored.data_ptr(), heads, tokens // TILE_ROWS,
+                                    _head_bytes(stored[0]), head_dim, out.data_ptr())  # fmt: skip
+        if status:
+            raise ValueError(f"native KV codec refused q4 tiles with head_dim {head_dim}")
         return out

@@ -45,7 +45,7 @@
 
 namespace {
 
-constexpr int kAbiVersion = 5;
+constexpr int kAbiVersion = 6;
 constexpr int kBlockRows = 16;  // output rows per block: one AVX-512 fp32 lane each
 constexpr int kChunkCols = 8;   // input columns per chunk: 4 nibbles x 2 adjacent columns
 constexpr int kChunkBytes = 64;  // 16 rows x 8 columns x 4 bits
@@ -593,8 +593,18 @@ constexpr int64_t kMinParallelKeyMacs = 1 << 15;
 // own inverse, so attention is unchanged when the queries are rotated alike and each output
 // is rotated back (`attend` does both, per row).
 
-enum KvType { kKvF32 = 0, kKvF16 = 1, kKvBf16 = 2, kKvQ8 = 3, kKvQ4 = 4 };
+enum KvType { kKvF32 = 0, kKvF16 = 1, kKvBf16 = 2, kKvQ8 = 3, kKvQ4 = 4, kKvQ4Tiles = 5 };
 constexpr int64_t kKvBlock = 32;
+// q4 tiles (keys only): 4-bit codes per channel over tiles of kTileRows tokens (KIVI's
+// layout). Keys have a few channels that are large for every token; a scale and minimum per
+// channel and tile follow them, where a block along the head dimension has to span them.
+// A tile is kTileRows consecutive rows of one kv head, each as wide as a q4 row: the token's
+// d / 2 bytes of codes (blocks of 32 channels, byte i holding channel i in its low nibble and
+// i + 16 in its high, as q4), then d / 8 bytes: row r's share of the tile's side table, the
+// f16 scales of channels 0..d-1 then their f16 minimums (4d bytes, spread over the 32 rows).
+// Values x = code * scale + minimum, not rotated. Only complete tiles are stored this way:
+// the cache keeps the newest, incomplete one in fp32 (queries see their own tile exactly).
+constexpr int64_t kTileRows = 32;
 constexpr float kF16Max = 65504.0f;
 
 int64_t kv_row_bytes(int type, int64_t d) {
@@ -603,7 +613,8 @@ int64_t kv_row_bytes(int type, int64_t d) {
     case kKvF16:
     case kKvBf16: return 2 * d;
     case kKvQ8: return d + 2 * (d / kKvBlock);
-    case kKvQ4: return d / 2 + 4 * (d / kKvBlock);
+    case kKvQ4:
+    case kKvQ4Tiles: return d / 2 + 4 * (d / kKvBlock);
     default: return -1;
   }
 }
@@ -785,6 +796,68 @@ TARGET_AVX2 void encode_row(int type, const float* x, int64_t d, uint8_t* out, b
   }
 }
 
+// The side table of a stored tile (kTileRows rows of row_bytes, codes first): per channel c,
+// its scale and minimum as fp32.
+TARGET_AVX2 void tile_side(const uint8_t* tile, int64_t d, float* scales, float* lows) {
+  const int64_t share = d / 8, row_bytes = d / 2 + share;  // bytes of the table a row holds
+  alignas(32) uint8_t side[4 * kMaxHeadDim];
+  for (int64_t r = 0; r < kTileRows; ++r) memcpy(side + r * share, tile + r * row_bytes + d / 2, share);
+  for (int64_t c = 0; c < d; c += 8) {
+    const __m128i scale_bits = _mm_load_si128(reinterpret_cast<const __m128i*>(side + 2 * c));
+    const __m128i low_bits = _mm_load_si128(reinterpret_cast<const __m128i*>(side + 2 * (d + c)));
+    _mm256_storeu_ps(scales + c, _mm256_cvtph_ps(scale_bits));
+    _mm256_storeu_ps(lows + c, _mm256_cvtph_ps(low_bits));
+  }
+}
+
+// kTileRows rows of d fp32 values (token_stride floats apart) into one stored tile. Scales
+// and minimums are rounded to f16 first and codes computed from the rounded ones (rounded
+// half to even, as torch.round), as q4 rows do, so decoding is exact in fp32.
+TARGET_AVX2 void encode_tile(const float* x, int64_t token_stride, int64_t d, uint8_t* tile) {
+  const int64_t share = d / 8, row_bytes = d / 2 + share;
+  uint8_t side[4 * kMaxHeadDim];
+  for (int64_t c = 0; c < d; ++c) {
+    float low = x[c], high = x[c];
+    for (int64_t r = 1; r < kTileRows; ++r) {
+      const float v = x[r * token_stride + c];
+      low = v < low ? v : low;
+      high = v > high ? v : high;
+    }
+    put_f16(side + 2 * (d + c), low);
+    low = f16_at(side + 2 * (d + c));
+    put_f16(side + 2 * c, (high - low) / 15.0f);
+    const float scale = f16_at(side + 2 * c);
+    for (int64_t r = 0; r < kTileRows; ++r) {
+      float q = scale > 0.0f ? nearbyintf((x[r * token_stride + c] - low) / scale) : 0.0f;
+      q = q > 15.0f ? 15.0f : (q < 0.0f ? 0.0f : q);
+      const int64_t block = c / kKvBlock, i = c % kKvBlock;
+      uint8_t* byte = tile + r * row_bytes + block * (kKvBlock / 2) + i % (kKvBlock / 2);
+      const uint8_t code = static_cast<uint8_t>(q);
+      *byte = i < kKvBlock / 2 ? static_cast<uint8_t>((*byte & 0xF0) | code)
+                               : static_cast<uint8_t>((*byte & 0x0F) | (code << 4));
+    }
+  }
+  for (int64_t r = 0; r < kTileRows; ++r) {
+    memcpy(tile + r * row_bytes + d / 2, side + r * share, share);
+  }
+}
+
+// A stored tile back into kTileRows rows of d fp32 values (contiguous).
+TARGET_AVX2 void decode_tile(const uint8_t* tile, int64_t d, float* out) {
+  const int64_t row_bytes = d / 2 + d / 8;
+  float scales[kMaxHeadDim], lows[kMaxHeadDim];
+  tile_side(tile, d, scales, lows);
+  for (int64_t r = 0; r < kTileRows; ++r) {
+    const uint8_t* row = tile + r * row_bytes;
+    for (int64_t c = 0; c < d; ++c) {
+      const int64_t block = c / kKvBlock, i = c % kKvBlock;
+      const uint8_t byte = row[block * (kKvBlock / 2) + i % (kKvBlock / 2)];
+      const int code = i < kKvBlock / 2 ? byte & 15 : byte >> 4;
+      out[r * d + c] = fmaf(static_cast<float>(code), scales[c], lows[c]);
+    }
+  }
+}
+
 // -------------------------------------------------------------------- Attention, continued
 
 // Where one query row's keys are: its own k and v (rows of different sequences of a batch
@@ -798,6 +871,14 @@ struct RowKeys {
   int64_t scanned;  // keys 0..scanned-1
   const uint8_t* mask;  // [scanned] or null
   int key_type, value_type;
+  // Keys stored as q4 tiles: key j < lead_rows is fp32 row j of `lead` (a rotating cache's
+  // sinks), key lead_rows + i is row i of the tiles in k, except in tile `own_tile` (the
+  // query's own, incomplete one), whose rows are fp32 in `recent`: tile t's row i at
+  // (t % 2) * kTileRows + i. Strides between kv heads in floats.
+  const float* lead = nullptr;
+  int64_t lead_rows = 0, lead_head_stride = 0;
+  const float* recent = nullptr;
+  int64_t recent_head_stride = 0, own_tile = -1;
 };
 
 struct AttendProblem {
@@ -859,19 +940,38 @@ TARGET_AVX2 inline const float* row_floats(const uint8_t* row, int64_t d, float*
 
 // A query row (d values, rotated) as blocks of 32 int8 codes, step = max |x| / 127 in fp32,
 // rounded half to even: the same codes as native/reference.py's quantized_query.
-void quantize_query(const float* x, int64_t d, int8_t* codes, float* steps, float* sums) {
+TARGET_AVX2 void quantize_query(const float* x, int64_t d, int8_t* codes, float* steps,
+                                float* sums) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256 limit = _mm256_set1_ps(127.0f);
   for (int64_t b = 0; b < d / kKvBlock; ++b) {
     const float* v = x + b * kKvBlock;
-    float top = 0.0f;
-    for (int64_t i = 0; i < kKvBlock; ++i) top = fabsf(v[i]) > top ? fabsf(v[i]) : top;
-    const float step = top / 127.0f;
-    int32_t total = 0;
-    for (int64_t i = 0; i < kKvBlock; ++i) {
-      float q = step > 0.0f ? nearbyintf(v[i] / step) : 0.0f;
-      q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
-      codes[b * kKvBlock + i] = static_cast<int8_t>(q);
-      total += static_cast<int32_t>(q);
+    __m256 top8 = _mm256_setzero_ps();
+    for (int64_t i = 0; i < kKvBlock; i += 8) {
+      top8 = _mm256_max_ps(top8, _mm256_and_ps(_mm256_loadu_ps(v + i), magnitude));
     }
+    __m128 top4 = _mm_max_ps(_mm256_castps256_ps128(top8), _mm256_extractf128_ps(top8, 1));
+    top4 = _mm_max_ps(top4, _mm_movehl_ps(top4, top4));
+    top4 = _mm_max_ss(top4, _mm_movehdup_ps(top4));
+    const float step = _mm_cvtss_f32(top4) / 127.0f;
+    // round(x / step) half to even, as nearbyintf and torch.round; division as the scalar.
+    const __m256 divisor = _mm256_set1_ps(step > 0.0f ? step : 1.0f);
+    __m256i total8 = _mm256_setzero_si256();
+    alignas(32) int32_t q[kKvBlock];
+    for (int64_t i = 0; i < kKvBlock; i += 8) {
+      __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(v + i), divisor),
+                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      r = _mm256_max_ps(_mm256_min_ps(r, limit), _mm256_sub_ps(_mm256_setzero_ps(), limit));
+      if (!(step > 0.0f)) r = _mm256_setzero_ps();
+      const __m256i qi = _mm256_cvtps_epi32(r);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(q + i), qi);
+      total8 = _mm256_add_epi32(total8, qi);
+    }
+    for (int64_t i = 0; i < kKvBlock; ++i) codes[b * kKvBlock + i] = static_cast<int8_t>(q[i]);
+    alignas(32) int32_t lanes[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), total8);
+    int32_t total = 0;
+    for (int i = 0; i < 8; ++i) total += lanes[i];
     steps[b] = step;
     sums[b] = step * static_cast<float>(total);
   }
@@ -954,6 +1054,91 @@ TARGET_AVX2 void integer_key_scores(const uint8_t* k, int64_t key_bytes, const i
   }
 }
 
+// The dot product of fp32 rows a and b of d values, in 8 lanes then summed.
+TARGET_AVX2 inline float dot_floats(const float* a, const float* b, int64_t d) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t c = 0; c < d; c += 8) {
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + c), _mm256_loadu_ps(b + c), acc);
+  }
+  return sum8(acc);
+}
+
+// Scores of keys stored as q4 tiles (see RowKeys) for one kv head's g query heads q (fp32,
+// unrotated). A tile's key is x = code * scale + minimum per channel, so q . x = (q * scale) .
+// code + q . minimum: per tile, each head's q * scale is quantized to int8 blocks as a query
+// over q8 keys is, and its keys' scores are integer dot products of codes, plus the constant.
+// Lead and own-tile keys are fp32. Each key's score depends on its tile and the query only.
+TARGET_AVX2 void tiled_key_scores(const RowKeys& source, int64_t kv_head, const int32_t* keys,
+                                  int64_t n, int64_t d, int64_t g, const float* q, float scale,
+                                  float (*scores)[kKeysPerPart + 8]) {
+  const int64_t blocks = d / kKvBlock, row_bytes = kv_row_bytes(kKvQ4Tiles, d);
+  const uint8_t* k = source.k + kv_head * source.k_head_stride;
+  const float* lead = source.lead + kv_head * source.lead_head_stride;
+  const float* recent = source.recent + kv_head * source.recent_head_stride;
+  const __m256i ones = _mm256_set1_epi16(1);
+  alignas(32) int8_t codes[kMaxGroup][kMaxHeadDim];
+  float steps[kMaxGroup][kMaxHeadDim / kKvBlock], sums[kMaxHeadDim / kKvBlock];
+  float constant[kMaxGroup], side_scales[kMaxHeadDim], side_lows[kMaxHeadDim];
+  alignas(32) float scaled[kMaxHeadDim];
+  __m256 lanes[kMaxGroup][8];
+  int64_t loaded = -1;  // the tile whose side table the query codes are for
+  // The tile of key j, or -1 for an fp32 key (a lead row or a row of the query's own tile).
+  auto tile_of = [&](int64_t j) -> int64_t {
+    if (j < source.lead_rows) return -1;
+    const int64_t tile = (j - source.lead_rows) / kTileRows;
+    return tile == source.own_tile ? -1 : tile;
+  };
+  for (int64_t i = 0; i < n;) {
+    const int64_t j = keys[i], tile = tile_of(j);
+    if (tile < 0) {
+      const float* exact = j < source.lead_rows ? lead + j * d
+          : recent + ((source.own_tile % 2) * kTileRows + (j - source.lead_rows) % kTileRows) * d;
+      for (int64_t h = 0; h < g; ++h) scores[h][i] = dot_floats(q + h * d, exact, d) * scale;
+      ++i;
+      continue;
+    }
+    if (tile != loaded) {
+      tile_side(k + tile * kTileRows * row_bytes, d, side_scales, side_lows);
+      for (int64_t h = 0; h < g; ++h) {
+        const float* qh = q + h * d;
+        __m256 total = _mm256_setzero_ps();
+        for (int64_t c = 0; c < d; c += 8) {
+          const __m256 qc = _mm256_loadu_ps(qh + c);
+          _mm256_store_ps(scaled + c, _mm256_mul_ps(qc, _mm256_loadu_ps(side_scales + c)));
+          total = _mm256_fmadd_ps(qc, _mm256_loadu_ps(side_lows + c), total);
+        }
+        constant[h] = sum8(total);
+        quantize_query(scaled, d, codes[h], steps[h], sums);
+      }
+      loaded = tile;
+    }
+    // Up to 8 keys of this tile at once, their lane sums reduced together.
+    int64_t run = 1;
+    while (run < 8 && i + run < n && tile_of(keys[i + run]) == tile) ++run;
+    for (int64_t r = 0; r < 8; ++r) {
+      for (int64_t h = 0; h < g; ++h) lanes[h][r] = _mm256_setzero_ps();
+      if (r >= run) continue;
+      const uint8_t* row = k + (keys[i + r] - source.lead_rows) * row_bytes;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const __m256i key = key_block_codes<kKvQ4>(row, b);
+        for (int64_t h = 0; h < g; ++h) {
+          const __m256i qb =
+              _mm256_load_si256(reinterpret_cast<const __m256i*>(codes[h] + kKvBlock * b));
+          const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(key, qb), ones);
+          lanes[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(steps[h][b]),
+                                        lanes[h][r]);
+        }
+      }
+    }
+    for (int64_t h = 0; h < g; ++h) {
+      alignas(32) float total[8];
+      _mm256_store_ps(total, sum8x8(lanes[h]));
+      for (int64_t r = 0; r < run; ++r) scores[h][i + r] = (total[r] + constant[h]) * scale;
+    }
+    i += run;
+  }
+}
+
 // Codes 8c..8c+7 of a stored q8 or q4 value row as fp32 (the block's scale not applied).
 template <int T>
 TARGET_AVX2 inline __m256 codes8(const uint8_t* row, int64_t c) {
@@ -1029,7 +1214,9 @@ TARGET_AVX2 void attend_part(const AttendProblem& p, const AttendTask& t) {
   }
   alignas(32) float scores[kMaxGroup][kKeysPerPart + 8];
   alignas(32) float unpacked[kMaxHeadDim];  // a stored key or value row as fp32
-  if constexpr (quantized_type(TK)) {
+  if constexpr (TK == kKvQ4Tiles) {
+    tiled_key_scores(source, t.kv_head, keys, n, d, g, q, p.scale, scores);
+  } else if constexpr (quantized_type(TK)) {
     const int64_t first_head = t.row * p.n_heads + t.kv_head * g, blocks = d / kKvBlock;
     const int8_t* q_codes = p.q_codes + first_head * d;
     const float* q_steps = p.q_steps + first_head * blocks;
@@ -1116,6 +1303,7 @@ void attend_part_of_type(const AttendProblem& p, const AttendTask& t) {
     case kKvF16: return attend_part_with_keys<kKvF16>(p, t);
     case kKvBf16: return attend_part_with_keys<kKvBf16>(p, t);
     case kKvQ8: return attend_part_with_keys<kKvQ8>(p, t);
+    case kKvQ4Tiles: return attend_part_with_keys<kKvQ4Tiles>(p, t);
     default: return attend_part_with_keys<kKvQ4>(p, t);
   }
 }
@@ -1174,8 +1362,11 @@ int attend(const float* q, const RowKeys* sources, int64_t rows, int64_t n_heads
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t scanned = sources[r].scanned;
-    if (scanned < 0 || !kv_type_takes(sources[r].key_type, head_dim) ||
-        !kv_type_takes(sources[r].value_type, head_dim)) {
+    const RowKeys& s = sources[r];
+    const bool tiles_ready = s.key_type != kKvQ4Tiles ||
+                             ((s.lead || s.lead_rows == 0) && (s.recent || s.own_tile < 0));
+    if (scanned < 0 || !kv_type_takes(s.key_type, head_dim) ||
+        !kv_type_takes(s.value_type, head_dim) || s.value_type == kKvQ4Tiles || !tiles_ready) {
       free(first_task);
       free(rotated_q);
       return -1;
@@ -1265,12 +1456,19 @@ extern "C" {
 // over k stored as key_type and v as value_type ([kv_heads, tokens] rows of head_dim values,
 // rows contiguous, k_head_stride and v_head_stride bytes between heads). There are mask_keys
 // keys: row r sees the keys its mask row marks (mask: [rows, mask_keys] bytes), else its
-// first lengths[r], else all of them. Returns 0, or -1 for shapes it does not take.
+// first lengths[r], else all of them. Keys stored as q4 tiles come with their lead rows
+// (lead_rows fp32 rows a kv head, lead_head_stride floats apart; they count among the keys),
+// the fp32 rows of the newest tiles (`recent`, recent_head_stride floats between heads) and
+// each row's own tile (own_tiles[r], -1: none); see RowKeys. Returns 0, or -1 for shapes it
+// does not take.
 int miniapp_attend_rows(const float* q, const uint8_t* k, const uint8_t* v, int key_type,
                         int value_type, int64_t k_head_stride, int64_t v_head_stride,
                         const int32_t* lengths, const uint8_t* mask,
                         int64_t mask_keys, int64_t rows, int64_t n_heads, int64_t kv_heads,
-                        int64_t head_dim, float scale, float* out, int threads) {
+                        int64_t head_dim, float scale, const float* lead, int64_t lead_rows,
+                        int64_t lead_head_stride, const float* recent,
+                        int64_t recent_head_stride, const int32_t* own_tiles, float* out,
+                        int threads) {
   if (rows <= 0) return rows == 0 ? 0 : -1;
   RowKeys* sources = static_cast<RowKeys*>(malloc(sizeof(RowKeys) * rows));
   if (!sources) return -1;
@@ -1281,7 +1479,9 @@ int miniapp_attend_rows(const float* q, const uint8_t* k, const uint8_t* v, int 
       return -1;
     }
     sources[r] = {k, v, k_head_stride, v_head_stride, scanned,
-                  mask ? mask + r * mask_keys : nullptr, key_type, value_type};
+                  mask ? mask + r * mask_keys : nullptr, key_type, value_type,
+                  lead, lead_rows, lead_head_stride, recent, recent_head_stride,
+                  own_tiles ? own_tiles[r] : -1};
   }
   const int status = attend(q, sources, rows, n_heads, kv_heads, head_dim, scale, out, threads);
   free(sources);
@@ -1317,7 +1517,9 @@ int miniapp_kv_encode(int kv_type_code, const float* x, int64_t heads, int64_t t
                       int64_t head_stride, int64_t token_stride, int64_t head_dim, uint8_t* out) {
   const int kv_type = kv_type_code & ~kKvRotated;
   const bool rotated = (kv_type_code & kKvRotated) && stored_rotated(kv_type);
-  if (!cpu_has(kIsaAvx2) || !kv_type_takes(kv_type, head_dim) || heads < 0 || tokens < 0) {
+  // Tiles are encoded and decoded a tile at a time (miniapp_kv_encode_tiles), never by row.
+  if (!cpu_has(kIsaAvx2) || !kv_type_takes(kv_type, head_dim) || kv_type == kKvQ4Tiles ||
+      heads < 0 || tokens < 0) {
     return -1;
   }
   const int64_t row_bytes = kv_row_bytes(kv_type, head_dim);
@@ -1325,6 +1527,42 @@ int miniapp_kv_encode(int kv_type_code, const float* x, int64_t heads, int64_t t
     for (int64_t t = 0; t < tokens; ++t) {
       encode_row(kv_type, x + h * head_stride + t * token_stride, head_dim,
                  out + (h * tokens + t) * row_bytes, rotated);
+    }
+  }
+  return 0;
+}
+
+// Stored q4 tiles out of fp32 rows: x [heads, tiles * kTileRows, head_dim] (head_stride and
+// token_stride floats apart, values contiguous) -> `tiles` tiles a head, written in place at
+// out (rows contiguous, out_head_stride bytes between heads). Returns 0, or -1.
+int miniapp_kv_encode_tiles(const float* x, int64_t heads, int64_t tiles, int64_t head_stride,
+                            int64_t token_stride, int64_t head_dim, uint8_t* out,
+                            int64_t out_head_stride) {
+  if (!cpu_has(kIsaAvx2) || !kv_type_takes(kKvQ4Tiles, head_dim) || heads < 0 || tiles < 0) {
+    return -1;
+  }
+  const int64_t tile_bytes = kTileRows * kv_row_bytes(kKvQ4Tiles, head_dim);
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t t = 0; t < tiles; ++t) {
+      encode_tile(x + h * head_stride + t * kTileRows * token_stride, token_stride, head_dim,
+                  out + h * out_head_stride + t * tile_bytes);
+    }
+  }
+  return 0;
+}
+
+// fp32 rows out of stored q4 tiles: `tiles` tiles a head (rows contiguous, head_stride bytes
+// between heads) -> out [heads, tiles * kTileRows, head_dim] fp32, contiguous.
+int miniapp_kv_decode_tiles(const uint8_t* stored, int64_t heads, int64_t tiles,
+                            int64_t head_stride, int64_t head_dim, float* out) {
+  if (!cpu_has(kIsaAvx2) || !kv_type_takes(kKvQ4Tiles, head_dim) || heads < 0 || tiles < 0) {
+    return -1;
+  }
+  const int64_t tile_bytes = kTileRows * kv_row_bytes(kKvQ4Tiles, head_dim);
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t t = 0; t < tiles; ++t) {
+      decode_tile(stored + h * head_stride + t * tile_bytes, head_dim,
+                  out + ((h * tiles + t) * kTileRows) * head_dim);
     }
   }
   return 0;
@@ -1338,7 +1576,9 @@ int miniapp_kv_decode(int kv_type_code, const uint8_t* stored, int64_t heads, in
                       int64_t head_stride, int64_t head_dim, float* out, int threads) {
   const int kv_type = kv_type_code & ~kKvRotated;
   const bool rotated = (kv_type_code & kKvRotated) && stored_rotated(kv_type);
-  if (!cpu_has(kIsaAvx2) || !kv_type_takes(kv_type, head_dim) || heads < 0 || tokens < 0) {
+  // Tiles are encoded and decoded a tile at a time (miniapp_kv_encode_tiles), never by row.
+  if (!cpu_has(kIsaAvx2) || !kv_type_takes(kv_type, head_dim) || kv_type == kKvQ4Tiles ||
+      heads < 0 || tokens < 0) {
     return -1;
   }
   const int64_t row_bytes = kv_row_bytes(kv_type, head_dim), rows = heads * tokens;
@@ -1478,6 +1718,7 @@ int miniapp_decode_layer(const DecodeLayerWeights* w, const DecodeLayerStep* s, 
   const int64_t d = w->head_dim, q_width = w->n_heads * d;
   const int64_t qkv_width = (w->n_heads + 2 * w->kv_heads) * d;
   if (!kv_type_takes(s->key_type, d) || !kv_type_takes(s->value_type, d)) return -1;
+  if (s->key_type == kKvQ4Tiles || s->value_type == kKvQ4Tiles) return -1;  // not fused yet
   const int64_t floats = 2 * w->dim + qkv_width + q_width + w->dim + w->ffn_dim;
   float* buffer = static_cast<float*>(malloc(sizeof(float) * floats));
   if (!buffer) return -1;

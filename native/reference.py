@@ -86,6 +86,15 @@ def quantized_query(rotated: torch.Tensor) -> torch.Tensor:
     return (codes.clamp(-127, 127).double() * step.double()).reshape(rotated.shape)
 
 
+def tiled_key_scores(query: torch.Tensor, codes: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Scores (before the softmax scale) of one q4 tile's keys against a query head, as the
+    kernel computes them, in float64: the query times the tile's channel scales (fp32),
+    quantized as a query over q8 keys is, dotted with the codes, plus the query dotted with
+    the minimums. query [d], codes [n, d], table [2, d] (scales, minimums)."""
+    scaled = quantized_query(query.float() * table[0].float())
+    return codes.double() @ scaled + query.double() @ table[1].double()
+
+
 def attend_rows(
     queries: torch.Tensor,
     keys: torch.Tensor,
