@@ -14,14 +14,16 @@ model's attention reads as it is (the native kernel) or decodes (`key_codec.deco
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 
+from ..native.attention import TiledKeys
 from .errors import ContextFullError
-from .kv_codec import KVCodec
+from .key_tiles import KeyTiles
+from .kv_codec import TILE_ROWS, KVCodec
 from .kv_types import F32, KVSetting
 from .layers import Rope, apply_rope
 
@@ -39,8 +41,19 @@ class _Update:
 def _codecs(kind: KVSetting, head_dim: int, device) -> tuple[KVCodec, KVCodec]:
     """The key and value codecs (the same one when both are stored alike)."""
     device = torch.device(device)
-    keys = KVCodec(kind.key, head_dim, device)
-    return keys, keys if kind.value == kind.key else KVCodec(kind.value, head_dim, device)
+    keys = KVCodec(kind.key, head_dim, device, keys=True)
+    same = kind.value == kind.key and not keys.tiled
+    return keys, keys if same else KVCodec(kind.value, head_dim, device)
+
+
+def _whole_tiles(tokens: int) -> int:
+    return -(-tokens // TILE_ROWS) * TILE_ROWS
+
+
+def _shift(keys: torch.Tensor, rope: Rope, delta: int) -> torch.Tensor:
+    """fp32 keys [1, kv_heads, n, head_dim] rotated by `delta` more positions."""
+    heads = keys[0].transpose(0, 1)
+    return apply_rope(heads, rope.shift_tables(delta).to(keys.device)).transpose(0, 1)[None]
 
 
 @dataclass(frozen=True)
@@ -71,6 +84,26 @@ class Cache(Protocol):
         """Store this step's keys/values, fp32 [1, kv_heads, n, head_dim] (already rotated by
         RoPE at their positions); return all keys/values the step's queries may attend to,
         as stored ([1, kv_heads, tokens, width])."""
+        ...
+
+    def tiled_keys(self, rows: int) -> TiledKeys | None:
+        """For keys stored as q4 tiles, what the native attention reads besides the keys
+        update_and_fetch returned, for the last update's final `rows` rows (None: other
+        types, whose returned keys are all there is)."""
+        ...
+
+    def decode_keys(self, keys: torch.Tensor, row: int | None = None) -> torch.Tensor:
+        """fp32 keys [1, kv_heads, tokens, head_dim] of what update_and_fetch returned, as
+        the last update's row `row` reads them, or (None) the newest token (tiled keys: the
+        reader's own tile exact)."""
+        ...
+
+    def keys_by_own_tile(
+        self, keys: torch.Tensor, rows: int
+    ) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """Tiled keys only: the last update's final `rows` rows in groups that share an own
+        tile, each with fp32 keys as its rows read them (KeyTiles.by_own_tile), for
+        attention outside the native kernel (a prompt chunk, a GPU)."""
         ...
 
     def take_one(self) -> OneSlot | None:
@@ -171,7 +204,11 @@ class KVCache:
         self.rope = rope  # needed only by `forget`, to re-rotate shifted keys
         self.offset = 0
         self.key_codec, self.value_codec = _codecs(kv_type, head_dim, device)
+        self.key_tiles = None
         tokens = min(max_tokens, self.INITIAL_TOKENS)
+        if self.key_codec.tiled:  # storage in whole tiles
+            self.key_tiles = KeyTiles(n_kv_heads, head_dim, torch.device(device))
+            tokens = _whole_tiles(tokens)
         self.keys = self.key_codec.empty(n_kv_heads, tokens)
         self.values = self.value_codec.empty(n_kv_heads, tokens)
 
@@ -184,6 +221,8 @@ class KVCache:
         while capacity < needed:
             capacity *= 2
         capacity = min(capacity, self.max_tokens)
+        if self.key_tiles is not None:
+            capacity = _whole_tiles(capacity)
         for name in ("keys", "values"):
             old = getattr(self, name)
             new = old.new_zeros(old.shape[0], old.shape[1], capacity, old.shape[3])
@@ -203,14 +242,29 @@ class KVCache:
                     f"context full: {end} tokens do not fit in a context of {self.max_tokens}"
                 )
             self._grow(end)
-        self.keys[:, :, self.offset : end] = self.key_codec.encode(k)
+        if self.key_tiles is not None:
+            self.key_tiles.write(self.keys, self.offset, k.float())
+        else:
+            self.keys[:, :, self.offset : end] = self.key_codec.encode(k)
         self.values[:, :, self.offset : end] = self.value_codec.encode(v)
         self.offset = end
         return self.keys[:, :, :end], self.values[:, :, :end]
 
+    def tiled_keys(self, rows: int) -> TiledKeys | None:
+        return None if self.key_tiles is None else self.key_tiles.for_kernel(None, rows)
+
+    def decode_keys(self, keys: torch.Tensor, row: int | None = None) -> torch.Tensor:
+        if self.key_tiles is None:
+            return self.key_codec.decode(keys)
+        own = self.key_tiles.own_tile(row, self.offset - 1)
+        return self.key_tiles.decoded(self.keys, keys.shape[2], None, own)
+
+    def keys_by_own_tile(self, keys: torch.Tensor, rows: int):
+        return self.key_tiles.by_own_tile(self.keys, keys.shape[2], None, rows)
+
     def take_one(self) -> OneSlot | None:
         end = self.offset + 1
-        if end > self.capacity:
+        if end > self.capacity or self.key_tiles is not None:
             return None  # the storage grows first, in update_and_fetch
         at, self.offset = self.offset, end
         slots = self.keys[:, :, at:end], self.values[:, :, at:end]
@@ -243,6 +297,8 @@ class KVCache:
 
     def clear(self) -> None:
         self.offset = 0
+        if self.key_tiles is not None:
+            self.key_tiles.clear()
 
     def forget(self, start: int, end: int) -> None:
         """Drop positions start..end-1; later keys move down and are re-rotated to match, as
@@ -250,7 +306,16 @@ class KVCache:
         gap = end - start
         if gap <= 0:
             return
+        if self.key_tiles is not None:  # tiles from start's on are written again
+            first = start // TILE_ROWS * TILE_ROWS
+            held = self.decode_keys(self.keys[:, :, : self.offset])
+            moved = _shift(held[:, :, end:], self.rope, -gap)
+            kept = torch.cat([held[:, :, first:start], moved], dim=2)
+            self.key_tiles.clear()
+            self.key_tiles.write(self.keys, first, kept)
         for name in ("keys", "values"):
+            if name == "keys" and self.key_tiles is not None:
+                continue
             data = getattr(self, name)
             moved = data[:, :, end : self.offset].clone()
             if name == "keys":
@@ -269,7 +334,11 @@ class KVCache:
         return 0, self.max_tokens
 
     def static_ready(self) -> bool:
-        return self.capacity == self.max_tokens and self.offset < self.max_tokens
+        return (
+            self.capacity == self.max_tokens
+            and self.offset < self.max_tokens
+            and self.key_tiles is None  # tiles are encoded as they complete, by the host
+        )
 
     def static_extent(self) -> int:
         """Slots of the span in use (the newest token's included)."""
@@ -321,6 +390,15 @@ class RotatingKVCache:
         # the CPU, where it is cheap to build; the model moves masks to the layer's device.
         if window < 1:
             raise ValueError("window must be at least 1")
+        self.key_codec, self.value_codec = _codecs(kv_type, head_dim, device)
+        self.key_tiles = None
+        if self.key_codec.tiled:
+            # Whole tiles in the ring, an even number of them (KeyTiles keeps tile t in half
+            # t % 2 of its recent rows, across the wrap too): more slack, never less.
+            slack += -(window + slack) % (2 * TILE_ROWS)
+            self.key_tiles = KeyTiles(n_kv_heads, head_dim, torch.device(device))
+            # The sinks' keys in fp32: at their own positions, then rotated into the frame.
+            self.lead = torch.zeros((1, n_kv_heads, 2 * sinks, head_dim), device=device)
         self.sinks, self.window, self.slack, self.rope = sinks, window, slack, rope
         self.ring_capacity = window + slack
         self.offset = 0
@@ -330,7 +408,6 @@ class RotatingKVCache:
         self.wrapped = False  # the ring has overwritten a token (slots are no longer in order)
         self.frame = 0  # positions by which the frame sinks are rotated beyond their own
         allocated = min(self.ring_capacity, self.INITIAL_TOKENS)
-        self.key_codec, self.value_codec = _codecs(kv_type, head_dim, device)
         self.keys = self.key_codec.empty(n_kv_heads, 2 * sinks + allocated)
         self.values = self.value_codec.empty(n_kv_heads, 2 * sinks + allocated)
         self.ring_pos = torch.full((allocated,), -1, dtype=torch.long)  # -1: empty
@@ -421,9 +498,14 @@ class RotatingKVCache:
             return self._append_one(k, v)  # the decode step, without planning tensors
         plan = self._plan(n_new)
         to_sinks = plan.to_sinks
+        tiled = self.key_tiles is not None
         if to_sinks:
             at = self.sinks_held
-            for data, new in ((self.keys, k), (self.values, v)):
+            pairs = [(self.values, v)] + ([] if tiled else [(self.keys, k)])
+            if tiled:
+                for lead_at in (at, self.sinks + at):  # own positions, and the frame (still 0)
+                    self.lead[:, :, lead_at : lead_at + to_sinks] = k[:, :, :to_sinks].float()
+            for data, new in pairs:
                 data[:, :, at : at + to_sinks] = new[:, :, :to_sinks]  # at their own positions
                 data[:, :, self.sinks + at : self.sinks + at + to_sinks] = new[:, :, :to_sinks]
             self.sinks_held += to_sinks
@@ -432,29 +514,69 @@ class RotatingKVCache:
             if plan.allocated > self._allocated:
                 self._grow(plan.allocated)
             slots = plan.slots.to(self.keys.device)
-            self._ring(self.keys).index_copy_(2, slots, k[:, :, to_sinks:])
+            if tiled:
+                ring_keys = k[:, :, to_sinks:].float()
+                self.key_tiles.write(self._ring(self.keys), self.ring_head, ring_keys,
+                                     self.ring_capacity)  # fmt: skip
+            else:
+                self._ring(self.keys).index_copy_(2, slots, k[:, :, to_sinks:])
             self._ring(self.values).index_copy_(2, slots, v[:, :, to_sinks:])
             self.ring_pos[plan.slots] = plan.positions
             self.wrapped, self.ring_count = plan.wrapped, plan.ring_count
             self.ring_head = (self.ring_head + rest) % self.ring_capacity
+        elif tiled:
+            self.key_tiles.own_tiles = self.key_tiles.own_tiles[:0]  # no ring rows written
         self.offset += n_new
         self._move_frame()
-        length = self._fetch_length()
-        start = self.sinks
-        return self.keys[:, :, start : start + length], self.values[:, :, start : start + length]
+        return self._fetched()
+
+    def _fetched(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What attention reads: [frame sinks | ring] (tiled keys: the ring; their frame
+        sinks are fp32 lead rows, see tiled_keys)."""
+        length, start = self._fetch_length(), self.sinks
+        values = self.values[:, :, start : start + length]
+        if self.key_tiles is not None:
+            return self._ring(self.keys)[:, :, : length - self.sinks_held], values
+        return self.keys[:, :, start : start + length], values
+
+    def tiled_keys(self, rows: int) -> TiledKeys | None:
+        if self.key_tiles is None:
+            return None
+        return self.key_tiles.for_kernel(self._frame_lead(), rows)
+
+    def _frame_lead(self) -> torch.Tensor:
+        return self.lead[:, :, self.sinks : self.sinks + self.sinks_held]
+
+    def decode_keys(self, keys: torch.Tensor, row: int | None = None) -> torch.Tensor:
+        if self.key_tiles is None:
+            return self.key_codec.decode(keys)
+        newest = (self.ring_head - 1) % self.ring_capacity if self.ring_count else -1
+        own = self.key_tiles.own_tile(row, newest)
+        return self.key_tiles.decoded(self._ring(self.keys), keys.shape[2], self._frame_lead(), own)
+
+    def keys_by_own_tile(self, keys: torch.Tensor, rows: int):
+        return self.key_tiles.by_own_tile(self._ring(self.keys), keys.shape[2], self._frame_lead(),
+                                          rows, self.ring_capacity)  # fmt: skip
 
     def _room_for_one(self) -> bool:
         """One more token fits without growing the storage (it may overwrite the oldest)."""
         return self.ring_count < self._allocated or self._allocated == self.ring_capacity
 
     def _append_one(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.key_tiles is not None:
+            slot = self._take_slot()
+            self.key_tiles.write(self._ring(self.keys), slot, k.float(), self.ring_capacity)
+            self._ring(self.values)[:, :, slot : slot + 1] = v
+            if self.sinks:
+                self._move_frame()
+            return self._fetched()
         (key_slot, value_slot), fetched = self._one_slot()
         key_slot.copy_(k)
         value_slot.copy_(v)
         return fetched
 
     def take_one(self) -> OneSlot | None:
-        if self.sinks_held != self.sinks or not self._room_for_one():
+        if self.sinks_held != self.sinks or not self._room_for_one() or self.key_tiles is not None:
             return None
         return self._one_slot()
 
@@ -483,7 +605,12 @@ class RotatingKVCache:
         if not self.sinks_held:
             return
         frame = self._frame_needed()
-        if frame != self.frame:
+        if frame != self.frame and self.key_tiles is not None:  # fp32 sinks: no codec
+            held = self.sinks_held
+            self.lead[:, :, self.sinks : self.sinks + held] = _shift(self.lead[:, :, :held],
+                                                                     self.rope, frame)  # fmt: skip
+            self.frame = frame
+        elif frame != self.frame:
             held = self.sinks_held
             stored = self.keys[:, :, :held]
             framed = _rotate_keys(stored, self.rope, frame, self.key_codec)
@@ -580,6 +707,8 @@ class RotatingKVCache:
         self.offset = self.sinks_held = self.ring_count = self.ring_head = self.frame = 0
         self.wrapped = False
         self.ring_pos.fill_(-1)
+        if self.key_tiles is not None:
+            self.key_tiles.clear()
 
     def forget(self, start: int, end: int) -> None:
         """Drop positions start..end-1 (after the sinks) and close the gap, re-rotating the
@@ -591,7 +720,17 @@ class RotatingKVCache:
             raise ContextFullError("cannot drop tokens from a cache that has already rotated")
         lo, hi = start - self.sinks, end - self.sinks
         count = self.ring_count
+        if self.key_tiles is not None:  # tiles from lo's on are written again
+            first = lo // TILE_ROWS * TILE_ROWS
+            ring = self._ring(self.keys)
+            newest = self.key_tiles.own_tile(None, count - 1)
+            held = self.key_tiles.decoded(ring, count, None, newest)
+            kept = torch.cat([held[:, :, first:lo], _shift(held[:, :, hi:], self.rope, -gap)], 2)
+            self.key_tiles.clear()
+            self.key_tiles.write(ring, first, kept, self.ring_capacity)
         for name in ("keys", "values"):
+            if name == "keys" and self.key_tiles is not None:
+                continue
             ring = self._ring(getattr(self, name))
             moved = ring[:, :, hi:count].clone()
             if name == "keys":
@@ -615,7 +754,11 @@ class RotatingKVCache:
         return self.sinks, self.sinks + self.ring_capacity
 
     def static_ready(self) -> bool:
-        return self.sinks_held == self.sinks and self._allocated == self.ring_capacity
+        return (
+            self.sinks_held == self.sinks
+            and self._allocated == self.ring_capacity
+            and self.key_tiles is None  # tiles are encoded as they complete, by the host
+        )
 
     def static_extent(self) -> int:
         """Slots of the span in use (the newest token's included): the ring fills in order

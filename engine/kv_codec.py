@@ -153,11 +153,15 @@ class KVCodec:
     attention kernel rotates queries and outputs to match."""
 
     ROTATED = 8  # added to the kind's code for the native codec: rows stored rotated
+    TILES = 5  # the native attention's type number for keys stored as q4 tiles
 
-    def __init__(self, kind: KVType, head_dim: int, device: torch.device):
+    def __init__(self, kind: KVType, head_dim: int, device: torch.device, keys: bool = False):
         kind.check(head_dim)
         self.kind, self.head_dim, self.device = kind, head_dim, device
-        self.rotated = kind.blocked
+        # q4 keys are stored in tiles (kv_types.py): the cache writes them through its
+        # KeyTiles, and this codec passes them through as fp32.
+        self.tiled = keys and kind.tiled_keys
+        self.rotated = kind.blocked and not self.tiled
         self.width = kind.width(head_dim)
         self.dtype = storage_dtype(kind)
         self._native_code = kind.code + (self.ROTATED if self.rotated else 0)
@@ -167,20 +171,29 @@ class KVCodec:
 
             self.native = cpu_kv_codec()
 
+    @property
+    def kernel_code(self) -> int:
+        """The native attention's type number for rows stored this way."""
+        return self.TILES if self.tiled else self.kind.code
+
     def empty(self, heads: int, tokens: int) -> torch.Tensor:
         """Zeroed storage [1, heads, tokens, width]."""
         return torch.zeros((1, heads, tokens, self.width), dtype=self.dtype, device=self.device)
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """fp32 [1, heads, tokens, head_dim] -> storage [1, heads, tokens, width]."""
-        if self.kind is F32:
+        """fp32 [1, heads, tokens, head_dim] -> storage [1, heads, tokens, width] (tiled keys:
+        fp32 as they are, for the cache's KeyTiles)."""
+        if self.kind is F32 or self.tiled:
             return x
         if self.native is not None and x.device.type == "cpu":
             return self.native.encode(self._native_code, x.float(), self.width, self.dtype)
         return encode(self.kind, x, self.rotated)
 
     def decode(self, stored: torch.Tensor) -> torch.Tensor:
-        """storage [1, heads, tokens, width] -> fp32 [1, heads, tokens, head_dim]."""
+        """storage [1, heads, tokens, width] -> fp32 [1, heads, tokens, head_dim] (not for
+        tiled keys: their cache's KeyTiles decodes them)."""
+        if self.tiled:
+            raise ValueError("tiled keys are decoded by their cache")
         if self.kind is F32:
             return stored
         if self.native is not None and stored.device.type == "cpu":

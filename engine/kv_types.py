@@ -18,9 +18,14 @@ row, so a block's scale no longer follows one outlier (q4's perplexity cost fell
 +5% on SmolLM2, from +12% to +9% on Gemma 3). Queries are rotated alike and outputs back,
 so attention is unchanged.
 
-Keys suffer from quantization far more than values: on SmolLM2, 4-bit values with 8-bit keys
-cost +0.1% perplexity where 4-bit keys cost +5% (blocks of 8 still +2.2%), so `q8/q4` is
-the small cache that keeps the answers (docs/BENCHMARKS.md).
+Keys suffer from quantization far more than values: a few of their channels are large for
+every token, so any block along the head dimension spans them (rows of 4-bit keys cost +5%
+perplexity on SmolLM2, +9% on Gemma 3). q4 *keys* are therefore stored as KIVI does, per
+channel over tiles of 32 tokens: a 4-bit code per value, an f16 scale and minimum per channel
+and tile (the same 5 bits a value; layout in native/int4_gemm.cpp, "q4 tiles"). Only
+complete tiles are quantized: the newest tile, which queries attend to the most, stays fp32
+(engine/key_tiles.py), and so do a ring's sinks. That costs +0.7% (SmolLM2) and +0.9%
+(Gemma 3) at ctx 2048 (docs/BENCHMARKS.md). q4 values stay rows as above.
 
 Codes are computed from the f16-rounded scale (and minimum), so decoding is exact fp32
 arithmetic: code * scale is exact in fp32, and q4 adds the minimum with one rounding (the
@@ -47,6 +52,7 @@ class KVType:
     itemsize: int  # its bytes
     bits: float  # bits a stored value takes, scales included
     blocked: bool = False  # stores blocks of BLOCK values (head_dim must divide)
+    tiled_keys: bool = False  # stores keys per channel over tiles of tokens (q4)
 
     def width(self, head_dim: int) -> int:
         """Storage elements of one (kv head, token) row."""
@@ -109,7 +115,7 @@ F32 = KVType("f32", 0, "float32", 4, 32.0)
 F16 = KVType("f16", 1, "float16", 2, 16.0)
 BF16 = KVType("bf16", 2, "bfloat16", 2, 16.0)
 Q8 = KVType("q8", 3, "uint8", 1, 8.5, blocked=True)
-Q4 = KVType("q4", 4, "uint8", 1, 5.0, blocked=True)
+Q4 = KVType("q4", 4, "uint8", 1, 5.0, blocked=True, tiled_keys=True)
 KV_TYPES = {t.name: t for t in (F32, F16, BF16, Q8, Q4)}
 KV_TYPE_NAMES = tuple(KV_TYPES)
 # The settings reports list: every type for both, and the pair that keeps keys in 8 bits.

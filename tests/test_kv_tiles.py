@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from miniapp.engine import kv_codec
+from miniapp.engine.cache import KVCache, RotatingKVCache
 from miniapp.engine.kernels import cpu_int4_kernel
 from miniapp.engine.kv_codec import TILE_ROWS, KVCodec
 from miniapp.engine.kv_types import F32, Q4
+from miniapp.engine.layers import Rope, apply_rope
 from miniapp.native import reference
 from miniapp.native.attention import Q4_TILES, NativeAttention, NativeKVCodec, TiledKeys
 
@@ -170,3 +172,98 @@ def test_tiles_are_refused_where_the_kernel_cannot_read_them(library):
     not_own = TiledKeys(None, recent, torch.tensor([1], dtype=torch.int32))  # it is tile 2
     with pytest.raises(ValueError, match="incomplete last tile"):
         attend(queries, stored[0], values, 0.125, kv_type=(Q4_TILES, 0), tiled=not_own)
+
+
+def _cache_keys(cache):
+    """A cache's keys as its newest token reads them, fp32 [kv_heads, tokens, head_dim]."""
+    fetched, _ = cache._fetched() if isinstance(cache, RotatingKVCache) else (
+        cache.keys[:, :, : cache.offset], None)  # fmt: skip
+    return cache.decode_keys(fetched)[0]
+
+
+def test_a_cache_stores_the_same_tiles_written_at_once_one_by_one_or_rolled_back():
+    """Tiles are encoded from exact rows when they complete, so a prompt written at once,
+    token by token, or with speculative roll-backs across tile boundaries stores the same
+    bits; complete tiles read as their encoding, the newest tile exactly."""
+    head_dim, n = 64, 150
+    x = _keys(3, n, head_dim, seed=4)
+    caches = [KVCache(3, head_dim, 512, kv_type=Q4) for _ in range(3)]
+    caches[0].update_and_fetch(x, x)
+    for t in range(n):
+        caches[1].update_and_fetch(x[:, :, t : t + 1], x[:, :, t : t + 1])
+    generator, at = torch.Generator().manual_seed(5), 0
+    while at < n:  # write up to 5 rows (the last ones wrong), keep some, trim the rest
+        count = min(5, n - at)
+        keep = int(torch.randint(1, count + 1, (1,), generator=generator))
+        rows = x[:, :, at : at + count].clone()
+        rows[:, :, keep:] += 100.0  # rejected drafts: never seen again
+        caches[2].update_and_fetch(rows, rows)
+        caches[2].trim(count - keep)
+        at += keep
+    complete = n // TILE_ROWS * TILE_ROWS
+    for cache in caches[1:]:
+        assert torch.equal(cache.keys[:, :, :complete], caches[0].keys[:, :, :complete])
+        assert torch.equal(_cache_keys(cache), _cache_keys(caches[0]))
+    read = _cache_keys(caches[0])
+    encoded = kv_codec.decode_tiles(kv_codec.encode_tiles(x[:, :, :complete]), head_dim)
+    assert torch.equal(read[:, :complete], encoded[0])
+    assert torch.equal(read[:, complete:], x[0, :, complete:])
+
+
+def test_a_ring_of_tiles_wrapping_reads_each_tile_as_encoded_from_its_rows():
+    """A ring with sinks, written token by token and in prompt chunks through several wraps:
+    both store the same bits; every complete tile reads as the encoding of the exact rows its
+    slots hold, the newest token's own tile holds them exactly, and the sinks are fp32."""
+    head_dim, sinks, window = 64, 4, 60
+    rope = Rope(head_dim, head_dim, 10000.0, interleaved=False)
+    x = _keys(2, 400, head_dim, seed=6)
+    one = RotatingKVCache(2, head_dim, sinks, window, 4, rope, kv_type=Q4)
+    chunked = RotatingKVCache(2, head_dim, sinks, window, 4, rope, kv_type=Q4)
+    assert one.ring_capacity % (2 * TILE_ROWS) == 0
+    for t in range(x.shape[2]):
+        one.update_and_fetch(x[:, :, t : t + 1], x[:, :, t : t + 1])
+    at = 0
+    while at < x.shape[2]:
+        take = min(chunked.max_chunk(), 7, x.shape[2] - at)
+        chunked.update_and_fetch(x[:, :, at : at + take], x[:, :, at : at + take])
+        at += take
+    assert one.wrapped and one.offset - sinks > 4 * one.ring_capacity
+    assert torch.equal(one.keys, chunked.keys)
+    assert torch.equal(_cache_keys(one), _cache_keys(chunked))
+    read = _cache_keys(one)[:, sinks:]  # the ring, slot by slot
+    exact = x[0][:, one.ring_pos]  # each slot's row
+    own = (one.ring_head - 1) % one.ring_capacity // TILE_ROWS
+    for tile in range(one.ring_capacity // TILE_ROWS):
+        slots = slice(tile * TILE_ROWS, (tile + 1) * TILE_ROWS)
+        if tile == own:  # written in this lap up to the newest: exact
+            newest = (one.ring_head - 1) % TILE_ROWS + 1
+            lap = slice(tile * TILE_ROWS, tile * TILE_ROWS + newest)
+            assert torch.equal(read[:, lap], exact[:, lap])
+            continue
+        encoded = kv_codec.decode_tiles(kv_codec.encode_tiles(exact[None, :, slots]), head_dim)
+        assert torch.equal(read[:, slots], encoded[0])
+    sinks_read = _cache_keys(one)[:, :sinks]
+    shifted = rope.shift_tables(one.frame)
+    truth = apply_rope(x[0, :, :sinks].transpose(0, 1), shifted).transpose(0, 1)
+    assert torch.allclose(sinks_read, truth, atol=1e-4)
+
+
+def test_forgetting_positions_rewrites_only_the_tiles_from_there():
+    head_dim = 64
+    rope = Rope(head_dim, head_dim, 10000.0, interleaved=False)
+    x = _keys(2, 200, head_dim, seed=8)
+    cache = KVCache(2, head_dim, 512, rope=rope, kv_type=Q4)
+    cache.update_and_fetch(x, x)
+    before = cache.keys[:, :, :64].clone()
+    cache.forget(70, 90)
+    assert cache.offset == 180 and torch.equal(cache.keys[:, :, :64], before)
+    moved = apply_rope(x[0, :, 90:].transpose(0, 1), rope.shift_tables(-20)).transpose(0, 1)
+    truth = torch.cat([x[0, :, :70], moved], dim=1)
+    read = _cache_keys(cache)
+    # Rows from tile 2 on were decoded, turned and encoded again: two quantizations, the
+    # first one's error turned with its channel's RoPE partner (so, per pair of channels).
+    spread = truth.amax(1, keepdim=True) - truth.amin(1, keepdim=True)
+    half = head_dim // 2
+    pair = torch.maximum(spread[..., :half], spread[..., half:]).repeat(1, 1, 2)
+    assert bool(((read - truth).abs() <= pair / 15).all())
+    assert torch.equal(read[:, 172:], truth[:, 172:])  # rows that were exact still are

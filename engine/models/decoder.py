@@ -91,10 +91,25 @@ class Attention:
             return self._attend_natively(queries, keys, values, None, mask, cache)
         # A prompt chunk (or a device without the kernel): torch's attention, over the keys
         # decoded one layer at a time (the copy lives for this layer's call only).
-        keys, values = cache.key_codec.decode(keys), cache.value_codec.decode(values)
+        if cache.key_codec.tiled:
+            return self._attend_by_own_tile(queries, keys, values, mask, cache)
+        keys, values = cache.decode_keys(keys), cache.value_codec.decode(values)
         return F.scaled_dot_product_attention(
             queries[None], keys, values, attn_mask=mask, enable_gqa=True, scale=self.scale
         )
+
+    def _attend_by_own_tile(self, queries, keys, values, mask, cache: Cache) -> torch.Tensor:
+        """torch's attention over tiled keys: each group of rows that share a tile reads it
+        exactly, the complete tiles before it decoded, as their decode steps would."""
+        values = cache.value_codec.decode(values)
+        outs = []
+        for first, end, group_keys in cache.keys_by_own_tile(keys, queries.shape[1]):
+            group_mask = None if mask is None else mask[first:end]
+            outs.append(F.scaled_dot_product_attention(
+                queries[None, :, first:end], group_keys, values, attn_mask=group_mask,
+                enable_gqa=True, scale=self.scale,
+            ))  # fmt: skip
+        return torch.cat(outs, dim=2)
 
     def _native_for(self, queries: torch.Tensor, keys: torch.Tensor) -> bool:
         return (
@@ -108,7 +123,8 @@ class Attention:
         [1, heads, rows, head_dim], as scaled_dot_product_attention returns it."""
         rows_first = queries.transpose(0, 1).contiguous()
         out = self.native(rows_first, keys[0], values[0], self.scale, lengths, mask,
-                          _kernel_types(cache))  # fmt: skip
+                          _kernel_types(cache),
+                          tiled=cache.tiled_keys(rows_first.shape[0]))  # fmt: skip
         return out.transpose(0, 1)[None]
 
     def _attend_segments(self, qk, v, segments: Segments) -> torch.Tensor:
@@ -122,7 +138,10 @@ class Attention:
             rows = slice(start, start + count)
             if mask is not None:  # built on the CPU, like a pass's masks
                 mask = mask.to(qk.device)
-            if count == 1 and self.native is not None and qk.device.type == "cpu":
+            # One native call for every decode row (tiled keys, which that call does not
+            # take, attend alone).
+            batched = count == 1 and self.native is not None and qk.device.type == "cpu"
+            if batched and not cache.key_codec.tiled:
                 keys, values = cache.update_and_fetch(qk[self.n_heads :, rows][None],
                                                       v[:, rows][None])  # fmt: skip
                 decodes.append((len(outs), start, keys[0], values[0], mask, cache))
@@ -164,18 +183,20 @@ class Attention:
         then attend each row over its prefix."""
         n_rows = qk.shape[1]
         keys, values = cache.update_and_fetch(qk[self.n_heads :][None], v[None])
-        before = keys.shape[2] - n_rows
+        before = values.shape[2] - n_rows  # tiled keys: their lead rows are apart
         # One native call, each row over its own prefix: as many rows as there are (a
         # decode step runs that kernel too, so every row matches it bit for bit).
         if self.native is not None and keys.device.type == "cpu":
             lengths = torch.arange(before + 1, before + n_rows + 1, dtype=torch.int32)
             return self._attend_natively(qk[: self.n_heads], keys, values, lengths, None, cache)
-        keys, values = cache.key_codec.decode(keys), cache.value_codec.decode(values)
+        tiled = cache.key_codec.tiled  # each row reads its own tile exactly
+        decoded = None if tiled else cache.decode_keys(keys)
+        values = cache.value_codec.decode(values)
         queries = qk[: self.n_heads][None]
         rows = [
             F.scaled_dot_product_attention(
                 queries[:, :, row : row + 1],
-                keys[:, :, : before + row + 1],
+                (cache.decode_keys(keys, row) if tiled else decoded)[:, :, : before + row + 1],
                 values[:, :, : before + row + 1],
                 enable_gqa=True,
                 scale=self.scale,
@@ -479,4 +500,4 @@ def _rope(config: DecoderConfig, rope: RopeConfig, freq_factors: torch.Tensor | 
 
 def _kernel_types(cache: Cache) -> tuple[int, int]:
     """The native attention's type codes for a cache's keys and values."""
-    return cache.key_codec.kind.code, cache.value_codec.kind.code
+    return cache.key_codec.kernel_code, cache.value_codec.kernel_code

@@ -78,6 +78,12 @@ class _StaticCacheView:
             self.keys[:, :, self.sinks : 2 * self.sinks].copy_(codec.encode(framed))
         return self.keys[:, :, self.start : self.stop], self.values[:, :, self.start : self.stop]
 
+    def tiled_keys(self, rows: int) -> None:
+        return None  # tiled caches take no static steps
+
+    def decode_keys(self, keys: torch.Tensor, row: int | None = None) -> torch.Tensor:
+        return self.key_codec.decode(keys)
+
 
 def static_step_unsupported(model: DecoderModel, caches: list[Cache]) -> str | None:
     """Why this model and these caches cannot take static steps (None: they can)."""
@@ -86,6 +92,8 @@ def static_step_unsupported(model: DecoderModel, caches: list[Cache]) -> str | N
         return "the model is split between devices"
     if not all(isinstance(cache, StaticCache) for cache in caches):
         return "a kind of cache without fixed-shape steps"
+    if any(cache.key_codec.tiled for cache in caches):
+        return "q4 keys, whose tiles are encoded by the host as they complete"
     return None
 
 
