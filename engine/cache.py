@@ -14,7 +14,7 @@ model's attention reads as it is (the native kernel) or decodes (`key_codec.deco
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -65,9 +65,16 @@ class StaticStep:
     frame: int  # positions by which the frame sinks are rotated (0 without sinks)
 
 
-# ((key row, value row) [1, kv_heads, 1, width], (keys, values) [1, kv_heads, tokens, width]):
-# where a step's key and value go, and everything its query attends, views of one storage.
-OneSlot = tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+@dataclass(frozen=True)
+class OneSlot:
+    """Where a decode step's key and value go, and everything its query attends."""
+
+    slots: tuple[torch.Tensor, torch.Tensor]  # (key row, value row) [1, kv_heads, 1, width]
+    stored: tuple[torch.Tensor, torch.Tensor]  # (keys, values) [1, kv_heads, tokens, width]
+    # Tiled keys: what the kernel reads besides (the key row is then an fp32 row of the
+    # newest tiles), and what to call once the key is written (it completed a tile).
+    tiled: TiledKeys | None = None
+    written: Callable[[], None] | None = None
 
 
 @runtime_checkable
@@ -264,11 +271,15 @@ class KVCache:
 
     def take_one(self) -> OneSlot | None:
         end = self.offset + 1
-        if end > self.capacity or self.key_tiles is not None:
+        if end > self.capacity:
             return None  # the storage grows first, in update_and_fetch
         at, self.offset = self.offset, end
-        slots = self.keys[:, :, at:end], self.values[:, :, at:end]
-        return slots, (self.keys[:, :, :end], self.values[:, :, :end])
+        stored = self.keys[:, :, :end], self.values[:, :, :end]
+        if self.key_tiles is not None:
+            key_row, written = self.key_tiles.take(self.keys, at)
+            tiled = self.key_tiles.for_kernel(None, 1)
+            return OneSlot((key_row, self.values[:, :, at:end]), stored, tiled, written)
+        return OneSlot((self.keys[:, :, at:end], self.values[:, :, at:end]), stored)
 
     def make_mask(self, n_new: int) -> torch.Tensor | None:
         """Boolean [n_new, offset + n_new]: each query sees keys up to its own position."""
@@ -563,30 +574,31 @@ class RotatingKVCache:
         return self.ring_count < self._allocated or self._allocated == self.ring_capacity
 
     def _append_one(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.key_tiles is not None:
-            slot = self._take_slot()
-            self.key_tiles.write(self._ring(self.keys), slot, k.float(), self.ring_capacity)
-            self._ring(self.values)[:, :, slot : slot + 1] = v
-            if self.sinks:
-                self._move_frame()
-            return self._fetched()
-        (key_slot, value_slot), fetched = self._one_slot()
-        key_slot.copy_(k)
-        value_slot.copy_(v)
-        return fetched
+        one = self._one_slot()
+        one.slots[0].copy_(k)
+        one.slots[1].copy_(v)
+        if one.written is not None:
+            one.written()
+        return one.stored
 
     def take_one(self) -> OneSlot | None:
-        if self.sinks_held != self.sinks or not self._room_for_one() or self.key_tiles is not None:
+        if self.sinks_held != self.sinks or not self._room_for_one():
             return None
         return self._one_slot()
 
     def _one_slot(self) -> OneSlot:
-        at = 2 * self.sinks + self._take_slot()
+        slot = self._take_slot()
         if self.sinks:
             self._move_frame()  # the sinks only: the new token's row is not read
+        at = 2 * self.sinks + slot
+        value_row = self.values[:, :, at : at + 1]
+        if self.key_tiles is not None:
+            key_row, written = self.key_tiles.take(self._ring(self.keys), slot)
+            tiled = self.key_tiles.for_kernel(self._frame_lead(), 1)
+            return OneSlot((key_row, value_row), self._fetched(), tiled, written)
         end = self.sinks + self._fetch_length()
-        slots = self.keys[:, :, at : at + 1], self.values[:, :, at : at + 1]
-        return slots, (self.keys[:, :, self.sinks : end], self.values[:, :, self.sinks : end])
+        stored = self.keys[:, :, self.sinks : end], self.values[:, :, self.sinks : end]
+        return OneSlot((self.keys[:, :, at : at + 1], value_row), stored)
 
     def _take_slot(self) -> int:
         """Bookkeeping of one token entering the ring; returns its slot."""

@@ -11,7 +11,7 @@ roll-back across a tile boundary finds its rows still exact.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -31,6 +31,7 @@ class KeyTiles:
         # The last write of several rows, exactly: (its first tile's first slot, and rows
         # [kv_heads, n, head_dim] from there: that tile's earlier rows, then the written).
         self.written: tuple[int, torch.Tensor] | None = None
+        self._own_one = torch.zeros(1, dtype=torch.int32)  # a decode step's own tile
         self.native = None
         if device.type == "cpu":
             from .kernels import cpu_kv_codec  # lazily: it loads the native library
@@ -70,6 +71,21 @@ class KeyTiles:
         self.own_tiles = torch.where(
             (held == self.held[0]) | (held == self.held[1]), held, torch.full_like(held, -1)
         )
+
+    def take(
+        self, region: torch.Tensor, slot: int
+    ) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        """A decode step's key row at `slot`, for a caller that writes the key itself (the
+        fused native layer): the fp32 row [1, kv_heads, 1, head_dim] of `recent`, and what
+        to call once it is written (None: the row completes no tile)."""
+        tile, row = divmod(slot, TILE_ROWS)
+        half = self._open(region, tile)
+        self._own_one[0] = tile
+        self.own_tiles, self.written = self._own_one, None
+        key_row = self.recent[None, :, half + row : half + row + 1]
+        if row < TILE_ROWS - 1:
+            return key_row, None
+        return key_row, lambda: self._encode(region, tile)
 
     def _open(self, region: torch.Tensor, tile: int) -> int:
         """The row of `recent` where tile's rows start, loading them from the storage when

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .attention import TiledKeys
 from .int4 import Library, PackedInt4
 
 _i64, _f32, _i32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int32, ctypes.c_void_p
@@ -32,7 +33,8 @@ class _Step(ctypes.Structure):
         ("cos", _ptr), ("signed_sin", _ptr), ("key_slot", _ptr), ("value_slot", _ptr),
         ("keys", _ptr), ("values", _ptr), ("key_head_stride", _i64),
         ("value_head_stride", _i64), ("n_keys", _i64), ("mask", _ptr), ("key_type", _i32),
-        ("value_type", _i32),
+        ("value_type", _i32), ("lead", _ptr), ("lead_rows", _i64), ("lead_head_stride", _i64),
+        ("recent", _ptr), ("recent_head_stride", _i64), ("own_tile", _i64),
     ]  # fmt: skip
 
 
@@ -91,12 +93,15 @@ class NativeDecodeLayer:
         stored: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor | None,
         kv_types: tuple[int, int],
+        tiled: TiledKeys | None = None,
     ) -> torch.Tensor:
         """x fp32 [1, dim] (contiguous), the residual stream, updated in place and returned.
         `slots`: the storage rows [1, kv_heads, 1, width] the token's key and value go into;
         `stored`: the keys and values it attends [1, kv_heads, n, width] (its own included,
         heads as far apart as in the slots); `mask`: bool [1, n] or None (all visible);
-        cos and signed_sin: the RoPE tables of its position (fp32, contiguous)."""
+        cos and signed_sin: the RoPE tables of its position (fp32, contiguous). Keys stored as
+        q4 tiles: `tiled` says the rest, and the key slot is the token's fp32 row of
+        tiled.recent (the caller encodes the tile it completes)."""
         keys, values = stored
         step = self._step
         step.cos, step.signed_sin = cos.data_ptr(), signed_sin.data_ptr()
@@ -107,6 +112,16 @@ class NativeDecodeLayer:
         step.n_keys = keys.shape[2]
         step.mask = None if mask is None else mask.view(torch.uint8).data_ptr()
         step.key_type, step.value_type = kv_types
+        if tiled is not None:
+            lead = tiled.lead
+            step.lead = None if lead is None else lead.data_ptr()
+            step.lead_rows = tiled.lead_rows
+            step.lead_head_stride = 0 if lead is None else lead.stride(0)
+            step.recent, step.recent_head_stride = tiled.recent.data_ptr(), tiled.recent.stride(0)
+            step.own_tile = int(tiled.own_tiles[0])
+            step.n_keys = keys.shape[2] + tiled.lead_rows
+        else:
+            step.lead, step.recent, step.lead_rows = None, None, 0
         status = self._function(self._weights_address, self._step_address, x.data_ptr(),
                                 torch.get_num_threads())  # fmt: skip
         if status:

@@ -1709,6 +1709,12 @@ struct DecodeLayerStep {
   int64_t n_keys;
   const uint8_t* mask;  // [n_keys], or null: every key visible
   int32_t key_type, value_type;
+  // Keys stored as q4 tiles (see RowKeys): the key slot is then an fp32 row of `recent`
+  // (heads recent_head_stride floats apart), and n_keys counts the lead rows too.
+  const float* lead;
+  int64_t lead_rows, lead_head_stride;
+  const float* recent;
+  int64_t recent_head_stride, own_tile;
 };
 
 // x fp32 [dim], the residual stream entering the layer, updated in place. Returns 0, or -1
@@ -1718,7 +1724,9 @@ int miniapp_decode_layer(const DecodeLayerWeights* w, const DecodeLayerStep* s, 
   const int64_t d = w->head_dim, q_width = w->n_heads * d;
   const int64_t qkv_width = (w->n_heads + 2 * w->kv_heads) * d;
   if (!kv_type_takes(s->key_type, d) || !kv_type_takes(s->value_type, d)) return -1;
-  if (s->key_type == kKvQ4Tiles || s->value_type == kKvQ4Tiles) return -1;  // not fused yet
+  if (s->value_type == kKvQ4Tiles) return -1;
+  const bool tiled = s->key_type == kKvQ4Tiles;
+  if (tiled && (!s->recent || (s->lead_rows && !s->lead))) return -1;
   const int64_t floats = 2 * w->dim + qkv_width + q_width + w->dim + w->ffn_dim;
   float* buffer = static_cast<float*>(malloc(sizeof(float) * floats));
   if (!buffer) return -1;
@@ -1735,14 +1743,19 @@ int miniapp_decode_layer(const DecodeLayerWeights* w, const DecodeLayerStep* s, 
                   : miniapp_rope(qkv, qkv_width, 1, w->n_heads + w->kv_heads, d, w->rotary_dim,
                                  w->interleaved, s->cos, s->signed_sin);
   if (!status) {
+    // A tiled key goes into its fp32 row of `recent`; the caller encodes a tile it completes.
+    const int key_slot_type = tiled ? kKvF32 : s->key_type;
+    const int64_t key_slot_stride = tiled ? 4 * s->recent_head_stride : s->key_head_stride;
     for (int64_t h = 0; h < w->kv_heads; ++h) {
-      encode_row(s->key_type, qkv + (w->n_heads + h) * d, d, s->key_slot + h * s->key_head_stride,
-                 stored_rotated(s->key_type));
+      encode_row(key_slot_type, qkv + (w->n_heads + h) * d, d, s->key_slot + h * key_slot_stride,
+                 stored_rotated(key_slot_type));
       encode_row(s->value_type, qkv + (w->n_heads + w->kv_heads + h) * d, d,
                  s->value_slot + h * s->value_head_stride, stored_rotated(s->value_type));
     }
     const RowKeys source = {s->keys, s->values, s->key_head_stride, s->value_head_stride,
-                            s->n_keys, s->mask, s->key_type, s->value_type};
+                            s->n_keys, s->mask, s->key_type, s->value_type,
+                            s->lead, s->lead_rows, s->lead_head_stride, s->recent,
+                            s->recent_head_stride, tiled ? s->own_tile : -1};
     status = attend(qkv, &source, 1, w->n_heads, w->kv_heads, d, w->scale, attended, threads);
   }
   status = status ? status : miniapp_int4_gemm(w->out, attended, q_width, kFloat32, 1, projected,

@@ -237,11 +237,13 @@ class Block:
             take_one = getattr(cache, "take_one", None)  # a batch's Segments have none
             taken = take_one() if take_one is not None else None
             if taken is not None:
-                slots, stored = taken
                 if mask is not None:
                     mask = mask.contiguous()
-                return self.fused.step(x, rotation.cos, rotation.signed_sin, slots, stored,
-                                       mask, _kernel_types(cache))  # fmt: skip
+                self.fused.step(x, rotation.cos, rotation.signed_sin, taken.slots, taken.stored,
+                                mask, _kernel_types(cache), taken.tiled)  # fmt: skip
+                if taken.written is not None:
+                    taken.written()
+                return x
         attended = self.attention.forward(self.attn_norm.forward(x), rotation, cache, mask)
         if self.post_attn_norm is not None:
             attended = self.post_attn_norm.forward(attended.float())
