@@ -68,7 +68,8 @@ class NativeAttention:
         self._attend = function
         sequences = library.cdll.miniapp_attend_sequences
         sequences.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64,
-                              i64, ctypes.c_float, ptr, i32]  # fmt: skip
+                              i64, ctypes.c_float, ptr, ptr, ptr, ptr, ptr, ptr, ptr,
+                              i32]  # fmt: skip
         sequences.restype = i32
         self._attend_sequences = sequences
 
@@ -142,37 +143,49 @@ class NativeAttention:
         scale: float,
         masks: list[torch.Tensor | None],
         kv_types: list[KernelTypes] | None = None,
+        tiled: list[TiledKeys | None] | None = None,
     ) -> torch.Tensor:
         """Rows of different sequences in one call (a batch's decode steps): queries fp32
         [rows, heads, head_dim] (contiguous); row r attends over keys[r] and values[r],
         stored as kv_types[r] (as in `__call__`; default: f32) [kv_heads, tokens_r, width]
         with contiguous rows, seeing the keys masks[r] marks (bool [tokens_r]) or,
         for None, all of them. Each row comes out bit-identical to the same row in a call of
-        its own. fp32 [rows, heads, head_dim]."""
+        its own. Rows over q4 tiles need their `tiled[r]` (for one row), whose lead rows
+        count among the keys a mask marks. fp32 [rows, heads, head_dim]."""
         rows, n_heads, head_dim = queries.shape
         if not len(keys) == len(values) == len(masks) == rows:
             raise ValueError("one key, value and mask source per row")
         kv_heads = keys[0].shape[0] if rows else 1
         held = []  # the masks' byte copies, alive until the call returns
         key_ptrs, value_ptrs, key_strides, value_strides, counts, mask_ptrs = ([] for _ in range(6))
-        for k, v, mask in zip(keys, values, masks, strict=True):
-            _check_layout(k, v)
+        codes = [_codes(t) for t in ([0] * rows if kv_types is None else kv_types)]
+        tiled = [None] * rows if tiled is None else tiled
+        tile_args = _TileArrays(rows)
+        for r, (k, v, mask) in enumerate(zip(keys, values, masks, strict=True)):
+            lead_rows = 0
+            if codes[r][0] == Q4_TILES:
+                if tiled[r] is None:
+                    raise ValueError("keys stored as q4 tiles need their lead and recent rows")
+                lead_rows = tiled[r].lead_rows
+                row_mask = None if mask is None else mask.reshape(1, -1)
+                tiled[r].check(k, _reach(1, k.shape[1] + lead_rows, None, row_mask))
+                tile_args.put(r, tiled[r])
+            _check_layout(k, v, lead_rows)
             if k.shape[0] != kv_heads:
                 raise ValueError("every row needs the same number of kv heads")
             key_ptrs.append(k.data_ptr())
             value_ptrs.append(v.data_ptr())
             key_strides.append(_head_bytes(k))
             value_strides.append(_head_bytes(v))
-            counts.append(k.shape[1])
+            counts.append(k.shape[1] + lead_rows)
             if mask is None:
                 mask_ptrs.append(None)
                 continue
-            if mask.shape[-1] != k.shape[1]:
+            if mask.shape[-1] != k.shape[1] + lead_rows:
                 raise ValueError("a mask marks each of its row's keys")
             as_bytes = mask.reshape(-1).to(torch.uint8).contiguous()
             held.append(as_bytes)
             mask_ptrs.append(as_bytes.data_ptr())
-        codes = [_codes(t) for t in ([0] * rows if kv_types is None else kv_types)]
         out = torch.empty_like(queries)
         pointers = ctypes.c_void_p * max(rows, 1)
         int64s, int32s = ctypes.c_int64 * max(rows, 1), ctypes.c_int32 * max(rows, 1)
@@ -180,12 +193,40 @@ class NativeAttention:
             queries.data_ptr(), pointers(*key_ptrs), pointers(*value_ptrs),
             int32s(*(c[0] for c in codes)), int32s(*(c[1] for c in codes)),
             int64s(*key_strides), int64s(*value_strides), int64s(*counts),
-            pointers(*mask_ptrs), rows, n_heads, kv_heads, head_dim, scale, out.data_ptr(),
-            torch.get_num_threads(),
+            pointers(*mask_ptrs), rows, n_heads, kv_heads, head_dim, scale, *tile_args.arguments(),
+            out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if status:
             raise ValueError(f"native attention refused queries {tuple(queries.shape)}")
         return out
+
+
+class _TileArrays:
+    """The per-row tile arguments of miniapp_attend_sequences (null when no row is tiled)."""
+
+    def __init__(self, rows: int):
+        self.rows, self.used = rows, False
+        self.leads, self.recents = [None] * rows, [None] * rows
+        self.lead_rows, self.lead_strides = [0] * rows, [0] * rows
+        self.recent_strides, self.own = [0] * rows, [-1] * rows
+
+    def put(self, row: int, tiled: TiledKeys) -> None:
+        self.used = True
+        if tiled.lead is not None:
+            self.leads[row], self.lead_strides[row] = tiled.lead.data_ptr(), tiled.lead.stride(0)
+            self.lead_rows[row] = tiled.lead_rows
+        self.recents[row] = tiled.recent.data_ptr()
+        self.recent_strides[row] = tiled.recent.stride(0)
+        self.own[row] = int(tiled.own_tiles[0])
+
+    def arguments(self) -> tuple:
+        if not self.used:
+            return (None,) * 6
+        n = max(self.rows, 1)
+        pointers, int64s = ctypes.c_void_p * n, ctypes.c_int64 * n
+        return (pointers(*self.leads), int64s(*self.lead_rows), int64s(*self.lead_strides),
+                pointers(*self.recents), int64s(*self.recent_strides),
+                (ctypes.c_int32 * n)(*self.own))  # fmt: skip
 
 
 def _reach(rows: int, keys: int, lengths, mask) -> torch.Tensor:

@@ -1490,12 +1490,17 @@ int miniapp_attend_rows(const float* q, const uint8_t* k, const uint8_t* v, int 
 
 // The same, each row over its own sequence's keys (rows of a batch): k[r] stored as
 // key_types[r], v[r] as value_types[r], with k_head_strides[r] and v_head_strides[r] bytes
-// between heads, keys[r] of them, masks[r] (bytes [keys[r]]) or null for all visible.
+// between heads, keys[r] of them (lead rows included), masks[r] (bytes [keys[r]]) or null for
+// all visible. Rows over q4 tiles take their lead, recent rows and own tile from the arrays
+// that follow (as miniapp_attend_rows; the arrays may be null when no row has tiled keys).
 int miniapp_attend_sequences(const float* q, const uint8_t* const* k, const uint8_t* const* v,
                              const int32_t* key_types, const int32_t* value_types,
                              const int64_t* k_head_strides, const int64_t* v_head_strides,
                              const int64_t* keys, const uint8_t* const* masks, int64_t rows,
                              int64_t n_heads, int64_t kv_heads, int64_t head_dim, float scale,
+                             const float* const* leads, const int64_t* lead_rows,
+                             const int64_t* lead_head_strides, const float* const* recents,
+                             const int64_t* recent_head_strides, const int32_t* own_tiles,
                              float* out, int threads) {
   if (rows <= 0) return rows == 0 ? 0 : -1;
   RowKeys* sources = static_cast<RowKeys*>(malloc(sizeof(RowKeys) * rows));
@@ -1503,6 +1508,14 @@ int miniapp_attend_sequences(const float* q, const uint8_t* const* k, const uint
   for (int64_t r = 0; r < rows; ++r) {
     sources[r] = {k[r], v[r], k_head_strides[r], v_head_strides[r], keys[r],
                   masks ? masks[r] : nullptr, key_types[r], value_types[r]};
+    if (key_types[r] == kKvQ4Tiles && leads && recents) {
+      sources[r].lead = leads[r];
+      sources[r].lead_rows = lead_rows[r];
+      sources[r].lead_head_stride = lead_head_strides[r];
+      sources[r].recent = recents[r];
+      sources[r].recent_head_stride = recent_head_strides[r];
+      sources[r].own_tile = own_tiles[r];
+    }
   }
   const int status = attend(q, sources, rows, n_heads, kv_heads, head_dim, scale, out, threads);
   free(sources);

@@ -12,7 +12,7 @@ from miniapp.engine import kv_codec
 from miniapp.engine.cache import KVCache, RotatingKVCache
 from miniapp.engine.kernels import cpu_int4_kernel
 from miniapp.engine.kv_codec import TILE_ROWS, KVCodec
-from miniapp.engine.kv_types import F32, Q4
+from miniapp.engine.kv_types import F32, Q4, Q8
 from miniapp.engine.layers import Rope, apply_rope
 from miniapp.native import reference
 from miniapp.native.attention import Q4_TILES, NativeAttention, NativeKVCodec, TiledKeys
@@ -160,6 +160,31 @@ def test_tiled_rows_are_bit_identical_alone_and_together(library):
                        kv_type=(Q4_TILES, F32.code),
                        tiled=TiledKeys(lead, recent, own[r : r + 1]))  # fmt: skip
         assert torch.equal(together[r : r + 1], alone)
+
+
+def test_a_batch_of_sequences_with_tiled_keys_gives_each_row_as_alone(library):
+    """A batch's decode steps in one call (each its own cache: tiles with sinks, tiles
+    without, q8 rows) come out as each row's call of its own."""
+    attend, head_dim = NativeAttention(library), 64
+    with_lead = _case(head_dim, 3, 10, 7, 4, seed=11)
+    without = _case(head_dim, 3, 4, 0, 0, seed=12)
+    rows_q8 = KVCodec(Q8, head_dim, CPU).encode(_keys(3, 90, head_dim, seed=13))[0]
+    keys = [with_lead[0][0], without[0][0], rows_q8]
+    generator = torch.Generator().manual_seed(15)
+    values = [torch.randn(3, k.shape[1] + lead, head_dim, generator=generator)
+              for k, lead in zip(keys, (4, 0, 0), strict=True)]  # fmt: skip
+    tiled = [TiledKeys(with_lead[3], with_lead[2], torch.tensor([10], dtype=torch.int32)),
+             TiledKeys(None, without[2], torch.tensor([3], dtype=torch.int32)), None]  # fmt: skip
+    masks = [torch.arange(4 + 327) % 5 != 1, None, None]
+    codes = [(Q4_TILES, F32.code), (Q4_TILES, F32.code), (Q8.code, F32.code)]
+    queries = torch.randn(3, 9, head_dim, generator=torch.Generator().manual_seed(14))
+    batch = attend.sequences(queries, keys, values, 0.125, masks, codes, tiled)
+    for r in range(3):
+        mask = None if masks[r] is None else masks[r][None]
+        alone = attend(queries[r : r + 1].contiguous(), keys[r], values[r], 0.125, mask=mask,
+                       kv_type=codes[r], tiled=tiled[r])  # fmt: skip
+        assert torch.equal(batch[r : r + 1], alone)
+    assert not torch.equal(batch[0], batch[1])
 
 
 def test_tiles_are_refused_where_the_kernel_cannot_read_them(library):

@@ -41,19 +41,23 @@ def test_eval_ppl_json_reports_its_settings(miniapp_exe, tmp_path):
     assert report["ctx"] == 66 and report["ppl"] > 1
 
 
-RING_WINDOW = 16  # a ring of 16 + 64 (the roll-back slack): 20 wraps in 1600 tokens
+# A ring of 16 + 64 (the roll-back slack), 128 with q4 keys' whole tiles: 20 wraps in 2600
+# tokens.
+RING_WINDOW = 16
 
 
-def test_a_q8_ring_that_wraps_20_times_stays_within_half_a_percent_of_f32(default_model):
+def test_quantized_rings_that_wrap_20_times_stay_within_their_bounds_of_f32(default_model):
     """Streaming through 4 sinks and a window of 16, the ring wraps 20 times and the sinks
-    are re-rotated on every token; 8-bit rotated keys and values must not drift from f32."""
-    text = "\n\n".join(sample_texts())[:8_200]  # ~1800 tokens
-    results = {}
-    for kind in ("f32", "q8"):
+    are re-rotated on every token; 8-bit keys and values must not drift from f32 by more
+    than 0.5%, 4-bit (keys in tiles re-encoded as the ring overwrites them) by more than 2%."""
+    text = "\n\n".join(sample_texts())[:12_500]  # ~2700 tokens
+    results, rings = {}, {}
+    for kind in ("f32", "q8", "q4"):
         runtime = TorchRuntime(default_model, n_ctx=4 + RING_WINDOW, sinks=4, window=RING_WINDOW,
                                kv=kind)  # fmt: skip
         results[kind] = streaming_perplexity(runtime, text, 4, RING_WINDOW)
-        ring = runtime.model.make_caches(runtime.policy)[0].ring_capacity
-    assert results["f32"].text_tokens >= 20 * ring + RING_WINDOW, results["f32"]
-    drift = abs(results["q8"].ppl - results["f32"].ppl) / results["f32"].ppl
-    assert drift < 0.005, (results["q8"], results["f32"])
+        rings[kind] = runtime.model.make_caches(runtime.policy)[0].ring_capacity
+    for kind, bound in (("q8", 0.005), ("q4", 0.02)):
+        assert results[kind].text_tokens >= 20 * rings[kind] + RING_WINDOW, results[kind]
+        drift = abs(results[kind].ppl - results["f32"].ppl) / results["f32"].ppl
+        assert drift < bound, (results[kind], results["f32"])

@@ -138,10 +138,7 @@ class Attention:
             rows = slice(start, start + count)
             if mask is not None:  # built on the CPU, like a pass's masks
                 mask = mask.to(qk.device)
-            # One native call for every decode row (tiled keys, which that call does not
-            # take, attend alone).
-            batched = count == 1 and self.native is not None and qk.device.type == "cpu"
-            if batched and not cache.key_codec.tiled:
+            if count == 1 and self.native is not None and qk.device.type == "cpu":
                 keys, values = cache.update_and_fetch(qk[self.n_heads :, rows][None],
                                                       v[:, rows][None])  # fmt: skip
                 decodes.append((len(outs), start, keys[0], values[0], mask, cache))
@@ -157,7 +154,7 @@ class Attention:
             attended = self.native.sequences(
                 queries, [d[2] for d in decodes], [d[3] for d in decodes], self.scale,
                 [None if d[4] is None else d[4][0] for d in decodes],
-                [_kernel_types(d[5]) for d in decodes],
+                [_kernel_types(d[5]) for d in decodes], [d[5].tiled_keys(1) for d in decodes],
             )  # fmt: skip
             for j, (index, *_) in enumerate(decodes):
                 outs[index] = attended[j : j + 1].transpose(0, 1)[None]
