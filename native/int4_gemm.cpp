@@ -801,7 +801,12 @@ TARGET_AVX2 void encode_row(int type, const float* x, int64_t d, uint8_t* out, b
 TARGET_AVX2 void tile_side(const uint8_t* tile, int64_t d, float* scales, float* lows) {
   const int64_t share = d / 8, row_bytes = d / 2 + share;  // bytes of the table a row holds
   alignas(32) uint8_t side[4 * kMaxHeadDim];
-  for (int64_t r = 0; r < kTileRows; ++r) memcpy(side + r * share, tile + r * row_bytes + d / 2, share);
+  // share = d / 8 is a multiple of 8 bytes (d is of 32s): fixed-size copies the compiler
+  // turns into single moves (a memcpy call of a run-time size per row cost more than the rest).
+  for (int64_t r = 0; r < kTileRows; ++r) {
+    const uint8_t* from = tile + r * row_bytes + d / 2;
+    for (int64_t b = 0; b < share; b += 8) memcpy(side + r * share + b, from + b, 8);
+  }
   for (int64_t c = 0; c < d; c += 8) {
     const __m128i scale_bits = _mm_load_si128(reinterpret_cast<const __m128i*>(side + 2 * c));
     const __m128i low_bits = _mm_load_si128(reinterpret_cast<const __m128i*>(side + 2 * (d + c)));
@@ -957,17 +962,21 @@ TARGET_AVX2 void quantize_query(const float* x, int64_t d, int8_t* codes, float*
     // round(x / step) half to even, as nearbyintf and torch.round; division as the scalar.
     const __m256 divisor = _mm256_set1_ps(step > 0.0f ? step : 1.0f);
     __m256i total8 = _mm256_setzero_si256();
-    alignas(32) int32_t q[kKvBlock];
-    for (int64_t i = 0; i < kKvBlock; i += 8) {
-      __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(v + i), divisor),
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i) {
+      __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(v + 8 * i), divisor),
                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       r = _mm256_max_ps(_mm256_min_ps(r, limit), _mm256_sub_ps(_mm256_setzero_ps(), limit));
       if (!(step > 0.0f)) r = _mm256_setzero_ps();
-      const __m256i qi = _mm256_cvtps_epi32(r);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(q + i), qi);
-      total8 = _mm256_add_epi32(total8, qi);
+      q[i] = _mm256_cvtps_epi32(r);
+      total8 = _mm256_add_epi32(total8, q[i]);
     }
-    for (int64_t i = 0; i < kKvBlock; ++i) codes[b * kKvBlock + i] = static_cast<int8_t>(q[i]);
+    // 32 int32 codes (within int8) to bytes in order: the packs work per 128-bit lane, so
+    // the result's 32-bit groups come out as 0 2 4 6 1 3 5 7 and are put back in order.
+    const __m256i words = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
+                                             _mm256_packs_epi32(q[2], q[3]));
+    const __m256i ordered = _mm256_permutevar8x32_epi32(words, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + b * kKvBlock), ordered);
     alignas(32) int32_t lanes[8];
     _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), total8);
     int32_t total = 0;
@@ -1068,9 +1077,12 @@ TARGET_AVX2 inline float dot_floats(const float* a, const float* b, int64_t d) {
 // code + q . minimum: per tile, each head's q * scale is quantized to int8 blocks as a query
 // over q8 keys is, and its keys' scores are integer dot products of codes, plus the constant.
 // Lead and own-tile keys are fp32. Each key's score depends on its tile and the query only.
+// G query heads (G = 0: group, known at run time only), as integer_key_scores.
+template <int G>
 TARGET_AVX2 void tiled_key_scores(const RowKeys& source, int64_t kv_head, const int32_t* keys,
-                                  int64_t n, int64_t d, int64_t g, const float* q, float scale,
-                                  float (*scores)[kKeysPerPart + 8]) {
+                                  int64_t n, int64_t d, int64_t group, const float* q,
+                                  float scale, float (*scores)[kKeysPerPart + 8]) {
+  const int64_t g = G ? G : group;
   const int64_t blocks = d / kKvBlock, row_bytes = kv_row_bytes(kKvQ4Tiles, d);
   const uint8_t* k = source.k + kv_head * source.k_head_stride;
   const float* lead = source.lead + kv_head * source.lead_head_stride;
@@ -1116,19 +1128,22 @@ TARGET_AVX2 void tiled_key_scores(const RowKeys& source, int64_t kv_head, const 
     int64_t run = 1;
     while (run < 8 && i + run < n && tile_of(keys[i + run]) == tile) ++run;
     for (int64_t r = 0; r < 8; ++r) {
-      for (int64_t h = 0; h < g; ++h) lanes[h][r] = _mm256_setzero_ps();
-      if (r >= run) continue;
-      const uint8_t* row = k + (keys[i + r] - source.lead_rows) * row_bytes;
-      for (int64_t b = 0; b < blocks; ++b) {
-        const __m256i key = key_block_codes<kKvQ4>(row, b);
-        for (int64_t h = 0; h < g; ++h) {
-          const __m256i qb =
-              _mm256_load_si256(reinterpret_cast<const __m256i*>(codes[h] + kKvBlock * b));
-          const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(key, qb), ones);
-          lanes[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(steps[h][b]),
-                                        lanes[h][r]);
+      // Sums in registers, stored once (zeroing the lanes first cost a memset a run).
+      __m256 acc[kMaxGroup];
+      for (int64_t h = 0; h < g; ++h) acc[h] = _mm256_setzero_ps();
+      if (r < run) {
+        const uint8_t* row = k + (keys[i + r] - source.lead_rows) * row_bytes;
+        for (int64_t b = 0; b < blocks; ++b) {
+          const __m256i key = key_block_codes<kKvQ4>(row, b);
+          for (int64_t h = 0; h < g; ++h) {
+            const __m256i qb =
+                _mm256_load_si256(reinterpret_cast<const __m256i*>(codes[h] + kKvBlock * b));
+            const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(key, qb), ones);
+            acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(steps[h][b]), acc[h]);
+          }
         }
       }
+      for (int64_t h = 0; h < g; ++h) lanes[h][r] = acc[h];
     }
     for (int64_t h = 0; h < g; ++h) {
       alignas(32) float total[8];
@@ -1215,7 +1230,11 @@ TARGET_AVX2 void attend_part(const AttendProblem& p, const AttendTask& t) {
   alignas(32) float scores[kMaxGroup][kKeysPerPart + 8];
   alignas(32) float unpacked[kMaxHeadDim];  // a stored key or value row as fp32
   if constexpr (TK == kKvQ4Tiles) {
-    tiled_key_scores(source, t.kv_head, keys, n, d, g, q, p.scale, scores);
+    switch (g) {  // the models' usual groups, with their loops unrolled
+      case 3: tiled_key_scores<3>(source, t.kv_head, keys, n, d, g, q, p.scale, scores); break;
+      case 4: tiled_key_scores<4>(source, t.kv_head, keys, n, d, g, q, p.scale, scores); break;
+      default: tiled_key_scores<0>(source, t.kv_head, keys, n, d, g, q, p.scale, scores);
+    }
   } else if constexpr (quantized_type(TK)) {
     const int64_t first_head = t.row * p.n_heads + t.kv_head * g, blocks = d / kKvBlock;
     const int8_t* q_codes = p.q_codes + first_head * d;
