@@ -138,12 +138,11 @@ class KeyTiles:
         end row, fp32 keys [1, kv_heads, lead + used, head_dim] as those rows read them:
         complete tiles decoded, their own tile exact). The keys are one tensor, changed
         between groups: use each before taking the next."""
+        if self.written is None:  # one row (or none in the ring): as decode steps read
+            yield 0, rows, self.decoded(region, used, lead, self.own_tile(-1, -1) if rows else -1)
+            return
         keys = self.decoded(region, used, lead, -1)
         at_lead = 0 if lead is None else lead.shape[2]
-        if self.written is None:  # one row (or none in the ring): as decode steps read
-            keys = self.decoded(region, used, lead, self.own_tile(-1, -1) if rows else -1)
-            yield 0, rows, keys
-            return
         start, exact = self.written
         first_row = rows - self.own_tiles.shape[0]  # rows before these went to a ring's sinks
         if first_row > 0:
