@@ -63,6 +63,8 @@ class StaticStep:
     write_at: int  # storage index (token axis) of the new token's keys and values
     mask: torch.Tensor  # bool [1, span]: which of `static_span` the new query sees
     frame: int  # positions by which the frame sinks are rotated (0 without sinks)
+    # q4 keys in tiles: what to call once the step has written its key (it completed a tile).
+    written: Callable[[], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -345,11 +347,7 @@ class KVCache:
         return 0, self.max_tokens
 
     def static_ready(self) -> bool:
-        return (
-            self.capacity == self.max_tokens
-            and self.offset < self.max_tokens
-            and self.key_tiles is None  # tiles are encoded as they complete, by the host
-        )
+        return self.capacity >= self.max_tokens > self.offset  # tiles may round it up
 
     def static_extent(self) -> int:
         """Slots of the span in use (the newest token's included)."""
@@ -360,7 +358,10 @@ class KVCache:
         at = self.offset
         self.offset += 1
         mask = torch.arange(self.max_tokens).unsqueeze(0) <= at if with_mask else None
-        return StaticStep(at, mask, 0)
+        written = None
+        if self.key_tiles is not None:  # its row of the newest tiles, loaded if need be
+            _, written = self.key_tiles.take(self.keys, at)
+        return StaticStep(at, mask, 0, written)
 
 
 class RotatingKVCache:
@@ -766,11 +767,7 @@ class RotatingKVCache:
         return self.sinks, self.sinks + self.ring_capacity
 
     def static_ready(self) -> bool:
-        return (
-            self.sinks_held == self.sinks
-            and self._allocated == self.ring_capacity
-            and self.key_tiles is None  # tiles are encoded as they complete, by the host
-        )
+        return self.sinks_held == self.sinks and self._allocated == self.ring_capacity
 
     def static_extent(self) -> int:
         """Slots of the span in use (the newest token's included): the ring fills in order
@@ -791,7 +788,10 @@ class RotatingKVCache:
             in_window = (positions >= 0) & (positions > query - self.window)
             sinks = torch.ones(self.sinks, dtype=torch.bool)
             mask = torch.cat([sinks, in_window]).unsqueeze(0)
-        return StaticStep(2 * self.sinks + slot, mask, self.frame)
+        written = None
+        if self.key_tiles is not None:  # its row of the newest tiles, loaded if need be
+            _, written = self.key_tiles.take(self._ring(self.keys), slot)
+        return StaticStep(2 * self.sinks + slot, mask, self.frame, written)
 
 
 def reusable_length(caches: Sequence[Cache], held: Sequence[int], prompt: Sequence[int]) -> int:

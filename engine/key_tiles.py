@@ -98,6 +98,10 @@ class KeyTiles:
             self.held[half] = tile
         return half * TILE_ROWS
 
+    def decode(self, stored: torch.Tensor) -> torch.Tensor:
+        """Tiles [1, kv_heads, tiles * TILE_ROWS, width] -> fp32 [1, kv_heads, rows, head_dim]."""
+        return self._decode(stored).reshape(*stored.shape[:3], self.head_dim)
+
     def _encode(self, region: torch.Tensor, tile: int) -> None:
         half = tile % 2
         rows = self.recent[None, :, half * TILE_ROWS : (half + 1) * TILE_ROWS]
@@ -119,7 +123,7 @@ class KeyTiles:
         slots as a query whose own tile is `own_tile` reads them (as the native kernel does:
         complete tiles decoded, the own tile's rows exact)."""
         whole = -(-used // TILE_ROWS) * TILE_ROWS
-        keys = self._decode(region[:, :, :whole]).reshape(1, region.shape[1], whole, -1)
+        keys = self.decode(region[:, :, :whole])
         if 0 <= own_tile and own_tile in self.held and own_tile * TILE_ROWS < whole:
             half, at = own_tile % 2, own_tile * TILE_ROWS
             keys[0, :, at : at + TILE_ROWS] = self.recent[:, half * TILE_ROWS :][:, :TILE_ROWS]
@@ -172,7 +176,7 @@ class KeyTiles:
     def for_kernel(self, lead: torch.Tensor | None, rows: int) -> TiledKeys:
         """What the native attention reads besides the tiles, for the last write's final
         `rows` rows (lead: [1, kv_heads, lead_rows, head_dim] fp32, or None)."""
-        own = self.own_tiles[-rows:] if rows <= self.own_tiles.shape[0] else None
-        if own is None:  # rows of lead only (a ring still filling its sinks)
-            own = torch.full((rows,), -1, dtype=torch.int32)
+        own = self.own_tiles[-rows:]
+        if own.shape[0] < rows:  # the first rows went to a ring's sinks: lead rows, no tile
+            own = torch.cat([torch.full((rows - own.shape[0],), -1, dtype=torch.int32), own])
         return TiledKeys(None if lead is None else lead[0], self.recent, own)

@@ -52,9 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         text = SAMPLE_TEXT.read_text()
         cpu = _open(model, args.threads, device="cpu")
         rows = [_measure("cpu", cpu, None, text, args)]
-        for name, path_probe in _gpu_paths(probe, model):
+        for name, path_probe, kv in _gpu_paths(probe, model, cpu.kv_type):
             try:
-                runtime = _open(model, args.threads, probe=path_probe)
+                runtime = _open(model, args.threads, probe=path_probe, kv=kv)
             except Exception as exc:  # a GPU path that cannot even load is a result too
                 rows.append({"path": name, "error": f"{type(exc).__name__}: {exc}"})
                 continue
@@ -92,27 +92,31 @@ def _model(arg: str | None, tmp: Path) -> tuple[Path, str]:
     return path, "random weights in SmolLM2-135M's shapes (Q4_1)"
 
 
-def _open(model: Path, threads: int | None, device: str = "auto", probe=None):
+def _open(model: Path, threads: int | None, device: str = "auto", probe=None, kv=None):
     from miniapp.engine.runtimes.torch_runtime import TorchRuntime
 
     return TorchRuntime(model, n_ctx=2048, threads=threads, spec="auto", device=device,
-                        probe=probe)  # fmt: skip
+                        probe=probe, kv=kv)  # fmt: skip
 
 
-def _gpu_paths(probe, model: Path):
-    """The GPU paths to try: the best one, then the two fallbacks forced."""
+def _gpu_paths(probe, model: Path, kv_type):
+    """The GPU paths to try, (name, probe, KV cache type or None for the default): the best
+    one, the same over q4 keys in tiles (their own fixed-shape step), then the two
+    fallbacks forced (the split one with room for about half the layers and their cache,
+    as `kv_type`, the default, stores it)."""
     from miniapp.engine.devices import MIN_MARGIN_BYTES, estimate_footprint
     from miniapp.engine.gguf_file import GGUFFile
 
     if not probe.gpus():
         print("no GPU visible: only the CPU is measured", flush=True)
         return []
-    footprint = estimate_footprint(GGUFFile(model), 2048)
+    footprint = estimate_footprint(GGUFFile(model), 2048, kv_type)
     split_free = MIN_MARGIN_BYTES + int(SPLIT_SHARE * (footprint.int4_bytes + footprint.kv_bytes))
     return [
-        ("gpu int4", probe),
-        ("gpu bf16", ForcedProbe(probe, int4=False)),
-        ("gpu split", ForcedProbe(probe, free_bytes=split_free)),
+        ("gpu int4", probe, None),
+        ("gpu int4, q4 kv", probe, "q4"),
+        ("gpu bf16", ForcedProbe(probe, int4=False), None),
+        ("gpu split", ForcedProbe(probe, free_bytes=split_free), None),
     ]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 from tiny_gguf import LLAMA, write_tiny_model
@@ -14,7 +15,8 @@ SCRIPT = Path(__file__).parents[1] / "scripts" / "gpu_check.sh"
 
 
 def test_gpu_check_measures_every_path_and_prints_its_table(tmp_path):
-    model = write_tiny_model(tmp_path / "tiny.gguf", LLAMA)
+    wide_heads = replace(LLAMA, head_dim=32)  # q4 keys need heads of 32
+    model = write_tiny_model(tmp_path / "tiny.gguf", wide_heads)
     out = tmp_path / "check.json"
     env = {**os.environ, "MINIAPP_SIMULATE_GPU": "cuda:Sim:24:8.9"}
     done = subprocess.run(
@@ -24,7 +26,7 @@ def test_gpu_check_measures_every_path_and_prints_its_table(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     rows = {row["path"]: row for row in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"cpu", "gpu int4", "gpu bf16", "gpu split"}
+    assert set(rows) == {"cpu", "gpu int4", "gpu int4, q4 kv", "gpu bf16", "gpu split"}
     assert rows["gpu int4"]["top1"] == 1.0 and rows["gpu int4"]["kl"] < 1e-9
     assert rows["gpu split"]["top1"] == 1.0 and 0 < rows["gpu split"]["gpu_layers"] < 2
     assert rows["gpu bf16"]["weights"] == "bf16" and rows["gpu bf16"]["top1"] >= 0.9
@@ -36,3 +38,7 @@ def test_gpu_check_measures_every_path_and_prints_its_table(tmp_path):
     assert "fixed-shape" in rows["gpu int4"]["decode_step"]
     assert rows["gpu int4"]["tok_s_eager_steps"] > 0 and rows["gpu int4"]["graphs_captured"] >= 1
     assert "tok_s_eager_steps" not in rows["gpu split"]
+    # q4 keys in tiles take their own fixed-shape step; their quantization moves the logits.
+    q4 = rows["gpu int4, q4 kv"]
+    assert "fixed-shape" in q4["decode_step"] and q4["graphs_captured"] >= 1
+    assert q4["top1"] >= 0.9 and q4["tok_s_eager_steps"] > 0

@@ -12,7 +12,7 @@ from miniapp.engine import kv_codec
 from miniapp.engine.cache import KVCache, RotatingKVCache
 from miniapp.engine.kernels import cpu_int4_kernel
 from miniapp.engine.kv_codec import TILE_ROWS, KVCodec
-from miniapp.engine.kv_types import F32, Q4, Q8
+from miniapp.engine.kv_types import F32, Q4, Q8, KVPair
 from miniapp.engine.layers import Rope, apply_rope
 from miniapp.native import reference
 from miniapp.native.attention import Q4_TILES, NativeAttention, NativeKVCodec, TiledKeys
@@ -292,3 +292,25 @@ def test_forgetting_positions_rewrites_only_the_tiles_from_there():
     pair = torch.maximum(spread[..., :half], spread[..., half:]).repeat(1, 1, 2)
     assert bool(((read - truth).abs() <= pair / 15).all())
     assert torch.equal(read[:, 172:], truth[:, 172:])  # rows that were exact still are
+
+
+def test_a_first_chunk_that_fills_the_sinks_and_starts_the_ring_attends_natively(library):
+    """A short first prompt on a streaming cache: its rows that became sinks read lead rows
+    only, the others their ring tile; the native kernel reads them all in one call."""
+    head_dim, sinks, n = 64, 4, 9
+    rope = Rope(head_dim, head_dim, 10000.0, interleaved=False)
+    cache = RotatingKVCache(2, head_dim, sinks, 60, 4, rope, kv_type=KVPair(Q4, F32))
+    x = _keys(2, n, head_dim, seed=9)
+    mask = cache.make_mask(n)
+    keys, values = cache.update_and_fetch(x, x)
+    tiled = cache.tiled_keys(n)
+    assert tiled.own_tiles.tolist() == [-1] * sinks + [0] * (n - sinks)
+    queries = torch.randn(n, 4, head_dim, generator=torch.Generator().manual_seed(10))
+    got = NativeAttention(library)(queries, keys[0], values[0], 0.125, mask=mask,
+                                   kv_type=(Q4_TILES, F32.code), tiled=tiled)  # fmt: skip
+    # Nothing is quantized yet (the ring's tile is the rows' own) and the frame is still 0.
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    want = torch.nn.functional.scaled_dot_product_attention(
+        queries.transpose(0, 1)[None], x, x, attn_mask=causal, scale=0.125, enable_gqa=True
+    )[0].transpose(0, 1)
+    assert torch.allclose(got, want, atol=1e-5)

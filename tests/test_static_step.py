@@ -20,11 +20,13 @@ from miniapp.engine.kv_types import BLOCK, F16, F32, Q4, Q8, KVPair
 from miniapp.engine.models import CachePolicy, build_model
 from miniapp.engine.models.static_step import StaticDecodeStep, span_bucket
 from miniapp.engine.runtimes.torch_runtime import TorchRuntime
+from miniapp.engine.sampling import GREEDY
 
 # A small streaming cache, so a few dozen tokens wrap the ring and move the sinks' frame.
 POLICY = CachePolicy(ctx=20, sinks=4, window=12)
 PROMPT = [1, 72, 101, 108, 108, 111, 44, 32]
 STEPS = 90  # past the ring of window + slack (76), so it wraps
+TILED_STEPS = 150  # q4 keys: past a ring of whole tiles (128)
 
 
 @pytest.fixture(scope="module", params=[LLAMA, GEMMA3], ids=["llama", "gemma3"])
@@ -35,6 +37,22 @@ def tiny_path(request, tmp_path_factory):
 @pytest.fixture(scope="module")
 def model(tiny_path):
     return build_model(GGUFFile(tiny_path))
+
+
+@pytest.fixture(scope="module")
+def torch_model(tiny_path):
+    """The model with torch's attention, as a GPU runs eager steps. Over q4 keys the CPU's
+    native kernel quantizes the query per tile (tests/test_kv_tiles.py), where a GPU's
+    attention - eager or static - reads the decoded keys with the fp32 query."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MINIAPP_NATIVE", "0")
+        return build_model(GGUFFile(tiny_path))
+
+
+@pytest.fixture
+def model_for(model, torch_model):
+    """The model whose eager steps a static step over caches of `kind` must match."""
+    return lambda kind: torch_model if kind.key.tiled_keys else model
 
 
 def _prefilled(model, policy=POLICY):
@@ -71,17 +89,26 @@ def _static_logits(step):
     return run
 
 
+def _fitting(model, kind):
+    """The kind, or f16 where the tiny model's heads are too narrow for blocks (llama's 16)."""
+    return F16 if kind.blocked and model.config.head_dim % BLOCK else kind
+
+
 @pytest.mark.parametrize(
-    "kind", [F32, F16, Q8, KVPair(Q8, Q4)], ids=["f32", "f16", "q8-where-it-fits", "q8/q4-where"]
+    "kind",
+    [F32, F16, Q8, KVPair(Q8, Q4), Q4],
+    ids=["f32", "f16", "q8-where-it-fits", "q8/q4-where", "q4-tiled-keys-where"],
 )
-def test_static_steps_give_the_ordinary_steps_logits(model, kind):
-    if kind.blocked and model.config.head_dim % BLOCK:  # tiny llama's heads of 16: f16 again
-        kind = F16
+def test_static_steps_give_the_ordinary_steps_logits(model_for, kind):
+    model = model_for(kind)
+    kind = _fitting(model, kind)
     policy = replace(POLICY, kv_type=kind)  # q8: keys rotated and quantized in the step too
+    # q4 keys round the ring up to whole tiles (128 slots): more steps to wrap it.
+    steps = STEPS if not kind.key.tiled_keys else TILED_STEPS
     eager_caches, static_caches = _prefilled(model, policy), _prefilled(model, policy)
-    want, want_logits = _tokens(lambda t: _eager_step(model, eager_caches, t))
+    want, want_logits = _tokens(lambda t: _eager_step(model, eager_caches, t), n=steps)
     step = StaticDecodeStep(model, static_caches)
-    got, got_logits = _tokens(_static_logits(step))
+    got, got_logits = _tokens(_static_logits(step), n=steps)
     assert got == want
     # Masked-out keys add exact zeros; only the length of the reductions differs.
     assert (got_logits - want_logits).abs().max() < 1e-4
@@ -93,12 +120,16 @@ def test_static_steps_give_the_ordinary_steps_logits(model, kind):
         )  # fmt: skip
 
 
-def test_static_and_ordinary_steps_share_caches_through_roll_backs(model):
-    """Speculative decoding mixes them: drafts fed eagerly, trimmed, then static steps."""
-    eager_caches, mixed_caches = _prefilled(model), _prefilled(model)
+@pytest.mark.parametrize("kind", [F32, Q4], ids=["f32", "q4-where-it-fits"])
+def test_static_and_ordinary_steps_share_caches_through_roll_backs(model_for, kind):
+    """Speculative decoding mixes them: drafts fed eagerly, trimmed, then static steps
+    (q4 keys: across tile boundaries, which the host encodes after either kind of step)."""
+    model = model_for(kind)
+    policy = replace(POLICY, kv_type=_fitting(model, kind))
+    eager_caches, mixed_caches = _prefilled(model, policy), _prefilled(model, policy)
     step = StaticDecodeStep(model, mixed_caches)
     token = PROMPT[-1]
-    for round_ in range(8):
+    for round_ in range(40 if kind is Q4 else 8):
         drafts = [token, (token * 7 + round_) % 250 + 3, (token * 11) % 250 + 3]
         for caches in (eager_caches, mixed_caches):
             with torch.inference_mode():
@@ -113,12 +144,16 @@ def test_static_and_ordinary_steps_share_caches_through_roll_backs(model):
         token = int(want.argmax())
 
 
-def test_a_fixed_context_cache_takes_static_steps(model):
-    policy = CachePolicy(ctx=64, streaming=False)
+@pytest.mark.parametrize("kind", [F32, Q4], ids=["f32", "q4-where-it-fits"])
+def test_a_fixed_context_cache_takes_static_steps(model_for, kind):
+    model = model_for(kind)
+    # 70: q4 keys' storage is rounded up to whole tiles (96), past the span.
+    policy = CachePolicy(ctx=70, streaming=False, kv_type=_fitting(model, kind))
     eager_caches, static_caches = _prefilled(model, policy), _prefilled(model, policy)
-    want, _ = _tokens(lambda t: _eager_step(model, eager_caches, t), n=20)
-    got, _ = _tokens(_static_logits(StaticDecodeStep(model, static_caches)), n=20)
+    want, want_logits = _tokens(lambda t: _eager_step(model, eager_caches, t), n=60)
+    got, got_logits = _tokens(_static_logits(StaticDecodeStep(model, static_caches)), n=60)
     assert got == want
+    assert (got_logits - want_logits).abs().max() < 1e-4
 
 
 def test_a_cleared_cache_answers_as_a_new_one(model):
@@ -147,7 +182,8 @@ def test_new_storage_means_the_step_is_not_ready(model):
     assert not StaticDecodeStep(model, fresh).ready()
 
 
-def test_the_static_step_traces_whole_without_recompiling(tiny_path, monkeypatch):
+@pytest.mark.parametrize("kind", [F32, Q4], ids=["f32", "q4-where-it-fits"])
+def test_the_static_step_traces_whole_without_recompiling(tiny_path, monkeypatch, kind):
     """What a CUDA graph needs, checked where there is no GPU: torch.compile with
     fullgraph=True fails on any graph break, and a recompile limit of 1 on any value the
     step would bake in (a Python int that changes from step to step)."""
@@ -155,8 +191,11 @@ def test_the_static_step_traces_whole_without_recompiling(tiny_path, monkeypatch
 
     monkeypatch.setenv("MINIAPP_NATIVE", "0")  # our ctypes kernel is opaque to the tracer
     traced_model = build_model(GGUFFile(tiny_path))
-    eager_caches, static_caches = _prefilled(traced_model), _prefilled(traced_model)
-    want, want_logits = _tokens(lambda t: _eager_step(traced_model, eager_caches, t), n=24)
+    policy = replace(POLICY, kv_type=_fitting(traced_model, kind))
+    eager_caches = _prefilled(traced_model, policy)
+    static_caches = _prefilled(traced_model, policy)
+    # 40 steps: past the first complete tile of q4 keys, which the host encodes.
+    want, want_logits = _tokens(lambda t: _eager_step(traced_model, eager_caches, t), n=40)
     torch._dynamo.reset()
 
     def compiled(body):
@@ -165,7 +204,7 @@ def test_the_static_step_traces_whole_without_recompiling(tiny_path, monkeypatch
     step = StaticDecodeStep(traced_model, static_caches, runner=compiled)
     # One compiled graph allowed: a second (a recompilation) is an error.
     with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
-        got, got_logits = _tokens(_static_logits(step), n=24)
+        got, got_logits = _tokens(_static_logits(step), n=40)
     torch._dynamo.reset()
     assert got == want
     assert (got_logits - want_logits).abs().max() < 1e-4
@@ -214,6 +253,30 @@ def test_a_gpu_runtime_decodes_through_the_static_step(tiny_path, cpu_tokens, sp
     runtime.reset()  # a new chat keeps the caches' storage, so the built steps stay valid
     assert _answer(runtime) == cpu_tokens
     assert runtime.static_step.captured == probe.built
+
+
+def _logprobs(runtime, n):
+    """The greedy answer, and each step's top 3 log-probabilities: a tiny random model's
+    tokens repeat, with a probability near 1, but the runners-up's show the logits."""
+    stream = runtime.generate_tokens(list(range(3, 40)), replace(GREEDY, logprobs=3))
+    try:
+        tokens = [token for token, _ in zip(stream, range(n), strict=False)]
+    finally:
+        stream.close()
+    return tokens, torch.tensor([[lp for _, lp in entry.top] for entry in stream.logprobs])
+
+
+def test_a_gpu_runtime_takes_static_steps_over_q4_keys(tiny_path, model, monkeypatch):
+    kind = _fitting(model, Q4)
+    monkeypatch.setenv("MINIAPP_NATIVE", "0")  # eager attention as a GPU's: decoded keys
+    cpu = TorchRuntime(tiny_path, n_ctx=48, spec="off", device="cpu", kv=kind)
+    want, want_logprobs = _logprobs(cpu, 90)  # past whole tiles, through the ring's wrap
+    probe = _GraphProbe()
+    runtime = TorchRuntime(tiny_path, n_ctx=48, spec="off", probe=probe, kv=kind)
+    assert runtime.static_step is not None and runtime.kv_type == kind
+    got, got_logprobs = _logprobs(runtime, 90)
+    assert got == want and probe.built >= 1
+    assert (got_logprobs - want_logprobs).abs().max() < 1e-4
 
 
 def test_a_failed_capture_falls_back_to_ordinary_steps(tiny_path, cpu_tokens):

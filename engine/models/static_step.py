@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import Cache, StaticCache
+from ..kv_codec import TILE_ROWS, KVCodec
+from ..kv_types import F32
 from ..layers import Rope, RopeTables, apply_rope
 from .decoder import DecoderModel
 from .placement import CPU
@@ -45,6 +47,29 @@ def span_bucket(needed: int, full: int) -> int:
     return min(span, full)
 
 
+class _TileRows:
+    """For q4 keys in tiles (engine/key_tiles.py), which fp32 rows a step uses, as one int64
+    device buffer filled from the host: the row of `KeyTiles.recent` its key goes to, then
+    the ring rows of its own tile (the one its query reads exactly), then where those rows
+    sit in `recent`."""
+
+    def __init__(self, device: torch.device):
+        self.rows = torch.zeros(1 + 2 * TILE_ROWS, dtype=torch.long, device=device)
+        self.key_row = self.rows[:1]
+        self.own_rows = self.rows[1 : 1 + TILE_ROWS]
+        self.own_recent = self.rows[1 + TILE_ROWS :]
+        self._offsets = torch.arange(TILE_ROWS)
+
+    def point_at(self, slot: int) -> None:
+        """Aim at ring slot `slot` (KeyTiles keeps tile t in half t % 2 of `recent`)."""
+        first = slot // TILE_ROWS * TILE_ROWS
+        half = first % (2 * TILE_ROWS)
+        rows = torch.cat([
+            torch.tensor([slot % (2 * TILE_ROWS)]), first + self._offsets, half + self._offsets
+        ])  # fmt: skip
+        self.rows.copy_(rows)
+
+
 @dataclass
 class _KindInputs:
     """Static inputs shared by the layers of one kind (global or sliding-window): all their
@@ -55,11 +80,13 @@ class _KindInputs:
     sink_shift: RopeTables  # rotates each sink from its own position into the frame
     write_at: torch.Tensor  # int64 [1]: storage index of the new keys and values
     mask: torch.Tensor  # bool [1, full span]: what the new token's query sees
+    tiles: _TileRows | None  # for q4 keys in tiles
 
 
 class _StaticCacheView:
     """A cache as the static step sees it: `update_and_fetch` writes at the slot held in a
-    device tensor and returns the first `length` slots of its span."""
+    device tensor and returns the first `length` slots of its span (q4 keys in tiles: as
+    fp32, decoded the way a decode step reads them)."""
 
     def __init__(self, cache: StaticCache, inputs: _KindInputs, length: int):
         self.keys, self.values = cache.keys, cache.values
@@ -67,19 +94,45 @@ class _StaticCacheView:
         self.inputs = inputs
         self.sinks = cache.sinks
         self.start, self.stop = cache.static_span()[0], cache.static_span()[0] + length
+        self.key_tiles = getattr(cache, "key_tiles", None)
+        if self.key_tiles is not None:
+            self.lead = getattr(cache, "lead", None)
+            self.key_codec = KVCodec(F32, self.key_tiles.head_dim, self.keys.device)
 
     def update_and_fetch(self, k: torch.Tensor, v: torch.Tensor):
         inputs, codec = self.inputs, self.key_codec
-        self.keys.index_copy_(2, inputs.write_at, codec.encode(k))
         self.values.index_copy_(2, inputs.write_at, self.value_codec.encode(v))
+        values = self.values[:, :, self.start : self.stop]
+        if self.key_tiles is not None:
+            return self._tiled_keys(k), values
+        self.keys.index_copy_(2, inputs.write_at, codec.encode(k))
         if self.sinks:  # sinks re-rotated into the newest query's frame (idempotent)
             own = codec.decode(self.keys[:, :, : self.sinks])[0].transpose(0, 1)
             framed = apply_rope(own, inputs.sink_shift).transpose(0, 1)[None]
             self.keys[:, :, self.sinks : 2 * self.sinks].copy_(codec.encode(framed))
-        return self.keys[:, :, self.start : self.stop], self.values[:, :, self.start : self.stop]
+        return self.keys[:, :, self.start : self.stop], values
+
+    def _tiled_keys(self, k: torch.Tensor) -> torch.Tensor:
+        """The key goes into its fp32 row of the newest tiles; returns fp32 keys [1, kv_heads,
+        length, head_dim] as the native kernel reads them: fp32 frame sinks, complete tiles
+        decoded, the query's own tile exact. The host encodes a tile the key completes,
+        after the step (StaticStep.written)."""
+        tiles, rows = self.key_tiles, self.inputs.tiles
+        tiles.recent.index_copy_(1, rows.key_row, k[0].float())
+        used = self.stop - self.start - self.sinks  # ring rows read
+        whole = -(-used // TILE_ROWS) * TILE_ROWS
+        keys = tiles.decode(self.keys[:, :, 2 * self.sinks :][:, :, :whole])
+        keys.index_copy_(2, rows.own_rows, tiles.recent.index_select(1, rows.own_recent)[None])
+        keys = keys[:, :, :used]
+        if not self.sinks:
+            return keys
+        own = self.lead[0, :, : self.sinks].transpose(0, 1)
+        framed = apply_rope(own, self.inputs.sink_shift).transpose(0, 1)[None]
+        self.lead[:, :, self.sinks :].copy_(framed)  # as the host keeps them
+        return torch.cat([framed, keys], dim=2)
 
     def tiled_keys(self, rows: int) -> None:
-        return None  # tiled caches take no static steps
+        return None  # update_and_fetch returned them all, in fp32
 
     def decode_keys(self, keys: torch.Tensor, row: int | None = None) -> torch.Tensor:
         return self.key_codec.decode(keys)
@@ -92,8 +145,6 @@ def static_step_unsupported(model: DecoderModel, caches: list[Cache]) -> str | N
         return "the model is split between devices"
     if not all(isinstance(cache, StaticCache) for cache in caches):
         return "a kind of cache without fixed-shape steps"
-    if any(cache.key_codec.tiled for cache in caches):
-        return "q4 keys, whose tiles are encoded by the host as they complete"
     return None
 
 
@@ -169,10 +220,12 @@ class StaticDecodeStep:
                               torch.zeros(shape, device=self.device), rope)  # fmt: skip
 
         _, span = cache.static_span()
+        tiled = cache.key_codec.tiled
         return _KindInputs(
             rope, tables(), tables(),
             torch.zeros(1, dtype=torch.long, device=self.device),
             torch.zeros(1, span, dtype=torch.bool, device=self.device),
+            _TileRows(self.device) if tiled else None,
         )  # fmt: skip
 
     def _storage_addresses(self) -> list[int]:
@@ -195,27 +248,35 @@ class StaticDecodeStep:
         if self.model.fault_hook is not None:
             self.model.fault_hook()
         self.x.copy_(self.model.embed_tokens(torch.tensor([token])))
+        written: list[Callable[[], None]] = []
         lengths = tuple(
-            self._advance_kind(self.kinds[kind], layers)
+            self._advance_kind(self.kinds[kind], layers, written)
             for kind, layers in self._layers_of_kind.items()
         )
         try:
             run = self._runs.get(lengths) or self._build_run(lengths)
             run()
+            for encode_tile in written:  # q4 keys: the tiles this step's keys completed
+                encode_tile()
         except BaseException:
             for cache in self.caches:  # as if the token had never come
                 cache.trim(1)
             raise
         return self.logits.to(CPU, copy=True)  # the buffer is overwritten next step
 
-    def _advance_kind(self, inputs: _KindInputs, layers: list[int]) -> int:
+    def _advance_kind(
+        self, inputs: _KindInputs, layers: list[int], written: list[Callable[[], None]]
+    ) -> int:
         """Cache bookkeeping for the new token, and the kind's static inputs for it; returns
-        the span bucket its attention reads. The first cache of the kind answers for all
-        (they hold the same positions)."""
+        the span bucket its attention reads, and adds to `written` what to call after the
+        step. The first cache of the kind answers for all (they hold the same positions)."""
         first = self.caches[layers[0]]
-        step = first.advance_one()
-        for layer in layers[1:]:
-            self.caches[layer].advance_one(with_mask=False)
+        steps = [first.advance_one()]
+        steps += [self.caches[layer].advance_one(with_mask=False) for layer in layers[1:]]
+        written += [step.written for step in steps if step.written is not None]
+        step = steps[0]
+        if inputs.tiles is not None:
+            inputs.tiles.point_at(step.write_at - 2 * first.sinks)
         rotation = inputs.rope.tables(first.offset - 1, 1)
         inputs.rotation.cos.copy_(rotation.cos)
         inputs.rotation.signed_sin.copy_(rotation.signed_sin)
