@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 
+from miniapp.engine.constraints import closing_reserve
 from miniapp.engine.errors import InputFileError, MiniappError
 from miniapp.engine.evaluation.perplexity import (
     agreement,
@@ -174,14 +175,17 @@ def _json_eval_table(model: str, threads: int | None, load: dict, r) -> str:
         f"{load['before']:.1f} before, {load['after']:.1f} after",
         f"  valid / parsed / finished / total   {r.valid} / {r.parsed} / {r.finished} / {r.total}"
         f"   (cut by max tokens: {r.cut_by_max_tokens}; free answers: "
-        f"{r.free_cut_by_max_tokens})",
+        f"{r.free_cut_by_max_tokens}; steered to close in the budget's last "
+        f"{closing_reserve(r.max_tokens)} tokens: {r.steered})",
         f"  compile a schema                    median {_ms(r.compile_median_s, 1)} ms, "
         f"max {_ms(r.compile_max_s, 1)} ms",
         f"  llguidance's vocabulary (once)      {_ms(r.tokenizer_build_s)} ms",
         f"  mask per step (matcher)             median {_ms(r.mask_median_s, 2)} ms, "
         f"p90 {_ms(r.mask_p90_s, 2)} ms  ({r.mask_calls} masks)",
         f"  mask per step (matcher + -inf)      median {_ms(r.whole_mask_median_s, 2)} ms, "
-        f"p90 {_ms(r.whole_mask_p90_s, 2)} ms  ({r.mask_share:.1%} of decode time)",
+        f"p90 {_ms(r.whole_mask_p90_s, 2)} ms",
+        f"  greedy check of the best token      median {_ms(r.check_median_s, 3)} ms  "
+        f"({r.check_calls} checks; masks and checks {r.mask_share:.1%} of decode time)",
         f"  decode tok/s with / without schema  {r.decode_tok_s:.1f} / {r.free_decode_tok_s:.1f}"
         f"  ratio {r.ratio:.2f}  (median of per-prompt ratios {r.paired_ratio_median:.2f})",
     ]

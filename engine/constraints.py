@@ -18,8 +18,8 @@ import json
 import threading
 import warnings
 import weakref
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
@@ -56,6 +56,9 @@ class OutputConstraint:
 
     kind: ConstraintKind
     source: str = ""
+    # The answer's token budget (max_tokens): in its last `closing_reserve` tokens the guide
+    # steers toward ending the value, so a budget-cut answer still parses. None: no budget.
+    within_tokens: int | None = None
 
     def __post_init__(self):
         try:
@@ -78,7 +81,11 @@ class OutputConstraint:
     def grammar(self) -> str:
         """The llguidance grammar, checked: ConstraintError (one line) if it is not valid.
         Compiled once per constraint: a request checks it, then its generation builds on it."""
-        return _checked_grammar(self)
+        return _checked_grammar(replace(self, within_tokens=None))
+
+    def within(self, max_tokens: int) -> OutputConstraint:
+        """The same constraint for an answer of at most `max_tokens` tokens."""
+        return replace(self, within_tokens=max_tokens)
 
     def _compile(self) -> str:
         import llguidance
@@ -120,14 +127,106 @@ def _one_line(exc: object) -> str:
     return " ".join(str(exc).split())[:300]
 
 
-class TokenGuide:
-    """One generation's matcher: which tokens may follow the tokens generated so far."""
+def closing_reserve(max_tokens: int) -> int:
+    """How many of an answer's last tokens steer toward closing its value: a quarter of the
+    budget, between 8 and 64 (enough to close nested objects and write the required keys
+    left; measured on assets/schemas, docs/BENCHMARKS.md)."""
+    return min(64, max(8, max_tokens // 4))
 
-    def __init__(self, matcher, n_vocab: int, prompt_tokens: int):
+
+class ClosingTokens:
+    """The tokens that bring a JSON value nearer its end, best first. What a token does
+    depends on whether the text so far is inside a string, so there are two rankings:
+
+    - inside a string: a quote that ends it, then a closing bracket or brace (`"]`, `"}`),
+      then such a quote and a comma (`"],`), then the quote alone (`"`), then `",`;
+    - outside: a closing bracket or brace with only blanks, colons and empty strings around
+      it (`}`, `]}`, `""}`), then the same with a comma (`],`), then an empty string (`""`),
+      then a comma or colon, alone or after an empty string.
+
+    A comma ranks low because it asks for another item or key. The end of the answer comes
+    before all of them, and anything but pure whitespace after. The same rankings serve any
+    other constraint: where none of them is allowed, the model's own choice decides."""
+
+    _PUNCTUATION = frozenset(b",:]} \t\r\n")
+    _RANKS = 5  # the end of the answer, then four kinds of punctuation
+
+    def __init__(self, pieces: Sequence[bytes], ends: Sequence[int]):
+        n = len(pieces)
+        self._pieces = pieces
+        self._inside = [np.zeros(n, dtype=bool) for _ in range(self._RANKS)]
+        self._outside = [np.zeros(n, dtype=bool) for _ in range(self._RANKS)]
+        self._blank = np.zeros(n, dtype=bool)
+        for ranks in (self._inside, self._outside):
+            ranks[0][list(ends)] = True
+        for token, piece in enumerate(pieces):
+            if not piece or token in ends:
+                continue
+            self._blank[token] = not piece.strip()
+            if piece[:1] == b'"':
+                self._place(self._inside, token, piece[1:], quoted=True)
+            if piece.strip():
+                self._place(self._outside, token, piece.replace(b'""', b""), b'""' in piece)
+
+    @classmethod
+    def _place(cls, ranks: list[np.ndarray], token: int, rest: bytes, quoted: bool) -> None:
+        """Rank a token by `rest`, what it holds besides the quote(s) that end or make a
+        string: punctuation only, else it is not a closer."""
+        if not cls._PUNCTUATION.issuperset(rest):
+            return
+        comma = b"," in rest
+        if b"]" in rest or b"}" in rest:
+            ranks[2 if comma else 1][token] = True
+        elif quoted and not comma:
+            ranks[3][token] = True
+        elif comma or b":" in rest or quoted:
+            ranks[4][token] = True
+
+    def best(self, allowed: np.ndarray, generated: Sequence[int]) -> np.ndarray:
+        """The best-ranked non-empty part of `allowed`, after the tokens `generated`."""
+        n = len(allowed)
+        ranks = self._inside if self.in_string(generated) else self._outside
+        for rank in ranks:
+            chosen = allowed & rank[:n]
+            if chosen.any():
+                return chosen
+        solid = allowed & ~self._blank[:n]
+        return solid if solid.any() else allowed
+
+    def in_string(self, tokens: Sequence[int]) -> bool:
+        """Whether the text of `tokens` ends inside a JSON string."""
+        inside = escaped = False
+        for byte in b"".join(self._pieces[t] for t in tokens):
+            if escaped:
+                escaped = False
+            elif inside and byte == 0x5C:  # a backslash escapes the next character
+                escaped = True
+            elif byte == 0x22:  # a quote opens or closes a string
+                inside = not inside
+        return inside
+
+
+class TokenGuide:
+    """One generation's matcher: which tokens may follow the tokens generated so far.
+
+    Given a budget, the guide narrows the allowed tokens in the budget's last
+    `closing_reserve` tokens to those that end the value soonest (`ClosingTokens`): a small
+    model looping inside a number or a string would otherwise be cut mid-value."""
+
+    def __init__(
+        self,
+        matcher,
+        n_vocab: int,
+        prompt_tokens: int,
+        budget: int | None = None,
+        closing: Callable[[], ClosingTokens] | None = None,
+    ):
         self._matcher = matcher
         self._n_vocab = n_vocab
         self._start = prompt_tokens  # history[:start] is the prompt, not constrained
         self._consumed: list[int] = []
+        self._closing_from = None if budget is None else budget - closing_reserve(budget)
+        self._closing = closing
 
     def mask_logits(self, logits, history: Sequence[int]):
         """torch `logits` [vocab] for the token after `history`, forbidden tokens at -inf."""
@@ -149,9 +248,26 @@ class TokenGuide:
         return masked
 
     def allowed_after(self, history: Sequence[int]) -> np.ndarray:
-        """bool [vocab]: the tokens the constraint allows after `history`."""
+        """bool [vocab]: the tokens the constraint allows after `history` (near the end of
+        the budget, only those that close the value soonest)."""
         self._follow(history[self._start :])
-        return self.allowed()
+        allowed = self.allowed()
+        if self.closing_at(len(history)):
+            return self._closing().best(allowed, self._consumed)
+        return allowed
+
+    def closing_at(self, history_length: int) -> bool:
+        """Whether the token after a history this long is steered toward closing."""
+        generated = history_length - self._start
+        return self._closing_from is not None and generated >= self._closing_from
+
+    def allows(self, history: Sequence[int], token: int) -> bool:
+        """Whether `token` may follow `history`, without computing the whole mask (so only
+        outside the closing steps, where the mask is not the matcher's alone)."""
+        if self.closing_at(len(history)):
+            raise ValueError("allows() does not apply to closing steps")
+        self._follow(history[self._start :])
+        return self._matcher.validate_tokens([token]) == 1
 
     def forced_after(self, history: Sequence[int]) -> list[int]:
         """The tokens the constraint forces after `history` (none where it allows a choice)."""
@@ -191,13 +307,31 @@ def _ll_tokenizer(tokenizer: Tokenizer):
     with _LL_LOCK:
         built = _LL_TOKENIZERS.get(tokenizer)
         if built is None:
-            # Any end-of-generation token ends a constrained answer (an instruct model's
-            # end of turn, not only its end of text).
-            ends = sorted(tokenizer.eog_ids) or [tokenizer.eos_id]
             with warnings.catch_warnings():  # it calls a deprecated name once per token
                 warnings.simplefilter("ignore", DeprecationWarning)
+                ends = _end_tokens(tokenizer)
                 built = lltokenizer_from_vocab(tokenizer.vocab_handle, eos_token=ends)
             _LL_TOKENIZERS[tokenizer] = built
+        return built
+
+
+def _end_tokens(tokenizer: Tokenizer) -> list[int]:
+    """Any end-of-generation token ends a constrained answer (an instruct model's end of
+    turn, not only its end of text)."""
+    return sorted(tokenizer.eog_ids) or [tokenizer.eos_id]
+
+
+_CLOSING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _closing_tokens(tokenizer: Tokenizer) -> ClosingTokens:
+    """The tokenizer's ClosingTokens, built the first time an answer needs them (half a
+    second for 260k tokens)."""
+    with _LL_LOCK:
+        built = _CLOSING.get(tokenizer)
+        if built is None:
+            built = ClosingTokens(tokenizer.pieces(), _end_tokens(tokenizer))
+            _CLOSING[tokenizer] = built
         return built
 
 
@@ -211,4 +345,5 @@ def token_guide(
     if matcher.is_error():
         raise ConstraintError(f"invalid {constraint.kind.value}: "
                               f"{_one_line(matcher.get_error())}")  # fmt: skip
-    return TokenGuide(matcher, tokenizer.n_vocab, prompt_tokens)
+    closing = functools.partial(_closing_tokens, tokenizer)
+    return TokenGuide(matcher, tokenizer.n_vocab, prompt_tokens, constraint.within_tokens, closing)

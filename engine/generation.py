@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .errors import ContextFullError
 from .events import Finished, FinishReason, GenerationEvent, GenerationStats, TextDelta
@@ -56,6 +56,17 @@ class StopMatcher:
         return best
 
 
+def _with_budget(request: GenerationRequest, runtime: Runtime, prompt_tokens: int):
+    """The request's sampling settings, its constraint told the answer's token budget."""
+    sampling = request.sampling
+    if sampling.constraint is None:
+        return sampling
+    budget = request.max_tokens
+    if not runtime.slides_past_ctx:
+        budget = min(budget, runtime.n_ctx - prompt_tokens)
+    return replace(sampling, constraint=sampling.constraint.within(budget))
+
+
 def generate(
     runtime: Runtime,
     prompt: Sequence[int],
@@ -80,7 +91,7 @@ def generate(
     reason = FinishReason.MAX_TOKENS
     generated = 0
     first_at = last_at = start
-    tokens = runtime.generate_tokens(prompt, request.sampling)
+    tokens = runtime.generate_tokens(prompt, _with_budget(request, runtime, len(prompt)))
     if on_tokens is not None:
         on_tokens(tokens)
     unsent: list[TokenLogprob] = []  # logprobs of tokens whose text is not yielded yet

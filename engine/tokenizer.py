@@ -66,6 +66,10 @@ class Tokenizer:
             self._piece_cache[key] = piece
         return piece
 
+    def pieces(self) -> list[bytes]:
+        """Every token's bytes in id order, control tokens as b"" (not kept in the cache)."""
+        return [self._piece(token, False) for token in range(self.n_vocab)]
+
     def _piece(self, token: int, special: bool) -> bytes:
         size = 64
         while True:

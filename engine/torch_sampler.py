@@ -28,9 +28,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, history: Sequence[int]) -> int:
         """logits: fp32 [vocab]; history: all tokens so far (for the repetition penalty)."""
-        logits = self._penalized(self._guided(logits, history), history)
         if self.params.greedy:
-            return int(torch.argmax(logits))
+            return self._greedy(logits, history)
+        logits = self._penalized(self._guided(logits, history), history)
         final, ids = self._candidates(logits)
         choice = torch.multinomial(final, 1, generator=self._generator)
         return int(ids[choice])
@@ -48,6 +48,17 @@ class Sampler:
     def uniform(self) -> float:
         """A draw from U[0, 1) on this sampler's random stream (acceptance tests)."""
         return float(torch.rand((), generator=self._generator))
+
+    def _greedy(self, logits: torch.Tensor, history: Sequence[int]) -> int:
+        """The best token. Under a constraint, the unmasked best is asked about first: when
+        the constraint allows it, it is also the masked best (ties too: argmax takes the
+        first), and the whole mask, a pass over the vocabulary, is skipped."""
+        logits = self._penalized(logits, history)  # -inf stays -inf, so before masking too
+        best = int(torch.argmax(logits))
+        guide = self.guide
+        if guide is None or (not guide.closing_at(len(history)) and guide.allows(history, best)):
+            return best
+        return int(torch.argmax(guide.mask_logits(logits, history)))
 
     def _guided(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
         return logits if self.guide is None else self.guide.mask_logits(logits, history)

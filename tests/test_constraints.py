@@ -192,3 +192,104 @@ def test_the_grammar_drafter_proposes_what_the_schema_forces(plain):
     assert tokenizer.decode(draft.tokens).startswith("name"), draft.tokens
     free = sampler_for(SamplingParams(temperature=0), tokenizer, len(prompt))
     assert drafter.propose(history[-1], DraftController(), [], free, history) is None
+
+
+# An answer with no end of its own: a list of any length of strings of any length.
+ENDLESS = {
+    "type": "object",
+    "properties": {"fruits": {"type": "array", "items": {"type": "string"}}},
+    "additionalProperties": {"type": "number"},
+}
+
+
+@pytest.mark.parametrize(("required", "max_tokens"), [(["fruits"], 24), (["fruits", "count"], 40)])
+def test_an_answer_near_its_budget_closes_its_value_instead_of_being_cut(
+    plain, speculative, required, max_tokens
+):
+    """Asked for an endless list, the answer fills its budget; in the budget's last tokens
+    the guide steers it to close the list (and write the required key still missing), so
+    the answer ends its turn in time with a valid value, on the plain and speculative paths."""
+    schema = {**ENDLESS, "required": required}
+    prompt = _chat(plain, "List every fruit you know, as JSON.")
+    constraint = OutputConstraint.json_schema(schema)
+    text, finished = _answer(plain, prompt, constraint, max_tokens=max_tokens)
+    assert finished.reason is FinishReason.END_OF_TURN, text
+    assert finished.stats.generated_tokens <= max_tokens
+    jsonschema.validate(json.loads(text), schema)
+    assert len(json.loads(text)["fruits"]) >= 2  # the model answered before it was steered
+    again, _ = _answer(speculative, _chat(speculative, "List every fruit you know, as JSON."),
+                       constraint, max_tokens=max_tokens)  # fmt: skip
+    assert again == text
+
+
+def test_a_long_budget_leaves_an_answer_alone(plain):
+    """Steering starts only in the budget's last quarter (at most 64 tokens): an answer that
+    ends well before it is the same whatever the budget."""
+    schema, question = ASKED["person"]
+    constraint = OutputConstraint.json_schema(schema)
+    prompt = _chat(plain, question)
+    text, finished = _answer(plain, prompt, constraint, max_tokens=160)
+    used = finished.stats.generated_tokens
+    budget = used + 64  # the closing steps start after the answer's last token
+    assert _answer(plain, prompt, constraint, max_tokens=budget)[0] == text
+    assert _answer(plain, prompt, constraint, max_tokens=1000)[0] == text
+
+
+def test_the_greedy_check_picks_what_the_whole_mask_picks(plain):
+    """A greedy step asks the constraint about the model's best token before masking; over
+    random logits along a valid answer, it chooses exactly what masking first chooses."""
+    import torch
+
+    from miniapp.engine.torch_sampler import sampler_for
+
+    schema, question = ASKED["order"]
+    prompt = _chat(plain, question)
+    constraint = OutputConstraint.json_schema(schema)
+    text, _ = _answer(plain, prompt, constraint)
+    answer = plain.tokenizer.encode(text, add_bos=False)
+    sampler = sampler_for(SamplingParams(temperature=0, constraint=constraint),
+                          plain.tokenizer, len(prompt))  # fmt: skip
+    masked = token_guide(constraint, plain.tokenizer, len(prompt))
+    generator = torch.Generator().manual_seed(0)
+    checked = 0
+    for step in range(len(answer)):
+        history = prompt + answer[:step]
+        for scale in (0.5, 8.0):  # flat logits: the best token is often refused; peaked: not
+            logits = torch.randn(plain.tokenizer.n_vocab, generator=generator) * scale
+            logits[answer[step]] += 3 * scale
+            expected = int(torch.argmax(masked.mask_logits(logits, history)))
+            assert sampler(logits, history) == expected
+            checked += expected == int(torch.argmax(logits))
+    assert 0 < checked < 2 * len(answer)  # both ways were taken
+
+
+def test_closing_tokens_rank_what_ends_the_value_soonest_inside_and_outside_strings():
+    import numpy as np
+
+    from miniapp.engine.constraints import ClosingTokens
+
+    pieces = [b"", b"}", b'"', b",", b"\n  ", b"abc", b'"]', b": [", b'",', b'""', b'""}', b'"a']
+    closing = ClosingTokens(pieces, ends=[0])
+
+    def best(generated: list[int], *allowed: int) -> list[int]:
+        mask = np.zeros(len(pieces), dtype=bool)
+        mask[list(allowed)] = True
+        return np.flatnonzero(closing.best(mask, generated)).tolist()
+
+    everything = range(len(pieces))
+    assert best([], *everything) == [0]  # the end of the answer first
+    outside, inside = [1], [2, 5]  # after `}`; after `"abc`
+    assert not closing.in_string(outside) and closing.in_string(inside)
+    assert closing.in_string([2, 5, 3, 6]) is False  # `"abc,"]`: closed by the second quote
+    # Outside a string a quote opens one, so `"]` and `",` are not closers there.
+    assert best(outside, *everything[1:]) == [1, 10]  # a brace, also after an empty string
+    assert best(outside, 2, 3, 5, 6, 8, 9, 11) == [9]  # an empty string
+    assert best(outside, 1, 3) == [1] and best(outside, 3, 7) == [3]  # a comma comes last
+    assert best(outside, 2, 3, 4, 5, 7) == [3]  # a comma
+    assert best(outside, 2, 4, 5, 11) == [2, 5, 11]  # anything but whitespace
+    assert best(outside, 4) == [4]
+    # Inside one, punctuation is text: only a quote ends it.
+    assert best(inside, *everything[1:]) == [6]  # the quote, then the bracket
+    assert best(inside, 1, 2, 3, 5, 8) == [2]  # a comma would ask for another item
+    assert best(inside, 3, 5, 8) == [8]
+    assert best(inside, 1, 3, 4, 5) == [1, 3, 5]  # no way out yet: the model's choice

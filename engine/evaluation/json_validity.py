@@ -11,9 +11,10 @@ we record:
   the vocabulary, and the time each masking step takes.
 
 The masking steps are timed by wrapping `TokenGuide.allowed_after` (the matcher: which
-tokens may come next) and the whole mask (`mask_logits` on the torch engine, `mask_scores`
-on llama.cpp, which include the matcher and set forbidden logits to -inf) for the duration
-of the run only (`timed_masks`); the engine itself carries no timing code.
+tokens may come next), the whole mask (`mask_logits` on the torch engine, `mask_scores`
+on llama.cpp, which include the matcher and set forbidden logits to -inf) and the one-token
+check a greedy step makes before it (`allows`) for the duration of the run only
+(`timed_masks`); the engine itself carries no timing code.
 """
 
 from __future__ import annotations
@@ -27,7 +28,13 @@ from dataclasses import asdict, dataclass, field
 from importlib.resources import files
 
 from ..chat_template import Message
-from ..constraints import OutputConstraint, TokenGuide, _ll_tokenizer, token_guide
+from ..constraints import (
+    OutputConstraint,
+    TokenGuide,
+    _ll_tokenizer,
+    closing_reserve,
+    token_guide,
+)
 from ..conversation import Conversation
 from ..errors import MiniappError
 from ..events import Finished, FinishReason, TextDelta
@@ -55,10 +62,12 @@ def schema_cases(limit: int | None = None) -> list[SchemaCase]:
 
 @dataclass
 class MaskTimes:
-    """Seconds per call: the matcher alone (allowed_after) and the whole mask."""
+    """Seconds per call: the matcher alone (allowed_after), the whole mask, and the one-token
+    checks a greedy step makes first (allows: the mask is computed only when they refuse)."""
 
     matcher: list[float] = field(default_factory=list)
     whole: list[float] = field(default_factory=list)
+    checks: list[float] = field(default_factory=list)
 
 
 @contextmanager
@@ -66,7 +75,7 @@ def timed_masks(times: MaskTimes) -> Iterator[MaskTimes]:
     """Time every TokenGuide mask while the block runs (a wrapper around the class's methods,
     put back afterwards)."""
     originals = {name: getattr(TokenGuide, name)
-                 for name in ("allowed_after", "mask_logits", "mask_scores")}  # fmt: skip
+                 for name in ("allowed_after", "mask_logits", "mask_scores", "allows")}  # fmt: skip
 
     def timing(method, into: list[float]):
         def timed(self, *args):
@@ -81,6 +90,7 @@ def timed_masks(times: MaskTimes) -> Iterator[MaskTimes]:
     TokenGuide.allowed_after = timing(originals["allowed_after"], times.matcher)
     TokenGuide.mask_logits = timing(originals["mask_logits"], times.whole)
     TokenGuide.mask_scores = timing(originals["mask_scores"], times.whole)
+    TokenGuide.allows = timing(originals["allows"], times.checks)
     try:
         yield times
     finally:
@@ -121,6 +131,7 @@ class JsonEvalReport:
     parsed: int
     valid: int
     cut_by_max_tokens: int  # constrained answers
+    steered: int  # constrained answers that reached their budget's closing steps
     free_cut_by_max_tokens: int
     tokenizer_build_s: float  # llguidance's view of the vocabulary, once per tokenizer
     compile_median_s: float
@@ -130,7 +141,9 @@ class JsonEvalReport:
     mask_p90_s: float
     whole_mask_median_s: float  # the matcher plus setting forbidden logits to -inf
     whole_mask_p90_s: float
-    mask_share: float  # all whole masks' seconds / the constrained answers' decode seconds
+    check_calls: int
+    check_median_s: float  # a greedy step's one-token check (allows)
+    mask_share: float  # masks' and checks' seconds / the constrained answers' decode seconds
     decode_tok_s: float  # median over constrained answers of 2+ tokens
     free_decode_tok_s: float  # median over the same prompts' free answers of 2+ tokens
     ratio: float  # decode_tok_s / free_decode_tok_s
@@ -259,6 +272,9 @@ def _report(
         parsed=sum(r.parsed for r in results),
         valid=sum(r.valid for r in results),
         cut_by_max_tokens=sum(a.reason == cut for a in constrained),
+        steered=sum(
+            a.generated_tokens > max_tokens - closing_reserve(max_tokens) for a in constrained
+        ),  # fmt: skip
         free_cut_by_max_tokens=sum(a.reason == cut for a in free),
         tokenizer_build_s=tokenizer_build_s,
         compile_median_s=statistics.median(compile_times),
@@ -268,7 +284,9 @@ def _report(
         mask_p90_s=_quantile(masks.matcher, 0.9),
         whole_mask_median_s=_quantile(masks.whole, 0.5),
         whole_mask_p90_s=_quantile(masks.whole, 0.9),
-        mask_share=sum(masks.whole) / decode_s if decode_s else 0.0,
+        check_calls=len(masks.checks),
+        check_median_s=_quantile(masks.checks, 0.5),
+        mask_share=(sum(masks.whole) + sum(masks.checks)) / decode_s if decode_s else 0.0,
         decode_tok_s=with_schema,
         free_decode_tok_s=without,
         ratio=with_schema / without if without else 0.0,
