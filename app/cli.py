@@ -273,6 +273,11 @@ def _add_serve_parser(sub) -> None:
 def _add_api_flags(parser: argparse.ArgumentParser) -> None:
     """What the API takes, served alone (`serve`) or beside the GUI (`gui --api`)."""
     parser.add_argument(
+        "--chat-template-file",
+        metavar="FILE",
+        help="a Jinja chat template to use instead of the model's (as llama-server's flag)",
+    )
+    parser.add_argument(
         "--api-key",
         default=os.environ.get("MINIAPP_API_KEY"),
         help="API requests must send Authorization: Bearer KEY (or MINIAPP_API_KEY)",

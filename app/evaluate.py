@@ -168,7 +168,9 @@ def run_json(args: argparse.Namespace) -> int:
 
 
 def _json_eval_table(model: str, threads: int | None, load: dict, r) -> str:
-    spec = f"spec {r.spec}" + (f", {r.accepted}/{r.drafted} drafts accepted" if r.drafted else "")
+    drafts = (f", drafts accepted {r.accepted}/{r.drafted} constrained, "
+              f"{r.free_accepted}/{r.free_drafted} free")  # fmt: skip
+    spec = f"spec {r.spec}" + (drafts if r.drafted or r.free_drafted else "")
     lines = [
         f"{model}, {r.backend} ({spec}), {threads or 'all'} threads, "
         f"{r.total} schemas, greedy, max {r.max_tokens} tokens; load average "

@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass, field
 
 import jinja2
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .errors import MiniappError
@@ -47,10 +48,23 @@ class TemplateError(MiniappError):
 
 @dataclass(frozen=True)
 class Message:
-    role: str  # "system" | "user" | "assistant"
+    role: str  # "system" | "user" | "assistant", or "tool" for templates that take tools
     content: str
     # PNG files a vision model sees before the text, in this order (a user message's only).
     pictures: tuple[bytes, ...] = field(default=(), repr=False)
+    # For templates that render tool traffic: an assistant's calls, each
+    # {"id", "type": "function", "function": {"name", "arguments": <object>}}, and the id
+    # of the call a "tool" message answers.
+    tool_calls: tuple[dict, ...] = ()
+    tool_call_id: str | None = None
+
+    def for_template(self) -> dict:
+        message = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = list(self.tool_calls)
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class ChatTemplate:
@@ -71,24 +85,39 @@ class ChatTemplate:
         env.globals["strftime_now"] = _strftime_now
         try:
             self._template = env.from_string(self.source)
+            names = jinja2.meta.find_undeclared_variables(env.parse(self.source))
         except jinja2.TemplateError as exc:
             raise TemplateError(f"the model's chat template does not parse: {exc}") from exc
         self.bos_text, self.eos_text = bos_text, eos_text
+        # A template that reads `tools` describes them to the model itself; one that also
+        # writes <tool_call> tags (Hermes' format: Qwen 2.5 and 3, Hermes 2 and 3, many
+        # fine-tunes) has the model answer with calls in those tags.
+        self.takes_tools = "tools" in names
+        self.tags_tool_calls = self.takes_tools and "<tool_call>" in self.source
 
     @classmethod
     def for_model(cls, source: str | None, tokenizer, architecture: str) -> ChatTemplate:
         """The model's template (or the architecture's fallback) with its BOS/EOS texts."""
         return cls(source, tokenizer.bos_text, tokenizer.eos_text, architecture)
 
-    def render(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+    ) -> str:
+        """The prompt text; `tools` (OpenAI's {"type": "function", "function": ...} each)
+        go to templates that take them."""
+        extra = {"tools": tools} if tools else {}
         try:
             return self._template.render(
-                messages=[{"role": m.role, "content": m.content} for m in messages],
+                messages=[m.for_template() for m in messages],
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_text,
                 eos_token=self.eos_text,
+                **extra,
             )
-        except jinja2.TemplateError as exc:
+        except Exception as exc:  # a template is code: whatever it raises is its failure
             raise TemplateError(f"the model's chat template failed: {exc}") from exc
 
 

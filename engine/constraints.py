@@ -193,10 +193,19 @@ class ClosingTokens:
         solid = allowed & ~self._blank[:n]
         return solid if solid.any() else allowed
 
+    def structured(self, tokens: Sequence[int]) -> bool:
+        """Whether the text of `tokens` begins as a JSON object, array or string, or as
+        calls in <tool_call> tags: the answers the rankings are for."""
+        text = self._text(tokens).lstrip()
+        return text[:1] in (b"{", b"[", b'"') or text.startswith(b"<tool_call>")
+
+    def _text(self, tokens: Sequence[int]) -> bytes:
+        return b"".join(self._pieces[t] for t in tokens)
+
     def in_string(self, tokens: Sequence[int]) -> bool:
         """Whether the text of `tokens` ends inside a JSON string."""
         inside = escaped = False
-        for byte in b"".join(self._pieces[t] for t in tokens):
+        for byte in self._text(tokens):
             if escaped:
                 escaped = False
             elif inside and byte == 0x5C:  # a backslash escapes the next character
@@ -210,8 +219,9 @@ class TokenGuide:
     """One generation's matcher: which tokens may follow the tokens generated so far.
 
     Given a budget, the guide narrows the allowed tokens in the budget's last
-    `closing_reserve` tokens to those that end the value soonest (`ClosingTokens`): a small
-    model looping inside a number or a string would otherwise be cut mid-value."""
+    `closing_reserve` tokens to those that end the value soonest (`ClosingTokens`), in
+    answers that are JSON values or tagged calls: a small model looping inside a number or
+    a string would otherwise be cut mid-value."""
 
     def __init__(
         self,
@@ -252,20 +262,25 @@ class TokenGuide:
         the budget, only those that close the value soonest)."""
         self._follow(history[self._start :])
         allowed = self.allowed()
-        if self.closing_at(len(history)):
+        if self.steers(history):
             return self._closing().best(allowed, self._consumed)
         return allowed
 
-    def closing_at(self, history_length: int) -> bool:
-        """Whether the token after a history this long is steered toward closing."""
-        generated = history_length - self._start
-        return self._closing_from is not None and generated >= self._closing_from
+    def steers(self, history: Sequence[int]) -> bool:
+        """Whether the token after `history` is steered toward closing: in the budget's last
+        `closing_reserve` tokens, and only in an answer that is a JSON value or tagged calls
+        (text, which a grammar may also allow, is not cut short)."""
+        generated = len(history) - self._start
+        if self._closing_from is None or generated < self._closing_from:
+            return False
+        self._follow(history[self._start :])
+        return self._closing().structured(self._consumed)
 
     def allows(self, history: Sequence[int], token: int) -> bool:
         """Whether `token` may follow `history`, without computing the whole mask (so only
-        outside the closing steps, where the mask is not the matcher's alone)."""
-        if self.closing_at(len(history)):
-            raise ValueError("allows() does not apply to closing steps")
+        where the guide does not steer: there the mask is not the matcher's alone)."""
+        if self.steers(history):
+            raise ValueError("allows() does not apply where the guide steers")
         self._follow(history[self._start :])
         return self._matcher.validate_tokens([token]) == 1
 

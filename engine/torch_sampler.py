@@ -56,7 +56,7 @@ class Sampler:
         logits = self._penalized(logits, history)  # -inf stays -inf, so before masking too
         best = int(torch.argmax(logits))
         guide = self.guide
-        if guide is None or (not guide.closing_at(len(history)) and guide.allows(history, best)):
+        if guide is None or (not guide.steers(history) and guide.allows(history, best)):
             return best
         return int(torch.argmax(guide.mask_logits(logits, history)))
 

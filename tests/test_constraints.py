@@ -222,6 +222,16 @@ def test_an_answer_near_its_budget_closes_its_value_instead_of_being_cut(
     assert again == text
 
 
+def test_text_that_a_constraint_allows_is_not_cut_short_near_the_budget(plain):
+    """Steering is for JSON values (and tagged calls): an answer in text, which a grammar
+    may allow to end anywhere, runs to its budget as a free answer would."""
+    prompt = _chat(plain, "Describe the sea in a long paragraph.")
+    text, finished = _answer(plain, prompt, OutputConstraint("regex", "[A-Za-z ,.]+"),
+                             max_tokens=16)  # fmt: skip
+    assert finished.reason is FinishReason.MAX_TOKENS, text
+    assert finished.stats.generated_tokens == 16
+
+
 def test_a_long_budget_leaves_an_answer_alone(plain):
     """Steering starts only in the budget's last quarter (at most 64 tokens): an answer that
     ends well before it is the same whatever the budget."""

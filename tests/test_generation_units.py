@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from miniapp.engine.chat_template import CHATML_TEMPLATE, ChatTemplate, Message, TemplateError
@@ -59,3 +61,25 @@ def test_gemma_fallback_template_for_files_without_one():
         "<bos><start_of_turn>user\nBe brief.\n\nhi<end_of_turn>\n"
         "<start_of_turn>model\nHello!<end_of_turn>\n<start_of_turn>model\n"
     )
+
+
+def test_a_template_says_whether_it_takes_tools_and_writes_tool_call_tags(default_model):
+    from miniapp.engine.gguf_file import GGUFFile
+
+    bundled = ChatTemplate(GGUFFile(default_model).metadata.get("tokenizer.chat_template"))
+    assert not bundled.takes_tools and not bundled.tags_tool_calls
+    listing = "{% for t in tools %}{{ t.function.name }};{% endfor %}{{ messages[0].content }}"
+    lists = ChatTemplate(listing)
+    assert lists.takes_tools and not lists.tags_tool_calls
+    tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    assert lists.render([Message("user", "hi")], tools=[tool]) == "f;hi"
+    assert lists.render([Message("user", "hi")]) == "hi"  # no tools: the variable is unset
+    tags = ChatTemplate("{% if tools %}<tool_call>{% endif %}" + listing)
+    assert tags.takes_tools and tags.tags_tool_calls
+    # A tool's traffic reaches the template in OpenAI's shape.
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}
+    shown = ChatTemplate("{% for m in messages %}{{ m.role }}:{{ (m.tool_calls or []) | tojson }}"
+                         "{{ m.tool_call_id }}|{% endfor %}")  # fmt: skip
+    text = shown.render([Message("assistant", "", tool_calls=(call,)),
+                         Message("tool", "42", tool_call_id="c1")])  # fmt: skip
+    assert text == f"assistant:{json.dumps([call])}|tool:[]c1|"

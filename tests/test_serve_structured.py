@@ -1,12 +1,17 @@
 """Structured output and tool calls through `miniapp serve`, with the official `openai`
 package: `response_format` (a JSON object, a JSON schema), `tools` with `tool_choice`
 required / a named function / none / auto, streamed tool-call deltas, and a tool's result
-going back into the chat. Answers are checked with the `jsonschema` package."""
+going back into the chat. Answers are checked with the `jsonschema` package.
+
+Tool calls are tested in both formats (app/serve/tools.py): the documented one, which the
+bundled model's template gets, and the model's own, through a template of Hermes' kind
+(it takes `tools` and writes <tool_call> tags) given with `--chat-template-file`."""
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
 
 import jsonschema
 import openai
@@ -68,6 +73,59 @@ def client(base) -> openai.OpenAI:
     return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
 
 
+# A template of Hermes' kind, written for these tests on SmolLM2's ChatML turns: the tools in
+# the system turn, calls in <tool_call> tags, results in <tool_response> tags.
+TAGGING_TEMPLATE = """\
+{% if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+
+{% endif %}Functions you may call, one per <tool_call></tool_call> tag, written as
+{"name": <name>, "arguments": <object>}:
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}<|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{% for message in messages if message.role != 'system' %}
+{% if message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% elif message.tool_calls %}<|im_start|>assistant
+{% for call in message.tool_calls %}<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>
+{% endfor %}<|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{% endfor %}
+{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+@pytest.fixture(scope="module")
+def tagging_template(tmp_path_factory):
+    path = tmp_path_factory.mktemp("template") / "hermes_kind.jinja"
+    path.write_text(TAGGING_TEMPLATE)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tagging_client(miniapp_exe, tagging_template) -> openai.OpenAI:
+    flags = ("--spec", "auto", "--chat-template-file", str(tagging_template))
+    with running_server(miniapp_exe, *flags) as (_, url):
+        wait_ready(url)
+        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(params=["documented", "own"], ids=["documented-format", "models-own-format"])
+def tool_client(request) -> openai.OpenAI:
+    """A server whose model gets the documented tool format, or its template's own."""
+    return request.getfixturevalue("client" if request.param == "documented" else
+                                   "tagging_client")  # fmt: skip
+
+
 def _ask(client, messages, **options):
     options = {"temperature": 0, "max_tokens": 160, **options}
     return client.chat.completions.create(model=MODEL, messages=messages, **options)
@@ -115,8 +173,8 @@ def test_an_invalid_schema_is_a_400_naming_the_problem(client, response_format, 
     assert error["param"] == "response_format"
 
 
-def test_tool_choice_required_gives_one_valid_call_and_none_gives_none(client):
-    answer = _ask(client, ASK_WEATHER, tools=[WEATHER, TIME], tool_choice="required",
+def test_tool_choice_required_gives_one_valid_call_and_none_gives_none(tool_client):
+    answer = _ask(tool_client, ASK_WEATHER, tools=[WEATHER, TIME], tool_choice="required",
                   parallel_tool_calls=False)  # fmt: skip
     choice = answer.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
@@ -124,19 +182,19 @@ def test_tool_choice_required_gives_one_valid_call_and_none_gives_none(client):
     assert call.type == "function" and call.id.startswith("call_")
     tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
     jsonschema.validate(json.loads(call.function.arguments), _parameters(tool))
-    plain = _ask(client, ASK_WEATHER, tools=[WEATHER, TIME], tool_choice="none")
+    plain = _ask(tool_client, ASK_WEATHER, tools=[WEATHER, TIME], tool_choice="none")
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content
     assert plain.choices[0].finish_reason in ("stop", "length")
 
 
-def test_a_named_function_is_the_one_called_and_streamed_deltas_reassemble(client):
+def test_a_named_function_is_the_one_called_and_streamed_deltas_reassemble(tool_client):
     named = {"type": "function", "function": {"name": "get_time"}}
-    whole = _ask(client, ASK_WEATHER, tools=[WEATHER, TIME], tool_choice=named)
+    whole = _ask(tool_client, ASK_WEATHER, tools=[WEATHER, TIME], tool_choice=named)
     calls = whole.choices[0].message.tool_calls
     assert calls and all(c.function.name == "get_time" for c in calls)
     for call in calls:
         jsonschema.validate(json.loads(call.function.arguments), _parameters(TIME))
-    streamed = _ask(client, ASK_WEATHER, tools=[WEATHER, TIME], tool_choice=named, stream=True)
+    streamed = _ask(tool_client, ASK_WEATHER, tools=[WEATHER, TIME], tool_choice=named, stream=True)
     parts: dict[int, dict] = {}
     reasons = []
     for chunk in streamed:
@@ -157,15 +215,15 @@ def test_a_named_function_is_the_one_called_and_streamed_deltas_reassemble(clien
     ]
 
 
-def test_a_tool_result_goes_back_into_the_chat(client):
-    first = _ask(client, ASK_WEATHER, tools=[WEATHER], tool_choice="required")
+def test_a_tool_result_goes_back_into_the_chat(tool_client):
+    first = _ask(tool_client, ASK_WEATHER, tools=[WEATHER], tool_choice="required")
     call = first.choices[0].message.tool_calls[0]
     called = {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]}
     asked_and_called = [*ASK_WEATHER, called]
 
     def answer_given(result: dict):
         tool_message = {"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)}
-        return _ask(client, [*asked_and_called, tool_message], tools=[WEATHER],
+        return _ask(tool_client, [*asked_and_called, tool_message], tools=[WEATHER],
                     tool_choice="none", max_tokens=40)  # fmt: skip
 
     sunny = answer_given({"temperature": 18, "sky": "sunny", "wind_kmh": 5})
@@ -179,9 +237,9 @@ def test_a_tool_result_goes_back_into_the_chat(client):
     assert sunny.choices[0].message.content != stormy.choices[0].message.content
 
 
-def test_auto_answers_in_text_or_a_valid_call(client):
+def test_auto_answers_in_text_or_a_valid_call(tool_client):
     for question in ("What is the weather in Paris? Use the tool.", "Say hello."):
-        answer = _ask(client, [{"role": "user", "content": question}], tools=[WEATHER],
+        answer = _ask(tool_client, [{"role": "user", "content": question}], tools=[WEATHER],
                       tool_choice="auto")  # fmt: skip
         message = answer.choices[0].message
         if message.tool_calls:
@@ -190,7 +248,7 @@ def test_auto_answers_in_text_or_a_valid_call(client):
                 assert call.function.name == "get_weather"
                 jsonschema.validate(json.loads(call.function.arguments), _parameters(WEATHER))
         else:
-            assert message.content and not message.content.lstrip().startswith("[")
+            assert message.content and message.content.lstrip()[:1] not in ("[", "<")
 
 
 def test_bad_tool_requests_are_400s(client):
@@ -220,3 +278,46 @@ def test_other_servers_constraint_fields_work_and_two_at_once_are_refused(client
     with pytest.raises(openai.BadRequestError) as raised:
         _ask(client, asked, extra_body={"grammar": "root ::= missing"})
     assert raised.value.body["param"] == "grammar"
+
+
+def test_the_models_own_template_renders_the_tools_and_the_tool_traffic(
+    tagging_client, default_model
+):
+    """With a template that takes tools, the prompt is the template's own rendering: the
+    tools as it describes them, an earlier call in its tags, a result in its tags."""
+    from miniapp.engine.chat_template import ChatTemplate, Message
+    from miniapp.engine.tokenizer import Tokenizer
+
+    tokenizer, template = Tokenizer(default_model), ChatTemplate(TAGGING_TEMPLATE)
+
+    def tokens(messages, tools=None) -> int:
+        return len(tokenizer.encode_chat(template.render(messages, tools=tools)))
+
+    asked = [Message("user", ASK_WEATHER[0]["content"])]
+    first = _ask(tagging_client, ASK_WEATHER, tools=[WEATHER], tool_choice="required")
+    assert first.usage.prompt_tokens == tokens(asked, [WEATHER])
+    call = first.choices[0].message.tool_calls[0]
+    result = json.dumps({"temperature": 18, "sky": "sunny"})
+    called = {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]}
+    reply = _ask(tagging_client, [*ASK_WEATHER, called,
+                                  {"role": "tool", "tool_call_id": call.id, "content": result}],
+                 tools=[WEATHER], tool_choice="none", max_tokens=8)  # fmt: skip
+    arguments = json.loads(call.function.arguments)
+    traffic = [Message("assistant", "", tool_calls=({"id": call.id, "type": "function",
+               "function": {"name": "get_weather", "arguments": arguments}},)),
+               Message("tool", result, tool_call_id=call.id)]  # fmt: skip
+    rendered = template.render([*asked, *traffic])
+    assert "<tool_response>" in rendered and '"arguments": {' in rendered
+    assert reply.usage.prompt_tokens == tokens([*asked, *traffic])
+
+
+@pytest.mark.parametrize(("text", "says"), [(None, "cannot read"), ("{% if %}", "does not parse")])
+def test_a_bad_chat_template_file_is_one_line_and_exit_2(miniapp_exe, tmp_path, text, says):
+    path = tmp_path / "template.jinja"
+    if text is not None:
+        path.write_text(text)
+    done = subprocess.run([miniapp_exe, "serve", "--port", "0", "--chat-template-file",
+                           str(path)], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    line = done.stderr.strip()
+    assert says in line and "\n" not in line

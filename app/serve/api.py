@@ -37,7 +37,7 @@ from .middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from .models import model_listing, warm_listing
 from .protocol import ChatCompletionRequest, CompletionRequest, Sampling
 from .service import Job, Relay, ServedModel, check_fits, finish_reason, seeded, token_limit
-from .tools import CallStream, ToolPlan
+from .tools import CallStream, ToolPlan, messages_for
 
 log = logging.getLogger("miniapp.serve")
 DEFAULT_BODY_LIMIT = 50 * 1024 * 1024  # bytes (--max-body-mb): a few large images as base64
@@ -89,18 +89,19 @@ def create_app(served: ServedModel, options: ServeOptions) -> FastAPI:
         _refuse(body.refused())
         served.check_model(body.model)
         tools = ToolPlan.of(body)
-        constraint = tools.constraint() if tools else _output_constraint(body)
         runtime = served.runtime()
-        messages = await images.messages(body.messages)
+        template = served.template(runtime)
         if tools is not None:
-            messages = tools.described(messages)
+            tools = tools.for_template(template)
+        constraint = tools.constraint() if tools else _output_constraint(body)
+        messages = messages_for(tools, template, await images.messages(body.messages))
         if any(m.pictures for m in messages):
             pictured = _jobs_with_pictures(served, images, body, messages, options.defaults,
                                            constraint)  # fmt: skip
             answer = Answer("chatcmpl", served.model_id, body, None, runtime.tokenizer,
                             tools=tools)  # fmt: skip
             return await _respond(served, runtime, pictured, answer, request, metrics)
-        prompt = served.chat_prompt(runtime, messages)
+        prompt = served.chat_prompt(runtime, messages, tools.template_tools() if tools else None)
         check_fits(runtime, prompt, "messages")
         limit = token_limit(runtime, prompt, body.token_limit())
         base = _generation_request(body, options.defaults, limit, constraint)
@@ -318,12 +319,12 @@ async def _stream(relay: Relay, answer: Answer) -> AsyncIterator[str]:
             text = event.text
             if index in held:
                 held[index] += text
-                start = held[index].lstrip()
-                if not start:
-                    continue
+                start, opener = held[index].lstrip(), answer.tools.opener
+                if len(start) < len(opener) and opener.startswith(start):
+                    continue  # blank, or may still become a call
                 text = held.pop(index)  # what was held goes first
-                if start.startswith("["):
-                    calls[index] = CallStream()
+                if start.startswith(opener):
+                    calls[index] = answer.tools.call_stream()
             if index in calls:
                 for part in calls[index].feed(text):
                     yield _sse(answer.envelope([answer.call_delta(index, part)], True)
@@ -335,7 +336,7 @@ async def _stream(relay: Relay, answer: Answer) -> AsyncIterator[str]:
         elif isinstance(event, Finished):
             finished[index] = event
             reason = finish_reason(event)
-            text = held.pop(index, "")  # only blank text can still be held
+            text = held.pop(index, "")  # blank, or the start of an unfinished call
             stream = calls.pop(index, None)
             if stream is not None and answer.tools.calls_in(stream.text):
                 reason = "tool_calls"

@@ -25,7 +25,7 @@ from miniapp.engine.images import (
 
 from .errors import bad_request
 from .protocol import ChatMessage
-from .tools import tool_messages_as_text
+from .tools import tool_message
 
 DATA_URI = re.compile(r"data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,",
                       re.IGNORECASE)  # fmt: skip
@@ -59,8 +59,7 @@ class ServedImages:
     async def _message(self, message: ChatMessage, number: int) -> Message:
         role = "system" if message.role == "developer" else message.role
         if role == "tool" or message.tool_calls:
-            return tool_messages_as_text(role, message.text(), message.tool_calls,
-                                         message.tool_call_id)  # fmt: skip
+            return tool_message(role, message.text(), message.tool_calls, message.tool_call_id)
         urls = message.images()
         if not urls:
             return Message(role, message.text())

@@ -9,7 +9,9 @@ import ipaddress
 import signal
 import threading
 import time
+from pathlib import Path
 
+from miniapp.engine.chat_template import ChatTemplate
 from miniapp.engine.errors import MiniappError
 from miniapp.engine.model_store import resolve_model
 from miniapp.engine.sampling import SamplingParams
@@ -27,6 +29,7 @@ def run_serve(args: argparse.Namespace) -> int:
     model_path = resolve_model(args.model)
     if not model_path.is_file():
         raise MiniappError(f"{args.model}: model file not found")
+    chat_template_source(args.chat_template_file)  # a bad file stops us before loading
     spec = load_spec(args)
     host = ModelHost()
     host.request(spec)
@@ -46,7 +49,7 @@ def start_api(host: ModelHost, spec: LoadSpec, args: argparse.Namespace, address
               port: int):  # fmt: skip
     """The API on uvicorn in a background thread, over `host` (the server's own, or the
     GUI's); prints its URL once it listens. Returns the uvicorn server."""
-    served = ServedModel(host, spec)
+    served = ServedModel(host, spec, chat_template_source(args.chat_template_file))
     options = ServeOptions(api_key=args.api_key, cors_origins=tuple(args.cors_origin),
                            body_limit=int(args.max_body_mb * 1024 * 1024),
                            defaults=_sampling_defaults(args), asr_model=args.asr_model,
@@ -56,6 +59,19 @@ def start_api(host: ModelHost, spec: LoadSpec, args: argparse.Namespace, address
     print(f"miniapp serve: http://{_url_host(address)}:{bound}/v1 ({served.model_id}, "
           f"{spec.backend}; /health says when the model is ready)", flush=True)  # fmt: skip
     return server
+
+
+def chat_template_source(path: str | None) -> str | None:
+    """`--chat-template-file`'s text, checked to parse (a one-line error if it does not)."""
+    if path is None:
+        return None
+    try:
+        source = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise MiniappError(f"{path}: cannot read the chat template ({exc.__class__.__name__})"
+                           ) from None  # fmt: skip
+    ChatTemplate(source)  # TemplateError, one line, if it does not parse
+    return source
 
 
 def load_spec(args: argparse.Namespace) -> LoadSpec:

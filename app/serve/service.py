@@ -47,8 +47,9 @@ class ServedModel:
     """The one model this server answers with, loaded by the shared ModelHost: the model
     asked for at start, or, beside the GUI, whichever model the GUI loaded since."""
 
-    def __init__(self, host: ModelHost, spec: LoadSpec):
+    def __init__(self, host: ModelHost, spec: LoadSpec, template_source: str | None = None):
         self.host, self._asked = host, spec
+        self._template_source = template_source  # instead of the model's own template
         self._templates: dict[int, ChatTemplate] = {}
 
     @property
@@ -87,14 +88,19 @@ class ServedModel:
                            headers={"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
         return runtime
 
-    def chat_prompt(self, runtime: Runtime, messages: list[Message]) -> list[int]:
+    def template(self, runtime: Runtime) -> ChatTemplate:
+        """The runtime's chat template: `--chat-template-file` if given, else the model's."""
         template = self._templates.get(id(runtime))
         if template is None:
-            template = ChatTemplate.for_model(runtime.chat_template, runtime.tokenizer,
-                                              runtime.architecture)  # fmt: skip
+            source = self._template_source or runtime.chat_template
+            template = ChatTemplate.for_model(source, runtime.tokenizer, runtime.architecture)
             self._templates = {id(runtime): template}
+        return template
+
+    def chat_prompt(self, runtime: Runtime, messages: list[Message],
+                    tools: list[dict] | None = None) -> list[int]:  # fmt: skip
         try:
-            rendered = template.render(messages)
+            rendered = self.template(runtime).render(messages, tools=tools)
         except MiniappError as exc:
             raise bad_request(f"the chat template refused these messages: {exc}",
                               "messages") from None  # fmt: skip
