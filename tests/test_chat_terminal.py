@@ -152,6 +152,11 @@ def test_a_bad_schema_file_is_one_line_and_exit_2(miniapp_exe, tmp_path, schema_
     assert len(done.stderr.strip().splitlines()) == 1 and not done.stdout
 
 
-def test_json_cut_short_by_max_tokens_is_an_error_not_half_a_value(miniapp_exe):
-    done = _piped_chat(miniapp_exe, "--json", "--max-tokens", "4")
+def test_json_cut_short_by_max_tokens_is_an_error_not_half_a_value(miniapp_exe, tmp_path):
+    import json
+
+    # Steering near the budget cannot fit both required keys into 4 tokens.
+    schema = tmp_path / "location.json"
+    schema.write_text(json.dumps(LOCATION))
+    done = _piped_chat(miniapp_exe, "--json-schema", str(schema), "--max-tokens", "4")
     assert done.returncode == 2 and "--max-tokens" in done.stderr and not done.stdout
