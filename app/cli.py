@@ -364,7 +364,7 @@ def _add_json_eval_parser(eval_sub) -> None:
     )
     json_eval.add_argument("--backend", choices=BACKENDS, default="torch")
     json_eval.add_argument(
-        "--spec", choices=("off", "auto"), default="auto",
+        "--spec", choices=SPEC_MODES, default="auto",
         help="speculative decoding for both the constrained and the free answers",
     )  # fmt: skip
     json_eval.add_argument("--threads", type=_positive_int, help="CPU threads (default: all)")
