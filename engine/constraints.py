@@ -145,8 +145,8 @@ class ClosingTokens:
       then a comma or colon, alone or after an empty string.
 
     A comma ranks low because it asks for another item or key. The end of the answer comes
-    before all of them, and anything but pure whitespace after. The same rankings serve any
-    other constraint: where none of them is allowed, the model's own choice decides."""
+    before all of them, and anything but pure whitespace after. Only answers that are JSON
+    values or tagged calls are steered (`structured`): a grammar's text may end anywhere."""
 
     _PUNCTUATION = frozenset(b",:]} \t\r\n")
     _RANKS = 5  # the end of the answer, then four kinds of punctuation
