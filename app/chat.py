@@ -26,11 +26,17 @@ from miniapp.engine.chat_template import Message
 from miniapp.engine.constraints import ConstraintError, OutputConstraint
 from miniapp.engine.conversation import Conversation
 from miniapp.engine.errors import InputFileError, MiniappError
-from miniapp.engine.events import Finished, FinishReason, GenerationEvent, TextDelta
+from miniapp.engine.events import (
+    Finished,
+    FinishReason,
+    GenerationEvent,
+    ReasoningDelta,
+    TextDelta,
+)
 from miniapp.engine.generation import GenerationRequest
 from miniapp.engine.images import ImageAttachment
 from miniapp.engine.model_store import resolve_model
-from miniapp.engine.runtimes import open_runtime
+from miniapp.engine.runtimes import REMOTE_BACKEND, open_runtime
 from miniapp.engine.sampling import SamplingParams
 
 from .chat_images import ChatImages, image_paths, pictures_of, print_prompt, with_image_labels
@@ -111,18 +117,22 @@ class ChatTurns:
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    model_path = resolve_model(args.model)
+    remote = _open_remote(args) if args.backend == REMOTE_BACKEND else None
+    model_path = None if remote else resolve_model(args.model)
     interactive = sys.stdin.isatty()
     request = request_from_args(args)
     # Bad images, a bad --mmproj and bad or silent audio are one-line errors (exit 2)
     # before the model loads.
-    images = _startup_images(model_path, args)
+    images = _startup_images(model_path, args, remote)
     spoken = spoken_file(args.audio, args.asr_model, args.threads) if args.audio else None
     piped = None if interactive else _piped_message(spoken, images)
-    # The text model opens on first use: a piped message with pictures for a vision model
-    # never loads it.
-    conversation = Conversation(lambda: _open_runtime(args, model_path, interactive),
-                                args.system, request, vision=images.open_vision)  # fmt: skip
+    if remote is not None:
+        conversation = Conversation(remote, args.system, request)
+    else:
+        # The text model opens on first use: a piped message with pictures for a vision
+        # model never loads it.
+        conversation = Conversation(lambda: _open_runtime(args, model_path, interactive),
+                                    args.system, request, vision=images.open_vision)  # fmt: skip
     turns = ChatTurns(conversation, images, args.show_prompt)
     if piped is not None:
         _say_spoken(spoken)
@@ -134,11 +144,20 @@ def run_chat(args: argparse.Namespace) -> int:
     if spoken is not None:
         _say_spoken(spoken)
         _stream_answer(turns.send(spoken, threading.Event().is_set), sys.stdout)
-    return _interactive(turns, model_path.name, args.stats, voice)
+    name = remote.info().label if remote else model_path.name
+    return _interactive(turns, name, args.stats, voice)
 
 
-def _startup_images(model_path: Path, args: argparse.Namespace) -> ChatImages:
-    images = ChatImages(model_path, args)
+def _open_remote(args: argparse.Namespace):
+    """The server's model, asked for its models first: an unreachable server, a refused key
+    or an unknown model is one line before anything is read."""
+    from .remote import chosen_sampling, open_remote
+
+    return open_remote(args, chosen_sampling(args))
+
+
+def _startup_images(model_path: Path | None, args: argparse.Namespace, remote) -> ChatImages:
+    images = ChatImages(model_path, args, remote)
     if args.mmproj:
         _ = images.route  # checks the projector now
     for path in args.image:
@@ -286,12 +305,17 @@ def _image_command(images: ChatImages, argument: str) -> None:
 
 def _stream_answer(events: Iterator[GenerationEvent], out: TextIO) -> Finished | None:
     finish = None
+    thinking = _Thinking()
     for event in events:
         if isinstance(event, TextDelta):
+            thinking.end()
             out.write(event.text)
             out.flush()
+        elif isinstance(event, ReasoningDelta):
+            thinking.write(event.text)
         elif isinstance(event, Finished):
             finish = event
+    thinking.end()
     out.write("\n")
     if finish and finish.reason == FinishReason.CANCELLED:
         out.write("(stopped)\n")
@@ -299,6 +323,29 @@ def _stream_answer(events: Iterator[GenerationEvent], out: TextIO) -> Finished |
         out.write("(context full: /reset or raise --ctx)\n")
     out.flush()
     return finish
+
+
+class _Thinking:
+    """A reasoning model's thinking, on stderr (dim on a terminal): apart from the answer,
+    which alone goes to stdout."""
+
+    def __init__(self, err: TextIO | None = None):
+        self.err = err or sys.stderr
+        self.open = False
+        self._dim = self.err.isatty()
+
+    def write(self, text: str) -> None:
+        if not self.open:
+            self.open = True
+            self.err.write("\x1b[2m(thinking) " if self._dim else "(thinking) ")
+        self.err.write(text)
+        self.err.flush()
+
+    def end(self) -> None:
+        if self.open:
+            self.open = False
+            self.err.write("\x1b[0m\n" if self._dim else "\n")
+            self.err.flush()
 
 
 @contextmanager

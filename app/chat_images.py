@@ -19,6 +19,7 @@ from pathlib import Path
 from miniapp.engine.chat_template import Message
 from miniapp.engine.images import (
     ImageAttachment,
+    ImagePath,
     ImageRoute,
     attach_image,
     build_user_message,
@@ -31,8 +32,10 @@ from miniapp.engine.runtimes import VisionRuntime, open_vision_runtime
 class ChatImages:
     """The images waiting for the next message, and the route they take."""
 
-    def __init__(self, model_path: Path, args: argparse.Namespace):
+    def __init__(self, model_path: Path | None, args: argparse.Namespace, remote=None):
+        """`remote`: the server's model (--backend openai), instead of `model_path`."""
         self.model_path = model_path
+        self.remote = remote
         self.backend = args.backend
         self.mmproj = args.mmproj
         self.n_ctx, self.threads = args.ctx, args.threads
@@ -42,6 +45,8 @@ class ChatImages:
     def route(self) -> ImageRoute:
         """Decided on first use: reading the model's metadata takes a moment, and a chat
         without images never needs it. A bad --mmproj raises ModelFileError here."""
+        if self.remote is not None:
+            return remote_route(self.remote.accepts_images)
         return choose_route(self.model_path, self.backend, self.mmproj, allow_backend_switch=True)
 
     def attach(self, path: str) -> ImageAttachment:
@@ -70,6 +75,13 @@ class ChatImages:
 
     def reset(self) -> None:
         self.pending = []
+
+
+def remote_route(accepts_images: bool) -> ImageRoute:
+    """Where images go on a server's model: as pictures when it says it takes them."""
+    if accepts_images:
+        return ImageRoute(ImagePath.VISION_MODEL, "the server's model takes pictures")
+    return ImageRoute(ImagePath.OCR_FALLBACK, "the server's model does not say it takes pictures")
 
 
 def pictures_of(attachments: list[ImageAttachment]) -> list[bytes]:

@@ -16,9 +16,10 @@ from importlib.metadata import PackageNotFoundError, version
 from miniapp.engine.devices import DEVICE_CHOICES
 from miniapp.engine.errors import MiniappError
 from miniapp.engine.kv_types import DEFAULT_KV_TYPE
-from miniapp.engine.runtimes import BACKENDS, DEFAULT_CTX
+from miniapp.engine.runtimes import BACKENDS, DEFAULT_CTX, LOCAL_BACKENDS
 from miniapp.engine.spec_modes import SPEC_MODES
 
+from .remote import add_remote_flags
 from .settings import KV_TYPE_HELP, kv_type_name
 from .settings import add_flags as add_setting_flags
 from .settings import apply as apply_settings
@@ -60,11 +61,13 @@ def _layer_list(text: str) -> list[int]:
     return layers
 
 
-def _add_model_args(parser: argparse.ArgumentParser, ctx_default: int | None) -> None:
+def _add_model_args(
+    parser: argparse.ArgumentParser, ctx_default: int | None, backends=LOCAL_BACKENDS
+) -> None:
     parser.add_argument(
         "--model", help="GGUF path or bundled model name (default: smollm2-135m-instruct)"
     )
-    parser.add_argument("--backend", choices=BACKENDS, default="torch")
+    parser.add_argument("--backend", choices=backends, default="torch")
     parser.add_argument("--threads", type=_positive_int, help="CPU threads (default: all)")
     parser.add_argument(
         "--device", choices=DEVICE_CHOICES, default="auto",
@@ -111,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Model, sampling and cache flags come from the settings model (flags > environment >
     # config file > defaults; `miniapp config show`).
     add_setting_flags(chat, "chat")
+    add_remote_flags(chat, settings=True)
     chat.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     chat.add_argument("--stats", action="store_true", help="print speed after every answer")
     chat.add_argument(
@@ -170,13 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
         "mode", nargs="?", choices=["serve"],
         help="serve: many clients at once on the batching engine (see --clients)",
     )  # fmt: skip
-    _add_model_args(bench, ctx_default=None)
+    _add_model_args(bench, ctx_default=None, backends=BACKENDS)
     _add_kv_type_arg(bench, " (our engine's; llama.cpp, the yardstick, keeps its f16)")
     bench.add_argument(
         "--llamacpp-kv-type", type=kv_type_name, metavar="TYPE",
         help="llama.cpp's KV cache in the same run (default: its own f16)",
     )  # fmt: skip
     bench.set_defaults(backend=None)
+    add_remote_flags(bench)
     prompt = bench.add_mutually_exclusive_group()
     prompt.add_argument("--prompt-tokens", type=_positive_int, default=128)
     prompt.add_argument("--prompt-file", help="use this text file's tokens as the prompt")
@@ -239,8 +244,14 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_models_parser(sub) -> None:
     models = sub.add_parser("models", help="the models folder: list, pull, rm, info")
     models_sub = models.add_subparsers(dest="models_command", required=True)
-    listing = models_sub.add_parser("list", help="bundled models and the models folder")
+    listing = models_sub.add_parser(
+        "list", help="bundled models and the models folder, or a server's (--base-url)"
+    )
     listing.add_argument("--json", action="store_true", help="print JSON")
+    listing.add_argument("--base-url", metavar="URL",
+                         help="list an OpenAI-compatible server's models instead")  # fmt: skip
+    listing.add_argument("--api-key", help="that server's key (default: OPENAI_API_KEY or "
+                         "MINIAPP_API_KEY)")  # fmt: skip
     pull = models_sub.add_parser(
         "pull", help="download one GGUF (and its projector) from Hugging Face"
     )
@@ -362,7 +373,7 @@ def _add_json_eval_parser(eval_sub) -> None:
     json_eval.add_argument(
         "--model", help="GGUF path or bundled model name (default: smollm2-135m-instruct)"
     )
-    json_eval.add_argument("--backend", choices=BACKENDS, default="torch")
+    json_eval.add_argument("--backend", choices=LOCAL_BACKENDS, default="torch")
     json_eval.add_argument(
         "--spec", choices=SPEC_MODES, default="auto",
         help="speculative decoding for both the constrained and the free answers",

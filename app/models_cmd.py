@@ -104,6 +104,8 @@ def _projector_beside(path: Path) -> str | None:
 
 
 def _list(args: argparse.Namespace) -> int:
+    if getattr(args, "base_url", None):
+        return _list_remote(args)
     entries = list_models()
     if args.json:
         print(json.dumps([asdict(e) for e in entries], indent=1))
@@ -114,10 +116,32 @@ def _list(args: argparse.Namespace) -> int:
         name = e.name + (" (bundled)" if e.bundled else "") + ("" if e.installed else " [missing]")
         rows.append((name, f"{e.size_mb:.0f} MB", e.architecture, e.quant_types,
                      e.projector or "-"))  # fmt: skip
+    _print_rows(rows)
+    return 0
+
+
+def _list_remote(args: argparse.Namespace) -> int:
+    """A server's models (`--base-url`), as its /v1/models lists them."""
+    from miniapp.engine.runtimes.remote import list_models as server_models
+
+    from .remote import endpoint_from_args
+
+    endpoint = endpoint_from_args(args)
+    listed = server_models(endpoint)
+    if args.json:
+        print(json.dumps([asdict(m) for m in listed], indent=1))
+        return 0
+    print(f"server: {endpoint.base_url}")
+    rows = [("NAME", "CONTEXT", "OWNED BY")]
+    rows += [(m.id, str(m.context or "?"), m.owned_by or "-") for m in listed]
+    _print_rows(rows)
+    return 0
+
+
+def _print_rows(rows: list[tuple[str, ...]]) -> None:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
-    return 0
 
 
 # ------------------------------------------------------------------ pull, rm

@@ -57,7 +57,12 @@ class Settings(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     model: str = _field(DEFAULT_MODEL, "GGUF path or bundled model name")
-    backend: Backend = _field(BACKENDS[0], "our engine or llama.cpp")
+    backend: Backend = _field(BACKENDS[0], "our engine, llama.cpp, or openai: a server's model "
+                              "(--base-url)")  # fmt: skip
+    base_url: str | None = _field(None, "--backend openai: the server's address, e.g. "
+                                  "http://host:8000/v1", ("chat", "gui"))  # fmt: skip
+    remote_model: str | None = _field(None, "--backend openai: the server's model (default: "
+                                      "its first)", ("chat", "gui"))  # fmt: skip
     device: Device = _field("auto", "torch engine: auto (a GPU if torch sees one), cuda, rocm, cpu")
     threads: int | None = _field(None, "CPU threads (default: all)", gt=0)
     ctx: int = _field(DEFAULT_CTX, "context size in tokens", gt=0)

@@ -7,6 +7,9 @@ dropped (the system prompt stays), and a text runtime drops their tokens from it
 place, so what remains is not evaluated again. (An answer that itself outruns the context
 keeps going on the runtime's sliding window; the turn after it starts from a fresh cache.)
 
+A runtime that holds its conversation elsewhere (a server, --backend openai) is sent the
+messages themselves: the server applies the template and fits its own context.
+
 A message with pictures goes to the vision runtime (llama.cpp with a projector), the text
 history with it. From then until `reset` every turn goes there, so follow-up questions still
 see the pictures: the vision runtime keeps them in its context and evaluates only what each
@@ -22,13 +25,13 @@ from .chat_template import ChatTemplate, Message
 from .errors import ContextFullError, MiniappError
 from .events import Finished, GenerationEvent, GenerationStats, TextDelta
 from .generation import GenerationRequest, generate
-from .runtimes.base import Prefill, Runtime, VisionRuntime, common_prefix
+from .runtimes.base import MessageRuntime, Prefill, Runtime, VisionRuntime, common_prefix
 
 
 class Conversation:
     def __init__(
         self,
-        runtime: Runtime | Callable[[], Runtime],
+        runtime: Runtime | MessageRuntime | Callable[[], Runtime | MessageRuntime],
         system_prompt: str | None = None,
         request: GenerationRequest | None = None,
         *,
@@ -39,7 +42,7 @@ class Conversation:
         on first use (so a chat that starts with a picture never loads it). `vision` opens
         the vision runtime when a picture first needs it; a vision runtime given as
         `runtime` serves both. `history` is the conversation so far (pictures included)."""
-        self._text = runtime if isinstance(runtime, Runtime) else None
+        self._text = runtime if isinstance(runtime, Runtime | MessageRuntime) else None
         self._open_text = runtime if self._text is None else None
         self._vision = runtime if isinstance(runtime, VisionRuntime) else None
         self._open_vision = vision
@@ -54,10 +57,12 @@ class Conversation:
 
     @property
     def sees_pictures(self) -> bool:
+        if isinstance(self._text, MessageRuntime):
+            return self._text.accepts_images
         return self._vision is not None or self._open_vision is not None
 
     @property
-    def runtime(self) -> Runtime:
+    def runtime(self) -> Runtime | MessageRuntime:
         """The runtime that answers the next turn without pictures (opened if need be)."""
         return self._answering(pictures=False)
 
@@ -87,6 +92,9 @@ class Conversation:
         if message.pictures and not self.sees_pictures:
             raise MiniappError("this message has pictures, but no vision model is loaded")
         runtime = self._answering(pictures=bool(message.pictures))
+        if isinstance(runtime, MessageRuntime):
+            yield from self._send_messages(runtime, message, request, should_stop)
+            return
         self.on_vision = isinstance(runtime, VisionRuntime)
         self.messages.append(message)
         try:
@@ -107,6 +115,39 @@ class Conversation:
         finally:
             self.messages.append(Message("assistant", "".join(answer)))
 
+    def _send_messages(
+        self,
+        runtime: MessageRuntime,
+        message: Message,
+        request: GenerationRequest,
+        should_stop: Callable[[], bool],
+    ) -> Iterator[GenerationEvent]:
+        """The conversation as messages to a server. Its answer, even a partial one, is
+        kept; a request that failed before any answer is not, so the message can be sent
+        again as it was."""
+        self.messages.append(message)
+        answer: list[str] = []
+        answered = False
+        try:
+            for event in runtime.chat(self._with_system(self.messages), request, should_stop):
+                if isinstance(event, TextDelta):
+                    answer.append(event.text)
+                elif isinstance(event, Finished):
+                    self.last_stats = event.stats
+                    answered = True
+                yield event
+        finally:
+            if answer or answered:
+                self.messages.append(Message("assistant", "".join(answer)))
+            else:
+                self.messages.pop()
+
+    def _with_system(self, messages: Sequence[Message]) -> list[Message]:
+        chat = list(messages)
+        if self.system_prompt:
+            chat.insert(0, Message("system", self.system_prompt))
+        return chat
+
     # -- the prompt --------------------------------------------------------------------------
 
     def render(self, messages: Sequence[Message]) -> str:
@@ -119,15 +160,17 @@ class Conversation:
         turns are dropped to fit the context): what `--show-prompt` prints."""
         runtime = self._answering(pictures=pictures > 0)
         message = _user_message(text, (b"",) * pictures)
+        if isinstance(runtime, MessageRuntime):  # the server renders it: show the messages
+            chat = self._with_system([*self.messages, message])
+            return "\n".join(f"[{m.role}] {m.content}" + " [picture]" * len(m.pictures)
+                             for m in chat)  # fmt: skip
         return self._render(runtime, [*self.messages, message])
 
     def prompt_tokens(self, messages: Sequence[Message]) -> list[int]:
         return self.runtime.tokenizer.encode_chat(self.render(messages))
 
     def _render(self, runtime: Runtime, messages: Sequence[Message]) -> str:
-        chat = list(messages)
-        if self.system_prompt:
-            chat.insert(0, Message("system", self.system_prompt))
+        chat = self._with_system(messages)
         if isinstance(runtime, VisionRuntime):
             chat = [Message(m.role, _with_markers(runtime, m)) for m in chat]
         return self._template(runtime).render(chat)
@@ -142,7 +185,9 @@ class Conversation:
 
     # -- fitting the context -----------------------------------------------------------------
 
-    def _answering(self, pictures: bool) -> Runtime:
+    def _answering(self, pictures: bool) -> Runtime | MessageRuntime:
+        if isinstance(self._text, MessageRuntime):  # the server answers every turn
+            return self._text
         if pictures or self.on_vision:
             if self._vision is None:
                 assert self._open_vision is not None

@@ -25,6 +25,14 @@ class TextDelta:
     logprobs: tuple[TokenLogprob, ...] = ()
 
 
+@dataclass(frozen=True)
+class ReasoningDelta:
+    """A piece of a reasoning model's thinking before its answer (a server's
+    `reasoning_content`): shown apart from the answer, and not kept in the conversation."""
+
+    text: str
+
+
 @dataclass
 class SpeculationStats:
     """Speculative decoding's counts for one answer (torch engine, --spec other than off)."""
@@ -83,4 +91,4 @@ class Finished:
     stats: GenerationStats
 
 
-GenerationEvent = TextDelta | Finished
+GenerationEvent = TextDelta | ReasoningDelta | Finished

@@ -39,8 +39,9 @@ def run_gui(args: argparse.Namespace) -> int:
 
     settings = settings_from_args(args)
     if args.api:
-        from ..serve.run import check_exposure
+        from ..serve.run import check_exposure, check_local_backend
 
+        check_local_backend(args.backend)
         check_exposure(args.host, args.api_key)  # before anything loads
     context = GuiContext(ModelHost(), ChatStore(),
                          Transcriber(args.asr_model, args.threads), settings)  # fmt: skip

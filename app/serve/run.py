@@ -14,6 +14,7 @@ from pathlib import Path
 from miniapp.engine.chat_template import ChatTemplate
 from miniapp.engine.errors import MiniappError
 from miniapp.engine.model_store import resolve_model
+from miniapp.engine.runtimes import REMOTE_BACKEND
 from miniapp.engine.sampling import SamplingParams
 
 from ..model_host import LoadSpec, ModelHost
@@ -25,6 +26,7 @@ STARTUP_TIMEOUT_S = 30.0
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    check_local_backend(args.backend)
     check_exposure(args.host, args.api_key)
     model_path = resolve_model(args.model)
     if not model_path.is_file():
@@ -43,6 +45,14 @@ def run_serve(args: argparse.Namespace) -> int:
     finally:
         server.should_exit = True
     return 0
+
+
+def check_local_backend(backend: str) -> None:
+    """The API serves a model that runs here; passing another server's answers through is
+    that server's job."""
+    if backend == REMOTE_BACKEND:
+        raise MiniappError("the API serves a local model (--backend torch or llamacpp); point "
+                           "clients at the --backend openai server itself")  # fmt: skip
 
 
 def start_api(host: ModelHost, spec: LoadSpec, args: argparse.Namespace, address: str,

@@ -1,5 +1,8 @@
 """Runtime selection. Each backend is imported only when chosen, so a llama.cpp-only process
-(for example the benchmark's llama.cpp worker) never pays for importing torch models."""
+(for example the benchmark's llama.cpp worker) never pays for importing torch models.
+
+Two backends run a GGUF here (torch, llamacpp); the third (openai) sends the conversation to
+an OpenAI-compatible server, which holds the model (remote.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +13,9 @@ from ..kv_types import kv_type
 from ..spec_modes import SpecMode
 from .base import DEFAULT_CTX, DEFAULT_PARALLEL, DEFAULT_SINKS, Runtime, VisionRuntime
 
-BACKENDS = ("torch", "llamacpp")
+LOCAL_BACKENDS = ("torch", "llamacpp")
+REMOTE_BACKEND = "openai"
+BACKENDS = (*LOCAL_BACKENDS, REMOTE_BACKEND)
 
 
 def open_runtime(
@@ -58,7 +63,29 @@ def open_runtime(
                                "answers one at a time)")  # fmt: skip
         return LlamaCppRuntime(model_path, n_ctx=n_ctx, threads=threads, logits_all=logits_all,
                                kv=kind)  # fmt: skip
+    if backend == REMOTE_BACKEND:
+        raise MiniappError("--backend openai answers chats, not token prompts: this command "
+                           "needs a local backend (torch or llamacpp)")  # fmt: skip
     raise MiniappError(f"unknown backend '{backend}' (choose from {', '.join(BACKENDS)})")
+
+
+def check_remote_options(
+    spec: str = SpecMode.AUTO,
+    device: str = "auto",
+    window: int | None = None,
+    sinks: int | None = None,
+    kv: str | None = None,
+) -> None:
+    """One line for a local engine's option asked of a remote server, which has its own
+    cache, drafting and devices."""
+    asked = [flag for flag, given in (
+        ("--window", window is not None), ("--sinks", sinks is not None),
+        ("--spec " + str(spec), spec not in (SpecMode.AUTO, SpecMode.OFF)),
+        ("--device " + device, device != "auto"), ("--kv-type", kv is not None),
+    ) if given]  # fmt: skip
+    if asked:
+        raise MiniappError(f"{', '.join(asked)}: local backends only; with --backend openai the "
+                           "server keeps its own cache, drafting and devices")  # fmt: skip
 
 
 def open_vision_runtime(
@@ -77,6 +104,9 @@ def open_vision_runtime(
 
 __all__ = [
     "BACKENDS",
+    "LOCAL_BACKENDS",
+    "REMOTE_BACKEND",
+    "check_remote_options",
     "DEFAULT_CTX",
     "DEFAULT_PARALLEL",
     "DEFAULT_SINKS",

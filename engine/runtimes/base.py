@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -51,6 +51,13 @@ class RuntimeInfo:
     window: int | None = None
     kv_type: str | None = None  # how the KV cache stores keys and values (--kv-type)
     kv_bytes_per_token: int | None = None  # its bytes a token, every layer
+    model_name: str | None = None  # a server's name for its model (--backend openai)
+    endpoint: str | None = None  # that server's base URL
+
+    @property
+    def label(self) -> str:
+        """The model as interfaces name it: the server's name, or the GGUF's file name."""
+        return self.model_name or self.model_path.name
 
     @property
     def kv_summary(self) -> str | None:
@@ -63,9 +70,11 @@ class RuntimeInfo:
 
     @property
     def placement(self) -> str:
-        """'cpu (int4)', 'cuda:0 (bf16)', or the backend where it has no device plan."""
+        """'cpu (int4)', 'cuda:0 (bf16)', the server's address, or the backend."""
         plan = self.device_plan
-        return f"{plan.device} ({plan.weights})" if plan else self.backend
+        if plan is not None:
+            return f"{plan.device} ({plan.weights})"
+        return self.endpoint or self.backend
 
 
 class Runtime(ABC):
@@ -128,6 +137,43 @@ class Runtime(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release native resources early."""
+
+
+class MessageRuntime(ABC):
+    """A runtime that takes the conversation's messages rather than tokens: a server that
+    holds the model, its template and its context (--backend openai)."""
+
+    backend: str
+    n_ctx: int | None  # the server's context for the model, where it says
+    parallel: int  # answers that may stream at once
+    slides_past_ctx: bool = False
+
+    @property
+    @abstractmethod
+    def accepts_images(self) -> bool:
+        """Whether pictures may go to the model as they are."""
+
+    @abstractmethod
+    def chat(
+        self,
+        messages: Sequence,
+        request,
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> Iterator:
+        """Stream the answer to `messages` (chat_template.Message) for `request`
+        (generation.GenerationRequest) as generation events."""
+
+    @abstractmethod
+    def info(self) -> RuntimeInfo: ...
+
+    def run_steps_on(self, compute: ComputeThread) -> None:  # noqa: B027 - nothing to run
+        """Nothing runs here: the server computes every answer."""
+
+    def reset(self) -> None:  # noqa: B027 - nothing to forget
+        """The server keeps no conversation between requests."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the connection pool."""
 
 
 @dataclass(frozen=True)
