@@ -19,11 +19,11 @@ from pathlib import Path
 from miniapp.engine.chat_template import Message
 from miniapp.engine.images import (
     ImageAttachment,
-    ImagePath,
     ImageRoute,
     attach_image,
     build_user_message,
     choose_route,
+    remote_route,
     vision_images,
 )
 from miniapp.engine.runtimes import VisionRuntime, open_vision_runtime
@@ -75,13 +75,6 @@ class ChatImages:
 
     def reset(self) -> None:
         self.pending = []
-
-
-def remote_route(accepts_images: bool) -> ImageRoute:
-    """Where images go on a server's model: as pictures when it says it takes them."""
-    if accepts_images:
-        return ImageRoute(ImagePath.VISION_MODEL, "the server's model takes pictures")
-    return ImageRoute(ImagePath.OCR_FALLBACK, "the server's model does not say it takes pictures")
 
 
 def pictures_of(attachments: list[ImageAttachment]) -> list[bytes]:

@@ -8,14 +8,21 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
 
 from miniapp.engine.compute_thread import ComputeThread
 from miniapp.engine.errors import MiniappError
 from miniapp.engine.model_store import resolve_model
-from miniapp.engine.runtimes import Runtime, VisionRuntime, open_runtime, open_vision_runtime
+from miniapp.engine.runtimes import (
+    REMOTE_BACKEND,
+    Runtime,
+    VisionRuntime,
+    open_runtime,
+    open_vision_runtime,
+)
+from miniapp.engine.runtimes.base import MessageRuntime
 
 LOAD_WAIT_S = 600.0  # an answer waits this long at most for a model that is still loading
 
@@ -35,6 +42,15 @@ class LoadSpec:
     parallel: int = 1  # generations at once (the torch engine batches them)
     kv_type: str | None = None  # the KV cache's storage (None: the backend's own default)
     max_queue: int | None = None  # batching: requests that may wait (None: the engine's)
+    # --backend openai: the server (`model` is its name for the model; empty: its first).
+    base_url: str | None = None
+    api_key: str | None = field(default=None, repr=False)
+
+    @property
+    def label(self) -> str:
+        if self.backend == REMOTE_BACKEND:
+            return f"{self.model or 'the model'} at {self.base_url}"
+        return Path(self.model).name
 
 
 class LoadState(StrEnum):
@@ -102,19 +118,13 @@ class ModelHost:
             if wanted == self._wanted:
                 return
             self._wanted, self._started = wanted, time.monotonic()
-            label = Path(wanted.model).name
-            self._status = ModelStatus(LoadState.LOADING, f"loading {label} on {wanted.backend}")
+            self._status = ModelStatus(LoadState.LOADING,
+                                       f"loading {wanted.label} on {wanted.backend}")  # fmt: skip
         threading.Thread(target=self._load, args=(wanted,), daemon=True).start()
 
     def _load(self, wanted: LoadSpec) -> None:
         try:
-            runtime = self._opener(
-                wanted.backend, resolve_model(wanted.model), n_ctx=wanted.ctx,
-                threads=wanted.threads, sinks=wanted.sinks, window=wanted.window,
-                spec=wanted.spec, device=wanted.device, parallel=wanted.parallel,
-                kv=wanted.kv_type, **({} if wanted.max_queue is None
-                                      else {"max_queue": wanted.max_queue}),
-            )  # fmt: skip
+            runtime = self._open(wanted)
             runtime.run_steps_on(self.compute)
         except (MiniappError, OSError, ValueError, RuntimeError) as exc:
             with self._changed:
@@ -132,6 +142,23 @@ class ModelHost:
             self._status = ModelStatus(LoadState.READY, describe_runtime(runtime))
             self._ready_status = self._status
             self._changed.notify_all()
+
+    def _open(self, wanted: LoadSpec) -> Runtime | MessageRuntime:
+        if wanted.backend == REMOTE_BACKEND:
+            from miniapp.engine.runtimes.remote import RemoteEndpoint, RemoteRuntime
+
+            if not wanted.base_url:
+                raise MiniappError("the openai backend needs the server's address (--base-url)")
+            endpoint = RemoteEndpoint(wanted.base_url, wanted.api_key)
+            # The GUI's panel sets these two; the rest are the server's own defaults.
+            return RemoteRuntime(endpoint, wanted.model or None, ("temperature", "top_p"))
+        return self._opener(
+            wanted.backend, resolve_model(wanted.model), n_ctx=wanted.ctx,
+            threads=wanted.threads, sinks=wanted.sinks, window=wanted.window,
+            spec=wanted.spec, device=wanted.device, parallel=wanted.parallel,
+            kv=wanted.kv_type, **({} if wanted.max_queue is None
+                                  else {"max_queue": wanted.max_queue}),
+        )  # fmt: skip
 
     def wait_for(self, wanted: LoadSpec, timeout: float = LOAD_WAIT_S) -> Runtime:
         """The runtime for this model, loading it first if needed."""
@@ -167,7 +194,9 @@ class ModelHost:
 def describe_runtime(runtime: Runtime) -> str:
     """'SmolLM2-135M-Instruct.Q4_1.gguf on torch, cpu (int4): no GPU visible to torch'."""
     info = runtime.info()
-    name, plan = info.model_path.name, info.device_plan
+    name, plan = info.label, info.device_plan
+    if info.endpoint:
+        return f"{name} on {info.backend} at {info.endpoint}"
     if plan is None:
         return f"{name} on {info.backend}"
     return f"{name} on {info.backend}, {info.placement}: {plan.reason}"

@@ -55,14 +55,19 @@ def open_remote(args: argparse.Namespace, sampling: tuple[str, ...] | None = Non
     each. `sampling`: the settings sent to it (None: all of them)."""
     from miniapp.engine.runtimes.remote import SAMPLING_FIELDS, RemoteRuntime
 
+    open_remote_checks(args)
+    model = getattr(args, "remote_model", None)
+    return RemoteRuntime(endpoint_from_args(args), model, SAMPLING_FIELDS if sampling is None
+                         else sampling)  # fmt: skip
+
+
+def open_remote_checks(args: argparse.Namespace) -> None:
+    """Refuse, in one line, the options only a local backend has."""
     check_remote_options(getattr(args, "spec", "auto") or "auto", getattr(args, "device", "auto"),
                          getattr(args, "window", None), getattr(args, "sinks", None),
                          runtime_kv_type(args))  # fmt: skip
     if getattr(args, "mmproj", None):
         raise MiniappError("--mmproj: local backends only; the server has its own projector")
-    model = getattr(args, "remote_model", None)
-    return RemoteRuntime(endpoint_from_args(args), model, SAMPLING_FIELDS if sampling is None
-                         else sampling)  # fmt: skip
 
 
 def chosen_sampling(args: argparse.Namespace) -> tuple[str, ...]:

@@ -40,8 +40,10 @@ def _free_port() -> int:
 class GuiServer:
     """`miniapp gui` in a subprocess, on its own data folder (kept across restarts)."""
 
-    def __init__(self, exe: str, data_dir: Path, *extra_args: str):
+    def __init__(self, exe: str, data_dir: Path, *extra_args: str, local: bool = True):
+        """`local`: our engine answers (with exact KV); else a server (--backend openai)."""
         self.exe, self.data_dir, self.extra_args = exe, data_dir, list(extra_args)
+        self.local_args = list(EXACT_KV) if local else []
         self.process: subprocess.Popen | None = None
         self.url = ""
 
@@ -51,7 +53,7 @@ class GuiServer:
         env.pop("DISPLAY", None)
         self.process = subprocess.Popen(
             [self.exe, "gui", "--port", str(port), "--no-browser", "--threads", "2",
-             "--temperature", "0", "--max-tokens", str(MAX_TOKENS), *EXACT_KV,
+             "--temperature", "0", "--max-tokens", str(MAX_TOKENS), *self.local_args,
              *self.extra_args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
         )  # fmt: skip

@@ -11,16 +11,17 @@ import hashlib
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from miniapp.engine.chat_template import Message
 from miniapp.engine.conversation import Conversation
 from miniapp.engine.errors import MiniappError
-from miniapp.engine.events import Finished, GenerationStats, TextDelta
+from miniapp.engine.events import Finished, GenerationStats, ReasoningDelta, TextDelta
 from miniapp.engine.generation import GenerationRequest
 from miniapp.engine.model_store import BUNDLED, models_dir, resolve_model
-from miniapp.engine.runtimes import Runtime
+from miniapp.engine.runtimes import REMOTE_BACKEND, Runtime
+from miniapp.engine.runtimes.base import MessageRuntime
 from miniapp.engine.sampling import SamplingParams
 
 from ..model_host import LoadSpec, ModelHost
@@ -28,6 +29,7 @@ from ..settings import Settings
 from .history import SavedChat, SavedMessage, data_dir, write_atomically_bytes
 
 QUEUED_SHOWN_S = 0.05  # a wait for a slot of the batching engine worth showing
+THINKING_SHOWN = 400  # characters of a reasoning model's thinking shown while it thinks
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".gif"}
 AUDIO_SUFFIXES = {".wav", ".mp3", ".flac", ".ogg", ".m4a", ".webm", ".opus"}
 
@@ -52,9 +54,15 @@ class ChatSettings:
     temperature: float = Settings.model_fields["temperature"].default
     top_p: float = Settings.model_fields["top_p"].default
     max_tokens: int = Settings.model_fields["max_tokens"].default
+    # --backend openai: the server's address and key (`model` is the server's name for it).
+    base_url: str | None = None
+    api_key: str | None = field(default=None, repr=False)
 
     @property
     def load_spec(self) -> LoadSpec:
+        if self.backend == REMOTE_BACKEND:
+            return LoadSpec(self.model, self.backend, "auto", "auto", self.ctx,
+                            base_url=self.base_url, api_key=self.api_key)  # fmt: skip
         parallel = self.parallel if self.backend == "torch" else 1  # llama.cpp: one at a time
         return LoadSpec(self.model, self.backend, self.device, self.spec, self.ctx,
                         self.window, self.sinks, self.threads, parallel, self.kv_type)  # fmt: skip
@@ -64,9 +72,18 @@ class ChatSettings:
         return GenerationRequest(max_tokens=self.max_tokens, sampling=sampling)
 
 
-def model_choices() -> list[tuple[str, str]]:
+def model_choices(settings: ChatSettings | None = None) -> list[tuple[str, str]]:
     """(label, value) for the model picker: the bundled models, then GGUFs in the models
-    folder that are not bundled ones."""
+    folder that are not bundled ones; on a server (--backend openai), the server's models
+    (none when it cannot be asked: the status line says why)."""
+    if settings is not None and settings.backend == REMOTE_BACKEND and settings.base_url:
+        from miniapp.engine.runtimes.remote import RemoteEndpoint, list_models
+
+        try:
+            listed = list_models(RemoteEndpoint(settings.base_url, settings.api_key))
+        except MiniappError:
+            return []
+        return [(model.id, model.id) for model in listed]
     choices = [(f"{name} (bundled)", name) for name in BUNDLED]
     bundled_files = {m.filename for m in BUNDLED.values()}
     folder = models_dir()
@@ -83,7 +100,7 @@ def model_choices() -> list[tuple[str, str]]:
 @dataclass(frozen=True)
 class AnswerUpdate:
     text: str  # the answer so far
-    figures: str  # live figures for this answer
+    figures: str  # live figures for this answer (a reasoning model's thinking, while it thinks)
     finished: bool = False
 
 
@@ -99,8 +116,11 @@ def figures_line(stats: GenerationStats, runtime: Runtime, elapsed_s: float | No
     parts.append(info.placement)
     if info.kv_summary:
         parts.append(info.kv_summary)
-    held = min(stats.prompt_tokens + stats.generated_tokens, runtime.n_ctx)
-    parts.append(f"context {held}/{runtime.n_ctx}")
+    held = stats.prompt_tokens + stats.generated_tokens
+    if runtime.n_ctx:  # a server may not say its context
+        parts.append(f"context {min(held, runtime.n_ctx)}/{runtime.n_ctx}")
+    else:
+        parts.append(f"context {held}")
     return " · ".join(parts)
 
 
@@ -116,24 +136,34 @@ def stream_answer(
     runtime = host.wait_for(settings.load_spec)
     *earlier, last = saved.messages
     pictures = last.images or any(m.images for m in earlier)
+    if isinstance(runtime, MessageRuntime):
+        # A server: answers of several sessions stream at once, each on its own connection.
+        conversation = _conversation(runtime, saved, settings, runtime.accepts_images)
+        yield from _answer_updates(saved, conversation, should_stop)
+        return
     if runtime.parallel > 1 and not pictures:
         # The batching engine: answers of several sessions advance together, its steps on
         # the host's compute thread; this thread only reads its own answer's stream.
-        conversation = _conversation(runtime, saved, settings, vision=None)
+        conversation = _conversation(runtime, saved, settings, pictures=False)
         yield from _answer_updates(saved, conversation, should_stop)
         return
     with host.generation_lock:
         vision = _vision_opener(host, settings, pictures=bool(last.images)) if pictures else None
-        conversation = _conversation(runtime, saved, settings, vision)
+        conversation = _conversation(runtime, saved, settings, vision is not None, vision)
         # The answer is produced on the host's compute thread (the GUI's main thread).
         yield from _answer_updates(saved, conversation, should_stop, host.compute.iterate)
 
 
 def _conversation(
-    runtime: Runtime, saved: SavedChat, settings: ChatSettings, vision
+    runtime: Runtime | MessageRuntime,
+    saved: SavedChat,
+    settings: ChatSettings,
+    pictures: bool,
+    vision=None,
 ) -> Conversation:
-    """The saved chat before its last message, as the model will see it."""
-    history = [Message(m.role, m.content, _saved_pictures(m) if vision else ())
+    """The saved chat before its last message, as the model will see it (with the earlier
+    messages' pictures when it sees `pictures`)."""
+    history = [Message(m.role, m.content, _saved_pictures(m) if pictures else ())
                for m in saved.messages[:-1]]  # fmt: skip
     return Conversation(runtime, settings.system_prompt or None, settings.request(),
                         vision=vision, history=history)  # fmt: skip
@@ -149,17 +179,25 @@ def _answer_updates(
     last = saved.messages[-1]
     pictures = [image.png_bytes() for image in _load_pictures(last)]
     events = relay(conversation.send(last.content, pictures, should_stop=should_stop))
-    answer, figures = [], ""
+    answer, thinking, figures = [], "", ""
     started = time.monotonic()
-    for event in events:
-        if isinstance(event, TextDelta):
-            answer.append(event.text)
-            rate = len(answer) / max(time.monotonic() - started, 1e-3)
-            yield AnswerUpdate("".join(answer), f"generating… {rate:.0f} pieces/s")
-        elif isinstance(event, Finished):
-            figures = figures_line(event.stats, conversation.runtime)
-            if event.reason.value == "cancelled":
-                figures = "stopped · " + figures
+    try:
+        for event in events:
+            if isinstance(event, TextDelta):
+                answer.append(event.text)
+                rate = len(answer) / max(time.monotonic() - started, 1e-3)
+                yield AnswerUpdate("".join(answer), f"generating… {rate:.0f} pieces/s")
+            elif isinstance(event, ReasoningDelta):  # apart from the answer, and not kept
+                thinking += event.text
+                yield AnswerUpdate("".join(answer), "thinking… " + thinking[-THINKING_SHOWN:])
+            elif isinstance(event, Finished):
+                figures = figures_line(event.stats, conversation.runtime)
+                if event.reason.value == "cancelled":
+                    figures = "stopped · " + figures
+    except MiniappError:  # a server that broke off: what it sent is kept
+        if answer:
+            saved.messages.append(SavedMessage("assistant", "".join(answer), stats="broken off"))
+        raise
     text = "".join(answer)
     saved.messages.append(SavedMessage("assistant", text, stats=figures))
     yield AnswerUpdate(text, figures, finished=True)
@@ -237,7 +275,11 @@ class Transcriber:
 
 
 def prepare_user_message(
-    typed: str, files: list[Path], settings: ChatSettings, transcriber: Transcriber
+    typed: str,
+    files: list[Path],
+    settings: ChatSettings,
+    transcriber: Transcriber,
+    runtime: Runtime | MessageRuntime | None = None,
 ) -> SavedMessage:
     """The user message for typed text plus uploads: audio files become their transcript
     (word times kept), images their OCR label (or go to a vision model). Raises a one-line
@@ -262,10 +304,11 @@ def prepare_user_message(
     shown = typed.strip() if spoken_parts else None
     pictures = None
     if images:
-        text, image_notes = _with_images(text, images, settings)
+        route = image_route(settings, runtime)
+        text, image_notes = _with_images(text, images, route)
         notes += image_notes
         shown = typed.strip()
-        pictures = _pictures_to_keep(images, settings)
+        pictures = _pictures_to_keep(images, route)
     if not text and not images:
         raise MiniappError("nothing to send: type a message or attach a file")
     if shown is not None and spoken_parts:
@@ -274,24 +317,30 @@ def prepare_user_message(
                         images=pictures)  # fmt: skip
 
 
-def _with_images(text: str, images: list[Path], settings: ChatSettings) -> tuple[str, list[str]]:
-    from miniapp.engine.images import attach_image, build_user_message, choose_route
+def image_route(settings: ChatSettings, runtime: Runtime | MessageRuntime | None = None):
+    """Where this chat's images go. The GUI keeps the backend the user picked: images reach
+    a vision model only on the llamacpp backend with a projector beside the model, or on a
+    server whose model takes them (`runtime`, the loaded one); otherwise OCR, said so."""
+    from miniapp.engine.images import choose_route, remote_route
 
-    # The GUI keeps the backend the user picked: images reach a vision model only on the
-    # llamacpp backend with a projector beside the model; otherwise OCR, said so.
-    route = choose_route(resolve_model(settings.model), settings.backend,
-                         allow_backend_switch=False)  # fmt: skip
+    if settings.backend == REMOTE_BACKEND:
+        return remote_route(isinstance(runtime, MessageRuntime) and runtime.accepts_images)
+    return choose_route(resolve_model(settings.model), settings.backend,
+                        allow_backend_switch=False)  # fmt: skip
+
+
+def _with_images(text: str, images: list[Path], route) -> tuple[str, list[str]]:
+    from miniapp.engine.images import attach_image, build_user_message
+
     attachments = [attach_image(path, route, name=path.name) for path in images]
     return build_user_message(text, attachments), [a.notice() for a in attachments]
 
 
-def _pictures_to_keep(images: list[Path], settings: ChatSettings) -> list[str] | None:
+def _pictures_to_keep(images: list[Path], route) -> list[str] | None:
     """Copies of the pictures a vision model will see, kept beside the saved chats (the
     upload folder is temporary); None on the OCR path, whose text is the message."""
-    from miniapp.engine.images import ImagePath, choose_route
+    from miniapp.engine.images import ImagePath
 
-    route = choose_route(resolve_model(settings.model), settings.backend,
-                         allow_backend_switch=False)  # fmt: skip
     if route.path is not ImagePath.VISION_MODEL:
         return None
     folder = data_dir() / "images"

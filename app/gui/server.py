@@ -11,6 +11,8 @@ import threading
 # Gradio reports usage to its makers unless told not to; miniapp is offline.
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
+from miniapp.engine.runtimes import REMOTE_BACKEND
+
 MAX_UPLOAD = "50mb"  # Gradio refuses larger uploads with a message; images cap at 50 MB too
 MAX_UPLOAD_ENV = "MINIAPP_MAX_UPLOAD"  # e.g. "1mb", to try the limit without a huge file
 
@@ -20,6 +22,16 @@ def settings_from_args(args: argparse.Namespace):
     from .controller import ChatSettings
 
     defaults = ChatSettings()
+    if args.backend == REMOTE_BACKEND:
+        from ..remote import endpoint_from_args, open_remote_checks
+
+        open_remote_checks(args)  # local-only options are one line, before the page starts
+        endpoint = endpoint_from_args(args)
+        return ChatSettings(
+            model=args.remote_model or "", backend=args.backend, ctx=args.ctx or defaults.ctx,
+            system_prompt=args.system or "", temperature=args.temperature, top_p=args.top_p,
+            max_tokens=args.max_tokens, base_url=endpoint.base_url, api_key=endpoint.api_key,
+        )  # fmt: skip
     return ChatSettings(
         model=args.model or defaults.model, backend=args.backend, device=args.device,
         spec=args.spec, ctx=args.ctx or defaults.ctx, window=args.window, sinks=args.sinks,

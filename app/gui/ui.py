@@ -79,7 +79,7 @@ def settings_from(values: list, launched: ChatSettings) -> ChatSettings:
      max_tokens) = values  # fmt: skip
     return replace(
         launched,
-        model=(custom or "").strip() or model,
+        model=(custom or "").strip() or model or "",
         backend=backend, device=device, spec=spec, ctx=_count("context", ctx, 64),
         window=_optional_count("window", window, 1), sinks=_optional_count("sinks", sinks, 0),
         system_prompt=system or "", temperature=float(temperature), top_p=float(top_p),
@@ -151,8 +151,8 @@ def build_ui(ctx: GuiContext) -> gr.Blocks:
             with gr.Column(scale=1, min_width=260):
                 status = gr.Markdown(ctx.host.status.message, elem_id="model-status")
                 with gr.Accordion("Settings", open=True):
-                    model = gr.Dropdown(label="Model", choices=model_choices(), value=d.model,
-                                        elem_id="model")  # fmt: skip
+                    model = gr.Dropdown(label="Model", choices=model_choices(d),
+                                        value=d.model or None, elem_id="model")  # fmt: skip
                     custom = gr.Textbox(label="…or a GGUF path", elem_id="model-path")
                     backend = gr.Radio(list(BACKENDS), value=d.backend, label="Backend")
                     device = gr.Dropdown(list(DEVICE_CHOICES), value=d.device, label="Device")
@@ -189,7 +189,7 @@ def _wire(ctx: GuiContext, w: dict) -> None:
         files = [Path(f) for f in (message or {}).get("files", [])]
         try:
             user = prepare_user_message((message or {}).get("text", ""), files, settings,
-                                        ctx.transcriber)  # fmt: skip
+                                        ctx.transcriber, ctx.host.runtime)  # fmt: skip
         except MiniappError as exc:
             yield *_view(ctx, conversation, notice=f"⚠️ {exc}"), gr.update()
             return
@@ -353,4 +353,5 @@ def _answer(ctx: GuiContext, conversation: SavedChat, settings: ChatSettings, no
             else:
                 yield shown + [bubble], update.figures, notice, gr.update(), conversation.id
     except (ModelLoadError, MiniappError) as exc:
+        ctx.store.save(conversation)  # with what a server sent before it broke off
         yield _view(ctx, conversation, notice=f"⚠️ {exc}")

@@ -15,7 +15,7 @@ from .describe import ImageDescription, describe_image
 from .errors import ImageInputError
 from .loading import ExifFacts, LoadedImage, load_image
 from .ocr import OcrEngine, OcrResult, OcrUnavailableError, shared_ocr
-from .route import ImagePath, ImageRoute, MmprojSearch, choose_route, find_mmproj
+from .route import ImagePath, ImageRoute, MmprojSearch, choose_route, find_mmproj, remote_route
 
 __all__ = [
     "ExifFacts",
@@ -23,6 +23,7 @@ __all__ = [
     "ImageDescription",
     "ImageInputError",
     "ImagePath",
+    "remote_route",
     "ImageRoute",
     "LoadedImage",
     "MmprojSearch",

@@ -83,6 +83,14 @@ def choose_route(
     )
 
 
+def remote_route(accepts_images: bool) -> ImageRoute:
+    """Where images go on a server's model (--backend openai): as pictures when the server
+    says its model takes them, else as text by OCR here."""
+    if accepts_images:
+        return ImageRoute(ImagePath.VISION_MODEL, "the server's model takes pictures")
+    return ImageRoute(ImagePath.OCR_FALLBACK, "the server's model does not say it takes pictures")
+
+
 def find_mmproj(model_path: Path | str, explicit: Path | str | None = None) -> MmprojSearch:
     """The projector for a model: `explicit` if given (checked, errors raised), else a GGUF
     beside the model with "mmproj" in its name that is a vision projector of the right width."""

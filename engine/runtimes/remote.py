@@ -173,7 +173,7 @@ class RemoteRuntime(MessageRuntime):
         usage = None
         yielded_text = False
         try:
-            for kind, value in call.items(should_stop):
+            for kind, value, arrived in call.items(should_stop):
                 if kind == "error":
                     raise remote_error(value, self.endpoint, self.model, midway=yielded_text)
                 if kind == "usage":
@@ -181,7 +181,7 @@ class RemoteRuntime(MessageRuntime):
                 elif kind == "finish":
                     finish = value
                 elif kind in ("text", "reasoning"):
-                    clock.piece()
+                    clock.piece(arrived)
                     yielded_text = yielded_text or kind == "text"
                     yield TextDelta(value) if kind == "text" else ReasoningDelta(value)
         finally:
@@ -256,9 +256,11 @@ class _AnswerClock:
         self.last = self.start
         self.pieces = 0
 
-    def piece(self) -> None:
-        self.last = time.perf_counter()
-        self.first = self.first or self.last
+    def piece(self, arrived: float) -> None:
+        """A piece that arrived at `arrived` (perf_counter): times are the stream's, not
+        those of a consumer that may be slower to take the pieces."""
+        self.last = arrived
+        self.first = self.first or arrived
         self.pieces += 1
 
     def stats(self, usage) -> GenerationStats:
@@ -283,8 +285,8 @@ class _AnswerClock:
 
 
 class _StreamedCall:
-    """One streamed chat request, read on its own thread into a queue of (kind, value):
-    text, reasoning, finish, usage, error, and None at the end."""
+    """One streamed chat request, read on its own thread into a queue of (kind, value, the
+    perf_counter time it arrived): text, reasoning, finish, usage, error; None at the end."""
 
     def __init__(self, client: openai.OpenAI, body: dict):
         self._queue: queue.Queue = queue.Queue()
@@ -295,7 +297,7 @@ class _StreamedCall:
         threading.Thread(target=self._read, args=(client, body), daemon=True,
                          name="remote-answer").start()  # fmt: skip
 
-    def items(self, should_stop: Callable[[], bool]) -> Iterator[tuple[str, object]]:
+    def items(self, should_stop: Callable[[], bool]) -> Iterator[tuple[str, object, float]]:
         while True:
             if should_stop():
                 self.cancel()
@@ -333,7 +335,7 @@ class _StreamedCall:
                 self._take(chunk)
         except Exception as exc:  # noqa: BLE001 - the client's errors, or a socket closed under it
             if not self.cancelled:
-                self._queue.put(("error", exc))
+                self._put("error", exc)
         finally:
             with self._lock:
                 self._stream, self._done = None, True
@@ -343,18 +345,21 @@ class _StreamedCall:
         """One chunk's pieces. Some servers send chunks with no choices (the usage chunk,
         keep-alives): only what is there is taken."""
         if getattr(chunk, "usage", None) is not None:
-            self._queue.put(("usage", chunk.usage))
+            self._put("usage", chunk.usage)
         for choice in chunk.choices or ():
             delta = choice.delta
             if delta is not None:
                 thinking = getattr(delta, "reasoning_content", None) or \
                     getattr(delta, "reasoning", None)  # fmt: skip
                 if isinstance(thinking, str) and thinking:
-                    self._queue.put(("reasoning", thinking))
+                    self._put("reasoning", thinking)
                 if delta.content:
-                    self._queue.put(("text", delta.content))
+                    self._put("text", delta.content)
             if choice.finish_reason:
-                self._queue.put(("finish", choice.finish_reason))
+                self._put("finish", choice.finish_reason)
+
+    def _put(self, kind: str, value) -> None:
+        self._queue.put((kind, value, time.perf_counter()))
 
 
 def _hang_up(stream) -> None:
