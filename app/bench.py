@@ -19,6 +19,7 @@ from miniapp.engine.errors import MiniappError
 from miniapp.engine.gguf_file import GGUFFile
 from miniapp.engine.model_store import resolve_model
 from miniapp.engine.models import check_supported
+from miniapp.engine.runtimes import REMOTE_BACKEND
 from miniapp.engine.tokenizer import Tokenizer
 
 from .evaluate import read_text
@@ -50,14 +51,17 @@ TASK_ASKS = {
 }
 
 
-def task_prompts(model: Path, tokenizer: Tokenizer, task: str) -> list[list[int]]:
-    """Chat-templated prompts for a task: input-grounded (summarize, quote) or open chat."""
+def task_questions(task: str) -> list[str]:
+    """The user messages of a task: input-grounded (summarize, quote) or open chat."""
     if task == "chat":
-        questions = chat_prompts()[:CHAT_QUESTIONS]
-    else:
-        texts = [t[:TASK_TEXT_CHARS] for t in sample_texts()[:TASK_TEXTS]]
-        questions = [f"{text}\n\n{TASK_ASKS[task]}" for text in texts]
-    return user_prompts(model, tokenizer, questions)
+        return chat_prompts()[:CHAT_QUESTIONS]
+    texts = [t[:TASK_TEXT_CHARS] for t in sample_texts()[:TASK_TEXTS]]
+    return [f"{text}\n\n{TASK_ASKS[task]}" for text in texts]
+
+
+def task_prompts(model: Path, tokenizer: Tokenizer, task: str) -> list[list[int]]:
+    """Chat-templated prompts for a task, in the model's own template."""
+    return user_prompts(model, tokenizer, task_questions(task))
 
 
 def user_prompts(model: Path, tokenizer: Tokenizer, messages: list[str]) -> list[list[int]]:
@@ -70,6 +74,10 @@ def user_prompts(model: Path, tokenizer: Tokenizer, messages: list[str]) -> list
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.backend == REMOTE_BACKEND:
+        from .bench_remote import run_remote_bench
+
+        return run_remote_bench(args)
     model = resolve_model(args.model)
     check_supported(GGUFFile(model))  # report a bad file before any subprocess starts
     tokenizer = Tokenizer(model)

@@ -18,9 +18,10 @@ def chunk(
     finish: str | None = None,
     choices: bool = True,
     usage: dict | None = None,
+    tool_call: dict | None = None,
 ) -> dict:
     """One chat.completion.chunk."""
-    delta = {}
+    delta: dict = {"tool_calls": [tool_call]} if tool_call else {}
     if content is not None:
         delta["content"] = content
     if reasoning is not None:

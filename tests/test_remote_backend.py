@@ -4,6 +4,7 @@ servers do differently comes from a scripted loopback server (scripted_server.py
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import socket
@@ -197,7 +198,11 @@ def test_what_other_servers_send_is_read_and_only_set_fields_are_sent(miniapp_ex
         chunk(choices=False),  # a keep-alive with no choices
         chunk(reasoning="The user wants "), chunk(reasoning="a greeting."),
         chunk(content=""), chunk("Hello"), chunk(", world"),
-        chunk(finish="stop"),
+        # A call the server's model streams unasked: not part of the text, and no failure.
+        chunk(tool_call={"index": 0, "id": "call_1", "type": "function",
+                         "function": {"name": "lookup", "arguments": ""}}),
+        chunk(tool_call={"index": 0, "function": {"arguments": "{}"}}),
+        chunk(finish="tool_calls"),
     ]  # fmt: skip
     usage = {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15}
     with ScriptedServer(script, usage=usage) as scripted:
@@ -270,3 +275,20 @@ def test_a_piped_chat_on_llama_cpps_own_server(miniapp_exe, default_model, tmp_p
     assert re.search(r"\bParis\b", done.stdout), done.stdout
     # It sends no usage chunk: the pieces streamed are counted instead.
     assert re.search(r"generated (\d+) tok at [\d.]+ tok/s", done.stderr), done.stderr
+
+
+# ------------------------------------------------------------------ bench
+
+
+def test_bench_compares_the_server_with_the_engine_in_process(miniapp_exe, server):
+    done = subprocess.run(
+        [miniapp_exe, "bench", "--backend", "openai", "--base-url", server, "--tokens", "12",
+         "--repeat", "1", "--threads", "2", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["remote_model"] == MODEL and report["answers"] == 8
+    for side in ("local", "remote"):
+        assert report[side]["decode_tok_s"] > 0 and report[side]["ttft_ms"] > 0
+    assert 0 < report["decode_ratio"] < 10 and report["identical_answers"] >= 1
