@@ -38,8 +38,11 @@ class ScriptedServer:
     """Answers GET /v1/models and POST /v1/chat/completions with `script`: the chunks to
     stream, then [DONE] unless `drop` (cut the connection instead, mid-stream)."""
 
-    def __init__(self, script: list[dict], drop: bool = False, usage: dict | None = None):
-        self.script, self.drop, self.usage = script, drop, usage
+    def __init__(self, script: list[dict], drop: bool = False, usage: dict | None = None,
+                 vision: bool | None = None):  # fmt: skip
+        """`vision`: what its /props says of the model's pictures (None: no /props, as on
+        most servers)."""
+        self.script, self.drop, self.usage, self.vision = script, drop, usage, vision
         self.requests: list[dict] = []
         self._http = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._http.daemon_threads = True
@@ -63,6 +66,8 @@ class ScriptedServer:
                 pass
 
             def do_GET(self):
+                if self.path == "/props" and server.vision is not None:  # llama-server's
+                    return self._send(200, {"modalities": {"vision": server.vision}})
                 if self.path.rstrip("/") != "/v1/models":
                     return self._send(404, {"error": {"message": "not found"}})
                 entry = {"id": MODEL, "object": "model", "created": 0, "owned_by": "test"}

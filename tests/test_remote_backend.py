@@ -4,6 +4,8 @@ servers do differently comes from a scripted loopback server (scripted_server.py
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import re
 import signal
@@ -16,6 +18,8 @@ from contextlib import contextmanager
 import httpx
 import pexpect
 import pytest
+from image_fixtures import text_image
+from PIL import Image
 from scripted_server import MODEL as SCRIPTED_MODEL
 from scripted_server import ScriptedServer, chunk
 from test_serve import KEY, MODEL, running_server, wait_ready
@@ -292,3 +296,35 @@ def test_bench_compares_the_server_with_the_engine_in_process(miniapp_exe, serve
     for side in ("local", "remote"):
         assert report[side]["decode_tok_s"] > 0 and report[side]["ttft_ms"] > 0
     assert 0 < report["decode_ratio"] < 10 and report["identical_answers"] >= 1
+
+
+# ------------------------------------------------------------------ images
+
+
+@pytest.fixture(scope="module")
+def receipt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("remote-images") / "receipt.png"
+    text_image(["TOTAL 42.50"]).save(path)
+    return path
+
+
+def test_an_image_goes_as_a_picture_where_the_servers_model_takes_them(miniapp_exe, receipt):
+    with ScriptedServer([chunk("A receipt."), chunk(finish="stop")], vision=True) as scripted:
+        done = remote_chat(miniapp_exe, scripted.root, "--image", str(receipt))
+        sent = scripted.requests[0]
+    assert done.returncode == 0 and done.stdout == "A receipt.\n", done.stderr
+    picture, text = sent["messages"][0]["content"]
+    assert picture["type"] == "image_url"
+    assert picture["image_url"]["url"].startswith("data:image/png;base64,")
+    assert Image.open(io.BytesIO(base64.b64decode(picture["image_url"]["url"].split(",")[1])))
+    assert text == {"type": "text", "text": QUESTION}
+
+
+def test_an_image_is_read_here_by_ocr_where_the_server_does_not_say(miniapp_exe, receipt):
+    with ScriptedServer([chunk("42.50"), chunk(finish="stop")]) as scripted:
+        done = remote_chat(miniapp_exe, scripted.root, "--image", str(receipt))
+        sent = scripted.requests[0]
+    assert done.returncode == 0, done.stderr
+    assert "read by OCR" in done.stderr
+    content = sent["messages"][0]["content"]
+    assert isinstance(content, str) and "TOTAL 42.50" in content and QUESTION in content
