@@ -167,8 +167,9 @@ class RemoteRuntime(MessageRuntime):
     ) -> Iterator[GenerationEvent]:
         """Stream the server's answer to `messages` as events. A failure is a RemoteError:
         before any text, nothing was answered; midway, the text so far has been yielded."""
-        call = _StreamedCall(self._client, self._body(messages, request))
+        body = self._body(messages, request)
         clock = _AnswerClock()
+        call = _StreamedCall(self._client, body)
         finish: str | None = None
         usage = None
         yielded_text = False
