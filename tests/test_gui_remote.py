@@ -1,6 +1,9 @@
 """The GUI on a server's model (--backend openai): a real `miniapp serve` on loopback, the GUI
 pointed at it, driven by headless Chromium."""
 
+# The tests take test_gui's `browser` fixture, imported below, as their argument.
+# ruff: noqa: F811
+
 from __future__ import annotations
 
 import re
@@ -8,6 +11,7 @@ import subprocess
 import time
 
 import pytest
+from scripted_server import ScriptedServer, chunk
 from test_gui import (
     ANSWER_S,
     MAX_TOKENS,
@@ -18,6 +22,7 @@ from test_gui import (
     _words,
     browser,  # noqa: F401 - the shared Chromium fixture
 )
+from test_remote_backend import _cancelled
 from test_serve import MODEL, running_server, wait_ready
 
 
@@ -37,15 +42,15 @@ def remote_gui(miniapp_exe, api, tmp_path_factory):
     gui.stop()
 
 
-def _open(browser, url: str, tmp_path):  # noqa: F811 - the fixture, passed in
+def _open(browser, url: str):
     page = browser.new_page(viewport={"width": 1280, "height": 1100})
     page.goto(url)
     page.wait_for_selector("#message-box textarea", timeout=ANSWER_S * 1000)
     return page
 
 
-def test_the_gui_streams_a_servers_answer(browser, remote_gui, api, miniapp_exe, tmp_path):  # noqa: F811
-    page = _open(browser, remote_gui.url, tmp_path)
+def test_the_gui_streams_a_servers_answer(browser, remote_gui, api, miniapp_exe, tmp_path):
+    page = _open(browser, remote_gui.url)
     try:
         _wait_for_text(page, "#model-status", f"{MODEL} on openai at {api}/v1")
         _send(page, MESSAGE)
@@ -72,14 +77,74 @@ def test_the_gui_streams_a_servers_answer(browser, remote_gui, api, miniapp_exe,
         page.close()
 
 
-def test_an_unreachable_server_is_said_in_the_status_line(browser, miniapp_exe, tmp_path):  # noqa: F811
+def test_an_unreachable_server_is_said_in_the_status_line(browser, miniapp_exe, tmp_path):
     gui = GuiServer(miniapp_exe, tmp_path, "--backend", "openai", "--base-url",
                     "http://127.0.0.1:9/v1", local=False).start()  # fmt: skip
     try:
-        page = _open(browser, gui.url, tmp_path)
+        page = _open(browser, gui.url)
         _wait_for_text(page, "#model-status", "cannot reach the server at http://127.0.0.1:9/v1")
         _send(page, MESSAGE)
         _wait_for_text(page, "#notice", "cannot reach the server")
         page.close()
     finally:
         gui.stop()
+
+
+def test_stop_hangs_up_and_the_server_cancels_the_answer(browser, api, miniapp_exe, tmp_path):
+    before = _cancelled(api)
+    gui = GuiServer(miniapp_exe, tmp_path, "--backend", "openai", "--base-url", api,
+                    "--max-tokens", "900", local=False).start()  # fmt: skip
+    try:
+        page = _open(browser, gui.url)
+        _wait_for_text(page, "#model-status", "on openai at")
+        _send(page, "Write a very long story about a dragon, with many chapters.")
+        deadline = time.monotonic() + ANSWER_S
+        bubbles = page.locator("#chatbot .bot")
+        while not (bubbles.count() and len(bubbles.last.inner_text()) > 40):
+            assert time.monotonic() < deadline, "the answer never started"
+            time.sleep(0.05)
+        page.click("#stop")
+        _wait_for_text(page, "#figures", "stopped")
+        deadline = time.monotonic() + 10
+        while _cancelled(api) <= before and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _cancelled(api) == before + 1
+        page.close()
+    finally:
+        gui.stop()
+
+
+def test_an_answer_broken_off_midway_is_said_and_kept(browser, miniapp_exe, tmp_path):
+    with ScriptedServer([chunk("The answer "), chunk("begins")], drop=True) as scripted:
+        gui = GuiServer(miniapp_exe, tmp_path, "--backend", "openai", "--base-url",
+                        scripted.root, local=False).start()  # fmt: skip
+        try:
+            page = _open(browser, gui.url)
+            _wait_for_text(page, "#model-status", "on openai at")
+            _send(page, MESSAGE)
+            _wait_for_text(page, "#notice", "broke off the answer midway")
+            assert page.locator("#chatbot .bot").last.inner_text().strip() == "The answer begins"
+            page.close()
+        finally:
+            gui.stop()
+
+
+def test_a_servers_thinking_shows_in_the_figures_and_is_not_kept():
+    from miniapp.app.gui.controller import ChatSettings, stream_answer
+    from miniapp.app.gui.history import SavedChat, SavedMessage
+    from miniapp.app.model_host import ModelHost
+
+    script = [chunk(reasoning="Colours: "), chunk(reasoning="red, blue."), chunk("Red, blue."),
+              chunk(finish="stop")]  # fmt: skip
+    with ScriptedServer(script) as scripted:
+        settings = ChatSettings(model="", backend="openai", base_url=scripted.root + "/v1")
+        chat = SavedChat.new()
+        chat.messages.append(SavedMessage("user", MESSAGE))
+        updates = list(stream_answer(ModelHost(), chat, settings, lambda: False))
+    thinking = [u.figures for u in updates if u.figures.startswith("thinking… ")]
+    assert thinking[-1] == "thinking… Colours: red, blue."
+    assert updates[-1].finished and updates[-1].text == "Red, blue."
+    assert [m.content for m in chat.messages] == [MESSAGE, "Red, blue."]
+    # The server says no context length: the figures give what was used, and where.
+    figures = updates[-1].figures
+    assert f"{scripted.root}/v1 · context " in figures and "/" not in figures.split("context")[1]
