@@ -22,6 +22,7 @@ from image_fixtures import text_image
 from PIL import Image
 from scripted_server import MODEL as SCRIPTED_MODEL
 from scripted_server import ScriptedServer, chunk
+from speech_synth import CLEAN_SENTENCES, require_tools, synthesize, wav
 from test_serve import KEY, MODEL, running_server, wait_ready
 
 QUESTION = "What is the capital of France?"
@@ -40,6 +41,10 @@ def remote_chat(exe: str, base: str, *flags: str, text: str = QUESTION, timeout:
         [exe, "chat", "--backend", "openai", "--base-url", base + "/v1", *flags],
         input=text + "\n", capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"[a-z']+", text.lower())
 
 
 def one_error_line(done: subprocess.CompletedProcess) -> str:
@@ -328,3 +333,25 @@ def test_an_image_is_read_here_by_ocr_where_the_server_does_not_say(miniapp_exe,
     assert "read by OCR" in done.stderr
     content = sent["messages"][0]["content"]
     assert isinstance(content, str) and "TOTAL 42.50" in content and QUESTION in content
+
+
+# ------------------------------------------------------------------ voice
+
+
+def test_voice_is_transcribed_here_and_its_text_goes_to_the_server(miniapp_exe, tmp_path):
+    require_tools()
+    sentence = CLEAN_SENTENCES[6]
+    path = wav(tmp_path / "question.wav", synthesize(sentence, seed=6))
+    with ScriptedServer([chunk("Heard."), chunk(finish="stop")]) as scripted:
+        done = subprocess.run(
+            [miniapp_exe, "chat", "--backend", "openai", "--base-url", scripted.root,
+             "--audio", str(path)],
+            capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        sent = scripted.requests[0]
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("you said: ") and done.stdout.endswith("Heard.\n")
+    spoken = done.stdout.splitlines()[0].removeprefix("you said: ")
+    assert sent["messages"] == [{"role": "user", "content": spoken}]
+    said = set(_words(sentence))
+    assert len(set(_words(spoken)) & said) >= 0.8 * len(said), (spoken, sentence)
