@@ -127,6 +127,18 @@ def _send(page, text: str, files: list[Path] = ()) -> None:
     page.press("#message-box textarea", "Enter")
 
 
+def answer_lengths(page) -> set[int]:
+    """The lengths the last answer showed as it streamed, until its figures came."""
+    lengths = set()
+    deadline = time.monotonic() + ANSWER_S
+    while "tok/s" not in page.inner_text("#figures") and time.monotonic() < deadline:
+        bubbles = page.locator("#chatbot .bot")
+        if bubbles.count():
+            lengths.add(len(bubbles.last.inner_text()))
+        time.sleep(0.02)
+    return lengths
+
+
 def _answer(page) -> str:
     """The last answer, once its figures are shown."""
     _wait_for_text(page, "#figures", "tok/s")
@@ -150,13 +162,7 @@ def _terminal_answer(exe: str, text: str, max_tokens: int) -> str:
 
 def test_a_message_streams_its_answer(page, miniapp_exe):
     _send(page, MESSAGE)
-    lengths = set()
-    deadline = time.monotonic() + ANSWER_S
-    while "tok/s" not in page.inner_text("#figures") and time.monotonic() < deadline:
-        bubbles = page.locator("#chatbot .bot")
-        if bubbles.count():
-            lengths.add(len(bubbles.last.inner_text()))
-        time.sleep(0.02)
+    lengths = answer_lengths(page)
     answer = _answer(page)
     assert len(lengths - {0}) >= 2, "the answer arrived in one piece, not streamed"
     # Same model, same greedy settings: the GUI answers exactly as the terminal does.

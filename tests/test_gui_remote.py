@@ -20,6 +20,7 @@ from test_gui import (
     _send,
     _wait_for_text,
     _words,
+    answer_lengths,
     browser,  # noqa: F401 - the shared Chromium fixture
 )
 from test_remote_backend import _cancelled
@@ -54,13 +55,7 @@ def test_the_gui_streams_a_servers_answer(browser, remote_gui, api, miniapp_exe,
     try:
         _wait_for_text(page, "#model-status", f"{MODEL} on openai at {api}/v1")
         _send(page, MESSAGE)
-        lengths = set()
-        deadline = time.monotonic() + ANSWER_S
-        while "tok/s" not in page.inner_text("#figures") and time.monotonic() < deadline:
-            bubbles = page.locator("#chatbot .bot")
-            if bubbles.count():
-                lengths.add(len(bubbles.last.inner_text()))
-            time.sleep(0.02)
+        lengths = answer_lengths(page)
         figures = page.inner_text("#figures")
         assert re.search(r"TTFT \d+ ms · [\d.]+ tok/s", figures) and f"{api}/v1" in figures
         assert len(lengths - {0}) >= 2, "the answer arrived in one piece, not streamed"
