@@ -1,5 +1,8 @@
 """`--backend openai` for the interfaces: the server's address and key from the flags and the
-environment, and the one-line refusals of what only a local backend does."""
+environment, and the one-line refusals of what only a local backend does.
+
+The openai client takes half a second to import, so the runtime's module is imported inside
+the functions: only a command that uses a server pays for it."""
 
 from __future__ import annotations
 
@@ -11,8 +14,6 @@ from miniapp.engine.errors import MiniappError
 from miniapp.engine.runtimes import check_remote_options
 
 from .settings import runtime_kv_type
-
-# The openai client takes half a second to import: only a remote command pays for it.
 
 KEY_ENVIRONMENT = ("OPENAI_API_KEY", "MINIAPP_API_KEY")
 
@@ -50,15 +51,13 @@ def api_base(url: str) -> str:
     return base if parts.path.strip("/") else base + "/v1"
 
 
-def open_remote(args: argparse.Namespace, sampling: tuple[str, ...] | None = None):
+def open_remote(args: argparse.Namespace, sampling: tuple[str, ...]):
     """The server's model (a RemoteRuntime), after refusing local-only options, one line
-    each. `sampling`: the settings sent to it (None: all of them)."""
-    from miniapp.engine.runtimes.remote import SAMPLING_FIELDS, RemoteRuntime
+    each. `sampling`: the sampling settings sent to it."""
+    from miniapp.engine.runtimes.remote import RemoteRuntime
 
     open_remote_checks(args)
-    model = getattr(args, "remote_model", None)
-    return RemoteRuntime(endpoint_from_args(args), model, SAMPLING_FIELDS if sampling is None
-                         else sampling)  # fmt: skip
+    return RemoteRuntime(endpoint_from_args(args), getattr(args, "remote_model", None), sampling)
 
 
 def open_remote_checks(args: argparse.Namespace) -> None:

@@ -23,7 +23,6 @@ __all__ = [
     "ImageDescription",
     "ImageInputError",
     "ImagePath",
-    "remote_route",
     "ImageRoute",
     "LoadedImage",
     "MmprojSearch",
@@ -36,6 +35,7 @@ __all__ = [
     "describe_image",
     "find_mmproj",
     "load_image",
+    "remote_route",
     "shared_ocr",
     "vision_images",
 ]

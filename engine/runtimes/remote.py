@@ -90,10 +90,11 @@ class RemoteModel:
     context: int | None  # its context length, where the server says it
 
 
-def list_models(endpoint: RemoteEndpoint) -> list[RemoteModel]:
-    """The server's models; RemoteError, one line, when it cannot be asked."""
+def list_models(endpoint: RemoteEndpoint, client: openai.OpenAI | None = None) -> list[RemoteModel]:
+    """The server's models (asked through `client`, if one is open already); RemoteError,
+    one line, when it cannot be asked."""
     try:
-        page = endpoint.client().models.list()
+        page = (client or endpoint.client()).models.list()
         return [_remote_model(entry) for entry in page.data]
     except openai.OpenAIError as exc:
         raise remote_error(exc, endpoint) from None
@@ -115,7 +116,6 @@ class RemoteRuntime(MessageRuntime):
 
     backend = REMOTE_BACKEND
     parallel = REMOTE_PARALLEL
-    slides_past_ctx = False
 
     def __init__(
         self,
@@ -128,7 +128,7 @@ class RemoteRuntime(MessageRuntime):
         self.endpoint = endpoint
         self._client = endpoint.client()
         self._send = frozenset(send_sampling)
-        listed = list_models(endpoint)
+        listed = list_models(endpoint, self._client)
         if not listed:
             raise RemoteError(f"the server at {endpoint.base_url} lists no models")
         chosen = listed[0] if model is None else next((m for m in listed if m.id == model), None)
@@ -216,7 +216,7 @@ class RemoteRuntime(MessageRuntime):
         if "repeat_penalty" in extra:
             extra["repetition_penalty"] = extra["repeat_penalty"]
         if extra:
-            body["extra_body"] = extra
+            body["extra_body"] = extra  # the client merges it into the request's JSON
         if request.stop:
             body["stop"] = list(request.stop)
         if sampling.constraint is not None:
@@ -323,8 +323,7 @@ class _StreamedCall:
 
     def _read(self, client: openai.OpenAI, body: dict) -> None:
         try:
-            extra = body.pop("extra_body", None)
-            stream = client.chat.completions.create(**body, extra_body=extra)
+            stream = client.chat.completions.create(**body)
             with self._lock:
                 opened = not self.cancelled
                 if opened:
