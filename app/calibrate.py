@@ -20,6 +20,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
     runtime = TorchRuntime(
         model_path, n_ctx=1024, threads=args.threads, spec="off", device=args.device
     )
+    if args.train_head:
+        return _train_head(runtime, args)
     n_layers = runtime.model.config.n_layers
     if args.layers and max(args.layers) >= n_layers:
         raise MiniappError(f"--layers: {model_path.name} has layers 1..{n_layers - 1} to exit at")
@@ -66,4 +68,73 @@ def run_calibrate(args: argparse.Namespace) -> int:
         f"{setting.predicted_speedup:.2f}x ({verdict})"
     )
     print(f"stored in {stored}")
+    return 0
+
+
+class _Bars:
+    """Phases as lines on stderr, counts as a tqdm bar (nothing with --json)."""
+
+    def __init__(self, quiet: bool):
+        self.quiet, self.bar, self.unit = quiet, None, ""
+
+    def phase(self, text: str) -> None:
+        self.close()
+        if not self.quiet:
+            print(text, file=sys.stderr, flush=True)
+
+    def advance(self, done: int, total: int, note: str = "") -> None:
+        if self.quiet:
+            return
+        unit = note.split(",")[0]
+        if self.bar is None or self.unit != unit or self.bar.total != total:
+            from tqdm import tqdm
+
+            self.close()
+            self.bar, self.unit = tqdm(total=total, unit=" " + unit, file=sys.stderr), unit
+        self.bar.set_postfix_str(note.partition(", ")[2], refresh=False)
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def _train_head(runtime, args: argparse.Namespace) -> int:
+    """`calibrate --train-head`: the drafting head, trained, measured and stored."""
+    import shutil
+
+    from miniapp.engine.evaluation.head_training import HeadTrainingPlan, train_drafting_head
+    from miniapp.engine.speculative.calibration import head_path
+
+    if runtime.model.head_device.type != "cpu" or runtime.model.head_weight is None:
+        raise MiniappError("--train-head: the drafting head runs on the CPU; use --device cpu")
+    stored = head_path(runtime.model_path)
+    work = stored.with_suffix(".work")  # corpus shards and checkpoints: a rerun resumes
+    plan = HeadTrainingPlan(prompts=args.head_prompts, steps=args.head_steps)
+    bars = _Bars(args.json)
+    try:
+        weights, meta = train_drafting_head(runtime, work, plan, bars)
+    finally:
+        bars.close()
+    meta["command"] = (f"miniapp calibrate --train-head --head-prompts {plan.prompts} "
+                       f"--head-steps {plan.steps}")  # fmt: skip
+    try:
+        weights.save(stored, meta)
+    except OSError as exc:
+        raise MiniappError(f"cannot store the drafting head: {exc}") from exc
+    shutil.rmtree(work, ignore_errors=True)
+    if args.json:
+        print(json.dumps({"model": str(runtime.model_path), "stored": str(stored), **meta}))
+        return 0
+    print(
+        f"drafting head: held-out first-draft acceptance {meta['acceptance']:.2f}, "
+        f"draft vocabulary {meta['vocab_size']} tokens\n"
+        f"costs: plain step {meta['plain_step_ms']:.2f} ms, each verified row "
+        f"{meta['row_cost']:.3f} steps, each head pass {meta['draft_cost']:.3f} steps\n"
+        f"best: up to {meta['max_draft']} drafts while the head is at least "
+        f"{meta['threshold']:.2f} sure, predicted {meta['predicted_speedup']:.2f}x "
+        f"({'pays' if meta['pays'] else 'does not pay; --spec auto will not use it'})\n"
+        f"stored in {stored}"
+    )
     return 0

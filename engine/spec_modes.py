@@ -7,8 +7,9 @@ from enum import StrEnum
 
 class SpecMode(StrEnum):
     OFF = "off"
-    AUTO = "auto"  # prompt lookup when it pays; early exit where calibration says it pays
+    AUTO = "auto"  # prompt lookup when it pays; a trained head or early exit where they pay
     EARLY_EXIT = "early-exit"
+    HEAD = "head"  # the trained drafting head (`miniapp calibrate --train-head`)
     LOOKUP = "lookup"
 
 

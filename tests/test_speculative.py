@@ -427,9 +427,12 @@ class _ReplayDrafter:
             tokens[-1] = (tokens[-1] + 1) % self.model.config.vocab_size
         return Draft(tokens, pending=pending, key=self.name)
 
-    def verify_logits(self, caches, draft):
+    def verify(self, caches, draft):
+        from miniapp.engine.speculative.drafter import Verified
+
         rows = torch.tensor([draft.pending, *draft.tokens])
-        return self.model.logits(self.model.hidden_states(rows, caches, exact_rows=True))
+        states = self.model.hidden_states(rows, caches, exact_rows=True)
+        return Verified(states, self.model.logits(states))
 
 
 def test_a_new_drafter_needs_only_the_interface(smol):

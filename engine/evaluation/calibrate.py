@@ -210,7 +210,7 @@ def _time_drafter(
         states = torch.cat([drafter.early_state(token, caches) for _ in range(k)])
         draft = Draft([token] * k, None, states)
         verify_s[k] = _median_time(
-            lambda draft=draft: drafter.verify_logits(caches, draft),
+            lambda draft=draft: drafter.verify(caches, draft),
             lambda k=k: [c.trim(k + 1 if i >= drafter.layer else 1) for i, c in enumerate(caches)],
         )
         for cache in caches[: drafter.layer]:

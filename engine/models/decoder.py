@@ -19,7 +19,17 @@ import torch.nn.functional as F
 from ...native.decode_layer import LayerShape, NativeDecodeLayer
 from ..cache import Cache
 from ..kernels import cpu_attention_kernel, cpu_int4_kernel, cpu_row_ops, fused_layers_enabled
-from ..layers import Int4Linear, Linear, RMSNorm, Rope, RopeTables, apply_rope, rms_normalize
+from ..layers import (
+    Int4Linear,
+    Linear,
+    RawWeight,
+    RMSNorm,
+    Rope,
+    RopeTables,
+    apply_rope,
+    linear_from_raw,
+    rms_normalize,
+)
 from .config import DecoderConfig, RopeConfig
 from .exact_rows import RowMasks, Segments, row_tables
 from .placement import CPU, CPU_PLACEMENT, PREFILL_CHUNK, CachePolicy, Placement
@@ -289,6 +299,8 @@ class DecoderModel:
                 block.fused = fused_layer(block, self.ropes[self._layer_is_local[index]])
         # Called before every pass over layers; a simulated device injects its failures here.
         self.fault_hook: Callable[[], None] | None = None
+        # The output head's stored rows (memory-mapped), for a drafter's small vocabulary.
+        self.head_weight: RawWeight | None = None
 
     def make_caches(self, policy: CachePolicy) -> list[Cache]:
         """One cache per layer, on the layer's device, as the policy says."""
@@ -321,6 +333,14 @@ class DecoderModel:
             cap = self.config.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def head_rows(self, ids: torch.Tensor) -> Linear:
+        """The output head restricted to the rows `ids`, as its own linear on the CPU: a
+        drafter that scores a small vocabulary reads only those rows."""
+        if self.head_weight is None:
+            raise ValueError("this model was built without its head's stored rows")
+        raw, ggml_type = self.head_weight
+        return linear_from_raw([(raw.index_select(0, ids), ggml_type)], self.config.dim)
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         """The final norm, on the output head's device."""

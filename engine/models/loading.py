@@ -7,7 +7,15 @@ import torch
 
 from ..errors import UnsupportedModelError
 from ..gguf_file import GGUFFile, TensorInfo
-from ..layers import CPU_INT4, BlockEmbedding, Linear, RMSNorm, WeightTarget, linear_from_raw
+from ..layers import (
+    CPU_INT4,
+    BlockEmbedding,
+    Linear,
+    RawWeight,
+    RMSNorm,
+    WeightTarget,
+    linear_from_raw,
+)
 from ..quant import dequantize_rows
 from .config import DecoderConfig
 from .decoder import Attention, Block, DecoderModel, FeedForward
@@ -31,7 +39,9 @@ def build_decoder(
     # Llama 3.1-style frequency factors: each RoPE frequency is divided by its factor.
     freq_factors = weights.vector("rope_freqs.weight") if weights.has("rope_freqs.weight") else None
     weights.check_all_used()
-    return DecoderModel(config, embed, layers, norm, output, freq_factors, placement)
+    model = DecoderModel(config, embed, layers, norm, output, freq_factors, placement)
+    model.head_weight = weights.raw_weight(head)
+    return model
 
 
 def _build_block(
@@ -116,6 +126,11 @@ class WeightReader:
             for n, here, info in zip(names, present, infos, strict=True)
         ]
         return torch.cat(parts)
+
+    def raw_weight(self, name: str) -> RawWeight:
+        """A tensor's stored rows and type, as memory-mapped (no copy)."""
+        info = self.gguf.tensor(name)
+        return self.gguf.raw(info), info.ggml_type
 
     def vector(self, name: str) -> torch.Tensor:
         info = self._take(name)

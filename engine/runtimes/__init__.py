@@ -57,7 +57,7 @@ def open_runtime(
         if device != "auto":
             raise MiniappError("--device applies to the torch backend (llama.cpp picks its own)")
         if spec not in ("off", "auto"):
-            raise MiniappError("--spec early-exit and lookup apply to the torch backend only")
+            raise MiniappError("--spec early-exit, head and lookup apply to the torch backend only")
         if parallel > 1:
             raise MiniappError("--parallel applies to the torch backend (llama.cpp here "
                                "answers one at a time)")  # fmt: skip

@@ -36,7 +36,8 @@ from ..speculative import (
     SpeculativeDecoder,
     build_drafters,
 )
-from ..speculative.calibration import default_exit_setting, load_exit_setting
+from ..speculative.calibration import default_exit_setting, load_draft_head, load_exit_setting
+from ..speculative.draft_head import HeadDrafter
 from ..token_stream import GeneratedTokens, TokenStream
 from ..tokenizer import Tokenizer
 from ..torch_sampler import Sampler, sampler_for, token_logprob
@@ -107,6 +108,7 @@ class TorchRuntime(Runtime):
         # Kept across answers: what drafting costs and earns is learned as the chat goes.
         self.draft_controller = DraftController()
         self.early_exit = self._early_exit_drafter()
+        self.head_drafter = self._head_drafter()
         self.parallel = parallel
         self.scheduler = None
         if parallel > 1:
@@ -168,6 +170,7 @@ class TorchRuntime(Runtime):
         self.caches, self.static_step = [], None
         self.model = self._fall_back_to_cpu(step, f"out of memory during decode: {exc}")
         self.early_exit = self._early_exit_drafter()  # it drafts with the model's layers
+        self.head_drafter = self._head_drafter()
         fed = list(self._tokens)
         self._new_caches()
         self._tokens.clear()
@@ -193,6 +196,28 @@ class TorchRuntime(Runtime):
         self.static_step = None
         self.decode_step_note = f"eager steps: the graph failed: {reason}"
         self.device_plan.fallbacks.append(Fallback("graph of the decode step", reason))
+
+    def _head_drafter(self) -> HeadDrafter | None:
+        """The trained drafting head for this file, where one is stored and (for `auto`)
+        calibration measured that it pays; it runs beside a head on the CPU only."""
+        on_cpu = self.model.head_device.type == "cpu"
+        if self.spec_mode not in (SpecMode.AUTO, SpecMode.HEAD) or not on_cpu:
+            return None
+        loaded = load_draft_head(self.model_path, self.model)
+        if loaded is None:
+            if self.spec_mode is SpecMode.HEAD:
+                raise MiniappError(
+                    f"--spec head: no drafting head trained for {self.model_path.name}; "
+                    f"run `miniapp calibrate --train-head --model {self.model_path}`"
+                )
+            return None
+        head, meta = loaded
+        if self.spec_mode is SpecMode.AUTO and not meta.get("pays", False):
+            return None
+        drafter = HeadDrafter(self.model, head, meta.get("threshold", 0.0), meta.get("max_draft"))
+        if meta.get("acceptance") is not None:
+            self.draft_controller.set_prior(drafter.name, meta["acceptance"])
+        return drafter
 
     def _early_exit_drafter(self) -> EarlyExitDrafter | None:
         if self.spec_mode not in (SpecMode.AUTO, SpecMode.EARLY_EXIT):
@@ -250,7 +275,9 @@ class TorchRuntime(Runtime):
         logits = self._feed(prompt[reuse:])
         self.last_speculation = None
         if self.spec_mode is not SpecMode.OFF and sampler.params.logprobs is None:
-            drafters = build_drafters(self.spec_mode, self.model, self.early_exit)
+            drafters = build_drafters(
+                self.spec_mode, self.model, self.early_exit, self.head_drafter
+            )
             decoder = SpeculativeDecoder(
                 self.model, self.caches, self._tokens, sampler, self.draft_controller,
                 drafters, mode=self.spec_mode.value, decode_one=self._decode_one,
@@ -274,7 +301,7 @@ class TorchRuntime(Runtime):
         """The scheduler's speculative decoder for a sequence running alone."""
         if self.spec_mode is SpecMode.OFF:
             return None
-        drafters = build_drafters(self.spec_mode, self.model, self.early_exit)
+        drafters = build_drafters(self.spec_mode, self.model, self.early_exit, self.head_drafter)
         return SpeculativeDecoder(self.model, caches, fed, sampler, self.draft_controller,
                                   drafters, mode=self.spec_mode.value)  # fmt: skip
 

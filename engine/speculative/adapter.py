@@ -7,6 +7,7 @@ greedy answers, minimise KL(full model || head(norm(adapter(h_E)))).
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import torch
@@ -48,7 +49,7 @@ class ExitAdapterModule:
     def load(cls, path: Path, dim: int) -> ExitAdapterModule | None:
         try:
             data = torch.load(path, weights_only=True)
-        except (OSError, RuntimeError, ValueError):
+        except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError):
             return None
         if data["norm"].shape != (dim,):
             return None

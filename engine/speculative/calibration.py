@@ -18,6 +18,7 @@ import platformdirs
 
 from ..models.decoder import DecoderModel
 from .adapter import ExitAdapterModule
+from .draft_head import DraftHead, HeadWeights
 
 CACHE_DIR_ENV = "MINIAPP_CACHE_DIR"
 DEFAULT_MAX_DRAFT = 4
@@ -103,6 +104,33 @@ def save_exit_setting(model_path: Path, setting: ExitSetting) -> Path:
         setting.adapter.save(cache_dir() / setting.adapter_file)
     _write_json_atomic(path, setting.to_json())
     return path
+
+
+def head_path(model_path: Path) -> Path:
+    return cache_dir() / f"{file_hash(model_path)}.head.pt"
+
+
+def shipped_head_path(model_path: Path) -> Path:
+    """Where a head trained for this exact file ships with miniapp (the default model's)."""
+    from importlib.resources import files
+
+    return Path(str(files("miniapp.assets") / "heads" / f"{file_hash(model_path)}.pt"))
+
+
+def load_draft_head(model_path: Path, model: DecoderModel) -> tuple[DraftHead, dict] | None:
+    """The head trained for this file (the user's own first, then a shipped one) with its
+    measurements, or None. A head whose recorded hash is not this file's is ignored."""
+    digest = file_hash(model_path)
+    for path in (head_path(model_path), shipped_head_path(model_path)):
+        loaded = HeadWeights.load(path, model.config.dim)
+        if loaded is None:
+            continue
+        weights, meta = loaded
+        if meta.get("sha256") != digest or int(weights.vocab.max()) >= model.config.vocab_size:
+            continue
+        rows = model.head_rows(weights.vocab)
+        return DraftHead(weights, rows, model.config.final_logit_softcap), meta
+    return None
 
 
 def _read_json(path: Path) -> dict | None:

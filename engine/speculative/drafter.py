@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from ..models.decoder import DecoderModel
     from ..torch_sampler import Sampler
     from .controller import DraftController
+    from .draft_head import HeadDrafter
     from .early_exit import EarlyExitDrafter
 
 
@@ -51,10 +52,16 @@ class Drafter(Protocol):
         """Drafts after `pending`, as many as the controller allows; None to pass."""
         ...
 
-    def verify_logits(self, caches: Sequence[Cache], draft: Draft) -> torch.Tensor:
-        """Full-model logits [drafts + 1, vocab] for [pending, *drafts], each row exactly as
-        a decode step computes it; the caches then hold every row (trimmed after)."""
+    def verify(self, caches: Sequence[Cache], draft: Draft) -> Verified:
+        """The full model over [pending, *drafts], each row exactly as a decode step computes
+        it; the caches then hold every row (trimmed after)."""
         ...
+
+
+@dataclass(frozen=True)
+class Verified:
+    states: torch.Tensor  # final-normed states [drafts + 1, dim]
+    logits: torch.Tensor  # fp32 [drafts + 1, vocab]
 
 
 class VerifiedFromTokens:
@@ -63,23 +70,26 @@ class VerifiedFromTokens:
 
     model: DecoderModel
 
-    def verify_logits(self, caches: Sequence[Cache], draft: Draft) -> torch.Tensor:
+    def verify(self, caches: Sequence[Cache], draft: Draft) -> Verified:
         rows = torch.tensor([draft.pending, *draft.tokens])
-        return self.model.logits(self.model.hidden_states(rows, caches, exact_rows=True))
+        states = self.model.hidden_states(rows, caches, exact_rows=True)
+        return Verified(states, self.model.logits(states))
 
 
 def build_drafters(
-    mode: SpecMode, model: DecoderModel, early_exit: EarlyExitDrafter | None
+    mode: SpecMode,
+    model: DecoderModel,
+    early_exit: EarlyExitDrafter | None,
+    head: HeadDrafter | None = None,
 ) -> list[Drafter]:
     """The drafters one generation asks, in order: what a constraint forces and prompt
-    lookup (both free to draft) where the mode allows them, then early exit where
-    calibration (or `--spec early-exit`) made one."""
+    lookup (both free to draft) where the mode allows them, then the trained drafting head
+    and early exit where calibration (or `--spec`) made them."""
     from .grammar import GrammarDrafter
     from .lookup import LookupDrafter
 
     drafters: list[Drafter] = []
     if mode in (SpecMode.AUTO, SpecMode.LOOKUP):
         drafters += [GrammarDrafter(model), LookupDrafter(model)]
-    if early_exit is not None:
-        drafters.append(early_exit)
+    drafters += [d for d in (head, early_exit) if d is not None]
     return drafters

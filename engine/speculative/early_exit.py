@@ -18,7 +18,7 @@ import torch
 from ..cache import Cache
 from ..models.decoder import DecoderModel
 from ..torch_sampler import Sampler
-from .drafter import Draft
+from .drafter import Draft, Verified
 
 if TYPE_CHECKING:
     from .controller import DraftController
@@ -103,13 +103,14 @@ class EarlyExitDrafter:
             tokens.append(token)
         return Draft(tokens, probs if probs else None, torch.cat(states), pending=pending)
 
-    def verify_logits(self, caches: Sequence[Cache], draft: Draft) -> torch.Tensor:
-        """Full-model logits [drafts + 1, vocab] for [pending, *drafts]: the last draft
-        still needs the first layers; every row then needs the remaining ones."""
+    def verify(self, caches: Sequence[Cache], draft: Draft) -> Verified:
+        """The full model over [pending, *drafts]: the last draft still needs the first
+        layers; every row then needs the remaining ones."""
         states = torch.cat([draft.states, self.early_state(draft.tokens[-1], caches)])
         model = self.model
         out = model.run_layers(states, caches, self.layer, model.config.n_layers, exact_rows=True)
-        return model.logits(model.final_norm(out))
+        normed = model.final_norm(out)
+        return Verified(normed, model.logits(normed))
 
     def early_state(self, token: int, caches: Sequence[Cache]) -> torch.Tensor:
         """Feed one token through the first layers (a decode step's exact computation)."""

@@ -48,6 +48,9 @@ class SpeculativeDecoder:
         self.sampler, self.controller = sampler, controller
         self.drafters = list(drafters)  # asked in order; the first proposal is verified
         self.stats = stats or SpeculationStats(mode)
+        # Drafters that draft from the model's last state (the trained head) are told it
+        # after every step; plain steps then run the ordinary pass, which yields it.
+        self._state_watchers = [d for d in self.drafters if hasattr(d, "observe_state")]
 
     def run(self, logits: torch.Tensor, history: list[int]) -> Iterator[int]:
         """`logits` follow `history` (the prompt, already in the caches); yields tokens."""
@@ -100,7 +103,12 @@ class SpeculativeDecoder:
 
     def _plain(self, pending: int, history: list[int]) -> int:
         start = time.perf_counter()
-        logits = self.decode_one(pending)
+        if self._state_watchers:
+            state = self.model.hidden_states(torch.tensor([pending]), self.caches)
+            logits = self.model.logits(state)[0]
+            self._tell_state(state)
+        else:
+            logits = self.decode_one(pending)
         self.fed.append(pending)
         token = self.sampler(logits, history)
         self.controller.record_plain(time.perf_counter() - start)
@@ -109,11 +117,17 @@ class SpeculativeDecoder:
 
     def _verify(self, drafter: Drafter, draft: Draft, history: list[int]) -> list[int]:
         start = time.perf_counter()
-        logits = drafter.verify_logits(self.caches, draft)
-        verdict = self._judge(draft.tokens, draft.probs, logits, history)
+        verified = drafter.verify(self.caches, draft)
+        verdict = self._judge(draft.tokens, draft.probs, verified.logits, history)
+        self._tell_state(verified.states[verdict.accepted : verdict.accepted + 1])
         verify_s = time.perf_counter() - start
         self._finish(draft.key, draft.pending, draft.tokens, verdict, draft.seconds, verify_s)
         return self._emit(draft.tokens, verdict, history)
+
+    def _tell_state(self, state: torch.Tensor) -> None:
+        """The final-normed state [1, dim] whose logits gave the token to be fed next."""
+        for watcher in self._state_watchers:
+            watcher.observe_state(state)
 
     def _judge(
         self,

@@ -1,0 +1,484 @@
+"""Training the drafting head (`miniapp calibrate --train-head`) on the model's own text.
+
+1. A corpus: the model answers varied chat requests (`assets.training_prompts`), several
+   sequences per pass, greedily or sampled. Every decode row records its final-normed state
+   and the model's top probabilities there: exactly what the head sees and must predict.
+2. A draft vocabulary: the fewest tokens (in steps of 1024) covering `VOCAB_COVERAGE` of
+   the corpus's tokens.
+3. Self-distillation: the head learns, from (state_t, token t+1), the model's distribution
+   at t+1 and its state there; a second, chained step from its own estimate teaches the
+   chain. Loss: cross-entropy against the teacher's top probabilities (within the draft
+   vocabulary) plus a smooth-L1 pull of the estimate toward the true state.
+4. Held-out acceptance: on the bench's own chat questions (never trained on), how long a
+   greedy chain of drafts agrees with the model, and how sure the head was, so a
+   confidence threshold can be chosen from measured costs.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..models import CachePolicy
+from ..models.decoder import DecoderModel
+from ..quant import dequantize_rows
+from ..runtimes.torch_runtime import TorchRuntime
+from ..sampling import GREEDY, SamplingParams
+from ..speculative.draft_head import DraftHead, HeadWeights
+
+TEACHER_TOP = 32  # teacher probabilities kept per row
+VOCAB_COVERAGE = 0.995  # share of the corpus's tokens the draft vocabulary must cover
+VOCAB_STEP = 1024
+SAMPLED_SHARE = 3  # every third answer is sampled (temperature below), the rest greedy
+SAMPLE_TEMPERATURE = 0.7
+HIDDEN_MULTIPLE = 2  # the head's feed-forward width in model dims
+FEATURE_WEIGHT = 1.0
+CHAIN_WEIGHT = 0.5  # weight of the chained second step's losses
+
+
+@dataclass
+class Answer:
+    """One answer's decode rows: row r is the state after feeding `fed[r]` (row 0: the
+    prompt's last token); `fed[r + 1]` is the token the model chose there."""
+
+    fed: list[int]
+    states: torch.Tensor  # bf16 [rows, dim]
+    top_ids: torch.Tensor  # int32 [rows, TEACHER_TOP]
+    top_probs: torch.Tensor  # f16 [rows, TEACHER_TOP]
+
+
+def answer_tokens(
+    runtime: TorchRuntime, prompt: list[int], params: SamplingParams, limit: int
+) -> list[int]:
+    """The model's answer (up to `limit` tokens, its end-of-generation token included)."""
+    runtime.reset()
+    answer: list[int] = []
+    tokens = runtime.generate_tokens(prompt, params)
+    try:
+        for token in tokens:
+            answer.append(token)
+            if token in runtime.tokenizer.eog_ids or len(answer) >= limit:
+                break
+    finally:
+        tokens.close()
+    return answer
+
+
+@torch.inference_mode()
+def teacher_rows(model: DecoderModel, prompt: list[int], answer: list[int]) -> Answer:
+    """The rows from the prompt's last token on, teacher-forced in one pass."""
+    tokens = prompt + answer
+    caches = model.make_caches(CachePolicy(len(tokens), streaming=False))
+    start = len(prompt) - 1
+    states, done = [], 0
+    for chunk in _chunks(len(tokens), model.max_chunk(caches)):
+        hidden = model.hidden_states(torch.tensor(tokens[done : done + chunk]), caches)
+        states.append(hidden[max(0, start - done) :])
+        done += chunk
+    hidden = torch.cat(states)[: len(answer)]  # the last answer token predicts nothing kept
+    probs, ids = torch.softmax(model.logits(hidden), -1).topk(TEACHER_TOP, dim=-1)
+    fed = tokens[start:]
+    return Answer(fed, hidden.to(torch.bfloat16), ids.to(torch.int32), probs.to(torch.float16))
+
+
+def _chunks(total: int, size: int) -> Iterator[int]:
+    while total > 0:
+        yield min(size, total)
+        total -= size
+
+
+def sampling_for(index: int) -> SamplingParams:
+    """Every `SAMPLED_SHARE`-th training answer is sampled, for varied contexts."""
+    if index % SAMPLED_SHARE:
+        return GREEDY
+    return SamplingParams(temperature=SAMPLE_TEMPERATURE, seed=index)
+
+
+# ------------------------------------------------------------------------- vocabulary
+
+
+def draft_vocabulary(answers: Sequence[Answer], vocab_size: int) -> torch.Tensor:
+    """The most frequent answer tokens, as few (in steps of `VOCAB_STEP`) as cover
+    `VOCAB_COVERAGE` of them; most frequent first."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for answer in answers:
+        counts += torch.bincount(torch.tensor(answer.fed[1:]), minlength=vocab_size)
+    order = counts.argsort(descending=True, stable=True)
+    covered = counts[order].cumsum(0).double() / max(int(counts.sum()), 1)
+    needed = int((covered < VOCAB_COVERAGE).sum()) + 1
+    size = min(vocab_size, math.ceil(needed / VOCAB_STEP) * VOCAB_STEP)
+    return order[:size].clone()
+
+
+def coverage(answers: Sequence[Answer], vocab: torch.Tensor) -> float:
+    """Share of the answers' tokens inside `vocab`."""
+    inside = set(vocab.tolist())
+    tokens = [t for answer in answers for t in answer.fed[1:]]
+    return sum(t in inside for t in tokens) / max(len(tokens), 1)
+
+
+# ------------------------------------------------------------------------- training
+
+
+@dataclass
+class _Rows:
+    """Every answer's rows, concatenated; `starts` are rows two steps of a chain can start
+    from (rows r with r + 2 still in the same answer)."""
+
+    states: torch.Tensor  # bf16 [n, dim]
+    next_token: torch.Tensor  # int64 [n]: the token fed after each row
+    targets: torch.Tensor  # int64 [n, TEACHER_TOP]: teacher ids mapped into the draft vocab
+    target_probs: torch.Tensor  # fp32 [n, TEACHER_TOP] (0 where the id is outside it)
+    starts: torch.Tensor  # int64
+
+    @classmethod
+    def of(cls, answers: Sequence[Answer], vocab: torch.Tensor, vocab_size: int) -> _Rows:
+        index = torch.full((vocab_size,), -1, dtype=torch.long)
+        index[vocab] = torch.arange(len(vocab))
+        states, nexts, ids, probs, starts = [], [], [], [], []
+        offset = 0
+        for answer in answers:
+            rows = answer.states.shape[0]
+            states.append(answer.states)
+            nexts.append(torch.tensor(answer.fed[1 : rows + 1]))
+            ids.append(answer.top_ids.long())
+            probs.append(answer.top_probs.float())
+            starts.append(torch.arange(offset, offset + max(rows - 2, 0)))
+            offset += rows
+        mapped = index[torch.cat(ids)]
+        target_probs = torch.cat(probs) * (mapped >= 0)
+        return cls(torch.cat(states), torch.cat(nexts), mapped.clamp_min(0), target_probs,
+                   torch.cat(starts))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    steps: int = 3000
+    batch: int = 256
+    learning_rate: float = 2e-3
+    seed: int = 0
+
+
+def dense_head_rows(model: DecoderModel, vocab: torch.Tensor) -> torch.Tensor:
+    """The output head's rows for `vocab`, fp32 [n, dim] (training multiplies them dense)."""
+    raw, ggml_type = model.head_weight
+    return dequantize_rows(raw.index_select(0, vocab), ggml_type, model.config.dim)
+
+
+def train_head(
+    model: DecoderModel,
+    answers: Sequence[Answer],
+    vocab: torch.Tensor,
+    config: TrainingConfig = TrainingConfig(),
+    report: Callable[[int, float, HeadWeights], None] = lambda step, loss, weights: None,
+    weights: HeadWeights | None = None,
+    first_step: int = 0,
+) -> HeadWeights:
+    """Self-distillation of the head (see the module's docstring): steps `first_step` up
+    to `config.steps` of one cosine learning-rate schedule, from `weights` when given
+    (resuming). `report(step, loss, weights)` after every step."""
+    dim = model.config.dim
+    rows = _Rows.of(answers, vocab, model.config.vocab_size)
+    head = dense_head_rows(model, vocab)
+    cap = model.config.final_logit_softcap
+    weights = weights or HeadWeights.initial(dim, HIDDEN_MULTIPLE * dim, vocab, config.seed)
+    params = weights.parameters()
+    for p in params:
+        p.requires_grad_(True)
+    optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(config.seed + first_step)
+    for step in range(first_step, config.steps):
+        lr = config.learning_rate * 0.5 * (1 + math.cos(math.pi * step / config.steps))
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        pick = rows.starts[torch.randint(len(rows.starts), (config.batch,), generator=generator)]
+        loss = _chain_loss(model, weights, head, cap, rows, pick)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        report(step, loss.item(), weights)
+    for p in params:
+        p.requires_grad_(False)
+    return weights
+
+
+def _chain_loss(model, weights: HeadWeights, head, cap, rows: _Rows, pick) -> torch.Tensor:
+    """Two links of a chain from rows `pick`: the head's estimate of the next state, its
+    logits against the teacher's, then the same again from its own estimate."""
+    x = rows.states[pick].float()
+    loss = torch.zeros(())
+    for link, weight in enumerate((1.0, CHAIN_WEIGHT)):
+        at = pick + link
+        with torch.no_grad():
+            embedded = model.embed_tokens(rows.next_token[at])
+        x = weights.forward(x, embedded)
+        logits = x @ head.T
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        log_q = torch.log_softmax(logits, -1)
+        target = at + 1
+        cross = -(rows.target_probs[target] * log_q.gather(1, rows.targets[target])).sum(-1)
+        feature = F.smooth_l1_loss(x, rows.states[target].float())
+        loss = loss + weight * (cross.mean() + FEATURE_WEIGHT * feature)
+    return loss
+
+
+# ------------------------------------------------------------------------- held out
+
+
+@dataclass(frozen=True)
+class ChainLink:
+    sure: float  # the head's probability for its own token
+    agrees: bool  # it is the model's greedy token
+
+
+@torch.inference_mode()
+def held_out_chains(
+    model: DecoderModel, head: DraftHead, answers: Sequence[Answer], depth: int
+) -> list[list[ChainLink]]:
+    """From every row of greedy answers, the head's greedy chain: its links up to the first
+    disagreement (included) or `depth`. Teacher-forced: while the chain agrees, its tokens
+    are the answer's."""
+    chains = []
+    for answer in answers:
+        rows = answer.states.shape[0]
+        fed = torch.tensor(answer.fed)
+        live = torch.arange(rows - 1)  # the last row has no next row to compare with
+        x = answer.states[:-1].float()
+        links: list[list[ChainLink]] = [[] for _ in range(rows - 1)]
+        for step in range(depth):
+            x = head.state(x, model.embed_tokens(fed[live + step + 1]))
+            probs = torch.softmax(head.draft_logits(x), -1)
+            sure, best = probs.max(-1)
+            drafted = head.vocab[best]
+            agrees = drafted == fed[live + step + 2]
+            for i, row in enumerate(live.tolist()):
+                links[row].append(ChainLink(float(sure[i]), bool(agrees[i])))
+            keep = agrees & (live + step + 3 < len(fed))
+            live, x = live[keep], x[keep]
+            if not len(live):
+                break
+        chains += links
+    return chains
+
+
+def first_link_agreement(chains: Sequence[Sequence[ChainLink]]) -> float:
+    return sum(c[0].agrees for c in chains if c) / max(len(chains), 1)
+
+
+@dataclass(frozen=True)
+class Policy:
+    threshold: float
+    max_draft: int
+    predicted_speedup: float
+    tokens_per_step: float
+
+
+def best_policy(
+    chains: Sequence[Sequence[ChainLink]], row_cost: float, draft_cost: float, depth: int
+) -> Policy:
+    """The confidence threshold and chain length with the best predicted speed-up, where a
+    verification of n drafts costs 1 + n * row_cost plain steps and every head pass (also
+    one that ends the chain) costs `draft_cost`."""
+    best = Policy(1.0, 0, 1.0, 1.0)
+    for threshold in [i / 20 for i in range(0, 20)]:
+        for k in range(1, depth + 1):
+            tokens = cost = 0.0
+            for chain in chains:
+                drafted = accepted = passes = 0
+                for link in chain[:k]:
+                    passes += 1
+                    if link.sure < threshold:
+                        break
+                    drafted += 1
+                    if not link.agrees:
+                        break
+                    accepted += 1
+                tokens += accepted + 1
+                cost += 1 + drafted * row_cost + passes * draft_cost
+            speedup = tokens / cost
+            if speedup > best.predicted_speedup:
+                best = Policy(threshold, k, speedup, tokens / len(chains))
+    return best
+
+
+# ------------------------------------------------------------------------- the whole run
+
+
+@dataclass(frozen=True)
+class HeadTrainingPlan:
+    prompts: int = 300  # training answers to collect
+    answer_tokens: int = 192
+    steps: int = 3000
+    depth: int = 4  # longest chain measured and allowed
+    held_out: int = 8  # the bench's chat questions, measured on, never trained on
+
+
+class Progress:
+    """What a long run reports: phases as lines, and counts within a phase (a bar)."""
+
+    def phase(self, text: str) -> None: ...
+
+    def advance(self, done: int, total: int, note: str = "") -> None: ...
+
+
+@dataclass(frozen=True)
+class HeadResult:
+    path: str
+    meta: dict
+
+
+def train_drafting_head(
+    runtime: TorchRuntime, work: Path, plan: HeadTrainingPlan, progress: Progress
+) -> tuple[HeadWeights, dict]:
+    """Collect, train, measure. `work` keeps the corpus shards and training checkpoints, so
+    an interrupted run resumes where it stopped; the caller stores the result and removes
+    `work`."""
+    from ...assets import chat_prompts, training_prompts
+    from .calibrate import prompt_tokens
+
+    start = time.perf_counter()
+    model = runtime.model
+    questions = training_prompts()[: plan.prompts]
+    progress.phase(f"collecting the model's answers to {len(questions)} training requests")
+    answers = _collect(runtime, questions, plan.answer_tokens, work, progress)
+    vocab = draft_vocabulary(answers, model.config.vocab_size)
+    rows = sum(a.states.shape[0] for a in answers)
+    progress.phase(f"draft vocabulary: {len(vocab)} tokens cover "
+                   f"{coverage(answers, vocab):.1%} of {rows} answer tokens")  # fmt: skip
+    weights = _train_resumable(model, answers, vocab, plan, work, progress)
+    progress.phase(f"measuring on {plan.held_out} held-out chat questions")
+    held = []
+    for question in chat_prompts()[: plan.held_out]:
+        prompt = prompt_tokens(runtime, question)
+        held.append(teacher_rows(model, prompt, answer_tokens(runtime, prompt, GREEDY, 128)))
+    head = DraftHead(weights, model.head_rows(vocab), model.config.final_logit_softcap)
+    chains = held_out_chains(model, head, held, plan.depth)
+    costs = measure_costs(runtime, head, held[0].fed, plan.depth)
+    policy = best_policy(chains, costs.row_cost, costs.draft_cost, plan.depth)
+    from ..speculative.calibration import file_hash
+    from ..speculative.controller import MIN_GAIN
+
+    meta = {
+        "sha256": file_hash(runtime.model_path),
+        "model": runtime.model_path.name,
+        "acceptance": first_link_agreement(chains),
+        "held_out_coverage": coverage(held, vocab),
+        "vocab_size": len(vocab),
+        "threshold": policy.threshold,
+        "max_draft": policy.max_draft,
+        "predicted_speedup": policy.predicted_speedup,
+        "tokens_per_step": policy.tokens_per_step,
+        "pays": policy.predicted_speedup >= MIN_GAIN,
+        "plain_step_ms": costs.plain_s * 1000,
+        "row_cost": costs.row_cost,
+        "draft_cost": costs.draft_cost,
+        "trained_rows": rows,
+        "training_answers": len(answers),
+        "steps": plan.steps,
+        "minutes": (time.perf_counter() - start) / 60,
+    }
+    return weights, meta
+
+
+def _collect(runtime, questions, limit, work: Path, progress: Progress) -> list[Answer]:
+    """Answers to `questions`, saved in shards of `SHARD` so a rerun skips what is done."""
+    from .calibrate import prompt_tokens
+
+    answers: list[Answer] = []
+    for first in range(0, len(questions), SHARD):
+        path = work / f"answers-{first:05d}.pt"
+        shard = _load(path)
+        if shard is None:
+            shard = []
+            for i, question in enumerate(questions[first : first + SHARD], first):
+                prompt = prompt_tokens(runtime, question)
+                answer = answer_tokens(runtime, prompt, sampling_for(i), limit)
+                shard.append(teacher_rows(runtime.model, prompt, answer))
+                progress.advance(i + 1, len(questions), "answers")
+            _save(path, shard)
+        answers += shard
+        progress.advance(min(first + SHARD, len(questions)), len(questions), "answers")
+    return answers
+
+
+def _train_resumable(model, answers, vocab, plan, work: Path, progress) -> HeadWeights:
+    """Training that saves its weights every `CHECKPOINT_STEPS` and resumes from the last
+    save (the optimizer's moments start afresh then; the schedule does not)."""
+    path = work / "head-checkpoint.pt"
+    saved = _load(path)
+    if saved is not None and not torch.equal(saved["vocab"], vocab):
+        saved = None  # the corpus changed under it: start again
+    losses: list[float] = []
+
+    def report(step: int, loss: float, weights: HeadWeights) -> None:
+        losses.append(loss)
+        if step % 50 == 0 or step == plan.steps - 1:
+            recent = sum(losses[-50:]) / len(losses[-50:])
+            progress.advance(step + 1, plan.steps, f"steps, loss {recent:.3f}")
+        if (step + 1) % CHECKPOINT_STEPS == 0:
+            _save(path, {"weights": weights, "step": step + 1, "vocab": vocab})
+
+    return train_head(
+        model, answers, vocab, TrainingConfig(steps=plan.steps), report,
+        saved["weights"] if saved else None, saved["step"] if saved else 0,
+    )  # fmt: skip
+
+
+SHARD = 25
+CHECKPOINT_STEPS = 500
+
+
+def _load(path: Path):
+    try:
+        return torch.load(path, weights_only=False)
+    except (OSError, RuntimeError, EOFError, ValueError):
+        return None
+
+
+def _save(path: Path, data) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(data, tmp)
+    tmp.replace(path)
+
+
+# ------------------------------------------------------------------------- costs
+
+
+@dataclass(frozen=True)
+class Costs:
+    plain_s: float
+    row_cost: float  # each extra verified row, in plain steps
+    draft_cost: float  # one head pass, in plain steps
+
+
+@torch.inference_mode()
+def measure_costs(runtime: TorchRuntime, head: DraftHead, context: list[int], depth: int) -> Costs:
+    """Medians over repeats, after `context`: a plain step, a verification of 1..depth
+    drafts (the row cost is the slope), one head pass with its logits."""
+    from .calibrate import _median_time
+
+    model = runtime.model
+    caches = model.make_caches(runtime.policy)
+    model.hidden_states(torch.tensor(context), caches)
+    token = context[-1]
+
+    def rows(n: int) -> float:
+        return _median_time(
+            lambda: model.logits(model.hidden_states(torch.tensor([token] * n), caches, True)),
+            lambda: [c.trim(n) for c in caches],
+        )
+
+    plain = rows(1)
+    slopes = [(rows(n + 1) / plain - 1) / n for n in range(1, depth + 1)]
+    state = model.hidden_states(torch.tensor([token]), caches)
+    embedded = model.embed_tokens(torch.tensor([token]))
+    draft = _median_time(lambda: head.draft_logits(head.state(state, embedded)), lambda: None)
+    return Costs(plain, sorted(slopes)[len(slopes) // 2], draft / plain)

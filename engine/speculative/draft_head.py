@@ -1,0 +1,219 @@
+"""A trained drafting head on the model's last hidden state (EAGLE's idea, without its
+attention): from the final-normed state h_t that predicted token t+1, and the embedding of
+that token, one small residual block estimates h_{t+1}; the model's own output rows for a
+small draft vocabulary turn the estimate into draft logits for token t+2. The estimate feeds
+the next draft in a chain, so one verified state yields several drafts.
+
+    x = W_in [norm(h) * g_h ; norm(e) * g_e]
+    x = x + W_down (silu(gate) * up),  gate|up = W_gate_up (norm(x) * g_x)
+    draft logits = head[vocab] x
+
+Weights are trained in fp32 (`head_training.py`) and run here as int4 matmuls, like the
+model's own. The draft vocabulary is the most frequent tokens of the model's own answers; the
+full model verifies over its whole vocabulary, so output never depends on the head.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from ..layers import Int4Linear, Linear, _Int4Packer
+from ..quant import INT4_OFFSET, KERNEL_GROUP, PLAIN, Int4Groups
+from .drafter import Draft, VerifiedFromTokens
+
+if TYPE_CHECKING:
+    from ..cache import Cache
+    from ..models.decoder import DecoderModel
+    from ..torch_sampler import Sampler
+    from .controller import DraftController
+
+HEAD_FORMAT = 1  # bumped when the stored tensors change meaning
+
+
+@dataclass
+class HeadWeights:
+    """The trained tensors (fp32, CPU). `vocab`: draft token ids, most frequent first."""
+
+    norm_h: torch.Tensor  # [dim]
+    norm_e: torch.Tensor  # [dim]
+    w_in: torch.Tensor  # [dim, 2 dim]
+    norm_x: torch.Tensor  # [dim]
+    w_gate_up: torch.Tensor  # [2 hidden, dim]
+    w_down: torch.Tensor  # [dim, hidden]
+    vocab: torch.Tensor  # int64 [n]
+    eps: float = 1e-5
+
+    TRAINED = ("norm_h", "norm_e", "w_in", "norm_x", "w_gate_up", "w_down")
+
+    @classmethod
+    def initial(cls, dim: int, hidden: int, vocab: torch.Tensor, seed: int = 0) -> HeadWeights:
+        generator = torch.Generator().manual_seed(seed)
+        # Start as "the next state is the current one": the input map passes h through.
+        w_in = torch.cat([torch.eye(dim), torch.randn(dim, dim, generator=generator) * 0.01], 1)
+        return cls(
+            torch.ones(dim), torch.ones(dim), w_in, torch.ones(dim),
+            torch.randn(2 * hidden, dim, generator=generator) / dim**0.5,
+            torch.zeros(dim, hidden), vocab,
+        )  # fmt: skip
+
+    @property
+    def dim(self) -> int:
+        return self.w_in.shape[0]
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [getattr(self, name) for name in self.TRAINED]
+
+    def forward(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        """Training-time forward in fp32: states [n, dim], embeddings [n, dim] -> [n, dim]."""
+        dim, eps = self.dim, self.eps
+        joined = torch.cat([F.rms_norm(h, (dim,), self.norm_h, eps),
+                            F.rms_norm(e, (dim,), self.norm_e, eps)], -1)  # fmt: skip
+        x = joined @ self.w_in.T
+        gate, up = (F.rms_norm(x, (dim,), self.norm_x, eps) @ self.w_gate_up.T).chunk(2, -1)
+        return x + (F.silu(gate) * up) @ self.w_down.T
+
+    def save(self, path: Path, meta: dict) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tensors = {name: getattr(self, name) for name in (*self.TRAINED, "vocab")}
+        torch.save({"format": HEAD_FORMAT, "eps": self.eps, "meta": meta, **tensors}, tmp)
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path, dim: int) -> tuple[HeadWeights, dict] | None:
+        """(weights, meta) or None when the file is missing, unreadable or for another shape."""
+        try:
+            data = torch.load(path, weights_only=True)
+        except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError):
+            return None
+        if not isinstance(data, dict) or data.get("format") != HEAD_FORMAT:
+            return None
+        try:
+            weights = cls(*(data[name] for name in (*cls.TRAINED, "vocab")), eps=data["eps"])
+        except KeyError:
+            return None
+        if weights.w_in.shape != (dim, 2 * dim) or weights.norm_h.shape != (dim,):
+            return None
+        return weights, dict(data.get("meta") or {})
+
+
+def int4_linear(weight: torch.Tensor) -> Int4Linear:
+    """A dense [out, in] fp32 matrix as an int4 linear (min/max codes per group of 32), for
+    the kernel that runs the model's own weights."""
+    rows, cols = weight.shape
+    grouped = weight.float().reshape(rows, cols // KERNEL_GROUP, KERNEL_GROUP)
+    low, high = grouped.amin(-1), grouped.amax(-1)
+    scale = ((high - low) / 15).clamp_min(1e-8)
+    codes = ((grouped - low[..., None]) / scale[..., None]).round_().clamp_(0, 15)
+    # The kernel decodes (code - 8) * scale + zero, so zero = low + 8 * scale.
+    groups = Int4Groups(codes.to(torch.uint8).reshape(rows, cols), scale,
+                        low + INT4_OFFSET * scale, PLAIN)  # fmt: skip
+    from ..kernels import cpu_int4_kernel
+
+    packer = _Int4Packer(torch.device("cpu"), cpu_int4_kernel().library)
+    packer.add(groups)
+    return packer.linear(PLAIN, None)
+
+
+class DraftHead:
+    """The head as the drafter runs it: int4 matmuls on the CPU, the model's output rows for
+    the draft vocabulary, and the model's soft-cap where it has one."""
+
+    def __init__(self, weights: HeadWeights, head_rows: Linear, softcap: float = 0.0):
+        self.weights, self.softcap = weights, softcap
+        self.vocab = weights.vocab
+        self.w_in = int4_linear(weights.w_in)
+        self.w_gate_up = int4_linear(weights.w_gate_up)
+        self.w_down = int4_linear(weights.w_down)
+        self.head_rows = head_rows
+
+    def state(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        w, dim = self.weights, self.weights.dim
+        joined = torch.cat([F.rms_norm(h, (dim,), w.norm_h, w.eps),
+                            F.rms_norm(e, (dim,), w.norm_e, w.eps)], -1)  # fmt: skip
+        x = self.w_in.forward(joined).float()
+        normed = F.rms_norm(x, (dim,), w.norm_x, w.eps)
+        gate, up = self.w_gate_up.forward(normed).float().chunk(2, -1)
+        return x + self.w_down.forward(F.silu(gate) * up).float()
+
+    def draft_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Estimated states [n, dim] -> logits over the draft vocabulary [n, len(vocab)]."""
+        logits = self.head_rows.forward(x).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+class HeadDrafter(VerifiedFromTokens):
+    """Drafts a chain from the last verified state: each link is one pass of the head and
+    its small-vocabulary logits. The chain stops at the controller's length or as soon as
+    the head's probability for its own token falls below `threshold` (measured by
+    calibration: below it, a draft is rejected more often than its row is worth)."""
+
+    name = "head"
+
+    def __init__(self, model: DecoderModel, head: DraftHead, threshold: float,
+                 max_draft: int | None = None):  # fmt: skip
+        self.model, self.head, self.threshold, self.max_draft = model, head, threshold, max_draft
+        self.state: torch.Tensor | None = None
+        self._full = torch.full((model.config.vocab_size,), -math.inf)
+
+    def observe(self, tokens: Sequence[int]) -> None:
+        pass  # it drafts from the model's state, not from the text
+
+    def observe_state(self, state: torch.Tensor) -> None:
+        self.state = state
+
+    def propose(
+        self,
+        pending: int,
+        controller: DraftController,
+        caches: Sequence[Cache],
+        sampler: Sampler,
+        history: Sequence[int],
+    ) -> Draft | None:
+        state, self.state = self.state, None  # a state is good for one step only
+        if state is None:
+            return None
+        count = controller.draft_length(self.name, self.max_draft)
+        if not count:
+            return None
+        start = time.perf_counter()
+        tokens, probs = self._chain(state, pending, count, sampler, history)
+        if not tokens:
+            return None
+        seconds = time.perf_counter() - start
+        return Draft(tokens, probs, pending=pending, key=self.name, seconds=seconds)
+
+    def _chain(self, state, pending, count, sampler, history):
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        x, token = state.float(), pending
+        for _ in range(count):
+            x = self.head.state(x, self.model.embed_tokens(torch.tensor([token])))
+            logits = self.head.draft_logits(x)[0]
+            if sampler.params.greedy:
+                best = int(logits.argmax())
+                sure = float(torch.softmax(logits, -1)[best])
+                token = int(self.head.vocab[best])
+            else:
+                full = self._full.clone()
+                full[self.head.vocab] = logits
+                q = sampler.distribution(full, [*history, *tokens])
+                token = sampler.draw(q)
+                sure = float(q[token])
+            if sure < self.threshold:
+                break
+            tokens.append(token)
+            if not sampler.params.greedy:
+                probs.append(q)
+        return tokens, (probs or None)

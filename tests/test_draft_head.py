@@ -1,0 +1,188 @@
+"""The trained drafting head: it learns the model's next distribution, drafting with it leaves
+greedy output token for token and sampled output in distribution, and it is stored for, and
+only used with, the file it was trained on."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections import Counter
+
+import pytest
+import torch
+from test_speculative import SEEDS, TINY_SAMPLING, _generate, _homogeneity_p_value
+from tiny_gguf import TinyModel, write_tiny_model
+
+from miniapp.engine.evaluation import head_training as ht
+from miniapp.engine.runtimes.torch_runtime import TorchRuntime
+from miniapp.engine.sampling import GREEDY, SamplingParams
+from miniapp.engine.speculative import DraftController
+from miniapp.engine.speculative.calibration import file_hash, head_path, load_draft_head
+from miniapp.engine.speculative.draft_head import DraftHead, HeadDrafter, HeadWeights
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = write_tiny_model(tmp_path_factory.mktemp("head") / "tiny.gguf", TinyModel(n_layers=4))
+    return TorchRuntime(path, n_ctx=128, threads=1, spec="off")
+
+
+def _answers(runtime, count=12, length=40, seed=1, greedy=False) -> list[ht.Answer]:
+    """Continuations of random prompts (sampled: a random model's greedy text soon loops),
+    teacher-forced into training rows."""
+    generator = torch.Generator().manual_seed(seed)
+    answers = []
+    for i in range(count):
+        prompt = torch.randint(3, 259, (6,), generator=generator).tolist()
+        params = GREEDY if greedy else SamplingParams(**{**TINY_SAMPLING.__dict__, "seed": i})
+        answer = _generate(runtime, prompt, length, params)
+        answers.append(ht.teacher_rows(runtime.model, prompt, answer))
+    return answers
+
+
+@pytest.fixture(scope="module")
+def trained(tiny):
+    answers = _answers(tiny)
+    vocab = ht.draft_vocabulary(answers, tiny.model.config.vocab_size)
+    weights = ht.train_head(tiny.model, answers, vocab, ht.TrainingConfig(steps=300, batch=64))
+    return weights, answers
+
+
+def _runtime_head(runtime, weights: HeadWeights) -> DraftHead:
+    model = runtime.model
+    return DraftHead(weights, model.head_rows(weights.vocab), model.config.final_logit_softcap)
+
+
+def test_teacher_rows_are_the_states_and_choices_of_decoding(tiny):
+    [answer] = _answers(tiny, count=1, length=12, greedy=True)
+    assert answer.states.shape[0] == len(answer.fed) - 1 == 12
+    # Greedy answers: the teacher's most likely token at each row is the token fed next.
+    assert answer.top_ids[:, 0].tolist() == answer.fed[1:]
+
+
+def test_training_teaches_the_head_the_models_distribution_on_unseen_text(tiny, trained):
+    weights, _ = trained
+    held = _answers(tiny, count=4, seed=7)
+    model, vocab = tiny.model, weights.vocab
+    rows = ht._Rows.of(held, vocab, model.config.vocab_size)
+    head = ht.dense_head_rows(model, vocab)
+
+    def loss(w: HeadWeights) -> float:
+        with torch.no_grad():
+            return float(ht._chain_loss(model, w, head, 0.0, rows, rows.starts))
+
+    before, after = loss(HeadWeights.initial(64, 128, vocab)), loss(weights)
+    assert after < 0.6 * before, (before, after)
+
+
+def test_draft_vocabulary_covers_the_answers_with_its_most_frequent_tokens(tiny, trained):
+    _, answers = trained
+    vocab = ht.draft_vocabulary(answers, tiny.model.config.vocab_size)
+    counts = Counter(t for a in answers for t in a.fed[1:])
+    assert ht.coverage(answers, vocab) >= ht.VOCAB_COVERAGE
+    assert vocab[0] == counts.most_common(1)[0][0]
+    assert len(vocab) % ht.VOCAB_STEP == 0 or len(vocab) == tiny.model.config.vocab_size
+
+
+def _force_head(runtime, weights, threshold=0.0, drafts=3) -> HeadDrafter:
+    runtime.spec_mode = runtime.spec_mode.__class__("head")
+    runtime.draft_controller = DraftController(max_draft=drafts, min_gain=0.0)
+    runtime.early_exit = None
+    runtime.head_drafter = HeadDrafter(runtime.model, _runtime_head(runtime, weights), threshold)
+    return runtime.head_drafter
+
+
+def _plain(runtime):
+    runtime.spec_mode = runtime.spec_mode.__class__("off")
+    runtime.head_drafter = None
+
+
+def test_greedy_output_with_the_head_is_identical_to_plain(tiny, trained):
+    weights, _ = trained
+    prompts = [[1, 40 + i, 99, 7 * i + 3] for i in range(4)]
+    _plain(tiny)
+    plain = [_generate(tiny, p, 40) for p in prompts]
+    _force_head(tiny, weights)
+    drafted = [_generate(tiny, p, 40) for p in prompts]
+    stats = tiny.last_speculation
+    assert stats.drafted > 0 and 0 < stats.accepted, "nothing accepted: the test is vacuous"
+    assert drafted == plain
+
+
+def test_sampling_with_the_head_keeps_the_distribution_of_plain_sampling(tiny, trained):
+    weights, _ = trained
+    prompt = [1, 72, 101, 108, 108, 111]
+
+    def second_and_third(seed):
+        tokens = _generate(tiny, prompt, 3, SamplingParams(**{**TINY_SAMPLING.__dict__,
+                                                              "seed": seed}))  # fmt: skip
+        return tokens[1], tokens[2]
+
+    _plain(tiny)
+    plain = [second_and_third(seed) for seed in range(SEEDS)]
+    _force_head(tiny, weights, drafts=2)
+    spec = [second_and_third(seed + SEEDS) for seed in range(SEEDS)]
+    assert tiny.last_speculation.drafted > 0
+    for position in (0, 1):
+        p = _homogeneity_p_value(
+            Counter(t[position] for t in plain), Counter(t[position] for t in spec)
+        )
+        assert p > 1e-3, f"token {position + 2}: p = {p:.2g}"
+
+
+def test_confidence_threshold_stops_the_chain(tiny, trained):
+    weights, _ = trained
+    prompts = [[1, 40 + i, 99, 7 * i + 3] for i in range(4)]
+    _force_head(tiny, weights, threshold=1.01)  # the head is never that sure
+    for prompt in prompts:
+        _generate(tiny, prompt, 20)
+        assert tiny.last_speculation.drafted == 0
+
+
+def test_a_head_is_used_only_with_the_file_it_was_trained_for(tiny, trained, tmp_path):
+    weights, _ = trained
+    model_path = tiny.model_path
+    weights.save(head_path(model_path), {"sha256": "0" * 64, "pays": True})
+    assert load_draft_head(model_path, tiny.model) is None
+    meta = {"sha256": file_hash(model_path), "pays": True, "threshold": 0.0, "acceptance": 0.5}
+    weights.save(head_path(model_path), meta)
+    loaded = load_draft_head(model_path, tiny.model)
+    assert loaded is not None and loaded[1]["threshold"] == 0.0
+    assert torch.equal(loaded[0].vocab, weights.vocab)
+    runtime = TorchRuntime(model_path, n_ctx=64, threads=1, spec="auto")
+    assert runtime.head_drafter is not None
+    weights.save(head_path(model_path), {**meta, "pays": False})
+    assert TorchRuntime(model_path, n_ctx=64, threads=1, spec="auto").head_drafter is None
+    assert TorchRuntime(model_path, n_ctx=64, threads=1, spec="head").head_drafter is not None
+    head_path(model_path).write_bytes(b"not a head")  # a damaged file: as if never trained
+    assert load_draft_head(model_path, tiny.model) is None
+    head_path(model_path).unlink()
+
+
+def test_spec_head_without_a_trained_head_is_one_line(miniapp_exe, tmp_path):
+    path = write_tiny_model(tmp_path / "untrained.gguf", TinyModel())
+    done = subprocess.run(
+        [miniapp_exe, "chat", "--model", str(path), "--spec", "head", "--threads", "1"],
+        input="hi\n", capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no drafting head trained for untrained.gguf" in lines[0]
+
+
+def test_calibrate_trains_stores_and_resumes(miniapp_exe, tiny):
+    command = [miniapp_exe, "calibrate", "--train-head", "--model", str(tiny.model_path),
+               "--head-prompts", "3", "--head-steps", "30", "--threads", "1", "--json"]  # fmt: skip
+    work = head_path(tiny.model_path).with_suffix(".work")
+    # A corpus shard already collected (an interrupted run) is used, not collected again.
+    ht._save(work / "answers-00000.pt", _answers(tiny, count=3, length=20, seed=11))
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["training_answers"] == 3 and report["trained_rows"] == 60
+    assert report["sha256"] == file_hash(tiny.model_path)
+    assert 0.0 <= report["acceptance"] <= 1.0 and report["row_cost"] >= 0
+    assert 0.0 <= report["threshold"] <= 1.0 and report["max_draft"] >= 0
+    assert not work.exists()
+    assert load_draft_head(tiny.model_path, tiny.model) is not None
+    head_path(tiny.model_path).unlink()
