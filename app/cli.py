@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="train the drafting head on the model's own answers instead (resumable; about "
         "25 minutes on 2 cores for the default model)",
     )  # fmt: skip
-    calibrate.add_argument("--head-prompts", type=_positive_int, default=300,
+    calibrate.add_argument("--head-prompts", type=_positive_int, default=1000,
                            help="training answers the head learns from")  # fmt: skip
     calibrate.add_argument("--head-steps", type=_positive_int, default=3000,
                            help="training steps for the head")  # fmt: skip

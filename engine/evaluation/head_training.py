@@ -3,8 +3,8 @@
 1. A corpus: the model answers varied chat requests (`assets.training_prompts`), several
    sequences per pass, greedily or sampled. Every decode row records its final-normed state
    and the model's top probabilities there: exactly what the head sees and must predict.
-2. A draft vocabulary: the fewest tokens (in steps of 1024) covering `VOCAB_COVERAGE` of
-   the corpus's tokens.
+2. A draft vocabulary: the answers' most frequent tokens, as many as the measured costs and
+   the coverage of answers not counted say pay best (`choose_vocab_size`).
 3. Self-distillation: the head learns, from (state_t, token t+1), the model's distribution
    at t+1 and its state there; a second, chained step from its own estimate teaches the
    chain. Loss: cross-entropy against the teacher's top probabilities (within the draft
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,13 +31,12 @@ from ..quant import dequantize_rows
 from ..runtimes.torch_runtime import TorchRuntime
 from ..sampling import GREEDY, SamplingParams
 from ..speculative.draft_head import DraftHead, HeadWeights
+from ..torch_sampler import Sampler
 
 TEACHER_TOP = 32  # teacher probabilities kept per row
-VOCAB_COVERAGE = 0.995  # share of the corpus's tokens the draft vocabulary must cover
-VOCAB_STEP = 1024
 SAMPLED_SHARE = 3  # every third answer is sampled (temperature below), the rest greedy
 SAMPLE_TEMPERATURE = 0.7
-HIDDEN_MULTIPLE = 2  # the head's feed-forward width in model dims
+HIDDEN_MULTIPLE = 1  # the head's feed-forward width in model dims
 FEATURE_WEIGHT = 1.0
 CHAIN_WEIGHT = 0.5  # weight of the chained second step's losses
 
@@ -53,44 +52,45 @@ class Answer:
     top_probs: torch.Tensor  # f16 [rows, TEACHER_TOP]
 
 
-def answer_tokens(
-    runtime: TorchRuntime, prompt: list[int], params: SamplingParams, limit: int
-) -> list[int]:
-    """The model's answer (up to `limit` tokens, its end-of-generation token included)."""
-    runtime.reset()
-    answer: list[int] = []
-    tokens = runtime.generate_tokens(prompt, params)
-    try:
-        for token in tokens:
-            answer.append(token)
-            if token in runtime.tokenizer.eog_ids or len(answer) >= limit:
-                break
-    finally:
-        tokens.close()
-    return answer
-
-
 @torch.inference_mode()
-def teacher_rows(model: DecoderModel, prompt: list[int], answer: list[int]) -> Answer:
-    """The rows from the prompt's last token on, teacher-forced in one pass."""
-    tokens = prompt + answer
-    caches = model.make_caches(CachePolicy(len(tokens), streaming=False))
-    start = len(prompt) - 1
-    states, done = [], 0
-    for chunk in _chunks(len(tokens), model.max_chunk(caches)):
-        hidden = model.hidden_states(torch.tensor(tokens[done : done + chunk]), caches)
-        states.append(hidden[max(0, start - done) :])
-        done += chunk
-    hidden = torch.cat(states)[: len(answer)]  # the last answer token predicts nothing kept
-    probs, ids = torch.softmax(model.logits(hidden), -1).topk(TEACHER_TOP, dim=-1)
-    fed = tokens[start:]
-    return Answer(fed, hidden.to(torch.bfloat16), ids.to(torch.int32), probs.to(torch.float16))
+def record_answer(
+    model: DecoderModel,
+    prompt: list[int],
+    params: SamplingParams,
+    limit: int,
+    eog_ids: frozenset[int],
+) -> Answer:
+    """The model's answer to `prompt` (up to `limit` tokens, or its end-of-generation
+    token), decoded one token a step as the runtime does, with every step's state and top
+    probabilities recorded from the prompt's last token on."""
+    caches = model.make_caches(CachePolicy(len(prompt) + limit + 1, streaming=False))
+    sampler = Sampler(params)
+    history = list(prompt)
+    state = _prefill(model, prompt, caches)
+    fed, states, ids, probs = [prompt[-1]], [], [], []
+    while True:
+        logits = model.logits(state)
+        top_probs, top_ids = torch.softmax(logits, -1).topk(TEACHER_TOP, dim=-1)
+        states.append(state.to(torch.bfloat16))
+        ids.append(top_ids.to(torch.int32))
+        probs.append(top_probs.to(torch.float16))
+        token = sampler(logits[0], history)
+        fed.append(token)
+        history.append(token)
+        if token in eog_ids or len(fed) > limit:
+            break
+        state = model.hidden_states(torch.tensor([token]), caches)
+    return Answer(fed, torch.cat(states), torch.cat(ids), torch.cat(probs))
 
 
-def _chunks(total: int, size: int) -> Iterator[int]:
-    while total > 0:
-        yield min(size, total)
-        total -= size
+def _prefill(model: DecoderModel, tokens: list[int], caches) -> torch.Tensor:
+    """Feeds `tokens` in chunks the caches take; the last token's state [1, dim]."""
+    done = 0
+    while done < len(tokens):
+        chunk = tokens[done : done + model.max_chunk(caches)]
+        hidden = model.hidden_states(torch.tensor(chunk), caches)
+        done += len(chunk)
+    return hidden[-1:]
 
 
 def sampling_for(index: int) -> SamplingParams:
@@ -103,17 +103,15 @@ def sampling_for(index: int) -> SamplingParams:
 # ------------------------------------------------------------------------- vocabulary
 
 
-def draft_vocabulary(answers: Sequence[Answer], vocab_size: int) -> torch.Tensor:
-    """The most frequent answer tokens, as few (in steps of `VOCAB_STEP`) as cover
-    `VOCAB_COVERAGE` of them; most frequent first."""
+def draft_vocabulary(answers: Sequence[Answer], vocab_size: int, size: int) -> torch.Tensor:
+    """`size` token ids: those the answers use, most frequent first, then the lowest ids
+    they do not use (byte-pair vocabularies number their most common merges first)."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for answer in answers:
         counts += torch.bincount(torch.tensor(answer.fed[1:]), minlength=vocab_size)
+    # Ties (every unused token) keep id order, so unused tokens follow by id.
     order = counts.argsort(descending=True, stable=True)
-    covered = counts[order].cumsum(0).double() / max(int(counts.sum()), 1)
-    needed = int((covered < VOCAB_COVERAGE).sum()) + 1
-    size = min(vocab_size, math.ceil(needed / VOCAB_STEP) * VOCAB_STEP)
-    return order[:size].clone()
+    return order[: min(size, vocab_size)].clone()
 
 
 def coverage(answers: Sequence[Answer], vocab: torch.Tensor) -> float:
@@ -161,8 +159,15 @@ class _Rows:
 class TrainingConfig:
     steps: int = 3000
     batch: int = 256
-    learning_rate: float = 2e-3
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.1
+    hidden_multiple: float = HIDDEN_MULTIPLE
     seed: int = 0
+
+
+def hidden_width(dim: int, multiple: float = HIDDEN_MULTIPLE) -> int:
+    """The head's feed-forward width: a multiple of 32, as the int4 kernel's groups."""
+    return max(32, int(multiple * dim) // 32 * 32)
 
 
 def dense_head_rows(model: DecoderModel, vocab: torch.Tensor) -> torch.Tensor:
@@ -187,11 +192,14 @@ def train_head(
     rows = _Rows.of(answers, vocab, model.config.vocab_size)
     head = dense_head_rows(model, vocab)
     cap = model.config.final_logit_softcap
-    weights = weights or HeadWeights.initial(dim, HIDDEN_MULTIPLE * dim, vocab, config.seed)
+    hidden = hidden_width(dim, config.hidden_multiple)
+    weights = weights or HeadWeights.initial(dim, hidden, vocab, config.seed)
     params = weights.parameters()
     for p in params:
         p.requires_grad_(True)
-    optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(
+        params, lr=config.learning_rate, weight_decay=config.weight_decay
+    )
     generator = torch.Generator().manual_seed(config.seed + first_step)
     for step in range(first_step, config.steps):
         lr = config.learning_rate * 0.5 * (1 + math.cos(math.pi * step / config.steps))
@@ -313,7 +321,7 @@ def best_policy(
 
 @dataclass(frozen=True)
 class HeadTrainingPlan:
-    prompts: int = 300  # training answers to collect
+    prompts: int = 1000  # training answers to collect
     answer_tokens: int = 192
     steps: int = 3000
     depth: int = 4  # longest chain measured and allowed
@@ -348,19 +356,21 @@ def train_drafting_head(
     questions = training_prompts()[: plan.prompts]
     progress.phase(f"collecting the model's answers to {len(questions)} training requests")
     answers = _collect(runtime, questions, plan.answer_tokens, work, progress)
-    vocab = draft_vocabulary(answers, model.config.vocab_size)
     rows = sum(a.states.shape[0] for a in answers)
-    progress.phase(f"draft vocabulary: {len(vocab)} tokens cover "
-                   f"{coverage(answers, vocab):.1%} of {rows} answer tokens")  # fmt: skip
+    progress.phase("timing plain steps, verifications and head passes")
+    costs = {size: measure_costs(runtime, size, answers[0].fed, plan.depth)
+             for size in _vocab_sizes(model.config.vocab_size)}  # fmt: skip
+    size, cover = choose_vocab_size(answers, model.config.vocab_size, costs)
+    costs, vocab = costs[size], draft_vocabulary(answers, model.config.vocab_size, size)
+    progress.phase(f"draft vocabulary: {size} tokens ({cover:.1%} of unseen answers' tokens); "
+                   f"training on {rows} rows")  # fmt: skip
     weights = _train_resumable(model, answers, vocab, plan, work, progress)
     progress.phase(f"measuring on {plan.held_out} held-out chat questions")
-    held = []
-    for question in chat_prompts()[: plan.held_out]:
-        prompt = prompt_tokens(runtime, question)
-        held.append(teacher_rows(model, prompt, answer_tokens(runtime, prompt, GREEDY, 128)))
+    eog = runtime.tokenizer.eog_ids
+    held = [record_answer(model, prompt_tokens(runtime, question), GREEDY, 128, eog)
+            for question in chat_prompts()[: plan.held_out]]  # fmt: skip
     head = DraftHead(weights, model.head_rows(vocab), model.config.final_logit_softcap)
     chains = held_out_chains(model, head, held, plan.depth)
-    costs = measure_costs(runtime, head, held[0].fed, plan.depth)
     policy = best_policy(chains, costs.row_cost, costs.draft_cost, plan.depth)
     from ..speculative.calibration import file_hash
     from ..speculative.controller import MIN_GAIN
@@ -387,6 +397,33 @@ def train_drafting_head(
     return weights, meta
 
 
+VOCAB_SIZES = (4096, 8192, 16384)
+ASSUMED_ACCEPTANCE = 0.5  # of covered tokens, to weigh coverage against the head's cost
+
+
+def _vocab_sizes(vocab_size: int) -> list[int]:
+    return sorted({min(size, vocab_size) for size in VOCAB_SIZES})
+
+
+def choose_vocab_size(
+    answers: Sequence[Answer], vocab_size: int, costs: dict[int, Costs]
+) -> tuple[int, float]:
+    """The draft vocabulary size with the best predicted one-draft speed-up, from the
+    coverage of answers it was not counted on (the last tenth) and each size's measured
+    costs; with the coverage it reached."""
+    split = max(1, len(answers) * 9 // 10)
+    counted, unseen = answers[:split], answers[split:] or answers[:1]
+
+    def gain(size: int) -> tuple[float, float]:
+        cover = coverage(unseen, draft_vocabulary(counted, vocab_size, size))
+        c = costs[size]
+        return (1 + ASSUMED_ACCEPTANCE * cover) / (1 + c.row_cost + c.draft_cost), cover
+
+    scored = {size: gain(size) for size in costs}
+    best = max(scored, key=lambda size: scored[size][0])
+    return best, scored[best][1]
+
+
 def _collect(runtime, questions, limit, work: Path, progress: Progress) -> list[Answer]:
     """Answers to `questions`, saved in shards of `SHARD` so a rerun skips what is done."""
     from .calibrate import prompt_tokens
@@ -399,8 +436,8 @@ def _collect(runtime, questions, limit, work: Path, progress: Progress) -> list[
             shard = []
             for i, question in enumerate(questions[first : first + SHARD], first):
                 prompt = prompt_tokens(runtime, question)
-                answer = answer_tokens(runtime, prompt, sampling_for(i), limit)
-                shard.append(teacher_rows(runtime.model, prompt, answer))
+                eog = runtime.tokenizer.eog_ids
+                shard.append(record_answer(runtime.model, prompt, sampling_for(i), limit, eog))
                 progress.advance(i + 1, len(questions), "answers")
             _save(path, shard)
         answers += shard
@@ -460,12 +497,17 @@ class Costs:
 
 
 @torch.inference_mode()
-def measure_costs(runtime: TorchRuntime, head: DraftHead, context: list[int], depth: int) -> Costs:
+def measure_costs(runtime: TorchRuntime, vocab_size: int, context: list[int], depth: int) -> Costs:
     """Medians over repeats, after `context`: a plain step, a verification of 1..depth
-    drafts (the row cost is the slope), one head pass with its logits."""
+    drafts (the row cost is the slope), one pass of a head with `vocab_size` draft tokens
+    (its weights do not change its cost)."""
     from .calibrate import _median_time
 
     model = runtime.model
+    dim = model.config.dim
+    vocab = torch.arange(vocab_size)
+    weights = HeadWeights.initial(dim, hidden_width(dim), vocab)
+    head = DraftHead(weights, model.head_rows(vocab), model.config.final_logit_softcap)
     caches = model.make_caches(runtime.policy)
     model.hidden_states(torch.tensor(context), caches)
     token = context[-1]
