@@ -189,6 +189,10 @@ def _print_table(model: Path, results: dict) -> None:
             f"acceptance {spec['acceptance_rate']:.0%}, {spec['tokens_per_step']:.2f} tok/step; "
             f"output {'identical' if results['identical_output'] else 'DIFFERENT'}"
         )
+        for name, (verifications, drafted, accepted) in spec.get("by_drafter", {}).items():
+            share = accepted / drafted if drafted else 0.0
+            print(f"  {name}: {verifications} verifications, {accepted}/{drafted} drafts "
+                  f"accepted ({share:.0%})")  # fmt: skip
     for result in (torch_r, llama_r):
         first, last = result["first_quarter"], result["last_quarter"]
         kv = f", KV {result['kv_type']}" if result.get("kv_type") else ""

@@ -231,9 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument(
         "--train-head", action="store_true",
         help="train the drafting head on the model's own answers instead (resumable; about "
-        "25 minutes on 2 cores for the default model)",
+        "30 minutes on 2 cores for the default model)",
     )  # fmt: skip
-    calibrate.add_argument("--head-prompts", type=_positive_int, default=1000,
+    calibrate.add_argument("--head-prompts", type=_positive_int, default=900,
                            help="training answers the head learns from")  # fmt: skip
     calibrate.add_argument("--head-steps", type=_positive_int, default=3000,
                            help="training steps for the head")  # fmt: skip

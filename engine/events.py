@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from .sampling import TokenLogprob
@@ -43,6 +43,19 @@ class SpeculationStats:
     drafted: int = 0
     accepted: int = 0
     emitted: int = 0
+    # Per drafter ("lookup", "head", "early-exit", "grammar"): [verifications, drafted,
+    # accepted].
+    by_drafter: dict[str, list[int]] = field(default_factory=dict)
+
+    def count(self, drafter: str, drafted: int, accepted: int) -> None:
+        self.steps += 1
+        self.verifications += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        counts = self.by_drafter.setdefault(drafter.split(":", 1)[0], [0, 0, 0])
+        counts[0] += 1
+        counts[1] += drafted
+        counts[2] += accepted
 
     @property
     def acceptance_rate(self) -> float:
@@ -53,9 +66,11 @@ class SpeculationStats:
         return self.emitted / self.steps if self.steps else 0.0
 
     def summary(self) -> str:
+        drafters = ", ".join(f"{name} {n[2]}/{n[1]}" for name, n in self.by_drafter.items())
         return (
             f"speculative ({self.mode}): {self.accepted}/{self.drafted} drafts accepted "
-            f"({self.acceptance_rate:.0%}), {self.tokens_per_step:.2f} tok per step"
+            f"({self.acceptance_rate:.0%}{'; ' + drafters if drafters else ''}), "
+            f"{self.tokens_per_step:.2f} tok per step"
         )
 
 

@@ -18,7 +18,7 @@ from miniapp.engine.runtimes.torch_runtime import TorchRuntime
 from miniapp.engine.sampling import GREEDY, SamplingParams
 from miniapp.engine.speculative import DraftController
 from miniapp.engine.speculative.calibration import file_hash, head_path, load_draft_head
-from miniapp.engine.speculative.draft_head import DraftHead, HeadDrafter, HeadWeights
+from miniapp.engine.speculative.draft_head import DraftHead, HeadWeights
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +48,10 @@ def trained(tiny):
     return weights, answers
 
 
-def _runtime_head(runtime, weights: HeadWeights) -> DraftHead:
+def _runtime_head(runtime, weights: HeadWeights, threshold: float = 0.0) -> DraftHead:
     model = runtime.model
-    return DraftHead(weights, model.head_rows(weights.vocab), model.config.final_logit_softcap)
+    rows = model.head_rows(weights.vocab)
+    return DraftHead(weights, rows, model.config.final_logit_softcap, threshold)
 
 
 def test_recorded_answers_are_the_runtimes_answers_with_their_states(tiny):
@@ -89,17 +90,17 @@ def test_draft_vocabulary_takes_the_most_frequent_tokens_then_the_lowest_ids(tin
     assert ht.coverage(answers, few) < 1.0
 
 
-def _force_head(runtime, weights, threshold=0.0, drafts=3) -> HeadDrafter:
+def _force_head(runtime, weights, threshold=0.0, drafts=3) -> None:
+    """Draft with the head whenever it is sure enough (a controller that never declines)."""
     runtime.spec_mode = runtime.spec_mode.__class__("head")
     runtime.draft_controller = DraftController(max_draft=drafts, min_gain=0.0)
     runtime.early_exit = None
-    runtime.head_drafter = HeadDrafter(runtime.model, _runtime_head(runtime, weights), threshold)
-    return runtime.head_drafter
+    runtime.draft_head = _runtime_head(runtime, weights, threshold)
 
 
 def _plain(runtime):
     runtime.spec_mode = runtime.spec_mode.__class__("off")
-    runtime.head_drafter = None
+    runtime.draft_head = None
 
 
 def test_greedy_output_with_the_head_is_identical_to_plain(tiny, trained):
@@ -157,10 +158,10 @@ def test_a_head_is_used_only_with_the_file_it_was_trained_for(tiny, trained, tmp
     assert loaded is not None and loaded[1]["threshold"] == 0.0
     assert torch.equal(loaded[0].vocab, weights.vocab)
     runtime = TorchRuntime(model_path, n_ctx=64, threads=1, spec="auto")
-    assert runtime.head_drafter is not None
+    assert runtime.draft_head is not None
     weights.save(head_path(model_path), {**meta, "pays": False})
-    assert TorchRuntime(model_path, n_ctx=64, threads=1, spec="auto").head_drafter is None
-    assert TorchRuntime(model_path, n_ctx=64, threads=1, spec="head").head_drafter is not None
+    assert TorchRuntime(model_path, n_ctx=64, threads=1, spec="auto").draft_head is None
+    assert TorchRuntime(model_path, n_ctx=64, threads=1, spec="head").draft_head is not None
     head_path(model_path).write_bytes(b"not a head")  # a damaged file: as if never trained
     assert load_draft_head(model_path, tiny.model) is None
     head_path(model_path).unlink()

@@ -12,7 +12,8 @@ from __future__ import annotations
 import resource
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..events import SpeculationStats
@@ -63,11 +64,23 @@ class BenchResult:
     spec: str = "off"
     acceptance_rate: float = 0.0  # drafts accepted / drafted, over all runs
     tokens_per_step: float = 1.0  # tokens per full-model pass, over all runs
+    # Per drafter, over all runs: verifications, drafted, accepted.
+    by_drafter: dict[str, list[int]] = field(default_factory=dict)
     kv_type: str | None = None  # how the KV cache stored keys and values (--kv-type)
     kv_bytes_per_token: int | None = None  # their bytes a token, every layer (if known)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _summed(counts: Iterable[dict[str, list[int]]]) -> dict[str, list[int]]:
+    total: dict[str, list[int]] = {}
+    for per_drafter in counts:
+        for name, values in per_drafter.items():
+            into = total.setdefault(name, [0] * len(values))
+            for i, value in enumerate(values):
+                into[i] += value
+    return total
 
 
 def peak_rss_mb() -> float:
@@ -184,6 +197,7 @@ class BenchSession:
             spec=self.spec,
             acceptance_rate=sum(s.accepted for s in spec) / drafted if drafted else 0.0,
             tokens_per_step=sum(s.emitted for s in spec) / steps if steps else 1.0,
+            by_drafter=_summed(s.by_drafter for s in spec),
             kv_type=self.kv_type,
             kv_bytes_per_token=self.kv_bytes_per_token,
         )

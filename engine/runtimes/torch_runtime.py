@@ -37,7 +37,7 @@ from ..speculative import (
     build_drafters,
 )
 from ..speculative.calibration import default_exit_setting, load_draft_head, load_exit_setting
-from ..speculative.draft_head import HeadDrafter
+from ..speculative.draft_head import DraftHead, HeadDrafter
 from ..token_stream import GeneratedTokens, TokenStream
 from ..tokenizer import Tokenizer
 from ..torch_sampler import Sampler, sampler_for, token_logprob
@@ -108,7 +108,7 @@ class TorchRuntime(Runtime):
         # Kept across answers: what drafting costs and earns is learned as the chat goes.
         self.draft_controller = DraftController()
         self.early_exit = self._early_exit_drafter()
-        self.head_drafter = self._head_drafter()
+        self.draft_head = self._draft_head()
         self.parallel = parallel
         self.scheduler = None
         if parallel > 1:
@@ -170,7 +170,7 @@ class TorchRuntime(Runtime):
         self.caches, self.static_step = [], None
         self.model = self._fall_back_to_cpu(step, f"out of memory during decode: {exc}")
         self.early_exit = self._early_exit_drafter()  # it drafts with the model's layers
-        self.head_drafter = self._head_drafter()
+        self.draft_head = self._draft_head()
         fed = list(self._tokens)
         self._new_caches()
         self._tokens.clear()
@@ -197,7 +197,7 @@ class TorchRuntime(Runtime):
         self.decode_step_note = f"eager steps: the graph failed: {reason}"
         self.device_plan.fallbacks.append(Fallback("graph of the decode step", reason))
 
-    def _head_drafter(self) -> HeadDrafter | None:
+    def _draft_head(self) -> DraftHead | None:
         """The trained drafting head for this file, where one is stored and (for `auto`)
         calibration measured that it pays; it runs beside a head on the CPU only."""
         on_cpu = self.model.head_device.type == "cpu"
@@ -214,10 +214,9 @@ class TorchRuntime(Runtime):
         head, meta = loaded
         if self.spec_mode is SpecMode.AUTO and not meta.get("pays", False):
             return None
-        drafter = HeadDrafter(self.model, head, meta.get("threshold", 0.0), meta.get("max_draft"))
         if meta.get("acceptance") is not None:
-            self.draft_controller.set_prior(drafter.name, meta["acceptance"])
-        return drafter
+            self.draft_controller.set_prior(HeadDrafter.name, meta["acceptance"])
+        return head
 
     def _early_exit_drafter(self) -> EarlyExitDrafter | None:
         if self.spec_mode not in (SpecMode.AUTO, SpecMode.EARLY_EXIT):
@@ -275,9 +274,7 @@ class TorchRuntime(Runtime):
         logits = self._feed(prompt[reuse:])
         self.last_speculation = None
         if self.spec_mode is not SpecMode.OFF and sampler.params.logprobs is None:
-            drafters = build_drafters(
-                self.spec_mode, self.model, self.early_exit, self.head_drafter
-            )
+            drafters = build_drafters(self.spec_mode, self.model, self.early_exit, self.draft_head)
             decoder = SpeculativeDecoder(
                 self.model, self.caches, self._tokens, sampler, self.draft_controller,
                 drafters, mode=self.spec_mode.value, decode_one=self._decode_one,
@@ -301,7 +298,7 @@ class TorchRuntime(Runtime):
         """The scheduler's speculative decoder for a sequence running alone."""
         if self.spec_mode is SpecMode.OFF:
             return None
-        drafters = build_drafters(self.spec_mode, self.model, self.early_exit, self.head_drafter)
+        drafters = build_drafters(self.spec_mode, self.model, self.early_exit, self.draft_head)
         return SpeculativeDecoder(self.model, caches, fed, sampler, self.draft_controller,
                                   drafters, mode=self.spec_mode.value)  # fmt: skip
 

@@ -110,27 +110,20 @@ def head_path(model_path: Path) -> Path:
     return cache_dir() / f"{file_hash(model_path)}.head.pt"
 
 
-def shipped_head_path(model_path: Path) -> Path:
-    """Where a head trained for this exact file ships with miniapp (the default model's)."""
-    from importlib.resources import files
-
-    return Path(str(files("miniapp.assets") / "heads" / f"{file_hash(model_path)}.pt"))
-
-
 def load_draft_head(model_path: Path, model: DecoderModel) -> tuple[DraftHead, dict] | None:
-    """The head trained for this file (the user's own first, then a shipped one) with its
-    measurements, or None. A head whose recorded hash is not this file's is ignored."""
-    digest = file_hash(model_path)
-    for path in (head_path(model_path), shipped_head_path(model_path)):
-        loaded = HeadWeights.load(path, model.config.dim)
-        if loaded is None:
-            continue
-        weights, meta = loaded
-        if meta.get("sha256") != digest or int(weights.vocab.max()) >= model.config.vocab_size:
-            continue
-        rows = model.head_rows(weights.vocab)
-        return DraftHead(weights, rows, model.config.final_logit_softcap), meta
-    return None
+    """The head trained for this file, with its measurements, or None. A head whose
+    recorded hash is not this file's is ignored."""
+    loaded = HeadWeights.load(head_path(model_path), model.config.dim)
+    if loaded is None:
+        return None
+    weights, meta = loaded
+    if meta.get("sha256") != file_hash(model_path):
+        return None
+    if int(weights.vocab.max()) >= model.config.vocab_size:
+        return None
+    rows = model.head_rows(weights.vocab)
+    policy = float(meta.get("threshold", 0.0)), meta.get("max_draft")
+    return DraftHead(weights, rows, model.config.final_logit_softcap, *policy), meta
 
 
 def _read_json(path: Path) -> dict | None:

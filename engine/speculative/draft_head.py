@@ -82,10 +82,12 @@ class HeadWeights:
         return x + (F.silu(gate) * up) @ self.w_down.T
 
     def save(self, path: Path, meta: dict) -> None:
+        """Stored in bf16 (half the size; the head runs in int4 anyway), with `meta`."""
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tensors = {name: getattr(self, name) for name in (*self.TRAINED, "vocab")}
-        torch.save({"format": HEAD_FORMAT, "eps": self.eps, "meta": meta, **tensors}, tmp)
+        tensors = {name: getattr(self, name).to(torch.bfloat16) for name in self.TRAINED}
+        data = {"format": HEAD_FORMAT, "eps": self.eps, "meta": meta, "vocab": self.vocab}
+        torch.save({**data, **tensors}, tmp)
         tmp.replace(path)
 
     @classmethod
@@ -98,8 +100,9 @@ class HeadWeights:
         if not isinstance(data, dict) or data.get("format") != HEAD_FORMAT:
             return None
         try:
-            weights = cls(*(data[name] for name in (*cls.TRAINED, "vocab")), eps=data["eps"])
-        except KeyError:
+            trained = (data[name].float() for name in cls.TRAINED)
+            weights = cls(*trained, vocab=data["vocab"].long(), eps=data["eps"])
+        except (KeyError, AttributeError):
             return None
         if weights.w_in.shape != (dim, 2 * dim) or weights.norm_h.shape != (dim,):
             return None
@@ -126,10 +129,13 @@ def int4_linear(weight: torch.Tensor) -> Int4Linear:
 
 class DraftHead:
     """The head as the drafter runs it: int4 matmuls on the CPU, the model's output rows for
-    the draft vocabulary, and the model's soft-cap where it has one."""
+    the draft vocabulary, and the model's soft-cap where it has one. `threshold` and
+    `max_draft`: the chain policy calibration chose (see `HeadDrafter`)."""
 
-    def __init__(self, weights: HeadWeights, head_rows: Linear, softcap: float = 0.0):
+    def __init__(self, weights: HeadWeights, head_rows: Linear, softcap: float = 0.0,
+                 threshold: float = 0.0, max_draft: int | None = None):  # fmt: skip
         self.weights, self.softcap = weights, softcap
+        self.threshold, self.max_draft = threshold, max_draft
         self.vocab = weights.vocab
         self.w_in = int4_linear(weights.w_in)
         self.w_gate_up = int4_linear(weights.w_gate_up)
@@ -155,15 +161,16 @@ class DraftHead:
 
 class HeadDrafter(VerifiedFromTokens):
     """Drafts a chain from the last verified state: each link is one pass of the head and
-    its small-vocabulary logits. The chain stops at the controller's length or as soon as
-    the head's probability for its own token falls below `threshold` (measured by
-    calibration: below it, a draft is rejected more often than its row is worth)."""
+    its small-vocabulary logits. The chain stops at the controller's length (at most the
+    head's `max_draft`) or as soon as the head's probability for its own token falls below
+    the head's `threshold` (chosen by calibration: below it, a draft is rejected more often
+    than its row is worth). One per generation: it holds that generation's last state."""
 
     name = "head"
 
-    def __init__(self, model: DecoderModel, head: DraftHead, threshold: float,
-                 max_draft: int | None = None):  # fmt: skip
-        self.model, self.head, self.threshold, self.max_draft = model, head, threshold, max_draft
+    def __init__(self, model: DecoderModel, head: DraftHead):
+        self.model, self.head = model, head
+        self.threshold, self.max_draft = head.threshold, head.max_draft
         self.state: torch.Tensor | None = None
         self._full = torch.full((model.config.vocab_size,), -math.inf)
 

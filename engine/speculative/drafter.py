@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from ..models.decoder import DecoderModel
     from ..torch_sampler import Sampler
     from .controller import DraftController
-    from .draft_head import HeadDrafter
+    from .draft_head import DraftHead
     from .early_exit import EarlyExitDrafter
 
 
@@ -80,7 +80,7 @@ def build_drafters(
     mode: SpecMode,
     model: DecoderModel,
     early_exit: EarlyExitDrafter | None,
-    head: HeadDrafter | None = None,
+    head: DraftHead | None = None,
 ) -> list[Drafter]:
     """The drafters one generation asks, in order: what a constraint forces and prompt
     lookup (both free to draft) where the mode allows them, then the trained drafting head
@@ -91,5 +91,10 @@ def build_drafters(
     drafters: list[Drafter] = []
     if mode in (SpecMode.AUTO, SpecMode.LOOKUP):
         drafters += [GrammarDrafter(model), LookupDrafter(model)]
-    drafters += [d for d in (head, early_exit) if d is not None]
+    if head is not None:
+        from .draft_head import HeadDrafter
+
+        drafters.append(HeadDrafter(model, head))  # its own: it keeps this sequence's state
+    if early_exit is not None:
+        drafters.append(early_exit)
     return drafters

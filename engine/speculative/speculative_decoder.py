@@ -155,11 +155,7 @@ class SpeculativeDecoder:
             cache.trim(rejected)
         self.fed.extend([pending, *drafts[: verdict.accepted]])
         self.controller.record_draft(drafter, len(drafts), verdict.accepted, draft_s, verify_s)
-        stats = self.stats
-        stats.steps += 1
-        stats.verifications += 1
-        stats.drafted += len(drafts)
-        stats.accepted += verdict.accepted
+        self.stats.count(drafter, len(drafts), verdict.accepted)
 
     def _emit(self, drafts: list[int], verdict: Verdict, history: list[int]) -> list[int]:
         kept = drafts[: verdict.accepted]
