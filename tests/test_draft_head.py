@@ -117,20 +117,31 @@ def test_greedy_output_with_the_head_is_identical_to_plain(tiny, trained):
     assert drafted == plain
 
 
-def test_sampling_with_the_head_keeps_the_distribution_of_plain_sampling(tiny, trained):
+@pytest.mark.parametrize("threshold", [0.0, 0.3])
+def test_sampling_with_the_head_keeps_the_distribution_of_plain_sampling(
+    tiny, trained, threshold
+):
+    """Also with confidence gating (0.3: some steps draft, some do not), which must decide
+    from the head's distribution, not from the token it drew."""
     weights, _ = trained
     prompt = [1, 72, 101, 108, 108, 111]
+    counts = Counter()
 
     def second_and_third(seed):
-        tokens = _generate(tiny, prompt, 3, SamplingParams(**{**TINY_SAMPLING.__dict__,
-                                                              "seed": seed}))  # fmt: skip
+        params = SamplingParams(**{**TINY_SAMPLING.__dict__, "seed": seed})
+        tokens = _generate(tiny, prompt, 3, params)
+        if (stats := tiny.last_speculation) is not None:
+            counts["verified"] += stats.verifications
+            counts["plain"] += stats.steps - stats.verifications
         return tokens[1], tokens[2]
 
     _plain(tiny)
     plain = [second_and_third(seed) for seed in range(SEEDS)]
-    _force_head(tiny, weights, drafts=2)
+    _force_head(tiny, weights, threshold=threshold, drafts=2)
     spec = [second_and_third(seed + SEEDS) for seed in range(SEEDS)]
-    assert tiny.last_speculation.drafted > 0
+    assert counts["verified"] > SEEDS // 10
+    if threshold:
+        assert counts["plain"] > SEEDS // 10, "the gate never closed: the test is vacuous"
     for position in (0, 1):
         p = _homogeneity_p_value(
             Counter(t[position] for t in plain), Counter(t[position] for t in spec)

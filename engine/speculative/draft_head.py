@@ -202,6 +202,10 @@ class HeadDrafter(VerifiedFromTokens):
         return Draft(tokens, probs, pending=pending, key=self.name, seconds=seconds)
 
     def _chain(self, state, pending, count, sampler, history):
+        """Up to `count` drafts and, when sampling, the distributions they were drawn from.
+        Whether to draft is decided from the head's distribution before a token is drawn
+        (its largest probability), never from the drawn token: rejection sampling needs
+        the proposal to be exactly that distribution."""
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         x, token = state.float(), pending
@@ -210,17 +214,16 @@ class HeadDrafter(VerifiedFromTokens):
             logits = self.head.draft_logits(x)[0]
             if sampler.params.greedy:
                 best = int(logits.argmax())
-                sure = float(torch.softmax(logits, -1)[best])
+                if float(torch.softmax(logits, -1)[best]) < self.threshold:
+                    break
                 token = int(self.head.vocab[best])
             else:
                 full = self._full.clone()
                 full[self.head.vocab] = logits
                 q = sampler.distribution(full, [*history, *tokens])
+                if float(q.max()) < self.threshold:
+                    break
                 token = sampler.draw(q)
-                sure = float(q[token])
-            if sure < self.threshold:
-                break
-            tokens.append(token)
-            if not sampler.params.greedy:
                 probs.append(q)
+            tokens.append(token)
         return tokens, (probs or None)
