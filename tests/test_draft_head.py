@@ -118,9 +118,7 @@ def test_greedy_output_with_the_head_is_identical_to_plain(tiny, trained):
 
 
 @pytest.mark.parametrize("threshold", [0.0, 0.3])
-def test_sampling_with_the_head_keeps_the_distribution_of_plain_sampling(
-    tiny, trained, threshold
-):
+def test_sampling_with_the_head_keeps_the_distribution_of_plain_sampling(tiny, trained, threshold):
     """Also with confidence gating (0.3: some steps draft, some do not), which must decide
     from the head's distribution, not from the token it drew."""
     weights, _ = trained

@@ -1,8 +1,9 @@
 """Training the drafting head (`miniapp calibrate --train-head`) on the model's own text.
 
-1. A corpus: the model answers varied chat requests (`assets.training_prompts`), several
-   sequences per pass, greedily or sampled. Every decode row records its final-normed state
-   and the model's top probabilities there: exactly what the head sees and must predict.
+1. A corpus: the model answers varied chat requests (`assets.training_prompts`), greedily
+   or sampled, one token a step as the runtime decodes. Every row records its final-normed
+   state and the model's top probabilities there: exactly what the head sees and must
+   predict.
 2. A draft vocabulary: the answers' most frequent tokens, as many as the measured costs and
    the coverage of answers not counted say pay best (`choose_vocab_size`).
 3. Self-distillation: the head learns, from (state_t, token t+1), the model's distribution
@@ -319,7 +320,7 @@ def best_policy(
 
 @dataclass(frozen=True)
 class HeadTrainingPlan:
-    prompts: int = 900  # training answers to collect (about 22 minutes on 2 cores for SmolLM2)
+    prompts: int = 900  # training answers (collecting them: about 22 minutes, SmolLM2, 2 cores)
     answer_tokens: int = 192
     steps: int = 3000
     depth: int = 4  # longest chain measured and allowed
@@ -332,12 +333,6 @@ class Progress:
     def phase(self, text: str) -> None: ...
 
     def advance(self, done: int, total: int, note: str = "") -> None: ...
-
-
-@dataclass(frozen=True)
-class HeadResult:
-    path: str
-    meta: dict
 
 
 def train_drafting_head(
