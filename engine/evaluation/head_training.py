@@ -351,8 +351,8 @@ def train_drafting_head(
     answers = _collect(runtime, questions, plan.answer_tokens, work, progress)
     rows = sum(a.states.shape[0] for a in answers)
     progress.phase("timing plain steps, verifications and head passes")
-    costs = {size: measure_costs(runtime, size, answers[0].fed, plan.depth)
-             for size in _vocab_sizes(model.config.vocab_size)}  # fmt: skip
+    sizes = _vocab_sizes(model.config.vocab_size)
+    costs = measure_costs(runtime, sizes, answers[0].fed, plan.depth)
     size, cover = choose_vocab_size(answers, model.config.vocab_size, costs)
     costs, vocab = costs[size], draft_vocabulary(answers, model.config.vocab_size, size)
     progress.phase(f"draft vocabulary: {size} tokens ({cover:.1%} of unseen answers' tokens); "
@@ -490,17 +490,15 @@ class Costs:
 
 
 @torch.inference_mode()
-def measure_costs(runtime: TorchRuntime, vocab_size: int, context: list[int], depth: int) -> Costs:
-    """Medians over repeats, after `context`: a plain step, a verification of 1..depth
-    drafts (the row cost is the slope), one pass of a head with `vocab_size` draft tokens
-    (its weights do not change its cost)."""
+def measure_costs(
+    runtime: TorchRuntime, vocab_sizes: Sequence[int], context: list[int], depth: int
+) -> dict[int, Costs]:
+    """Medians over repeats, after `context`: a plain step and a verification of 1..depth
+    drafts (the row cost is the slope), timed once; then one pass of a head with each of
+    `vocab_sizes` draft tokens (its weights do not change its cost)."""
     from .calibrate import _median_time
 
     model = runtime.model
-    dim = model.config.dim
-    vocab = torch.arange(vocab_size)
-    weights = HeadWeights.initial(dim, hidden_width(dim), vocab)
-    head = DraftHead(weights, model.head_rows(vocab), model.config.final_logit_softcap)
     caches = model.make_caches(runtime.policy)
     model.hidden_states(torch.tensor(context), caches)
     token = context[-1]
@@ -512,8 +510,17 @@ def measure_costs(runtime: TorchRuntime, vocab_size: int, context: list[int], de
         )
 
     plain = rows(1)
-    slopes = [(rows(n + 1) / plain - 1) / n for n in range(1, depth + 1)]
+    slopes = sorted((rows(n + 1) / plain - 1) / n for n in range(1, depth + 1))
     state = model.hidden_states(torch.tensor([token]), caches)
     embedded = model.embed_tokens(torch.tensor([token]))
-    draft = _median_time(lambda: head.draft_logits(head.state(state, embedded)), lambda: None)
-    return Costs(plain, sorted(slopes)[len(slopes) // 2], draft / plain)
+    dim = model.config.dim
+    costs = {}
+    for size in vocab_sizes:
+        vocab = torch.arange(size)
+        weights = HeadWeights.initial(dim, hidden_width(dim), vocab)
+        head = DraftHead(weights, model.head_rows(vocab), model.config.final_logit_softcap)
+        draft = _median_time(
+            lambda head=head: head.draft_logits(head.state(state, embedded)), lambda: None
+        )
+        costs[size] = Costs(plain, slopes[len(slopes) // 2], draft / plain)
+    return costs

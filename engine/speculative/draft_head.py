@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..layers import Int4Linear, Linear, _Int4Packer
-from ..quant import INT4_OFFSET, KERNEL_GROUP, PLAIN, Int4Groups
+from ..quant import KERNEL_GROUP, PLAIN, AffineCodes, to_int4
 from .drafter import Draft, VerifiedFromTokens
 
 if TYPE_CHECKING:
@@ -117,13 +117,11 @@ def int4_linear(weight: torch.Tensor) -> Int4Linear:
     low, high = grouped.amin(-1), grouped.amax(-1)
     scale = ((high - low) / 15).clamp_min(1e-8)
     codes = ((grouped - low[..., None]) / scale[..., None]).round_().clamp_(0, 15)
-    # The kernel decodes (code - 8) * scale + zero, so zero = low + 8 * scale.
-    groups = Int4Groups(codes.to(torch.uint8).reshape(rows, cols), scale,
-                        low + INT4_OFFSET * scale, PLAIN)  # fmt: skip
+    affine = AffineCodes(codes.to(torch.uint8).reshape(rows, cols), scale, low, 4, KERNEL_GROUP)
     from ..kernels import cpu_int4_kernel
 
     packer = _Int4Packer(torch.device("cpu"), cpu_int4_kernel().library)
-    packer.add(groups)
+    packer.add(to_int4(affine))
     return packer.linear(PLAIN, None)
 
 
