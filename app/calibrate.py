@@ -20,7 +20,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     runtime = TorchRuntime(
         model_path, n_ctx=1024, threads=args.threads, spec="off", device=args.device
     )
-    if args.train_head:
+    if args.train_head or args.measure_head:
         return _train_head(runtime, args)
     n_layers = runtime.model.config.n_layers
     if args.layers and max(args.layers) >= n_layers:
@@ -101,24 +101,41 @@ class _Bars:
 
 
 def _train_head(runtime, args: argparse.Namespace) -> int:
-    """`calibrate --train-head`: the drafting head, trained, measured and stored."""
+    """`calibrate --train-head`: the drafting head, trained, measured and stored;
+    `--measure-head`: the stored one measured again (its costs move with the engine)."""
     import shutil
 
-    from miniapp.engine.evaluation.head_training import HeadTrainingPlan, train_drafting_head
-    from miniapp.engine.speculative.calibration import head_path
+    from miniapp.engine.evaluation.head_training import (
+        HeadTrainingPlan,
+        measure_head,
+        train_drafting_head,
+    )
+    from miniapp.engine.speculative.calibration import head_path, load_head_weights
 
+    flag = "--measure-head" if args.measure_head else "--train-head"
     if runtime.model.head_device.type != "cpu" or runtime.model.head_weight is None:
-        raise MiniappError("--train-head: the drafting head runs on the CPU; use --device cpu")
+        raise MiniappError(f"{flag}: the drafting head runs on the CPU; use --device cpu")
     stored = head_path(runtime.model_path)
     work = stored.with_suffix(".work")  # corpus shards and checkpoints: a rerun resumes
     plan = HeadTrainingPlan(prompts=args.head_prompts, steps=args.head_steps)
     bars = _Bars(args.json)
     try:
-        weights, meta = train_drafting_head(runtime, work, plan, bars)
+        if args.measure_head:
+            held = load_head_weights(runtime.model_path, runtime.model)
+            if held is None:
+                name = runtime.model_path.name
+                raise MiniappError(
+                    f"--measure-head: no drafting head is trained for {name}; "
+                    "run `miniapp calibrate --train-head` first"
+                )
+            weights, meta = held
+            meta.update(measure_head(runtime, weights, plan, bars))
+        else:
+            weights, meta = train_drafting_head(runtime, work, plan, bars)
+            meta["command"] = (f"miniapp calibrate --train-head --head-prompts {plan.prompts} "
+                               f"--head-steps {plan.steps}")  # fmt: skip
     finally:
         bars.close()
-    meta["command"] = (f"miniapp calibrate --train-head --head-prompts {plan.prompts} "
-                       f"--head-steps {plan.steps}")  # fmt: skip
     try:
         weights.save(stored, meta)
     except OSError as exc:

@@ -228,10 +228,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--train-adapter", action="store_true",
         help="also train an exit adapter by self-distillation (a few minutes on a CPU)",
     )  # fmt: skip
-    calibrate.add_argument(
+    head = calibrate.add_mutually_exclusive_group()
+    head.add_argument(
         "--train-head", action="store_true",
         help="train the drafting head on the model's own answers instead (resumable; about "
         "30 minutes on 2 cores for the default model)",
+    )  # fmt: skip
+    head.add_argument(
+        "--measure-head", action="store_true",
+        help="measure the trained drafting head again on this machine and engine (a few "
+        "minutes): its acceptance, costs and the policy --spec auto uses",
     )  # fmt: skip
     calibrate.add_argument("--head-prompts", type=_positive_int, default=900,
                            help="training answers the head learns from")  # fmt: skip

@@ -68,11 +68,13 @@ class StaticStep:
 
 
 @dataclass(frozen=True)
-class OneSlot:
-    """Where a decode step's key and value go, and everything its query attends."""
+class Slots:
+    """Where a step's keys and values go, and everything its queries attend."""
 
-    slots: tuple[torch.Tensor, torch.Tensor]  # (key row, value row) [1, kv_heads, 1, width]
-    stored: tuple[torch.Tensor, torch.Tensor]  # (keys, values) [1, kv_heads, tokens, width]
+    slots: tuple[torch.Tensor, torch.Tensor]  # (key rows, value rows) [1, kv_heads, n, width]
+    # (keys, values) [1, kv_heads, tokens, width]: what the last of the n rows attends; row
+    # r of n attends the first tokens - (n - 1 - r) of them.
+    stored: tuple[torch.Tensor, torch.Tensor]
     # Tiled keys: what the kernel reads besides (the key row is then an fp32 row of the
     # newest tiles), and what to call once the key is written (it completed a tile).
     tiled: TiledKeys | None = None
@@ -115,11 +117,17 @@ class Cache(Protocol):
         attention outside the native kernel (a prompt chunk, a GPU)."""
         ...
 
-    def take_one(self) -> OneSlot | None:
+    def take_one(self) -> Slots | None:
         """A decode step's bookkeeping for a caller that writes the token's key and value
         itself (the fused native layer): the storage rows they go into, and what
         update_and_fetch would return after writing them. None, with nothing changed, when
         this step needs update_and_fetch instead."""
+        ...
+
+    def take_rows(self, n: int) -> Slots | None:
+        """take_one for n consecutive tokens of an exact-rows pass (verification), whose
+        decode steps would each see, unmasked, a prefix of one storage. None, with nothing
+        changed, when they would not (rows_share_storage) or keys are stored as tiles."""
         ...
 
     def make_mask(self, n_new: int) -> torch.Tensor | None:
@@ -271,7 +279,7 @@ class KVCache:
     def keys_by_own_tile(self, keys: torch.Tensor, rows: int):
         return self.key_tiles.by_own_tile(self.keys, keys.shape[2], None, rows)
 
-    def take_one(self) -> OneSlot | None:
+    def take_one(self) -> Slots | None:
         end = self.offset + 1
         if end > self.capacity:
             return None  # the storage grows first, in update_and_fetch
@@ -280,8 +288,16 @@ class KVCache:
         if self.key_tiles is not None:
             key_row, written = self.key_tiles.take(self.keys, at)
             tiled = self.key_tiles.for_kernel(None, 1)
-            return OneSlot((key_row, self.values[:, :, at:end]), stored, tiled, written)
-        return OneSlot((self.keys[:, :, at:end], self.values[:, :, at:end]), stored)
+            return Slots((key_row, self.values[:, :, at:end]), stored, tiled, written)
+        return Slots((self.keys[:, :, at:end], self.values[:, :, at:end]), stored)
+
+    def take_rows(self, n: int) -> Slots | None:
+        if self.key_tiles is not None or not self.rows_share_storage(n):
+            return None
+        at, self.offset = self.offset, self.offset + n
+        stored = self.keys[:, :, : self.offset], self.values[:, :, : self.offset]
+        return Slots((self.keys[:, :, at : self.offset], self.values[:, :, at : self.offset]),
+                     stored)  # fmt: skip
 
     def make_mask(self, n_new: int) -> torch.Tensor | None:
         """Boolean [n_new, offset + n_new]: each query sees keys up to its own position."""
@@ -582,12 +598,23 @@ class RotatingKVCache:
             one.written()
         return one.stored
 
-    def take_one(self) -> OneSlot | None:
+    def take_one(self) -> Slots | None:
         if self.sinks_held != self.sinks or not self._room_for_one():
             return None
         return self._one_slot()
 
-    def _one_slot(self) -> OneSlot:
+    def take_rows(self, n: int) -> Slots | None:
+        if self.key_tiles is not None or not self.rows_share_storage(n):
+            return None
+        # Before the ring wraps its slots are in order: the n tokens take the next n.
+        first = 2 * self.sinks + self.ring_head
+        for _ in range(n):
+            self._take_slot()
+        self._move_frame()  # the frame stays put until the window is full
+        rows = (self.keys[:, :, first : first + n], self.values[:, :, first : first + n])
+        return Slots(rows, self._fetched())
+
+    def _one_slot(self) -> Slots:
         slot = self._take_slot()
         if self.sinks:
             self._move_frame()  # the sinks only: the new token's row is not read
@@ -596,10 +623,10 @@ class RotatingKVCache:
         if self.key_tiles is not None:
             key_row, written = self.key_tiles.take(self._ring(self.keys), slot)
             tiled = self.key_tiles.for_kernel(self._frame_lead(), 1)
-            return OneSlot((key_row, value_row), self._fetched(), tiled, written)
+            return Slots((key_row, value_row), self._fetched(), tiled, written)
         end = self.sinks + self._fetch_length()
         stored = self.keys[:, :, self.sinks : end], self.values[:, :, self.sinks : end]
-        return OneSlot((self.keys[:, :, at : at + 1], value_row), stored)
+        return Slots((self.keys[:, :, at : at + 1], value_row), stored)
 
     def _take_slot(self) -> int:
         """Bookkeeping of one token entering the ring; returns its slot."""

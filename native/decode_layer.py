@@ -1,9 +1,10 @@
-"""One decoder layer's one-token step in one native call (`miniapp_decode_layer` in
-`int4_gemm.cpp`): RMS norm, the fused Q|K|V projection, RoPE, the new key and value written
-into the cache's storage, attention over the cache, the output projection, the residual add
-and norm, the SiLU-gated feed-forward and the last residual add. The same kernels the layer
-runs one by one from Python, in the same order, so the result is bit-identical; the engine
-uses it for decode steps of layers shaped for it (engine/models/decoder.py).
+"""One decoder layer's one-token step, or a verification's few rows, in one native call
+(`miniapp_decode_layer` in `int4_gemm.cpp`): RMS norm, the fused Q|K|V projection, RoPE, the
+new keys and values written into the cache's storage, attention over the cache, the output
+projection, the residual add and norm, the SiLU-gated feed-forward and the last residual
+add. The same kernels the layer runs one by one from Python, in the same order, so the
+result is bit-identical; the engine uses it for decode steps and verification rows of
+layers shaped for it (engine/models/decoder.py).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ class _Step(ctypes.Structure):
         ("keys", _ptr), ("values", _ptr), ("key_head_stride", _i64),
         ("value_head_stride", _i64), ("n_keys", _i64), ("mask", _ptr), ("key_type", _i32),
         ("value_type", _i32), ("lead", _ptr), ("lead_rows", _i64), ("lead_head_stride", _i64),
-        ("recent", _ptr), ("recent_head_stride", _i64), ("own_tile", _i64),
+        ("recent", _ptr), ("recent_head_stride", _i64), ("own_tile", _i64), ("rows", _i64),
+        ("key_slot_row_stride", _i64), ("value_slot_row_stride", _i64),
     ]  # fmt: skip
 
 
@@ -53,7 +55,8 @@ class LayerShape:
 
 
 class NativeDecodeLayer:
-    """A layer's weights bound once; `step` runs one token through it."""
+    """A layer's weights bound once; `step` runs one token through it, or a few consecutive
+    tokens of one sequence, each row exactly as its own step would."""
 
     def __init__(
         self,
@@ -95,13 +98,15 @@ class NativeDecodeLayer:
         kv_types: tuple[int, int],
         tiled: TiledKeys | None = None,
     ) -> torch.Tensor:
-        """x fp32 [1, dim] (contiguous), the residual stream, updated in place and returned.
-        `slots`: the storage rows [1, kv_heads, 1, width] the token's key and value go into;
-        `stored`: the keys and values it attends [1, kv_heads, n, width] (its own included,
-        heads as far apart as in the slots); `mask`: bool [1, n] or None (all visible);
-        cos and signed_sin: the RoPE tables of its position (fp32, contiguous). Keys stored as
-        q4 tiles: `tiled` says the rest, and the key slot is the token's fp32 row of
-        tiled.recent (the caller encodes the tile it completes)."""
+        """x fp32 [rows, dim] (contiguous), the residual stream, updated in place and returned.
+        `slots`: the storage rows [1, kv_heads, rows, width] the tokens' keys and values go
+        into; `stored`: the keys and values the last token attends [1, kv_heads, n, width]
+        (its own included, heads as far apart as in the slots; row r sees the first
+        n - (rows - 1 - r)); `mask`: bool [1, n] or None (all visible; several rows take no
+        mask); cos and signed_sin: the RoPE tables of their positions [rows, head_dim] (fp32,
+        contiguous). Keys stored as q4 tiles (one row only): `tiled` says the rest, and the
+        key slot is the token's fp32 row of tiled.recent (the caller encodes the tile it
+        completes)."""
         keys, values = stored
         step = self._step
         step.cos, step.signed_sin = cos.data_ptr(), signed_sin.data_ptr()
@@ -110,6 +115,9 @@ class NativeDecodeLayer:
         step.key_head_stride = keys.stride(1) * keys.element_size()
         step.value_head_stride = values.stride(1) * values.element_size()
         step.n_keys = keys.shape[2]
+        step.rows = x.shape[0]
+        step.key_slot_row_stride = slots[0].stride(2) * slots[0].element_size()
+        step.value_slot_row_stride = slots[1].stride(2) * slots[1].element_size()
         step.mask = None if mask is None else mask.view(torch.uint8).data_ptr()
         step.key_type, step.value_type = kv_types
         if tiled is not None:

@@ -1709,13 +1709,17 @@ int miniapp_rope(float* x, int64_t ldx, int64_t rows, int64_t heads, int64_t hea
 
 
 // ---------------------------------------------------------------------------------------
-// One decoder layer's step for one token, in one call. A pre-norm layer with a fused Q|K|V
-// projection, a SiLU-gated feed-forward and no biases (SmolLM2 and the other llama-shaped
-// models) runs eight native kernels a step; called one by one from Python, the calls and the
-// torch ops between them cost about as much as the kernels. Here they run back to back: the
-// same functions, on the same values, in the same order as the layer-by-layer path
-// (engine/models/decoder.py), so the residual stream comes out bit for bit the same, and a
-// decode step still equals the speculative verification row of the same token.
+// One decoder layer's step for one token (or for a few consecutive tokens of one sequence,
+// speculative verification), in one call. A pre-norm layer with a fused Q|K|V projection, a
+// SiLU-gated feed-forward and no biases (SmolLM2 and the other llama-shaped models) runs
+// eight native kernels a step; called one by one from Python, the calls and the torch ops
+// between them cost about as much as the kernels. Here they run back to back: the same
+// functions, on the same values, in the same order as the layer-by-layer path
+// (engine/models/decoder.py), so the residual stream comes out bit for bit the same. Every
+// kernel computes a row on its own, so a row of a several-token call equals that token's
+// own decode step.
+
+constexpr int64_t kMaxLayerRows = 16;  // tokens a call takes (a verification's rows)
 
 struct DecodeLayerWeights {
   const Int4Weight* qkv;
@@ -1731,76 +1735,92 @@ struct DecodeLayerWeights {
 };
 
 struct DecodeLayerStep {
-  const float* cos;  // RoPE tables of the token's position, [head_dim] each
+  const float* cos;  // RoPE tables of the tokens' positions, [rows, head_dim] each
   const float* signed_sin;
-  uint8_t* key_slot;  // where the token's key row goes, kv head 0 (heads key_head_stride apart)
-  uint8_t* value_slot;
-  const uint8_t* keys;  // the keys the token attends, kv head 0 (its own included)
+  uint8_t* key_slot;  // where the first token's key row goes, kv head 0 (heads
+  uint8_t* value_slot;  // key_head_stride apart, tokens slot_row_stride apart)
+  const uint8_t* keys;  // the keys the tokens attend, kv head 0 (their own included)
   const uint8_t* values;
   int64_t key_head_stride, value_head_stride;  // bytes, in the storage and the keys alike
-  int64_t n_keys;
-  const uint8_t* mask;  // [n_keys], or null: every key visible
+  int64_t n_keys;  // keys the last token sees; token r sees the first n_keys - (rows - 1 - r)
+  const uint8_t* mask;  // [n_keys], or null: every key visible (one token only)
   int32_t key_type, value_type;
-  // Keys stored as q4 tiles (see RowKeys): the key slot is then an fp32 row of `recent`
-  // (heads recent_head_stride floats apart), and n_keys counts the lead rows too.
+  // Keys stored as q4 tiles (see RowKeys; one token only): the key slot is then an fp32 row
+  // of `recent` (heads recent_head_stride floats apart), and n_keys counts the lead rows too.
   const float* lead;
   int64_t lead_rows, lead_head_stride;
   const float* recent;
   int64_t recent_head_stride, own_tile;
+  int64_t rows;  // tokens in this call, consecutive positions of one sequence
+  int64_t key_slot_row_stride, value_slot_row_stride;  // bytes between the tokens' slots
 };
 
-// x fp32 [dim], the residual stream entering the layer, updated in place. Returns 0, or -1
-// for a layer or step it does not take (x may then be partly updated: the caller raises).
+// x fp32 [rows, dim], the residual stream entering the layer, updated in place. Returns 0,
+// or -1 for a layer or step it does not take (x may then be partly updated: the caller
+// raises).
 int miniapp_decode_layer(const DecodeLayerWeights* w, const DecodeLayerStep* s, float* x,
                          int threads) {
-  const int64_t d = w->head_dim, q_width = w->n_heads * d;
+  const int64_t d = w->head_dim, q_width = w->n_heads * d, m = s->rows;
   const int64_t qkv_width = (w->n_heads + 2 * w->kv_heads) * d;
   if (!kv_type_takes(s->key_type, d) || !kv_type_takes(s->value_type, d)) return -1;
   if (s->value_type == kKvQ4Tiles) return -1;
   const bool tiled = s->key_type == kKvQ4Tiles;
   if (tiled && (!s->recent || (s->lead_rows && !s->lead))) return -1;
-  const int64_t floats = 2 * w->dim + qkv_width + q_width + w->dim + w->ffn_dim;
-  float* buffer = static_cast<float*>(malloc(sizeof(float) * floats));
+  if (m < 1 || m > kMaxLayerRows || s->n_keys < m) return -1;
+  if (m > 1 && (tiled || s->mask)) return -1;  // several rows: unmasked prefixes of one storage
+  // Per row: the normed input, Q|K|V, the queries alone (attention reads them contiguous),
+  // attention's output, its projection, the gated feed-forward and its output.
+  const int64_t row_floats = 2 * w->dim + qkv_width + 2 * q_width + w->dim + w->ffn_dim;
+  float* buffer = static_cast<float*>(malloc(sizeof(float) * m * row_floats));
   if (!buffer) return -1;
   float* normed = buffer;
-  float* qkv = normed + w->dim;
-  float* attended = qkv + qkv_width;
-  float* projected = attended + q_width;
-  float* gated = projected + w->dim;
-  float* fed = gated + w->ffn_dim;
-  int status = miniapp_add_rms_norm(x, w->dim, nullptr, 0, w->attn_norm, 1, w->dim, w->eps,
+  float* qkv = normed + m * w->dim;
+  float* queries = qkv + m * qkv_width;
+  float* attended = queries + m * q_width;
+  float* projected = attended + m * q_width;
+  float* gated = projected + m * w->dim;
+  float* fed = gated + m * w->ffn_dim;
+  int status = miniapp_add_rms_norm(x, w->dim, nullptr, 0, w->attn_norm, m, w->dim, w->eps,
                                     normed, w->dim);
-  status = status ? status : miniapp_int4_gemm(w->qkv, normed, w->dim, kFloat32, 1, qkv, threads);
+  status = status ? status : miniapp_int4_gemm(w->qkv, normed, w->dim, kFloat32, m, qkv, threads);
   status = status ? status
-                  : miniapp_rope(qkv, qkv_width, 1, w->n_heads + w->kv_heads, d, w->rotary_dim,
+                  : miniapp_rope(qkv, qkv_width, m, w->n_heads + w->kv_heads, d, w->rotary_dim,
                                  w->interleaved, s->cos, s->signed_sin);
   if (!status) {
     // A tiled key goes into its fp32 row of `recent`; the caller encodes a tile it completes.
     const int key_slot_type = tiled ? kKvF32 : s->key_type;
     const int64_t key_slot_stride = tiled ? 4 * s->recent_head_stride : s->key_head_stride;
-    for (int64_t h = 0; h < w->kv_heads; ++h) {
-      encode_row(key_slot_type, qkv + (w->n_heads + h) * d, d, s->key_slot + h * key_slot_stride,
-                 stored_rotated(key_slot_type));
-      encode_row(s->value_type, qkv + (w->n_heads + w->kv_heads + h) * d, d,
-                 s->value_slot + h * s->value_head_stride, stored_rotated(s->value_type));
+    RowKeys sources[kMaxLayerRows];
+    for (int64_t r = 0; r < m; ++r) {
+      const float* row = qkv + r * qkv_width;
+      for (int64_t h = 0; h < w->kv_heads; ++h) {
+        encode_row(key_slot_type, row + (w->n_heads + h) * d, d,
+                   s->key_slot + h * key_slot_stride + r * s->key_slot_row_stride,
+                   stored_rotated(key_slot_type));
+        encode_row(s->value_type, row + (w->n_heads + w->kv_heads + h) * d, d,
+                   s->value_slot + h * s->value_head_stride + r * s->value_slot_row_stride,
+                   stored_rotated(s->value_type));
+      }
+      memcpy(queries + r * q_width, row, sizeof(float) * q_width);
+      sources[r] = {s->keys, s->values, s->key_head_stride, s->value_head_stride,
+                    s->n_keys - (m - 1 - r), s->mask, s->key_type, s->value_type,
+                    s->lead, s->lead_rows, s->lead_head_stride, s->recent,
+                    s->recent_head_stride, tiled ? s->own_tile : -1};
     }
-    const RowKeys source = {s->keys, s->values, s->key_head_stride, s->value_head_stride,
-                            s->n_keys, s->mask, s->key_type, s->value_type,
-                            s->lead, s->lead_rows, s->lead_head_stride, s->recent,
-                            s->recent_head_stride, tiled ? s->own_tile : -1};
-    status = attend(qkv, &source, 1, w->n_heads, w->kv_heads, d, w->scale, attended, threads);
+    status = attend(queries, sources, m, w->n_heads, w->kv_heads, d, w->scale, attended,
+                    threads);
   }
-  status = status ? status : miniapp_int4_gemm(w->out, attended, q_width, kFloat32, 1, projected,
+  status = status ? status : miniapp_int4_gemm(w->out, attended, q_width, kFloat32, m, projected,
                                                threads);
   status = status ? status
-                  : miniapp_add_rms_norm(x, w->dim, projected, w->dim, w->ffn_norm, 1, w->dim,
+                  : miniapp_add_rms_norm(x, w->dim, projected, w->dim, w->ffn_norm, m, w->dim,
                                          w->eps, normed, w->dim);
-  status = status ? status : miniapp_int4_gemm(w->gate_up, normed, w->dim, kFloat32, 1, gated,
+  status = status ? status : miniapp_int4_gemm(w->gate_up, normed, w->dim, kFloat32, m, gated,
                                                threads);
-  status = status ? status : miniapp_int4_gemm(w->down, gated, w->ffn_dim, kFloat32, 1, fed,
+  status = status ? status : miniapp_int4_gemm(w->down, gated, w->ffn_dim, kFloat32, m, fed,
                                                threads);
   if (!status) {
-    for (int64_t i = 0; i < w->dim; ++i) x[i] += fed[i];
+    for (int64_t i = 0; i < m * w->dim; ++i) x[i] += fed[i];
   }
   free(buffer);
   return status;

@@ -200,6 +200,52 @@ def test_calibrate_trains_stores_and_resumes(miniapp_exe, tiny):
     assert report["sha256"] == file_hash(tiny.model_path)
     assert 0.0 <= report["acceptance"] <= 1.0 and report["row_cost"] >= 0
     assert 0.0 <= report["threshold"] <= 1.0 and report["max_draft"] >= 0
+    assert 0.0 <= report["gated_acceptance"] <= 1.0
     assert not work.exists()
     assert load_draft_head(tiny.model_path, tiny.model) is not None
+    # Measured again without training: the training's record is kept, the costs are new.
+    measure = [miniapp_exe, "calibrate", "--measure-head", "--model", str(tiny.model_path),
+               "--threads", "1", "--json"]  # fmt: skip
+    done = subprocess.run(measure, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    again = json.loads(done.stdout)
+    assert again["training_answers"] == 3 and again["command"] == report["command"]
+    assert again["plain_step_ms"] != report["plain_step_ms"]  # timed anew
+    assert (
+        load_draft_head(tiny.model_path, tiny.model)[1]["plain_step_ms"] == again["plain_step_ms"]
+    )
     head_path(tiny.model_path).unlink()
+    done = subprocess.run(measure, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        "miniapp: error: --measure-head: no drafting head is trained for tiny.gguf; "
+        "run `miniapp calibrate --train-head` first"
+    )
+
+
+def test_the_heads_acceptance_prior_outlasts_a_few_rejections():
+    # The head's own gate picks where it drafts: three rejections in a row after a good
+    # calibration must not switch it off as they would a drafter with the default memory,
+    # while a long run of rejections still does.
+    from miniapp.engine.speculative.draft_head import HEAD_ACCEPTANCE_MEMORY
+
+    def controller(memory=None) -> DraftController:
+        made = DraftController()
+        for _ in range(3):
+            made.record_plain(0.010)
+        if memory is None:
+            made.set_prior("head", 0.65)
+        else:
+            made.set_prior("head", 0.65, memory)
+        made.record_draft("head", 1, 1, 0.0005, 0.0125)  # a row costs a quarter of a step
+        return made
+
+    short, long = controller(), controller(HEAD_ACCEPTANCE_MEMORY)
+    for made in (short, long):
+        for _ in range(3):
+            made.record_draft("head", 1, 0, 0.0005, 0.0125)
+    assert short.draft_length("head", 4) == 0
+    assert long.draft_length("head", 4) >= 1
+    for _ in range(60):
+        long.record_draft("head", 1, 0, 0.0005, 0.0125)
+    assert long.draft_length("head", 4) == 0

@@ -86,3 +86,40 @@ def test_only_layers_of_the_shape_it_takes_are_fused(tmp_path, monkeypatch):
     monkeypatch.setenv(FUSED_ENV, "0")
     off = build_model(GGUFFile(write_tiny_model(tmp_path / "off.gguf")))
     assert all(block.fused is None for block in off.layers)
+
+
+def _fused_rows_counted(model, monkeypatch) -> list[int]:
+    """Records the row count of every fused call from now on."""
+    counted: list[int] = []
+    for block in model.layers:
+        step = block.fused.step
+
+        def counting(x, *args, _step=step, **kwargs):
+            counted.append(x.shape[0])
+            return _step(x, *args, **kwargs)
+
+        monkeypatch.setattr(block.fused, "step", counting)
+    return counted
+
+
+@pytest.mark.parametrize("kind", ["f32", "f16", "q8", "q4"])
+@pytest.mark.parametrize("window", [200, 16], ids=["window-open", "ring-wrapped"])
+@torch.inference_mode()
+def test_verification_rows_run_fused_and_equal_decode_steps(smollm2, monkeypatch, kind, window):
+    # Five rows of an exact-rows pass through one fused call a layer, where each row's decode
+    # step would see a prefix of one storage; else (a wrapped ring, keys in q4 tiles) the
+    # layer-by-layer path. Either way every row equals its own decode step bit for bit.
+    policy = CachePolicy(ctx=512, sinks=4, window=window, kv_type=kv_type(kind))
+    caches = smollm2.make_caches(policy)
+    smollm2.hidden_states(torch.tensor(PROMPT), caches)
+    rows = torch.tensor([500, 501, 502, 503, 504])
+    one_by_one = torch.cat([smollm2.hidden_states(rows[i : i + 1], caches) for i in range(5)])
+    keys_after_steps = caches[-1].keys.clone()
+    for cache in caches:
+        cache.trim(5)
+    counted = _fused_rows_counted(smollm2, monkeypatch)
+    verified = smollm2.hidden_states(rows, caches, exact_rows=True)
+    assert torch.equal(verified, one_by_one)
+    assert torch.equal(caches[-1].keys, keys_after_steps)
+    fused = window > len(PROMPT) + 5 and kind != "q4"
+    assert counted == ([5] * len(smollm2.layers) if fused else [])

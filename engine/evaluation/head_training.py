@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -285,6 +286,9 @@ class Policy:
     max_draft: int
     predicted_speedup: float
     tokens_per_step: float
+    # Per drafted token, as the draft controller counts it: accepted / (accepted + chains
+    # that ended in a rejection), over the chains the gate let through.
+    acceptance: float = 0.0
 
 
 def best_policy(
@@ -296,7 +300,7 @@ def best_policy(
     best = Policy(1.0, 0, 1.0, 1.0)
     for threshold in [i / 20 for i in range(0, 20)]:
         for k in range(1, depth + 1):
-            tokens = cost = 0.0
+            tokens = cost = accepted_all = trials = 0.0
             for chain in chains:
                 drafted = accepted = passes = 0
                 for link in chain[:k]:
@@ -309,9 +313,12 @@ def best_policy(
                     accepted += 1
                 tokens += accepted + 1
                 cost += 1 + drafted * row_cost + passes * draft_cost
+                accepted_all += accepted
+                trials += accepted + (accepted < drafted)
             speedup = tokens / cost
             if speedup > best.predicted_speedup:
-                best = Policy(threshold, k, speedup, tokens / len(chains))
+                acceptance = accepted_all / trials if trials else 0.0
+                best = Policy(threshold, k, speedup, tokens / len(chains), acceptance)
     return best
 
 
@@ -341,8 +348,7 @@ def train_drafting_head(
     """Collect, train, measure. `work` keeps the corpus shards and training checkpoints, so
     an interrupted run resumes where it stopped; the caller stores the result and removes
     `work`."""
-    from ...assets import chat_prompts, training_prompts
-    from .calibrate import prompt_tokens
+    from ...assets import training_prompts
 
     start = time.perf_counter()
     model = runtime.model
@@ -358,17 +364,45 @@ def train_drafting_head(
     progress.phase(f"draft vocabulary: {size} tokens ({cover:.1%} of unseen answers' tokens); "
                    f"training on {rows} rows")  # fmt: skip
     weights = _train_resumable(model, answers, vocab, plan, work, progress)
+    meta = measure_head(runtime, weights, plan, progress, costs)
+    meta.update(
+        trained_rows=rows,
+        training_answers=len(answers),
+        steps=plan.steps,
+        minutes=(time.perf_counter() - start) / 60,
+    )
+    return weights, meta
+
+
+@torch.inference_mode()
+def measure_head(
+    runtime: TorchRuntime,
+    weights: HeadWeights,
+    plan: HeadTrainingPlan,
+    progress: Progress,
+    costs: Costs | None = None,
+) -> dict:
+    """A head's held-out acceptance, its costs on this machine and engine (timed now unless
+    given) and the confidence threshold and chain length they make best: what `--spec
+    auto` reads. Costs change with the engine, not with the head, so a head trained once
+    is measured again (`calibrate --measure-head`) without training it again."""
+    from ...assets import chat_prompts
+    from ..speculative.calibration import file_hash
+    from ..speculative.controller import MIN_GAIN
+    from .calibrate import prompt_tokens
+
+    model, vocab = runtime.model, weights.vocab
     progress.phase(f"measuring on {plan.held_out} held-out chat questions")
     eog = runtime.tokenizer.eog_ids
     held = [record_answer(model, prompt_tokens(runtime, question), GREEDY, 128, eog)
             for question in chat_prompts()[: plan.held_out]]  # fmt: skip
+    if costs is None:
+        progress.phase("timing plain steps, verifications and head passes")
+        costs = measure_costs(runtime, [len(vocab)], held[0].fed, plan.depth)[len(vocab)]
     head = DraftHead(weights, model.head_rows(vocab), model.config.final_logit_softcap)
     chains = held_out_chains(model, head, held, plan.depth)
     policy = best_policy(chains, costs.row_cost, costs.draft_cost, plan.depth)
-    from ..speculative.calibration import file_hash
-    from ..speculative.controller import MIN_GAIN
-
-    meta = {
+    return {
         "sha256": file_hash(runtime.model_path),
         "model": runtime.model_path.name,
         "acceptance": first_link_agreement(chains),
@@ -376,18 +410,14 @@ def train_drafting_head(
         "vocab_size": len(vocab),
         "threshold": policy.threshold,
         "max_draft": policy.max_draft,
+        "gated_acceptance": policy.acceptance,
         "predicted_speedup": policy.predicted_speedup,
         "tokens_per_step": policy.tokens_per_step,
         "pays": policy.predicted_speedup >= MIN_GAIN,
         "plain_step_ms": costs.plain_s * 1000,
         "row_cost": costs.row_cost,
         "draft_cost": costs.draft_cost,
-        "trained_rows": rows,
-        "training_answers": len(answers),
-        "steps": plan.steps,
-        "minutes": (time.perf_counter() - start) / 60,
     }
-    return weights, meta
 
 
 VOCAB_SIZES = (4096, 8192, 16384)
@@ -462,6 +492,7 @@ def _train_resumable(model, answers, vocab, plan, work: Path, progress) -> HeadW
 
 
 SHARD = 25
+COST_ROUNDS = 15  # timing rounds of every verification length
 CHECKPOINT_STEPS = 500
 
 
@@ -493,24 +524,31 @@ class Costs:
 def measure_costs(
     runtime: TorchRuntime, vocab_sizes: Sequence[int], context: list[int], depth: int
 ) -> dict[int, Costs]:
-    """Medians over repeats, after `context`: a plain step and a verification of 1..depth
-    drafts (the row cost is the slope), timed once; then one pass of a head with each of
-    `vocab_sizes` draft tokens (its weights do not change its cost)."""
+    """After `context`: a plain step and verifications of 1..depth drafts, timed in
+    interleaved rounds (a drift in the machine's speed hits every length alike); the row
+    cost is the least-squares slope of their medians, in plain steps. Then one pass of a
+    head with each of `vocab_sizes` draft tokens (its weights do not change its cost)."""
     from .calibrate import _median_time
 
     model = runtime.model
     caches = model.make_caches(runtime.policy)
     model.hidden_states(torch.tensor(context), caches)
     token = context[-1]
-
-    def rows(n: int) -> float:
-        return _median_time(
-            lambda: model.logits(model.hidden_states(torch.tensor([token] * n), caches, True)),
-            lambda: [c.trim(n) for c in caches],
-        )
-
-    plain = rows(1)
-    slopes = sorted((rows(n + 1) / plain - 1) / n for n in range(1, depth + 1))
+    lengths = range(1, depth + 2)
+    samples: dict[int, list[float]] = {n: [] for n in lengths}
+    for _ in range(COST_ROUNDS):
+        for n in lengths:
+            start = time.perf_counter()
+            model.logits(model.hidden_states(torch.tensor([token] * n), caches, n > 1))
+            samples[n].append(time.perf_counter() - start)
+            for cache in caches:
+                cache.trim(n)
+    medians = torch.tensor([statistics.median(samples[n]) for n in lengths])
+    ns = torch.tensor(list(lengths), dtype=medians.dtype)
+    slope = float(
+        ((ns - ns.mean()) * (medians - medians.mean())).sum() / ((ns - ns.mean()) ** 2).sum()
+    )
+    plain = float(medians[0])
     state = model.hidden_states(torch.tensor([token]), caches)
     embedded = model.embed_tokens(torch.tensor([token]))
     dim = model.config.dim
@@ -522,5 +560,5 @@ def measure_costs(
         draft = _median_time(
             lambda head=head: head.draft_logits(head.state(state, embedded)), lambda: None
         )
-        costs[size] = Costs(plain, slopes[len(slopes) // 2], draft / plain)
+        costs[size] = Costs(plain, slope / plain, draft / plain)
     return costs

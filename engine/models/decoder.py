@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ...native.decode_layer import LayerShape, NativeDecodeLayer
-from ..cache import Cache
+from ..cache import Cache, Slots
 from ..kernels import cpu_attention_kernel, cpu_int4_kernel, cpu_row_ops, fused_layers_enabled
 from ..layers import (
     Int4Linear,
@@ -234,23 +234,23 @@ class Block:
         self.attn_norm, self.attention = attn_norm, attention
         self.ffn_norm, self.feed_forward = ffn_norm, feed_forward
         self.post_attn_norm, self.post_ffn_norm = post_attn_norm, post_ffn_norm
-        # The whole layer as one native call for one-token steps (DecoderModel sets it where
-        # the layer's shape allows; see `fused_layer`).
+        # The whole layer as one native call for one-token steps and verification rows
+        # (DecoderModel sets it where the layer's shape allows; see `fused_layer`).
         self.fused: NativeDecodeLayer | None = None
 
     def forward(self, x, rotation, cache, mask):
         """Updates the residual stream `x` (fp32 [tokens, dim]) in place and returns it."""
-        if self.fused is not None and x.shape[0] == 1 and x.is_cpu:
-            take_one = getattr(cache, "take_one", None)  # a batch's Segments have none
-            taken = take_one() if take_one is not None else None
-            if taken is not None:
-                if mask is not None:
-                    mask = mask.contiguous()
-                self.fused.step(x, rotation.cos, rotation.signed_sin, taken.slots, taken.stored,
-                                mask, _kernel_types(cache), taken.tiled)  # fmt: skip
-                if taken.written is not None:
-                    taken.written()
-                return x
+        taken = self._take_fused(x, cache, mask)
+        if taken is not None:
+            if mask is not None and not isinstance(mask, RowMasks):
+                mask = mask.contiguous()
+            else:
+                mask = None  # several exact rows: each sees a prefix, unmasked
+            self.fused.step(x, rotation.cos, rotation.signed_sin, taken.slots, taken.stored,
+                            mask, _kernel_types(cache), taken.tiled)  # fmt: skip
+            if taken.written is not None:
+                taken.written()
+            return x
         attended = self.attention.forward(self.attn_norm.forward(x), rotation, cache, mask)
         if self.post_attn_norm is not None:
             attended = self.post_attn_norm.forward(attended.float())
@@ -259,6 +259,25 @@ class Block:
             fed = self.post_ffn_norm.forward(fed.float())
         return x.add_(fed)
 
+    def _take_fused(self, x: torch.Tensor, cache, mask) -> Slots | None:
+        """The cache slots of a step the fused layer can run: one token, or the rows of an
+        exact-rows pass (verification) that each see a prefix of one storage. None leaves
+        the cache untouched for the layer-by-layer path."""
+        if self.fused is None or not x.is_cpu:
+            return None
+        # A batch's Segments (several caches) and the static step's views have neither.
+        if x.shape[0] == 1:
+            take_one = getattr(cache, "take_one", None)
+            return take_one() if take_one is not None else None
+        take_rows = getattr(cache, "take_rows", None)
+        if take_rows is None or not isinstance(mask, RowMasks) or x.shape[0] > FUSED_ROWS:
+            return None
+        return take_rows(x.shape[0])
+
+
+# Up to this many exact rows (a verification's) run through the fused layer in one call
+# (the native call's own limit).
+FUSED_ROWS = 16
 
 # Up to this many query rows (decode steps, verification) attend through the native kernel on
 # the CPU; longer prompt chunks go through torch's attention, which batches them better.

@@ -37,7 +37,7 @@ from ..speculative import (
     build_drafters,
 )
 from ..speculative.calibration import default_exit_setting, load_draft_head, load_exit_setting
-from ..speculative.draft_head import DraftHead, HeadDrafter
+from ..speculative.draft_head import HEAD_ACCEPTANCE_MEMORY, DraftHead, HeadDrafter
 from ..token_stream import GeneratedTokens, TokenStream
 from ..tokenizer import Tokenizer
 from ..torch_sampler import Sampler, sampler_for, token_logprob
@@ -214,8 +214,11 @@ class TorchRuntime(Runtime):
         head, meta = loaded
         if self.spec_mode is SpecMode.AUTO and not meta.get("pays", False):
             return None
-        if meta.get("acceptance") is not None:
-            self.draft_controller.set_prior(HeadDrafter.name, meta["acceptance"])
+        # What its gate lets through is accepted more often than its first drafts overall
+        # (a head measured before that was recorded: the overall rate, a safe underestimate).
+        acceptance = meta.get("gated_acceptance", meta.get("acceptance"))
+        if acceptance is not None:
+            self.draft_controller.set_prior(HeadDrafter.name, acceptance, HEAD_ACCEPTANCE_MEMORY)
         return head
 
     def _early_exit_drafter(self) -> EarlyExitDrafter | None:

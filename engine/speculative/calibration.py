@@ -110,9 +110,9 @@ def head_path(model_path: Path) -> Path:
     return cache_dir() / f"{file_hash(model_path)}.head.pt"
 
 
-def load_draft_head(model_path: Path, model: DecoderModel) -> tuple[DraftHead, dict] | None:
-    """The head trained for this file, with its measurements, or None. A head whose
-    recorded hash is not this file's is ignored."""
+def load_head_weights(model_path: Path, model: DecoderModel) -> tuple[HeadWeights, dict] | None:
+    """The head's weights trained for this file, with its measurements, or None. A head
+    whose recorded hash is not this file's is ignored."""
     loaded = HeadWeights.load(head_path(model_path), model.config.dim)
     if loaded is None:
         return None
@@ -121,6 +121,15 @@ def load_draft_head(model_path: Path, model: DecoderModel) -> tuple[DraftHead, d
         return None
     if int(weights.vocab.max()) >= model.config.vocab_size:
         return None
+    return weights, meta
+
+
+def load_draft_head(model_path: Path, model: DecoderModel) -> tuple[DraftHead, dict] | None:
+    """The head trained for this file, ready to draft with its measured policy, or None."""
+    loaded = load_head_weights(model_path, model)
+    if loaded is None:
+        return None
+    weights, meta = loaded
     rows = model.head_rows(weights.vocab)
     policy = float(meta.get("threshold", 0.0)), meta.get("max_draft")
     return DraftHead(weights, rows, model.config.final_logit_softcap, *policy), meta

@@ -28,10 +28,11 @@ class _Rate:
 
     successes: float = PRIOR_ACCEPTANCE
     trials: float = 1.0
+    decay: float = DECAY
 
     def add(self, successes: int, trials: int) -> None:
-        self.successes = self.successes * DECAY + successes
-        self.trials = self.trials * DECAY + trials
+        self.successes = self.successes * self.decay + successes
+        self.trials = self.trials * self.decay + trials
 
     @property
     def value(self) -> float:
@@ -66,9 +67,14 @@ class DraftController:
     _probe_every: dict[str, int] = field(default_factory=dict)
     _probing: str | None = None
 
-    def set_prior(self, drafter: str, acceptance: float) -> None:
-        """Start from a measured acceptance (calibration) instead of the generic guess."""
-        self._acceptance[drafter] = _Rate(successes=acceptance, trials=1.0)
+    def set_prior(self, drafter: str, acceptance: float, decay: float = DECAY) -> None:
+        """Start from a measured acceptance (calibration) instead of the generic guess. A
+        `decay` nearer 1 remembers longer, and the prior then weighs as much as a full
+        memory of trials: for a drafter whose own gate already picks the steps it drafts
+        on (the head's confidence), so that a few rejections in a row do not switch it off
+        for a probe interval, while a lasting drop still does."""
+        weight = 1.0 if decay == DECAY else 1.0 / (1.0 - decay)
+        self._acceptance[drafter] = _Rate(acceptance * weight, weight, decay)
 
     def acceptance(self, drafter: str) -> float:
         return self._acceptance.setdefault(drafter, _Rate()).value

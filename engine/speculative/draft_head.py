@@ -157,6 +157,12 @@ class DraftHead:
         return logits
 
 
+# The draft controller's memory for the head's acceptance, per verification (its default
+# forgets in about 7): the head's gate already picks the steps worth drafting, so the
+# controller only has to notice a lasting drop (text unlike what it was trained on).
+HEAD_ACCEPTANCE_MEMORY = 0.97
+
+
 class HeadDrafter(VerifiedFromTokens):
     """Drafts a chain from the last verified state: each link is one pass of the head and
     its small-vocabulary logits. The chain stops at the controller's length (at most the
