@@ -723,9 +723,11 @@ class RotatingKVCache:
         """Drop the newest n positions. Exact across a wrap while `can_trim(n)`: the older
         tokens they overwrote were outside every remaining query's window."""
         n = max(0, min(n, self.offset))
+        if n == 0:
+            return 0  # every draft accepted: a verification's usual end, kept cheap
         from_ring = max(0, min(n, self.offset - self.sinks, self.ring_count))
-        freed = (self.ring_head - 1 - torch.arange(from_ring)) % self.ring_capacity
-        self.ring_pos[freed] = -1
+        for back in range(1, from_ring + 1):  # a few slots: numpy's view, not torch indexing
+            self._ring_pos_view[(self.ring_head - back) % self.ring_capacity] = -1
         self.ring_head = (self.ring_head - from_ring) % self.ring_capacity
         self.sinks_held -= n - from_ring
         self.offset -= n

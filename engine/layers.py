@@ -10,6 +10,7 @@ Each has `forward`, also callable as the object itself.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -282,12 +283,22 @@ def _gated_int4(parts: list[RawWeight], n_cols: int, target: WeightTarget) -> In
     ffn = gate.shape[0]
     if up.shape[0] != ffn or ffn % native_int4.GATE_ROWS:
         return None
+    slices = (
+        (to_int4(decode(gate[start : start + _PACK_CHUNK_ROWS], gate_type)),
+         to_int4(decode(up[start : start + _PACK_CHUNK_ROWS], up_type)))
+        for start in range(0, ffn, _PACK_CHUNK_ROWS)
+    )  # fmt: skip
+    return pack_gated(slices, ffn, n_cols, library)
+
+
+def pack_gated(
+    slices: Iterable[tuple[Int4Groups, Int4Groups]], ffn: int, n_cols: int, library
+) -> Int4Linear:
+    """Gate and up rows (a slice of each at a time, in order, `ffn` rows of each in all),
+    packed for the native kernel's silu(gate) * up."""
     packed = []
-    for start in range(0, ffn, _PACK_CHUNK_ROWS):
-        stop = start + _PACK_CHUNK_ROWS
-        both = Int4Groups.concat_rows(
-            [to_int4(decode(gate[start:stop], gate_type)), to_int4(decode(up[start:stop], up_type))]
-        )
+    for gate, up in slices:
+        both = Int4Groups.concat_rows([gate, up])
         order = native_int4.gate_up_order(both.shape[0])
         packed.append(native_int4.pack(both.codes[order], both.scale[order], both.zero[order]))
     data = torch.cat(packed)

@@ -63,7 +63,11 @@ class DraftController:
     # verifies only the upper layers).
     _row_cost: dict[str, _Average] = field(default_factory=dict)
     _draft_s: dict[str, _Average] = field(default_factory=dict)  # per drafted token
-    _plain_since_draft: int = 0
+    # Steps taken (plain or verified), and the step each drafter last drafted at: a drafter
+    # waits for its probe by its own silence, so another drafter's drafts (the head's, on
+    # chat) do not starve prompt lookup of its probes.
+    _steps: int = 0
+    _last_draft: dict[str, int] = field(default_factory=dict)
     _probe_every: dict[str, int] = field(default_factory=dict)
     _probing: str | None = None
 
@@ -92,7 +96,7 @@ class DraftController:
             if rate > best_rate:
                 best, best_rate = k, rate
         probe_wait = self._probe_every.get(drafter, self.probe_every)
-        if best == 0 and self._plain_since_draft >= probe_wait:
+        if best == 0 and self._steps - self._last_draft.get(drafter, 0) >= probe_wait:
             self._probing = drafter
             return 1  # a cheap probe: is acceptance back up?
         return best
@@ -104,7 +108,7 @@ class DraftController:
 
     def record_plain(self, seconds: float) -> None:
         self._plain_s.add(seconds)
-        self._plain_since_draft += 1
+        self._steps += 1
 
     def record_draft(self, drafter: str, drafted: int, accepted: int, draft_s: float,
                      verify_s: float) -> None:  # fmt: skip
@@ -121,7 +125,8 @@ class DraftController:
             self._row_cost.setdefault(_family(drafter), _Average()).add(max(ratio, 0.0))
         if draft_s > 0:
             self._draft_s.setdefault(drafter, _Average()).add(draft_s / drafted)
-        self._plain_since_draft = 0
+        self._steps += 1
+        self._last_draft[drafter] = self._steps
 
     def _plain_cost(self) -> float:
         return self._plain_s.value or 1.0

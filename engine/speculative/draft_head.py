@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from ..layers import Int4Linear, Linear, _Int4Packer
-from ..quant import KERNEL_GROUP, PLAIN, AffineCodes, to_int4
+from ..layers import Int4Linear, Linear, RMSNorm, _Int4Packer, pack_gated
+from ..quant import KERNEL_GROUP, PLAIN, AffineCodes, Int4Groups, to_int4
 from .drafter import Draft, VerifiedFromTokens
 
 if TYPE_CHECKING:
@@ -112,17 +112,36 @@ class HeadWeights:
 def int4_linear(weight: torch.Tensor) -> Int4Linear:
     """A dense [out, in] fp32 matrix as an int4 linear (min/max codes per group of 32), for
     the kernel that runs the model's own weights."""
+    packer = _Int4Packer(torch.device("cpu"), _library())
+    packer.add(_int4_groups(weight))
+    return packer.linear(PLAIN, None)
+
+
+def gated_int4_linear(weight: torch.Tensor) -> Linear | None:
+    """Gate rows then up rows [2 ffn, in] as one int4 linear giving silu(gate) * up [ffn],
+    the native kernel's fused form of the model's own feed-forwards; None without it."""
+    library = _library()
+    if library is None:
+        return None
+    gate, up = weight.chunk(2)
+    return pack_gated([(_int4_groups(gate), _int4_groups(up))], gate.shape[0], weight.shape[1],
+                      library)  # fmt: skip
+
+
+def _int4_groups(weight: torch.Tensor) -> Int4Groups:
     rows, cols = weight.shape
     grouped = weight.float().reshape(rows, cols // KERNEL_GROUP, KERNEL_GROUP)
     low, high = grouped.amin(-1), grouped.amax(-1)
     scale = ((high - low) / 15).clamp_min(1e-8)
     codes = ((grouped - low[..., None]) / scale[..., None]).round_().clamp_(0, 15)
-    affine = AffineCodes(codes.to(torch.uint8).reshape(rows, cols), scale, low, 4, KERNEL_GROUP)
+    return to_int4(AffineCodes(codes.to(torch.uint8).reshape(rows, cols), scale, low, 4,
+                               KERNEL_GROUP))  # fmt: skip
+
+
+def _library():
     from ..kernels import cpu_int4_kernel
 
-    packer = _Int4Packer(torch.device("cpu"), cpu_int4_kernel().library)
-    packer.add(to_int4(affine))
-    return packer.linear(PLAIN, None)
+    return cpu_int4_kernel().library
 
 
 class DraftHead:
@@ -135,19 +154,38 @@ class DraftHead:
         self.weights, self.softcap = weights, softcap
         self.threshold, self.max_draft = threshold, max_draft
         self.vocab = weights.vocab
+        self.norm_h = RMSNorm(weights.norm_h, weights.eps)
+        self.norm_e = RMSNorm(weights.norm_e, weights.eps)
+        self.norm_x = RMSNorm(weights.norm_x, weights.eps)
         self.w_in = int4_linear(weights.w_in)
-        self.w_gate_up = int4_linear(weights.w_gate_up)
+        self.gated = gated_int4_linear(weights.w_gate_up)  # silu(gate) * up in one call
+        self.w_gate_up = self.gated or int4_linear(weights.w_gate_up)
         self.w_down = int4_linear(weights.w_down)
         self.head_rows = head_rows
+        self._embedded: torch.Tensor | None = None  # the draft vocabulary's embeddings
+        self._row_of: dict[int, int] = {}
 
     def state(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-        w, dim = self.weights, self.weights.dim
-        joined = torch.cat([F.rms_norm(h, (dim,), w.norm_h, w.eps),
-                            F.rms_norm(e, (dim,), w.norm_e, w.eps)], -1)  # fmt: skip
+        """The estimated next state [n, dim] from states h and the next tokens' embeddings e
+        (fp32 [n, dim] each)."""
+        joined = torch.cat([self.norm_h(h.contiguous()), self.norm_e(e.contiguous())], -1)
         x = self.w_in.forward(joined).float()
-        normed = F.rms_norm(x, (dim,), w.norm_x, w.eps)
-        gate, up = self.w_gate_up.forward(normed).float().chunk(2, -1)
-        return x + self.w_down.forward(F.silu(gate) * up).float()
+        fed = self.w_gate_up.forward(self.norm_x(x))
+        if self.gated is None:
+            gate, up = fed.float().chunk(2, -1)
+            fed = F.silu(gate) * up
+        return x + self.w_down.forward(fed).float()
+
+    def embed(self, model: DecoderModel, token: int) -> torch.Tensor:
+        """A token's embedding [1, dim]: drafted tokens are all in the draft vocabulary,
+        whose embeddings are dequantized once (a single GGUF row costs ~150 us each time)."""
+        if self._embedded is None:
+            self._embedded = model.embed_tokens(self.vocab)
+            self._row_of = {int(t): i for i, t in enumerate(self.vocab.tolist())}
+        row = self._row_of.get(token)
+        if row is None:
+            return model.embed_tokens(torch.tensor([token]))
+        return self._embedded[row : row + 1]
 
     def draft_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Estimated states [n, dim] -> logits over the draft vocabulary [n, len(vocab)]."""
@@ -214,7 +252,7 @@ class HeadDrafter(VerifiedFromTokens):
         probs: list[torch.Tensor] = []
         x, token = state.float(), pending
         for _ in range(count):
-            x = self.head.state(x, self.model.embed_tokens(torch.tensor([token])))
+            x = self.head.state(x, self.head.embed(self.model, token))
             logits = self.head.draft_logits(x)[0]
             if sampler.params.greedy:
                 best = int(logits.argmax())
