@@ -290,6 +290,32 @@ def test_controller_stops_drafting_that_does_not_pay_and_probes_later():
     assert controller.draft_length("lookup", 6) == 6
 
 
+def test_another_drafters_drafts_do_not_starve_a_probe():
+    # Lookup stopped paying; meanwhile the head drafts on most steps. Lookup's probe comes
+    # after PROBE_EVERY steps of its own silence, whatever the head does.
+    controller = DraftController(max_draft=6)
+    controller.record_plain(0.01)
+    for _ in range(20):
+        controller.record_draft("lookup:3", 4, 0, 0.0, 0.02)
+    assert controller.draft_length("lookup:3", 6) == 0
+    for step in range(PROBE_EVERY):
+        assert controller.draft_length("lookup:3", 6) == 0, step
+        controller.record_draft("head", 1, 1, 0.0005, 0.012)
+    assert controller.draft_length("lookup:3", 6) == 1
+
+
+def test_controller_goes_by_the_measured_cost_of_each_draft_length():
+    # Rows cost more each past a few (a CPU's verification): 8 drafts verified in 4 steps,
+    # 4 drafts in 1.7. A straight line through both would favour 8; the measured costs say 4.
+    controller = DraftController(max_draft=8)
+    for _ in range(5):
+        controller.record_plain(0.01)
+    for _ in range(10):
+        controller.record_draft("lookup", 8, 8, 0.0, 0.040)
+        controller.record_draft("lookup", 4, 4, 0.0, 0.017)
+    assert controller.draft_length("lookup", 8) == 4
+
+
 def test_agreement_runs_count_consecutive_matches():
     draft = torch.tensor([1, 2, 3, 0, 5, 6])
     target = torch.tensor([1, 2, 3, 4, 5, 6])
