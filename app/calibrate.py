@@ -140,7 +140,8 @@ def _train_head(runtime, args: argparse.Namespace) -> int:
         weights.save(stored, meta)
     except OSError as exc:
         raise MiniappError(f"cannot store the drafting head: {exc}") from exc
-    shutil.rmtree(work, ignore_errors=True)
+    if not args.measure_head:  # an interrupted training's work is kept for its rerun
+        shutil.rmtree(work, ignore_errors=True)
     if args.json:
         print(json.dumps({"model": str(runtime.model_path), "stored": str(stored), **meta}))
         return 0

@@ -5,6 +5,7 @@ only used with, the file it was trained on."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from collections import Counter
 
@@ -203,7 +204,9 @@ def test_calibrate_trains_stores_and_resumes(miniapp_exe, tiny):
     assert 0.0 <= report["gated_acceptance"] <= 1.0
     assert not work.exists()
     assert load_draft_head(tiny.model_path, tiny.model) is not None
-    # Measured again without training: the training's record is kept, the costs are new.
+    # Measured again without training: the training's record is kept, the costs are new,
+    # and the work of a training run interrupted since is left for its rerun.
+    ht._save(work / "answers-00000.pt", _answers(tiny, count=1, length=5, seed=12))
     measure = [miniapp_exe, "calibrate", "--measure-head", "--model", str(tiny.model_path),
                "--threads", "1", "--json"]  # fmt: skip
     done = subprocess.run(measure, capture_output=True, text=True, timeout=300)
@@ -211,6 +214,8 @@ def test_calibrate_trains_stores_and_resumes(miniapp_exe, tiny):
     again = json.loads(done.stdout)
     assert again["training_answers"] == 3 and again["command"] == report["command"]
     assert again["plain_step_ms"] != report["plain_step_ms"]  # timed anew
+    assert (work / "answers-00000.pt").exists()
+    shutil.rmtree(work)
     assert (
         load_draft_head(tiny.model_path, tiny.model)[1]["plain_step_ms"] == again["plain_step_ms"]
     )
