@@ -158,8 +158,8 @@ class DraftHead:
         self.norm_e = RMSNorm(weights.norm_e, weights.eps)
         self.norm_x = RMSNorm(weights.norm_x, weights.eps)
         self.w_in = int4_linear(weights.w_in)
-        self.gated = gated_int4_linear(weights.w_gate_up)  # silu(gate) * up in one call
-        self.w_gate_up = self.gated or int4_linear(weights.w_gate_up)
+        # silu(gate) * up in one call where the native kernel runs, as the model's own layers.
+        self.w_gate_up = gated_int4_linear(weights.w_gate_up) or int4_linear(weights.w_gate_up)
         self.w_down = int4_linear(weights.w_down)
         self.head_rows = head_rows
         self._embedded: torch.Tensor | None = None  # the draft vocabulary's embeddings
@@ -171,7 +171,7 @@ class DraftHead:
         joined = torch.cat([self.norm_h(h.contiguous()), self.norm_e(e.contiguous())], -1)
         x = self.w_in.forward(joined).float()
         fed = self.w_gate_up.forward(self.norm_x(x))
-        if self.gated is None:
+        if not getattr(self.w_gate_up, "gated", False):
             gate, up = fed.float().chunk(2, -1)
             fed = F.silu(gate) * up
         return x + self.w_down.forward(fed).float()
