@@ -64,6 +64,33 @@ def test_recorded_answers_are_the_runtimes_answers_with_their_states(tiny):
     assert answer.top_ids[:, 0].tolist() == answer.fed[1:]
 
 
+def test_answers_recorded_together_are_those_recorded_one_by_one(tiny):
+    """Collecting decodes several answers a pass; each must come out as if decoded alone,
+    however the batch around it starts and finishes (sampled, greedy, cut by an end token)."""
+    generator = torch.Generator().manual_seed(3)
+    requests = []
+    for i in range(7):
+        prompt = torch.randint(3, 259, (3 + 2 * i,), generator=generator).tolist()
+        params = GREEDY if i % 3 == 1 else SamplingParams(**{**TINY_SAMPLING.__dict__, "seed": i})
+        requests.append((prompt, params))
+    alone = [ht.record_answer(tiny.model, p, params, 20, frozenset()) for p, params in requests]
+    # An end token this data uses, so some answers stop early and free their place.
+    end = frozenset({Counter(t for a in alone for t in a.fed[1:8]).most_common(1)[0][0]})
+    alone = [ht.record_answer(tiny.model, p, params, 20, end) for p, params in requests]
+    assert len({len(a.fed) for a in alone}) > 1  # the batch really changes size midway
+    for width in (1, 3):
+        together = ht.record_answers(tiny.model, requests, 20, end, width)
+        _assert_same_answers(alone, together)
+
+
+def _assert_same_answers(alone, together) -> None:
+    assert len(alone) == len(together)
+    for one, batched in zip(alone, together, strict=True):
+        assert batched.fed == one.fed
+        for name in ("states", "top_ids", "top_probs"):
+            assert torch.equal(getattr(batched, name), getattr(one, name)), name
+
+
 def test_training_teaches_the_head_the_models_distribution_on_unseen_text(tiny, trained):
     weights, _ = trained
     held = _answers(tiny, count=4, seed=7)

@@ -21,7 +21,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -65,24 +65,78 @@ def record_answer(
     """The model's answer to `prompt` (up to `limit` tokens, or its end-of-generation
     token), decoded one token a step as the runtime does, with every step's state and top
     probabilities recorded from the prompt's last token on."""
-    caches = model.make_caches(CachePolicy(len(prompt) + limit + 1, streaming=False))
-    sampler = Sampler(params)
-    history = list(prompt)
-    state = _prefill(model, prompt, caches)
-    fed, states, ids, probs = [prompt[-1]], [], [], []
-    while True:
-        logits = model.logits(state)
+    return record_answers(model, [(prompt, params)], limit, eog_ids)[0]
+
+
+@dataclass
+class _Recording:
+    """One answer being decoded inside a batch of them."""
+
+    index: int
+    caches: list
+    sampler: Sampler
+    history: list[int]
+    fed: list[int]
+    states: list[torch.Tensor] = field(default_factory=list)
+    ids: list[torch.Tensor] = field(default_factory=list)
+    probs: list[torch.Tensor] = field(default_factory=list)
+
+    def observe(self, state, logits, top_ids, top_probs, limit: int, eog_ids) -> bool:
+        """Records one row and samples the token fed next; True once the answer is done."""
+        self.states.append(state.to(torch.bfloat16))
+        self.ids.append(top_ids.to(torch.int32))
+        self.probs.append(top_probs.to(torch.float16))
+        token = self.sampler(logits, self.history)
+        self.fed.append(token)
+        self.history.append(token)
+        return token in eog_ids or len(self.fed) > limit
+
+    def answer(self) -> Answer:
+        return Answer(self.fed, torch.stack(self.states), torch.stack(self.ids),
+                      torch.stack(self.probs))  # fmt: skip
+
+
+@torch.inference_mode()
+def record_answers(
+    model: DecoderModel,
+    requests: Sequence[tuple[list[int], SamplingParams]],
+    limit: int,
+    eog_ids: frozenset[int],
+    width: int = 1,
+) -> list[Answer]:
+    """`record_answer` for each (prompt, params), in order, decoding up to `width` answers
+    at once: one pass feeds every running answer its next token (`hidden_segments`, whose
+    rows come out exactly as one sequence's steps would), so the weights are read once for
+    all of them. A finished answer's place goes to the next request."""
+    waiting = list(enumerate(requests))[::-1]
+    running: list[_Recording] = []
+    done: dict[int, Answer] = {}
+    states = torch.empty(0, model.config.dim)
+    while waiting or running:
+        while waiting and len(running) < width:
+            index, (prompt, params) = waiting.pop()
+            caches = model.make_caches(CachePolicy(len(prompt) + limit + 1, streaming=False))
+            state = _prefill(model, prompt, caches)
+            running.append(_Recording(index, caches, Sampler(params), list(prompt), [prompt[-1]]))
+            states = torch.cat([states, state])
+        logits = model.logits(states)
         top_probs, top_ids = torch.softmax(logits, -1).topk(TEACHER_TOP, dim=-1)
-        states.append(state.to(torch.bfloat16))
-        ids.append(top_ids.to(torch.int32))
-        probs.append(top_probs.to(torch.float16))
-        token = sampler(logits[0], history)
-        fed.append(token)
-        history.append(token)
-        if token in eog_ids or len(fed) > limit:
-            break
-        state = model.hidden_states(torch.tensor([token]), caches)
-    return Answer(fed, torch.cat(states), torch.cat(ids), torch.cat(probs))
+        still = []
+        for row, recording in enumerate(running):
+            args = states[row], logits[row], top_ids[row], top_probs[row], limit, eog_ids
+            if recording.observe(*args):
+                done[recording.index] = recording.answer()
+            else:
+                still.append(row)
+        running = [running[row] for row in still]
+        if len(running) == 1:  # the one-sequence step takes the fused layers; same rows
+            only = running[0]
+            states = model.hidden_states(torch.tensor(only.fed[-1:]), only.caches)
+        elif running:
+            states = model.hidden_segments([([r.fed[-1]], r.caches) for r in running])
+        else:
+            states = states[:0]
+    return [done[i] for i in range(len(requests))]
 
 
 def _prefill(model: DecoderModel, tokens: list[int], caches) -> torch.Tensor:
@@ -456,12 +510,10 @@ def _collect(runtime, questions, limit, work: Path, progress: Progress) -> list[
         path = work / f"answers-{first:05d}.pt"
         shard = _load(path)
         if shard is None:
-            shard = []
-            for i, question in enumerate(questions[first : first + SHARD], first):
-                prompt = prompt_tokens(runtime, question)
-                eog = runtime.tokenizer.eog_ids
-                shard.append(record_answer(runtime.model, prompt, sampling_for(i), limit, eog))
-                progress.advance(i + 1, len(questions), "answers")
+            eog = runtime.tokenizer.eog_ids
+            batch = enumerate(questions[first : first + SHARD], first)
+            requests = [(prompt_tokens(runtime, q), sampling_for(i)) for i, q in batch]
+            shard = record_answers(runtime.model, requests, limit, eog, COLLECT_WIDTH)
             _save(path, shard)
         answers += shard
         progress.advance(min(first + SHARD, len(questions)), len(questions), "answers")
@@ -492,6 +544,7 @@ def _train_resumable(model, answers, vocab, plan, work: Path, progress) -> HeadW
 
 
 SHARD = 25
+COLLECT_WIDTH = 8  # answers decoded together while collecting
 COST_ROUNDS = 15  # timing rounds of every verification length
 CHECKPOINT_STEPS = 500
 
