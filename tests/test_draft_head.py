@@ -83,6 +83,26 @@ def test_answers_recorded_together_are_those_recorded_one_by_one(tiny):
         _assert_same_answers(alone, together)
 
 
+def test_collection_saves_each_shard_when_done_and_keeps_saved_ones(tiny, tmp_path, monkeypatch):
+    from miniapp.engine.evaluation.calibrate import prompt_tokens
+
+    monkeypatch.setattr(ht, "SHARD", 2)
+    monkeypatch.setattr(ht, "COLLECT_WIDTH", 3)
+    questions = ["one", "two", "three", "four", "five"]
+    saved = _answers(tiny, count=2, length=4, seed=13)  # an interrupted run's shard
+    ht._save(tmp_path / "answers-00002.pt", saved)
+    answers = ht._collect(tiny, questions, 6, tmp_path, ht.Progress())
+    assert [a.fed for a in answers[2:4]] == [a.fed for a in saved]
+    eog = tiny.tokenizer.eog_ids
+    for i in (0, 1, 4):
+        prompt = prompt_tokens(tiny, questions[i])
+        alone = ht.record_answer(tiny.model, prompt, ht.sampling_for(i), 6, eog)
+        _assert_same_answers([alone], [answers[i]])
+    shards = sorted(path.name for path in tmp_path.iterdir())
+    assert shards == ["answers-00000.pt", "answers-00002.pt", "answers-00004.pt"]
+    assert [a.fed for a in ht._load(tmp_path / "answers-00004.pt")] == [answers[4].fed]
+
+
 def _assert_same_answers(alone, together) -> None:
     assert len(alone) == len(together)
     for one, batched in zip(alone, together, strict=True):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,7 +96,6 @@ class _Recording:
                       torch.stack(self.probs))  # fmt: skip
 
 
-@torch.inference_mode()
 def record_answers(
     model: DecoderModel,
     requests: Sequence[tuple[list[int], SamplingParams]],
@@ -104,13 +103,25 @@ def record_answers(
     eog_ids: frozenset[int],
     width: int = 1,
 ) -> list[Answer]:
-    """`record_answer` for each (prompt, params), in order, decoding up to `width` answers
-    at once: one pass feeds every running answer its next token (`hidden_segments`, whose
-    rows come out exactly as one sequence's steps would), so the weights are read once for
-    all of them. A finished answer's place goes to the next request."""
+    """`record_answer` for each (prompt, params), in order, decoding up to `width` at once."""
+    done = dict(recorded_answers(model, requests, limit, eog_ids, width))
+    return [done[i] for i in range(len(requests))]
+
+
+@torch.inference_mode()
+def recorded_answers(
+    model: DecoderModel,
+    requests: Sequence[tuple[list[int], SamplingParams]],
+    limit: int,
+    eog_ids: frozenset[int],
+    width: int,
+) -> Iterator[tuple[int, Answer]]:
+    """(request index, answer) as each answer finishes, decoding up to `width` answers at
+    once: one pass feeds every running answer its next token (`hidden_segments`, whose rows
+    come out exactly as one sequence's steps would), so the weights are read once for all
+    of them. A finished answer's place goes to the next request."""
     waiting = list(enumerate(requests))[::-1]
     running: list[_Recording] = []
-    done: dict[int, Answer] = {}
     states = torch.empty(0, model.config.dim)
     while waiting or running:
         while waiting and len(running) < width:
@@ -125,7 +136,7 @@ def record_answers(
         for row, recording in enumerate(running):
             args = states[row], logits[row], top_ids[row], top_probs[row], limit, eog_ids
             if recording.observe(*args):
-                done[recording.index] = recording.answer()
+                yield recording.index, recording.answer()
             else:
                 still.append(row)
         running = [running[row] for row in still]
@@ -136,7 +147,6 @@ def record_answers(
             states = model.hidden_segments([([r.fed[-1]], r.caches) for r in running])
         else:
             states = states[:0]
-    return [done[i] for i in range(len(requests))]
 
 
 def _prefill(model: DecoderModel, tokens: list[int], caches) -> torch.Tensor:
@@ -502,22 +512,30 @@ def choose_vocab_size(
 
 
 def _collect(runtime, questions, limit, work: Path, progress: Progress) -> list[Answer]:
-    """Answers to `questions`, saved in shards of `SHARD` so a rerun skips what is done."""
+    """Answers to `questions`, saved in shards of `SHARD` as each shard completes, so a
+    rerun skips what is done. One stream decodes all missing answers `COLLECT_WIDTH` at a
+    time, so no shard waits for its slowest answer with the batch half empty."""
     from .calibrate import prompt_tokens
 
-    answers: list[Answer] = []
-    for first in range(0, len(questions), SHARD):
-        path = work / f"answers-{first:05d}.pt"
-        shard = _load(path)
-        if shard is None:
-            eog = runtime.tokenizer.eog_ids
-            batch = enumerate(questions[first : first + SHARD], first)
-            requests = [(prompt_tokens(runtime, q), sampling_for(i)) for i, q in batch]
-            shard = record_answers(runtime.model, requests, limit, eog, COLLECT_WIDTH)
-            _save(path, shard)
-        answers += shard
-        progress.advance(min(first + SHARD, len(questions)), len(questions), "answers")
-    return answers
+    firsts = range(0, len(questions), SHARD)
+    shards = {first: _load(work / f"answers-{first:05d}.pt") for first in firsts}
+    missing = [i for first, shard in shards.items() if shard is None
+               for i in range(first, min(first + SHARD, len(questions)))]  # fmt: skip
+    requests = [(prompt_tokens(runtime, questions[i]), sampling_for(i)) for i in missing]
+    collected: dict[int, Answer] = {}
+    done = len(questions) - len(missing)
+    progress.advance(done, len(questions), "answers")
+    eog = runtime.tokenizer.eog_ids
+    for j, answer in recorded_answers(runtime.model, requests, limit, eog, COLLECT_WIDTH):
+        collected[missing[j]] = answer
+        done += 1
+        progress.advance(done, len(questions), "answers")
+        first = missing[j] // SHARD * SHARD
+        members = range(first, min(first + SHARD, len(questions)))
+        if all(i in collected for i in members):
+            shards[first] = [collected.pop(i) for i in members]
+            _save(work / f"answers-{first:05d}.pt", shards[first])
+    return [answer for first in firsts for answer in shards[first]]
 
 
 def _train_resumable(model, answers, vocab, plan, work: Path, progress) -> HeadWeights:
@@ -544,7 +562,7 @@ def _train_resumable(model, answers, vocab, plan, work: Path, progress) -> HeadW
 
 
 SHARD = 25
-COLLECT_WIDTH = 8  # answers decoded together while collecting
+COLLECT_WIDTH = 16  # answers decoded together while collecting
 COST_ROUNDS = 15  # timing rounds of every verification length
 CHECKPOINT_STEPS = 500
 
