@@ -37,8 +37,7 @@ def api(miniapp_exe):
 @pytest.fixture(scope="module")
 def remote_gui(miniapp_exe, api, tmp_path_factory):
     data = tmp_path_factory.mktemp("gui-remote")
-    gui = GuiServer(miniapp_exe, data, "--backend", "openai", "--base-url", api + "/v1",
-                    local=False).start()  # fmt: skip
+    gui = GuiServer(miniapp_exe, data, "--backend", "openai", "--base-url", api + "/v1").start()
     yield gui
     gui.stop()
 
@@ -74,7 +73,7 @@ def test_the_gui_streams_a_servers_answer(browser, remote_gui, api, miniapp_exe,
 
 def test_an_unreachable_server_is_said_in_the_status_line(browser, miniapp_exe, tmp_path):
     gui = GuiServer(miniapp_exe, tmp_path, "--backend", "openai", "--base-url",
-                    "http://127.0.0.1:9/v1", local=False).start()  # fmt: skip
+                    "http://127.0.0.1:9/v1").start()  # fmt: skip
     try:
         page = _open(browser, gui.url)
         _wait_for_text(page, "#model-status", "cannot reach the server at http://127.0.0.1:9/v1")
@@ -88,7 +87,7 @@ def test_an_unreachable_server_is_said_in_the_status_line(browser, miniapp_exe, 
 def test_stop_hangs_up_and_the_server_cancels_the_answer(browser, api, miniapp_exe, tmp_path):
     before = _cancelled(api)
     gui = GuiServer(miniapp_exe, tmp_path, "--backend", "openai", "--base-url", api,
-                    "--max-tokens", "900", local=False).start()  # fmt: skip
+                    "--max-tokens", "900").start()  # fmt: skip
     try:
         page = _open(browser, gui.url)
         _wait_for_text(page, "#model-status", "on openai at")
@@ -112,7 +111,7 @@ def test_stop_hangs_up_and_the_server_cancels_the_answer(browser, api, miniapp_e
 def test_an_answer_broken_off_midway_is_said_and_kept(browser, miniapp_exe, tmp_path):
     with ScriptedServer([chunk("The answer "), chunk("begins")], drop=True) as scripted:
         gui = GuiServer(miniapp_exe, tmp_path, "--backend", "openai", "--base-url",
-                        scripted.root, local=False).start()  # fmt: skip
+                        scripted.root).start()  # fmt: skip
         try:
             page = _open(browser, gui.url)
             _wait_for_text(page, "#model-status", "on openai at")

@@ -31,7 +31,7 @@ PROMPT = ">>> "
 
 @pytest.fixture(scope="module")
 def server(miniapp_exe):
-    with running_server(miniapp_exe, "--parallel", "2", "--temperature", "0") as (_, base):
+    with running_server(miniapp_exe, "--parallel", "1", "--temperature", "0") as (_, base):
         wait_ready(base)
         yield base
 

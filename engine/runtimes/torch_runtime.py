@@ -104,6 +104,9 @@ class TorchRuntime(Runtime):
         self.policy = CachePolicy(n_ctx, sinks=sinks, window=window, kv_type=self.kv_type)
         self._new_caches()
         self._tokens: list[int] = []  # every token fed, in order (the caches may keep fewer)
+        # The spans of `_tokens` that went in as prompt chunks (torch's batched attention);
+        # the rest went in as decode steps or their exact equal. A rebuild replays both alike.
+        self._prompt_chunks: list[tuple[int, int]] = []
         self.spec_mode = SpecMode(spec)
         # Kept across answers: what drafting costs and earns is learned as the chat goes.
         self.draft_controller = DraftController()
@@ -171,11 +174,26 @@ class TorchRuntime(Runtime):
         self.model = self._fall_back_to_cpu(step, f"out of memory during decode: {exc}")
         self.early_exit = self._early_exit_drafter()  # it drafts with the model's layers
         self.draft_head = self._draft_head()
-        fed = list(self._tokens)
+        fed, chunks = list(self._tokens), list(self._prompt_chunks)
         self._new_caches()
-        self._tokens.clear()
-        if fed:
-            self._feed(fed)
+        self._replay(fed, chunks)
+
+    @torch.inference_mode()
+    def _replay(self, fed: list[int], chunks: list[tuple[int, int]]) -> None:
+        """Feed `fed` into fresh caches as it went in the first time: each prompt chunk as
+        that chunk, every other token through the exact-rows path (bit for bit a decode
+        step), so the rebuilt caches hold what the lost ones held on this device."""
+        self._tokens[:], self._prompt_chunks = fed, chunks
+        done = 0
+        for start, end in [*chunks, (len(fed), len(fed))]:
+            while done < start:
+                size = min(start - done, self.model.max_chunk(self.caches))
+                rows = torch.tensor(fed[done : done + size])
+                self.model.hidden_states(rows, self.caches, exact_rows=True)
+                done += size
+            if start < end:
+                self.model.hidden_states(torch.tensor(fed[start:end]), self.caches)
+                done = end
 
     def _decode_one(self, token: int) -> torch.Tensor:
         """One decode step (the token is not recorded in `_tokens`); fp32 logits [vocab]."""
@@ -328,6 +346,12 @@ class TorchRuntime(Runtime):
         for cache in self.caches:
             cache.forget(start, end)
         del self._tokens[start:end]
+        gone = end - start  # chunks after the span move back; one cut by it is no longer whole
+        self._prompt_chunks = [
+            (a - gone, b - gone) if a >= end else (a, b)
+            for a, b in self._prompt_chunks
+            if b <= start or a >= end
+        ]
         return True
 
     @torch.inference_mode()
@@ -363,22 +387,26 @@ class TorchRuntime(Runtime):
 
     @torch.inference_mode()
     def _feed(self, tokens: Sequence[int]) -> torch.Tensor:
-        """Append tokens to the caches; returns fp32 logits [vocab] after the last one."""
-        if len(tokens) == 1:
-            logits = self._decode_one(tokens[0])
-            self._tokens.append(tokens[0])
-            return logits
-        hidden, done = None, 0
-        for hidden in self._hidden_chunks(tokens, self.caches):
+        """Append tokens to the caches; returns fp32 logits [vocab] after the last one.
+
+        The last token goes in as a decode step, the rest in prompt chunks: a later prompt
+        that keeps all but that token (a regenerate) evaluates it again exactly as the
+        first time, so a greedy answer comes out the same."""
+        done = 0
+        for hidden in self._hidden_chunks(tokens[:-1], self.caches):
+            start = len(self._tokens)
             self._tokens.extend(tokens[done : done + len(hidden)])
+            self._prompt_chunks.append((start, len(self._tokens)))
             done += len(hidden)
-        assert hidden is not None, "nothing to evaluate"
-        return self.model.logits(hidden[-1:])[0]
+        logits = self._decode_one(tokens[-1])
+        self._tokens.append(tokens[-1])
+        return logits
 
     @torch.inference_mode()
     def _truncate(self, n: int) -> None:
         """Keep the first n tokens."""
         del self._tokens[n:]
+        self._prompt_chunks = [(a, min(b, n)) for a, b in self._prompt_chunks if a < n]
         keep_first(self.caches, n)
 
 
