@@ -15,8 +15,8 @@
 // adjacent columns of bf16 weights: exactly one AVX-512 BF16 dot product against a broadcast
 // pair of x, with one output row per lane (no horizontal sums at all).
 //
-// The AVX2 path (no bf16 dot product there) reads the same layout with 16-bit integer
-// multiply-adds against x quantized to int16 per group; see its section.
+// The AVX2 path (no bf16 dot product there) reads the same layout with 8-bit integer
+// multiply-adds against x quantized to int8 per run of 16 columns; see its section.
 //
 // Row independence: each output element is summed in an order fixed by the layout alone
 // (nibble by nibble, chunk by chunk, then group by group; the AVX2 path's integer group sums
@@ -74,10 +74,10 @@ struct Problem {
   int epilogue;
   const uint16_t* xb;  // x rounded to bf16 [m, k] (AVX-512 path)
   const float* xsum;   // per row of x, per group: the sum of its bf16 values (AVX-512 path)
-  const int16_t* xq;   // x quantized to int16 per group [m, k] (AVX2 path)
-  const float* dx;     // per row of x, per group: the int16 step (AVX2 path)
-  const float* dx_sum;  // per row of x, per group: step * sum of q (AVX2 path)
-  const int32_t* q_sum;  // per row of x, per group: the sum of q (AVX2 path)
+  const int8_t* xq;    // x quantized to int8 per run of columns, permuted (AVX2 path)
+  const float* dx;     // per row of x, per run: the int8 step (AVX2 path)
+  const float* dx_sum;  // per row of x, per group: sum over its runs of step * sum of q
+  const int32_t* q_sum;  // per row of x, per run: the sum of q (AVX2 path)
 };
 
 // ------------------------------------------------------------------ scratch for x
@@ -300,13 +300,26 @@ TARGET_AVX512 void tile_avx512(const Problem& p, int64_t block, int64_t m0, floa
 // ------------------------------------------------------------------ AVX2 path
 
 // AVX2 has no bf16 dot product, and dequantizing to fp32 costs more than torch's own AVX2
-// kernel. Instead x is quantized to int16 per group (15 bits against the group's largest
-// |x|, finer than bf16's 8 for all but values 128x smaller than that), and vpmaddwd
-// multiplies 16-bit codes by it exactly: each 32-bit lane sums one row's even and odd
-// column, so 8 block rows fill a register, and the group's integer dot product is exact.
+// kernel. Instead x is quantized to int8 in runs of 16 columns (q = round(x / dx), dx =
+// max |x| / 127, as llama.cpp quantizes activations for its q4 dot products), and vpmaddubsw
+// multiplies the unsigned 4-bit codes by it exactly, 32 products an instruction. Its 16-bit
+// lanes sum a row's two codes of one word; a run's two chunks of that stay far below 2^15,
+// then vpmaddwd by ones widens each row's two words into one 32-bit lane, so 8 block rows
+// fill a register and a run's integer dot product is exact. Runs of 16, not whole groups,
+// share a step: a Q6_K group of 32 feeds 16 columns 16x and then 16 columns x (Q5 and Q8
+// groups of 64: 32 and 32, see engine/quant.py), and one step over both would leave x only
+// 4 of its 8 bits.
+//
+// x is stored permuted within each 8-column chunk as columns 0 4 1 5 2 6 3 7: a word's low
+// byte of codes (word & 0x0f0f) holds columns h and h + 4, its high one (word >> 4 & 0x0f0f)
+// columns h + 2 and h + 6, so one 4-byte broadcast of x lines up with every row's word pair.
 constexpr int kAvx2Rows = 8;  // block rows per pass: one int32 lane each
-constexpr int kAvx2MaxTile = 8;  // 16 ymm registers: 8 accumulators + codes and constants
-constexpr float kInt16Max = 32767.0f;
+constexpr int kAvx2MaxTile = 8;  // 8 16-bit accumulators + codes and constants in 16 registers
+constexpr float kInt8Max = 127.0f;
+constexpr int kRunCols = 16;  // columns per int8 step
+
+// Columns per int8 step: 16, or 8 in a group of a multiple of 8 only.
+int64_t run_cols(int64_t group) { return group % kRunCols == 0 ? kRunCols : kChunkCols; }
 
 TARGET_AVX2 __m256 widen_bf16_avx2(const uint16_t* at) {
   __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
@@ -325,21 +338,25 @@ TARGET_AVX2 int32_t sum_lanes_avx2(__m256i v) {
   return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
 }
 
-// Per row of x and group: q = round(x / dx) as int16 with dx = max |x| / 32767 (round to
-// nearest even, as torch.round), and per group dx, the sum of q, and dx times that sum (the
-// zero term's input sum). A NaN anywhere in a group makes dx NaN: NaN in, NaN out.
+// Per row of x and run: q = round(x / dx) as int8 (round to nearest even, as torch.round),
+// stored permuted (above), with dx and the sum of q per run; per group, the sum over its runs
+// of dx times that sum (the zero term's input sum). A NaN anywhere in a run makes its dx
+// NaN: NaN in, NaN out.
 TARGET_AVX2 bool prepare_x_avx2(Problem& p, const void* x, int64_t ldx, int x_type) {
   constexpr int kLanes = 8;
-  const int64_t per_group = p.m * p.n_groups;
-  const size_t bytes = per_group * (2 * sizeof(float) + sizeof(int32_t)) + p.k * sizeof(float) +
-                       p.m * p.k * sizeof(int16_t);
+  const int64_t run = run_cols(p.group);
+  const int64_t n_runs = p.k / run, runs_per_group = p.group / run;
+  const int64_t per_run = p.m * n_runs, per_group = p.m * p.n_groups;
+  const size_t bytes = per_run * (sizeof(float) + sizeof(int32_t)) +
+                       per_group * sizeof(float) + p.k * sizeof(float) + p.m * p.k;
   float* dx = static_cast<float*>(scratch_bytes(bytes));
   if (!dx) return false;
-  float* dx_sum = dx + per_group;
-  int32_t* q_sum = reinterpret_cast<int32_t*>(dx_sum + per_group);
-  float* row = reinterpret_cast<float*>(q_sum + per_group);  // one row of x as fp32
-  int16_t* xq = reinterpret_cast<int16_t*>(row + p.k);
+  int32_t* q_sum = reinterpret_cast<int32_t*>(dx + per_run);
+  float* dx_sum = reinterpret_cast<float*>(q_sum + per_run);
+  float* row = dx_sum + per_group;  // one row of x as fp32
+  int8_t* xq = reinterpret_cast<int8_t*>(row + p.k);
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256i chunk_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t r = 0; r < p.m; ++r) {
     const float* in = static_cast<const float*>(x) + r * ldx;
     if (x_type == kBFloat16) {
@@ -348,33 +365,40 @@ TARGET_AVX2 bool prepare_x_avx2(Problem& p, const void* x, int64_t ldx, int x_ty
       }
       in = row;
     }
-    for (int64_t g = 0; g < p.n_groups; ++g) {
-      const float* values = in + g * p.group;
+    for (int64_t u = 0; u < n_runs; ++u) {
+      const float* values = in + u * run;
       __m256 largest = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
-      for (int64_t i = 0; i < p.group; i += kLanes) {
+      for (int64_t i = 0; i < run; i += kLanes) {
         __m256 v = _mm256_loadu_ps(values + i);
         largest = _mm256_max_ps(largest, _mm256_and_ps(v, magnitude));
         nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
       }
       const bool has_nan = _mm256_movemask_ps(nan) != 0;
-      const float step = has_nan ? NAN : max_lane_avx2(largest) / kInt16Max;
+      const float step = has_nan ? NAN : max_lane_avx2(largest) / kInt8Max;
       const __m256 step_v = _mm256_set1_ps(step);
       __m256i sum = _mm256_setzero_si256();
-      int16_t* out = xq + r * p.k + g * p.group;
-      for (int64_t i = 0; i < p.group; i += kLanes) {
+      int8_t* out = xq + r * p.k + u * run;
+      for (int64_t i = 0; i < run; i += kLanes) {
         __m256i q = _mm256_setzero_si256();
         if (step > 0.0f) {
           __m256 scaled = _mm256_div_ps(_mm256_loadu_ps(values + i), step_v);
           q = _mm256_cvtps_epi32(_mm256_round_ps(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
         }
         sum = _mm256_add_epi32(sum, q);
-        __m128i packed = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), packed);
+        q = _mm256_permutevar8x32_epi32(q, chunk_order);
+        __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i), _mm_packs_epi16(words, words));
       }
-      const int64_t at = r * p.n_groups + g;
+      const int64_t at = r * n_runs + u;
       dx[at] = step;
       q_sum[at] = sum_lanes_avx2(sum);
-      dx_sum[at] = step * static_cast<float>(q_sum[at]);
+    }
+    for (int64_t g = 0; g < p.n_groups; ++g) {
+      float total = 0.0f;
+      for (int64_t u = g * runs_per_group; u < (g + 1) * runs_per_group; ++u) {
+        total += dx[r * n_runs + u] * static_cast<float>(q_sum[r * n_runs + u]);
+      }
+      dx_sum[r * p.n_groups + g] = total;
     }
   }
   p.xq = xq;
@@ -386,42 +410,53 @@ TARGET_AVX2 bool prepare_x_avx2(Problem& p, const void* x, int64_t ldx, int x_ty
 
 template <int MT>
 TARGET_AVX2 void half_avx2(const Problem& p, int64_t block, int64_t m0, int half, float* tile) {
-  const __m256i low_nibble = _mm256_set1_epi16(0x0f);
+  const __m256i low_nibbles = _mm256_set1_epi16(0x0f0f);
+  const __m256i ones = _mm256_set1_epi16(1);
   const uint8_t* base = p.packed + block * p.n_groups * p.group_bytes;
-  const int64_t chunks = p.group / kChunkCols;
+  const int64_t run = run_cols(p.group), chunks_per_run = run / kChunkCols;
+  const int64_t n_runs = p.k / run, runs_per_group = p.group / run;
   const int byte0 = half * kChunkBytes / 2;  // rows 0-7 in the chunk's first 32 bytes
   __m256 total[MT];
   for (int r = 0; r < MT; ++r) total[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < p.n_groups; ++g) {
     const uint8_t* codes = base + g * p.group_bytes;
-    const int16_t* xg = p.xq + m0 * p.k + g * p.group;
-    __m256i dot[MT];
-    for (int r = 0; r < MT; ++r) dot[r] = _mm256_setzero_si256();
-    for (int64_t c = 0; c < chunks; ++c) {
-      const uint8_t* chunk = codes + c * kChunkBytes + byte0;
-      _mm_prefetch(reinterpret_cast<const char*>(chunk) + kPrefetchBytes, _MM_HINT_T0);
-      __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
-      for (int j = 0; j < kNibbles; ++j) {
-        __m256i nibble = _mm256_and_si256(_mm256_srli_epi16(words, 4 * j), low_nibble);
+    __m256 dot_x[MT];
+    for (int r = 0; r < MT; ++r) dot_x[r] = _mm256_setzero_ps();
+    for (int64_t u = 0; u < runs_per_group; ++u) {
+      const int64_t first_col = g * p.group + u * run;
+      __m256i dot[MT];  // 16-bit: each lane one row's two codes of a word, times x
+      for (int r = 0; r < MT; ++r) dot[r] = _mm256_setzero_si256();
+      for (int64_t c = 0; c < chunks_per_run; ++c) {
+        const uint8_t* chunk = codes + (u * chunks_per_run + c) * kChunkBytes + byte0;
+        _mm_prefetch(reinterpret_cast<const char*>(chunk) + kPrefetchBytes, _MM_HINT_T0);
+        __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
+        __m256i near = _mm256_and_si256(words, low_nibbles);  // columns h, h + 4
+        __m256i far = _mm256_and_si256(_mm256_srli_epi16(words, 4), low_nibbles);  // h + 2, h + 6
         for (int r = 0; r < MT; ++r) {
-          int32_t pair;
-          memcpy(&pair, xg + r * p.k + c * kChunkCols + 2 * j, sizeof pair);
-          dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(nibble, _mm256_set1_epi32(pair)));
+          const int8_t* xc = p.xq + (m0 + r) * p.k + first_col + c * kChunkCols;
+          int32_t near_x, far_x;
+          memcpy(&near_x, xc, sizeof near_x);
+          memcpy(&far_x, xc + 4, sizeof far_x);
+          dot[r] = _mm256_add_epi16(dot[r], _mm256_maddubs_epi16(near, _mm256_set1_epi32(near_x)));
+          dot[r] = _mm256_add_epi16(dot[r], _mm256_maddubs_epi16(far, _mm256_set1_epi32(far_x)));
         }
       }
+      // sum (c - 8) q over the run, exact in int32 (|.| <= 15 * 127 * 16), and exact in fp32.
+      for (int r = 0; r < MT; ++r) {
+        const int64_t at = (m0 + r) * n_runs + g * runs_per_group + u;
+        __m256i rows = _mm256_madd_epi16(dot[r], ones);
+        __m256i centred = _mm256_sub_epi32(rows, _mm256_set1_epi32(kCodeOffset * p.q_sum[at]));
+        dot_x[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), _mm256_set1_ps(p.dx[at]), dot_x[r]);
+      }
     }
-    // sum ((c - 8) s + z) x = s dx sum (c - 8) q + z dx sum q. The integer sum is exact
-    // (|sum (c - 8) q| <= 8 * 32767 * 64 < 2^24, so even its conversion is), and only the
-    // fp32 steps below round.
-    const uint16_t* scales = reinterpret_cast<const uint16_t*>(codes + chunks * kChunkBytes);
+    // sum ((c - 8) s + z) x = s sum_runs dx sum (c - 8) q + z sum_runs dx sum q: only these
+    // fp32 steps round, in an order fixed per row.
+    const uint16_t* scales = reinterpret_cast<const uint16_t*>(codes + p.group / kChunkCols * kChunkBytes);
     __m256 scale = widen_bf16_avx2(scales + half * kAvx2Rows);
     __m256 zero = widen_bf16_avx2(scales + kBlockRows + half * kAvx2Rows);
     for (int r = 0; r < MT; ++r) {
-      const int64_t at = (m0 + r) * p.n_groups + g;
-      __m256i centred = _mm256_sub_epi32(dot[r], _mm256_set1_epi32(kCodeOffset * p.q_sum[at]));
-      __m256 dot_x = _mm256_mul_ps(_mm256_cvtepi32_ps(centred), _mm256_set1_ps(p.dx[at]));
-      total[r] = _mm256_fmadd_ps(dot_x, scale, total[r]);
-      total[r] = _mm256_fmadd_ps(zero, _mm256_set1_ps(p.dx_sum[at]), total[r]);
+      total[r] = _mm256_fmadd_ps(dot_x[r], scale, total[r]);
+      total[r] = _mm256_fmadd_ps(zero, _mm256_set1_ps(p.dx_sum[(m0 + r) * p.n_groups + g]), total[r]);
     }
   }
   for (int r = 0; r < MT; ++r) _mm256_storeu_ps(tile + r * kBlockRows + half * kAvx2Rows, total[r]);

@@ -1,8 +1,9 @@
 """Plain-torch references for the native kernels: what each computes, for the tests.
 
 Computed in float64 from x as the kernel's path takes it (rounded to bf16 on the AVX-512
-path, quantized to int16 per group on the AVX2 path) and from scales and zeros rounded to
-bf16 (their storage), so the only difference left is the kernel's own fp32 arithmetic.
+path, quantized to int8 per run of 16 columns on the AVX2 path) and from scales and zeros
+rounded to bf16 (their storage), so the only difference left is the kernel's own fp32
+arithmetic.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from __future__ import annotations
 import torch
 
 CODE_OFFSET = 8
-INT16_MAX = 32767.0
-BF16, INT16 = "bf16", "int16"  # how a path takes x
+INT8_MAX = 127.0
+BF16, INT8 = "bf16", "int8"  # how a path takes x
 
 
 def int4_weight(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
@@ -24,13 +25,18 @@ def int4_weight(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) ->
 
 def kernel_input(x: torch.Tensor, group: int, activations: str = BF16) -> torch.Tensor:
     """x as the kernel multiplies it, float64: bf16-rounded, or q * dx with q = round(x / dx)
-    an int16 and dx = max |x| / 32767 per group of columns (fp32 steps, as the kernel)."""
+    an int8 and dx = max |x| / 127 per run of columns (fp32 steps, as the kernel)."""
     if activations == BF16:
         return x.to(torch.bfloat16).double()
-    grouped = x.float().reshape(x.shape[0], -1, group)
-    step = grouped.abs().amax(dim=-1, keepdim=True) / INT16_MAX
-    q = torch.where(step > 0, torch.round(grouped / step), torch.zeros_like(grouped))
+    runs = x.float().reshape(x.shape[0], -1, run_columns(group))
+    step = runs.abs().amax(dim=-1, keepdim=True) / INT8_MAX
+    q = torch.where(step > 0, torch.round(runs / step), torch.zeros_like(runs))
     return (q.double() * step.double()).reshape(x.shape)
+
+
+def run_columns(group: int) -> int:
+    """Columns sharing one int8 step: 16, or 8 in a group of a multiple of 8 only."""
+    return 16 if group % 16 == 0 else 8
 
 
 def int4_matmul(

@@ -246,9 +246,9 @@ def test_a_gpu_without_the_int4_kernel_runs_dequantized_bf16_weights(
     spread = (packed.max(-1).values - packed.min(-1).values).mean()
     assert (dense - packed).abs().max() < 0.05 * spread
     # Near-ties flip between any two roundings: on these 160 tokens the CPU's native int4
-    # kernel (fp32 outputs) and torch's int4 op agree on 0.98, the native kernel and these
-    # bf16 weights on 0.969 (5 tokens), and each of them with llama.cpp on 0.96.
-    assert (dense.argmax(-1) == packed.argmax(-1)).float().mean() >= 0.96
+    # kernel (its activations rounded to int8, as llama.cpp rounds them) and these bf16
+    # weights agree on 0.956 (7 tokens); each of them agrees with llama.cpp on about 0.96.
+    assert (dense.argmax(-1) == packed.argmax(-1)).float().mean() >= 0.95
 
 
 def _split_runtime(default_model, spec: str):
