@@ -232,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     head.add_argument(
         "--train-head", action="store_true",
         help="train the drafting head on the model's own answers instead (resumable; about "
-        "30 minutes on 2 cores for the default model)",
+        "26 minutes on 2 cores for the default model)",
     )  # fmt: skip
     head.add_argument(
         "--measure-head", action="store_true",

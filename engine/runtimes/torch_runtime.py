@@ -186,14 +186,12 @@ class TorchRuntime(Runtime):
         self._tokens[:], self._prompt_chunks = fed, chunks
         done = 0
         for start, end in [*chunks, (len(fed), len(fed))]:
-            while done < start:
-                size = min(start - done, self.model.max_chunk(self.caches))
-                rows = torch.tensor(fed[done : done + size])
-                self.model.hidden_states(rows, self.caches, exact_rows=True)
-                done += size
+            if done < start:
+                for _ in self._hidden_chunks(fed[done:start], self.caches, exact_rows=True):
+                    pass
             if start < end:
                 self.model.hidden_states(torch.tensor(fed[start:end]), self.caches)
-                done = end
+            done = end
 
     def _decode_one(self, token: int) -> torch.Tensor:
         """One decode step (the token is not recorded in `_tokens`); fp32 logits [vocab]."""
@@ -373,8 +371,11 @@ class TorchRuntime(Runtime):
             yield row, self.model.logits(hidden).numpy()
             row += len(hidden)
 
-    def _hidden_chunks(self, tokens: Sequence[int], caches) -> Iterator[torch.Tensor]:
-        """Final hidden states for `tokens`, in chunks the caches can take at once."""
+    def _hidden_chunks(
+        self, tokens: Sequence[int], caches, exact_rows: bool = False
+    ) -> Iterator[torch.Tensor]:
+        """Final hidden states for `tokens`, in chunks the caches can take at once (with
+        `exact_rows`, each row as a decode step computes it)."""
         if len(tokens) == 1:  # decoding: every cache takes one token
             yield self.model.hidden_states(torch.tensor(tokens), caches)
             return
@@ -382,7 +383,7 @@ class TorchRuntime(Runtime):
         while done < len(tokens):
             size = self.model.max_chunk(caches)
             chunk = torch.tensor(tokens[done : done + size])
-            yield self.model.hidden_states(chunk, caches)
+            yield self.model.hidden_states(chunk, caches, exact_rows)
             done += len(chunk)
 
     @torch.inference_mode()
