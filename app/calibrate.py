@@ -110,30 +110,31 @@ def _train_head(runtime, args: argparse.Namespace) -> int:
         measure_head,
         train_drafting_head,
     )
-    from miniapp.engine.speculative.calibration import head_path, load_head_weights
+    from miniapp.engine.evaluation.shallow_training import measure_block, train_shallow_block
+    from miniapp.engine.speculative.calibration import head_path, shallow_path
 
     flag = "--measure-head" if args.measure_head else "--train-head"
     if runtime.model.head_device.type != "cpu" or runtime.model.head_weight is None:
         raise MiniappError(f"{flag}: the drafting head runs on the CPU; use --device cpu")
-    stored = head_path(runtime.model_path)
-    work = stored.with_suffix(".work")  # corpus shards and checkpoints: a rerun resumes
+    shallow = args.head_form == "shallow"
+    stored = (shallow_path if shallow else head_path)(runtime.model_path)
+    # Corpus shards and checkpoints: a rerun resumes, and either form reads the other's corpus.
+    work = head_path(runtime.model_path).with_suffix(".work")
     plan = HeadTrainingPlan(prompts=args.head_prompts, steps=args.head_steps)
     bars = _Bars(args.json)
     try:
         if args.measure_head:
-            held = load_head_weights(runtime.model_path, runtime.model)
-            if held is None:
-                name = runtime.model_path.name
-                raise MiniappError(
-                    f"--measure-head: no drafting head is trained for {name}; "
-                    "run `miniapp calibrate --train-head` first"
-                )
-            weights, meta = held
-            meta.update(measure_head(runtime, weights, plan, bars))
+            weights, meta = _stored_head(runtime, shallow)
+            measure = measure_block if shallow else measure_head
+            meta.update(measure(runtime, weights, plan, bars))
+        elif shallow:
+            weights, meta = train_shallow_block(runtime, work, plan, bars, args.exit_layer)
         else:
             weights, meta = train_drafting_head(runtime, work, plan, bars)
-            meta["command"] = (f"miniapp calibrate --train-head --head-prompts {plan.prompts} "
-                               f"--head-steps {plan.steps}")  # fmt: skip
+        if not args.measure_head:
+            form = f" --head-form shallow --exit-layer {weights.layer}" if shallow else ""
+            meta["command"] = (f"miniapp calibrate --train-head{form} --head-prompts "
+                               f"{plan.prompts} --head-steps {plan.steps}")  # fmt: skip
     finally:
         bars.close()
     try:
@@ -145,8 +146,9 @@ def _train_head(runtime, args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"model": str(runtime.model_path), "stored": str(stored), **meta}))
         return 0
+    form = f"shallow-exit block after layer {weights.layer}" if shallow else "drafting head"
     print(
-        f"drafting head: held-out first-draft acceptance {meta['acceptance']:.2f}, "
+        f"{form}: held-out first-draft acceptance {meta['acceptance']:.2f}, "
         f"draft vocabulary {meta['vocab_size']} tokens\n"
         f"costs: plain step {meta['plain_step_ms']:.2f} ms, each verified row "
         f"{meta['row_cost']:.3f} steps, each head pass {meta['draft_cost']:.3f} steps\n"
@@ -156,3 +158,19 @@ def _train_head(runtime, args: argparse.Namespace) -> int:
         f"stored in {stored}"
     )
     return 0
+
+
+def _stored_head(runtime, shallow: bool):
+    """(weights, meta) of the stored head in the form asked for; a one-line error if none."""
+    from miniapp.engine.speculative.calibration import load_head_weights, load_shallow_weights
+
+    held = (load_shallow_weights if shallow else load_head_weights)(
+        runtime.model_path, runtime.model
+    )
+    if held is None:
+        form = " --head-form shallow" if shallow else ""
+        raise MiniappError(
+            f"--measure-head: no drafting head{' (shallow form)' if shallow else ''} is trained "
+            f"for {runtime.model_path.name}; run `miniapp calibrate --train-head{form}` first"
+        )
+    return held

@@ -239,6 +239,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="measure the trained drafting head again on this machine and engine (a few "
         "minutes): its acceptance, costs and the policy --spec auto uses",
     )  # fmt: skip
+    calibrate.add_argument(
+        "--head-form", choices=("last", "shallow"), default="last",
+        help="--train-head/--measure-head: the head on the last layer's state (EAGLE-style, "
+        "default) or a block on a shallow exit (Kangaroo-style); --spec auto takes the one "
+        "measured faster",
+    )  # fmt: skip
+    calibrate.add_argument("--exit-layer", type=_positive_int,
+                           help="--head-form shallow: the exit layer (default: a tenth of the "
+                           "depth)")  # fmt: skip
     calibrate.add_argument("--head-prompts", type=_positive_int, default=900,
                            help="training answers the head learns from")  # fmt: skip
     calibrate.add_argument("--head-steps", type=_positive_int, default=3000,

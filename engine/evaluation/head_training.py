@@ -467,6 +467,7 @@ def measure_head(
     chains = held_out_chains(model, head, held, plan.depth)
     policy = best_policy(chains, costs.row_cost, costs.draft_cost, plan.depth)
     return {
+        "form": "last",
         "sha256": file_hash(runtime.model_path),
         "model": runtime.model_path.name,
         "acceptance": first_link_agreement(chains),

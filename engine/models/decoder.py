@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,14 @@ from ..layers import (
 from .config import DecoderConfig, RopeConfig
 from .exact_rows import RowMasks, Segments, row_tables
 from .placement import CPU, CPU_PLACEMENT, PREFILL_CHUNK, CachePolicy, Placement
+
+
+class ExitTap(Protocol):
+    layer: int
+
+    def record(self, x: torch.Tensor, cache: Cache) -> None:
+        """Layer `layer - 1`'s output [n, dim] for the positions just appended to `cache`."""
+        ...
 
 
 class Attention:
@@ -320,6 +329,9 @@ class DecoderModel:
         self.fault_hook: Callable[[], None] | None = None
         # The output head's stored rows (memory-mapped), for a drafter's small vocabulary.
         self.head_weight: RawWeight | None = None
+        # A drafter that reads a shallow layer's output of every pass (the shallow-exit
+        # block): `record(x, cache)` after layer `layer - 1`, for one sequence's passes.
+        self.exit_tap: ExitTap | None = None
 
     def make_caches(self, policy: CachePolicy) -> list[Cache]:
         """One cache per layer, on the layer's device, as the policy says."""
@@ -472,6 +484,13 @@ class DecoderModel:
                 x, rotations, masks = _on_device(CPU, x, rotations, masks)
             local = self._layer_is_local[layer]
             x = self.layers[layer].forward(x, rotations[local], caches[layer], masks[local])
+            tap = self.exit_tap
+            if (
+                tap is not None
+                and layer + 1 == tap.layer
+                and not isinstance(caches[layer], Segments)
+            ):
+                tap.record(x, caches[layer])
         return x
 
 

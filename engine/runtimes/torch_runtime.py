@@ -27,6 +27,7 @@ from ..gguf_file import GGUFFile
 from ..kv_types import KVSetting, bytes_per_token, default_kv_type, kv_type
 from ..memory import available_memory_bytes, limit_heap_fragmentation
 from ..models import CachePolicy, DecoderModel, Placement, build_model
+from ..models.placement import CPU
 from ..models.static_step import StaticDecodeStep
 from ..sampling import SamplingParams
 from ..speculative import (
@@ -36,8 +37,14 @@ from ..speculative import (
     SpeculativeDecoder,
     build_drafters,
 )
-from ..speculative.calibration import default_exit_setting, load_draft_head, load_exit_setting
+from ..speculative.calibration import (
+    default_exit_setting,
+    load_draft_head,
+    load_exit_setting,
+    load_shallow_block,
+)
 from ..speculative.draft_head import HEAD_ACCEPTANCE_MEMORY, DraftHead, HeadDrafter
+from ..speculative.shallow_head import ShallowBlock, ShallowExitDrafter
 from ..token_stream import GeneratedTokens, TokenStream
 from ..tokenizer import Tokenizer
 from ..torch_sampler import Sampler, sampler_for, token_logprob
@@ -213,28 +220,38 @@ class TorchRuntime(Runtime):
         self.decode_step_note = f"eager steps: the graph failed: {reason}"
         self.device_plan.fallbacks.append(Fallback("graph of the decode step", reason))
 
-    def _draft_head(self) -> DraftHead | None:
-        """The trained drafting head for this file, where one is stored and (for `auto`)
-        calibration measured that it pays; it runs beside a head on the CPU only."""
-        on_cpu = self.model.head_device.type == "cpu"
-        if self.spec_mode not in (SpecMode.AUTO, SpecMode.HEAD) or not on_cpu:
+    def _draft_head(self) -> DraftHead | ShallowBlock | None:
+        """The trained drafting head for this file, in whichever form calibration predicted
+        faster (the last-state head or the shallow-exit block), where one is stored and (for
+        `auto`) it pays. It runs beside a head on the CPU only (the shallow block beside
+        layers there too). A shallow block taps the model's exit layer from now on, so that
+        it sees every position fed."""
+        self.model.exit_tap = None
+        model = self.model
+        if self.spec_mode not in (SpecMode.AUTO, SpecMode.HEAD) or model.head_device != CPU:
             return None
-        loaded = load_draft_head(self.model_path, self.model)
-        if loaded is None:
-            if self.spec_mode is SpecMode.HEAD:
-                raise MiniappError(
-                    f"--spec head: no drafting head trained for {self.model_path.name}; "
-                    f"run `miniapp calibrate --train-head --model {self.model_path}`"
-                )
+        candidates = [load_draft_head(self.model_path, model)]
+        if all(device == CPU for device in model.layer_devices):
+            candidates.append(load_shallow_block(self.model_path, model))
+        candidates = [loaded for loaded in candidates if loaded is not None]
+        if not candidates and self.spec_mode is SpecMode.HEAD:
+            raise MiniappError(
+                f"--spec head: no drafting head trained for {self.model_path.name}; "
+                f"run `miniapp calibrate --train-head --model {self.model_path}`"
+            )
+        if self.spec_mode is SpecMode.AUTO:
+            candidates = [(head, meta) for head, meta in candidates if meta.get("pays", False)]
+        if not candidates:
             return None
-        head, meta = loaded
-        if self.spec_mode is SpecMode.AUTO and not meta.get("pays", False):
-            return None
+        head, meta = max(candidates, key=lambda loaded: loaded[1].get("predicted_speedup", 0.0))
         # What its gate lets through is accepted more often than its first drafts overall
         # (a head measured before that was recorded: the overall rate, a safe underestimate).
         acceptance = meta.get("gated_acceptance", meta.get("acceptance"))
+        name = ShallowExitDrafter.name if isinstance(head, ShallowBlock) else HeadDrafter.name
         if acceptance is not None:
-            self.draft_controller.set_prior(HeadDrafter.name, acceptance, HEAD_ACCEPTANCE_MEMORY)
+            self.draft_controller.set_prior(name, acceptance, HEAD_ACCEPTANCE_MEMORY)
+        if isinstance(head, ShallowBlock):
+            model.exit_tap = head
         return head
 
     def _early_exit_drafter(self) -> EarlyExitDrafter | None:

@@ -19,6 +19,7 @@ import platformdirs
 from ..models.decoder import DecoderModel
 from .adapter import ExitAdapterModule
 from .draft_head import DraftHead, HeadWeights
+from .shallow_head import BlockWeights, ShallowBlock
 
 CACHE_DIR_ENV = "MINIAPP_CACHE_DIR"
 DEFAULT_MAX_DRAFT = 4
@@ -133,6 +134,32 @@ def load_draft_head(model_path: Path, model: DecoderModel) -> tuple[DraftHead, d
     rows = model.head_rows(weights.vocab)
     policy = float(meta.get("threshold", 0.0)), meta.get("max_draft")
     return DraftHead(weights, rows, model.config.final_logit_softcap, *policy), meta
+
+
+def shallow_path(model_path: Path) -> Path:
+    return cache_dir() / f"{file_hash(model_path)}.shallow.pt"
+
+
+def load_shallow_weights(model_path: Path, model: DecoderModel) -> tuple[BlockWeights, dict] | None:
+    """The shallow-exit block trained for this file, with its measurements, or None."""
+    config = model.config
+    loaded = BlockWeights.load(shallow_path(model_path), config.dim, config.n_layers)
+    if loaded is None:
+        return None
+    weights, meta = loaded
+    if meta.get("sha256") != file_hash(model_path) or int(weights.vocab.max()) >= config.vocab_size:
+        return None
+    return weights, meta
+
+
+def load_shallow_block(model_path: Path, model: DecoderModel) -> tuple[ShallowBlock, dict] | None:
+    """The shallow-exit block for this file, ready to draft with its measured policy."""
+    loaded = load_shallow_weights(model_path, model)
+    if loaded is None:
+        return None
+    weights, meta = loaded
+    policy = float(meta.get("threshold", 0.0)), meta.get("max_draft")
+    return ShallowBlock(weights, model, model.head_rows(weights.vocab), *policy), meta
 
 
 def _read_json(path: Path) -> dict | None:

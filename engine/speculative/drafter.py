@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from .controller import DraftController
     from .draft_head import DraftHead
     from .early_exit import EarlyExitDrafter
+    from .shallow_head import ShallowBlock
 
 
 @dataclass
@@ -80,11 +81,11 @@ def build_drafters(
     mode: SpecMode,
     model: DecoderModel,
     early_exit: EarlyExitDrafter | None,
-    head: DraftHead | None = None,
+    head: DraftHead | ShallowBlock | None = None,
 ) -> list[Drafter]:
     """The drafters one generation asks, in order: what a constraint forces and prompt
     lookup (both free to draft) where the mode allows them, then the trained drafting head
-    and early exit where calibration (or `--spec`) made them."""
+    (either form) and early exit where calibration (or `--spec`) made them."""
     from .grammar import GrammarDrafter
     from .lookup import LookupDrafter
 
@@ -93,8 +94,12 @@ def build_drafters(
         drafters += [GrammarDrafter(model), LookupDrafter(model)]
     if head is not None:
         from .draft_head import HeadDrafter
+        from .shallow_head import ShallowBlock, ShallowExitDrafter
 
-        drafters.append(HeadDrafter(model, head))  # its own: it keeps this sequence's state
+        if isinstance(head, ShallowBlock):
+            drafters.append(ShallowExitDrafter(model, head))
+        else:
+            drafters.append(HeadDrafter(model, head))  # its own: it keeps this sequence's state
     if early_exit is not None:
         drafters.append(early_exit)
     return drafters
