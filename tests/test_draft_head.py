@@ -148,7 +148,7 @@ def _force_head(runtime, weights, threshold=0.0, drafts=3) -> None:
 
 def _plain(runtime):
     runtime.spec_mode = runtime.spec_mode.__class__("off")
-    runtime.draft_head = None
+    runtime.draft_head = runtime.model.exit_tap = None
 
 
 def test_greedy_output_with_the_head_is_identical_to_plain(tiny, trained):
@@ -170,23 +170,35 @@ def test_sampling_with_the_head_keeps_the_distribution_of_plain_sampling(tiny, t
     """Also with confidence gating (0.3: some steps draft, some do not), which must decide
     from the head's distribution, not from the token it drew."""
     weights, _ = trained
+    check_sampling_keeps_plain_distribution(
+        tiny, lambda: _force_head(tiny, weights, threshold=threshold, drafts=2), gated=threshold > 0
+    )
+
+
+def check_sampling_keeps_plain_distribution(runtime, force, gated: bool) -> None:
+    """Tokens 2 and 3 sampled over many seeds, plainly and after `force()` made a drafter
+    draft: the same distribution (chi-square homogeneity), with drafts verified (and, when
+    `gated`, plain steps where the gate closed)."""
     prompt = [1, 72, 101, 108, 108, 111]
     counts = Counter()
 
     def second_and_third(seed):
         params = SamplingParams(**{**TINY_SAMPLING.__dict__, "seed": seed})
-        tokens = _generate(tiny, prompt, 3, params)
-        if (stats := tiny.last_speculation) is not None:
+        tokens = _generate(runtime, prompt, 3, params)
+        if (stats := runtime.last_speculation) is not None:
             counts["verified"] += stats.verifications
             counts["plain"] += stats.steps - stats.verifications
         return tokens[1], tokens[2]
 
-    _plain(tiny)
+    _plain(runtime)
     plain = [second_and_third(seed) for seed in range(SEEDS)]
-    _force_head(tiny, weights, threshold=threshold, drafts=2)
-    spec = [second_and_third(seed + SEEDS) for seed in range(SEEDS)]
+    force()
+    try:
+        spec = [second_and_third(seed + SEEDS) for seed in range(SEEDS)]
+    finally:
+        _plain(runtime)
     assert counts["verified"] > SEEDS // 10
-    if threshold:
+    if gated:
         assert counts["plain"] > SEEDS // 10, "the gate never closed: the test is vacuous"
     for position in (0, 1):
         p = _homogeneity_p_value(

@@ -452,7 +452,6 @@ def measure_head(
     is measured again (`calibrate --measure-head`) without training it again."""
     from ...assets import chat_prompts
     from ..speculative.calibration import file_hash
-    from ..speculative.controller import MIN_GAIN
     from .calibrate import prompt_tokens
 
     model, vocab = runtime.model, weights.vocab
@@ -473,6 +472,16 @@ def measure_head(
         "acceptance": first_link_agreement(chains),
         "held_out_coverage": coverage(held, vocab),
         "vocab_size": len(vocab),
+        **policy_record(policy, costs),
+    }
+
+
+def policy_record(policy: Policy, costs) -> dict:
+    """What `--spec auto` reads of a head's measurement: its chain policy and the costs it
+    was chosen from (`costs`: plain_s, row_cost and draft_cost)."""
+    from ..speculative.controller import MIN_GAIN
+
+    return {
         "threshold": policy.threshold,
         "max_draft": policy.max_draft,
         "gated_acceptance": policy.acceptance,

@@ -50,6 +50,7 @@ from .head_training import (
     draft_vocabulary,
     first_link_agreement,
     hidden_width,
+    policy_record,
     record_answer,
 )
 
@@ -317,7 +318,6 @@ def measure_block(
     costs here, and the threshold and chain length they make best."""
     from ...assets import chat_prompts
     from ..speculative.calibration import file_hash
-    from ..speculative.controller import MIN_GAIN
     from .calibrate import prompt_tokens
 
     model = runtime.model
@@ -343,13 +343,5 @@ def measure_block(
         "untrained_acceptance": first_link_agreement(before),
         "held_out_coverage": coverage(held, weights.vocab),
         "vocab_size": len(weights.vocab),
-        "threshold": policy.threshold,
-        "max_draft": policy.max_draft,
-        "gated_acceptance": policy.acceptance,
-        "predicted_speedup": policy.predicted_speedup,
-        "tokens_per_step": policy.tokens_per_step,
-        "pays": policy.predicted_speedup >= MIN_GAIN,
-        "plain_step_ms": costs.plain_s * 1000,
-        "row_cost": costs.row_cost,
-        "draft_cost": costs.draft_cost,
+        **policy_record(policy, costs),
     }

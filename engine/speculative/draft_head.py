@@ -83,30 +83,48 @@ class HeadWeights:
 
     def save(self, path: Path, meta: dict) -> None:
         """Stored in bf16 (half the size; the head runs in int4 anyway), with `meta`."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tensors = {name: getattr(self, name).to(torch.bfloat16) for name in self.TRAINED}
-        data = {"format": HEAD_FORMAT, "eps": self.eps, "meta": meta, "vocab": self.vocab}
-        torch.save({**data, **tensors}, tmp)
-        tmp.replace(path)
+        store_tensors(path, self, HEAD_FORMAT, {"eps": self.eps, "meta": meta})
 
     @classmethod
     def load(cls, path: Path, dim: int) -> tuple[HeadWeights, dict] | None:
         """(weights, meta) or None when the file is missing, unreadable or for another shape."""
-        try:
-            data = torch.load(path, weights_only=True)
-        except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError):
-            return None
-        if not isinstance(data, dict) or data.get("format") != HEAD_FORMAT:
+        data = read_tensors(path, HEAD_FORMAT, cls.TRAINED)
+        if data is None:
             return None
         try:
-            trained = (data[name].float() for name in cls.TRAINED)
-            weights = cls(*trained, vocab=data["vocab"].long(), eps=data["eps"])
+            trained = (data[name] for name in cls.TRAINED)
+            weights = cls(*trained, vocab=data["vocab"], eps=data["eps"])
         except (KeyError, AttributeError):
             return None
         if weights.w_in.shape != (dim, 2 * dim) or weights.norm_h.shape != (dim,):
             return None
         return weights, dict(data.get("meta") or {})
+
+
+def store_tensors(path: Path, weights, version: int, extra: dict) -> None:
+    """A trained head's `TRAINED` tensors in bf16 and its `vocab`, with `extra` (written to
+    a temporary file first, so a reader never sees half a head)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tensors = {name: getattr(weights, name).to(torch.bfloat16) for name in weights.TRAINED}
+    torch.save({"format": version, "vocab": weights.vocab, **extra, **tensors}, tmp)
+    tmp.replace(path)
+
+
+def read_tensors(path: Path, version: int, trained: Sequence[str]) -> dict | None:
+    """What `store_tensors` wrote, the trained tensors as fp32 and `vocab` as int64; None
+    when the file is missing, unreadable, of another version or lacks a tensor."""
+    try:
+        data = torch.load(path, weights_only=True)
+    except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError):
+        return None
+    if not isinstance(data, dict) or data.get("format") != version:
+        return None
+    try:
+        data.update({name: data[name].float() for name in trained}, vocab=data["vocab"].long())
+    except (KeyError, AttributeError):
+        return None
+    return data
 
 
 def int4_linear(weight: torch.Tensor) -> Int4Linear:
@@ -244,28 +262,48 @@ class HeadDrafter(VerifiedFromTokens):
         return Draft(tokens, probs, pending=pending, key=self.name, seconds=seconds)
 
     def _chain(self, state, pending, count, sampler, history):
-        """Up to `count` drafts and, when sampling, the distributions they were drawn from.
-        Whether to draft is decided from the head's distribution before a token is drawn
-        (its largest probability), never from the drawn token: rejection sampling needs
-        the proposal to be exactly that distribution."""
+        """Up to `count` drafts and, when sampling, the distributions they were drawn from
+        (each link gated by `GatedDraft`)."""
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         x, token = state.float(), pending
+        gate = GatedDraft(self.head.vocab, self._full, self.threshold)
         for _ in range(count):
             x = self.head.state(x, self.head.embed(self.model, token))
             logits = self.head.draft_logits(x)[0]
-            if sampler.params.greedy:
-                best = int(logits.argmax())
-                if float(torch.softmax(logits, -1)[best]) < self.threshold:
-                    break
-                token = int(self.head.vocab[best])
-            else:
-                full = self._full.clone()
-                full[self.head.vocab] = logits
-                q = sampler.distribution(full, [*history, *tokens])
-                if float(q.max()) < self.threshold:
-                    break
-                token = sampler.draw(q)
-                probs.append(q)
+            chosen = gate.choose(logits, sampler, [*history, *tokens])
+            if chosen is None:
+                break
+            token, q = chosen
             tokens.append(token)
+            if q is not None:
+                probs.append(q)
         return tokens, (probs or None)
+
+
+@dataclass(frozen=True)
+class GatedDraft:
+    """A draft token from logits over a draft vocabulary, or none when the drafter is less
+    sure than `threshold`. The decision reads the drafter's distribution before a token is
+    drawn (its largest probability), never the drawn token: rejection sampling needs the
+    proposal to be exactly that distribution. `full`: -inf over the whole vocabulary."""
+
+    vocab: torch.Tensor
+    full: torch.Tensor
+    threshold: float
+
+    def choose(
+        self, logits: torch.Tensor, sampler: Sampler, context: Sequence[int]
+    ) -> tuple[int, torch.Tensor | None] | None:
+        """(token, the distribution it was drawn from when sampling) or None."""
+        if sampler.params.greedy:
+            best = int(logits.argmax())
+            if float(torch.softmax(logits, -1)[best]) < self.threshold:
+                return None
+            return int(self.vocab[best]), None
+        full = self.full.clone()
+        full[self.vocab] = logits
+        q = sampler.distribution(full, context)
+        if float(q.max()) < self.threshold:
+            return None
+        return sampler.draw(q), q

@@ -67,6 +67,10 @@ class EarlyExitDrafter:
             return None
         start = time.perf_counter()
         draft = self.draft(caches, pending, count, sampler, history)
+        if not draft.tokens:  # a gate closed at once: a plain step feeds `pending` again
+            for cache in caches[: self.layer]:
+                cache.trim(1)
+            return None
         return replace(draft, key=self.name, seconds=time.perf_counter() - start)
 
     def exit_logits(self, states: torch.Tensor) -> torch.Tensor:

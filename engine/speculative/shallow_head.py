@@ -19,11 +19,9 @@ int4 matmuls, like the model's own.
 from __future__ import annotations
 
 import math
-import pickle
-import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..layers import RMSNorm, Rope, apply_rope
-from .draft_head import gated_int4_linear, int4_linear
+from .draft_head import GatedDraft, gated_int4_linear, int4_linear, read_tensors, store_tensors
 from .drafter import Draft, Verified
 from .early_exit import EarlyExitDrafter
 
@@ -40,7 +38,6 @@ if TYPE_CHECKING:
     from ..layers import Linear
     from ..models.decoder import DecoderModel
     from ..torch_sampler import Sampler
-    from .controller import DraftController
 
 SHALLOW_FORMAT = 1  # bumped when the stored tensors change meaning
 HEAD_DIM = 64  # the block's attention heads: dim // HEAD_DIM of them
@@ -120,29 +117,21 @@ class BlockWeights:
 
     def save(self, path: Path, meta: dict) -> None:
         """Stored in bf16 (the block runs in int4 anyway), with `meta`."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tensors = {name: getattr(self, name).to(torch.bfloat16) for name in self.TRAINED}
-        data = {"format": SHALLOW_FORMAT, "eps": self.eps, "layer": self.layer,
-                "window": self.window, "meta": meta, "vocab": self.vocab}  # fmt: skip
-        torch.save({**data, **tensors}, tmp)
-        tmp.replace(path)
+        extra = {"eps": self.eps, "layer": self.layer, "window": self.window, "meta": meta}
+        store_tensors(path, self, SHALLOW_FORMAT, extra)
 
     @classmethod
     def load(cls, path: Path, dim: int, n_layers: int) -> tuple[BlockWeights, dict] | None:
         """(weights, meta), or None when the file is missing, unreadable or for another
         shape of model."""
-        try:
-            data = torch.load(path, weights_only=True)
-        except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError):
-            return None
-        if not isinstance(data, dict) or data.get("format") != SHALLOW_FORMAT:
+        data = read_tensors(path, SHALLOW_FORMAT, cls.TRAINED)
+        if data is None:
             return None
         try:
-            trained = (data[name].float() for name in cls.TRAINED)
-            weights = cls(*trained, vocab=data["vocab"].long(), layer=int(data["layer"]),
+            trained = (data[name] for name in cls.TRAINED)
+            weights = cls(*trained, vocab=data["vocab"], layer=int(data["layer"]),
                           window=int(data["window"]), eps=data["eps"])  # fmt: skip
-        except (KeyError, AttributeError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError):
             return None
         if weights.norm_a.shape != (dim,) or not 0 < weights.layer < n_layers:
             return None
@@ -255,25 +244,6 @@ class ShallowExitDrafter(EarlyExitDrafter):
         self.block, self.threshold = block, block.threshold
         self._full = torch.full((model.config.vocab_size,), -math.inf)
 
-    def propose(
-        self,
-        pending: int,
-        controller: DraftController,
-        caches: Sequence[Cache],
-        sampler: Sampler,
-        history: Sequence[int],
-    ) -> Draft | None:
-        count = controller.draft_length(self.name, self.max_draft)
-        if not count:
-            return None
-        start = time.perf_counter()
-        draft = self.draft(caches, pending, count, sampler, history)
-        if not draft.tokens:  # the gate closed at once: a plain step feeds `pending` again
-            for cache in caches[: self.layer]:
-                cache.trim(1)
-            return None
-        return replace(draft, key=self.name, seconds=time.perf_counter() - start)
-
     def draft(
         self,
         caches: Sequence[Cache],
@@ -288,22 +258,16 @@ class ShallowExitDrafter(EarlyExitDrafter):
         probs: list[torch.Tensor] = []
         states = [self.early_state(pending, caches)]
         exit_cache = caches[self.layer - 1]
+        gate = GatedDraft(self.block.vocab, self._full, self.threshold)
         for _ in range(count):
             logits = self.block.draft_logits(states[-1], exit_cache)
-            if sampler.params.greedy:
-                best = int(logits.argmax())
-                if float(torch.softmax(logits, -1)[best]) < self.threshold:
-                    break
-                token = int(self.block.vocab[best])
-            else:
-                full = self._full.clone()
-                full[self.block.vocab] = logits
-                q = sampler.distribution(full, [*history, *tokens])
-                if float(q.max()) < self.threshold:
-                    break
-                token = sampler.draw(q)
-                probs.append(q)
+            chosen = gate.choose(logits, sampler, [*history, *tokens])
+            if chosen is None:
+                break
+            token, q = chosen
             tokens.append(token)
+            if q is not None:
+                probs.append(q)
             states.append(self.early_state(token, caches))
         return Draft(tokens, probs or None, torch.cat(states), pending=pending)
 
