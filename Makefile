@@ -11,7 +11,7 @@ MODELS_STAMP := $(VENV)/.models
 # browser tests; libgl1, libglib2.0-0: OpenCV under the OCR; fonts-dejavu-core: text images.
 SYSTEM_PACKAGES := espeak-ng sox libportaudio2 chromium libgl1 libglib2.0-0 fonts-dejavu-core
 
-.PHONY: setup system-packages run test package package-test lint bench llama-server clean
+.PHONY: setup system-packages run test package package-test lint bench llama-server fuzz soak clean
 
 setup: system-packages $(STAMP) $(MODELS_STAMP)
 
@@ -102,6 +102,18 @@ llama-server: $(STAMP)
 		-DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
 	cmake --build $(LLAMA_SERVER_BUILD) --target llama-server -j 2
 	@echo "built $(LLAMA_SERVER)"
+
+# Coverage-guided fuzzing of a model file's way to the first token (atheris; see
+# tests/fuzz_gguf.py). Findings land in build/fuzz/crashes/.
+FUZZ_MINUTES ?= 10
+fuzz: setup
+	HF_HUB_OFFLINE=1 $(BIN)/python tests/fuzz_gguf.py --minutes $(FUZZ_MINUTES)
+
+# Eight clients send good and bad requests to `miniapp serve` for a set time; the server must
+# come out as it went in (tests/soak_serve.py says what is checked).
+SOAK_MINUTES ?= 20
+soak: setup
+	HF_HUB_OFFLINE=1 $(BIN)/python tests/soak_serve.py --minutes $(SOAK_MINUTES)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache .gpu_site native/*.so

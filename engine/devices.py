@@ -376,10 +376,13 @@ def estimate_footprint(gguf, ctx: int, kv: KVSetting = F32) -> ModelFootprint:
     less."""
     int4_bytes = sum(info.nbytes for info in gguf.tensors.values())
     bf16_bytes = sum(2 * info.n_elements for info in gguf.tensors.values())
+
+    def largest(value) -> int:  # a per-layer list (some architectures) counts its largest
+        return int(max(value, default=1)) if isinstance(value, list) else int(value)
+
     n_layers = int(gguf.arch_value("block_count", 1))
-    n_heads = int(gguf.arch_value("attention.head_count", 1))
-    kv_heads = gguf.arch_value("attention.head_count_kv", n_heads)
-    kv_heads = max(kv_heads) if isinstance(kv_heads, list) else int(kv_heads)
+    n_heads = largest(gguf.arch_value("attention.head_count", 1))
+    kv_heads = largest(gguf.arch_value("attention.head_count_kv", n_heads))
     dim = int(gguf.arch_value("embedding_length", 0))
     head_dim = int(gguf.arch_value("attention.key_length", dim // max(n_heads, 1)))
     kv_bytes = bytes_per_token(kv, n_layers, kv_heads, head_dim) * ctx

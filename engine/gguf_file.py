@@ -7,9 +7,11 @@ repacked. Every structural problem becomes a `ModelFileError` naming the file an
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,11 +38,11 @@ class TensorInfo:
 
     @property
     def n_elements(self) -> int:
-        return int(np.prod(self.shape))
+        return math.prod(self.shape)
 
     @property
     def rows(self) -> int:
-        return int(np.prod(self.shape[:-1]))  # 1 for vectors
+        return math.prod(self.shape[:-1])  # 1 for vectors
 
 
 class GGUFFile:
@@ -52,16 +54,16 @@ class GGUFFile:
         with self.path.open("rb") as handle:
             self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
         try:
-            self.metadata, self.tensors = _read_layout(self._map)
+            layout = _read_layout(self._map)
         except (struct.error, ValueError, UnicodeDecodeError) as exc:
             self._map.close()
             raise ModelFileError(self.path, f"corrupt or truncated GGUF ({_short(exc)})") from exc
-        for info in self.tensors.values():
-            if info.offset + info.nbytes > len(self._map):
-                self._map.close()
-                raise ModelFileError(
-                    self.path, f"truncated GGUF (tensor {info.name} runs past end of file)"
-                )
+        self.metadata, self.tensors, self.arrays = layout
+        try:
+            _check_tensor_placement(self.tensors.values(), layout_end=len(self._map))
+        except ModelFileError as exc:
+            self._map.close()
+            raise ModelFileError(self.path, exc.reason) from None
 
     @property
     def architecture(self) -> str:
@@ -88,6 +90,26 @@ class GGUFFile:
                 self._map, dtype=torch.uint8, count=info.nbytes, offset=info.offset
             )
         return flat.view(info.rows, -1)
+
+    def array_strings(self, key: str) -> Iterator[bytes]:
+        """The raw bytes of each string of an array (large ones included), in order."""
+        info = self.arrays[key]
+        if info.element != _STRING:
+            raise ValueError(f"{key} is not an array of strings")
+        cursor = _Cursor(self._map, info.start)
+        for _ in range(info.length):
+            (length,) = cursor.unpack("<Q")
+            start = cursor.offset
+            cursor.skip(length)
+            yield self._map[start : cursor.offset]
+
+    def array_numbers(self, key: str) -> np.ndarray:
+        """An array of fixed-size numbers (large ones included), as numpy values."""
+        info = self.arrays[key]
+        if info.element not in _SCALAR_FORMATS:
+            raise ValueError(f"{key} is not an array of numbers")
+        dtype = np.dtype(_SCALAR_FORMATS[info.element])
+        return np.frombuffer(self._map, dtype, count=info.length, offset=info.start)
 
     def release(self) -> None:
         """Drop every mapped page from this process's memory; pages are re-read if touched.
@@ -168,12 +190,21 @@ class _Cursor:
             raise ValueError(f"unknown value type {kind}")
         return self.unpack(_SCALAR_FORMATS[kind])[0]
 
+    def array_header(self) -> tuple[int, int]:
+        """An array's element type and length, refused if the rest of the file could not
+        hold that many elements (a corrupt length must not become a long loop)."""
+        element, items = self.unpack("<IQ")
+        smallest = _SCALAR_SIZES.get(element, 8)  # a string or array starts with 8 bytes
+        if items * smallest > len(self.buffer) - self.offset:
+            raise ValueError(f"an array of {items} items runs past the end of the file")
+        return element, items
+
     def skip_value(self, kind: int) -> None:
         if kind == _STRING:
             (length,) = self.unpack("<Q")
             self.skip(length)
         elif kind == _ARRAY:
-            element, items = self.unpack("<IQ")
+            element, items = self.array_header()
             if element in _SCALAR_SIZES:
                 self.skip(_SCALAR_SIZES[element] * items)
             else:
@@ -191,7 +222,7 @@ class _Cursor:
         (kind,) = self.unpack("<I")
         if kind != _ARRAY:
             return key, self.value(kind)
-        element, items = self.unpack("<IQ")
+        element, items = self.array_header()
         if items > LARGE_ARRAY_ITEMS or element == _ARRAY:
             self.offset -= 12
             self.skip_value(_ARRAY)
@@ -214,24 +245,95 @@ def _open_sections(buffer) -> tuple[_Cursor, int, int]:
     return cursor, n_tensors, n_keys
 
 
-def _read_layout(buffer) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
+@dataclass(frozen=True)
+class ArrayInfo:
+    """An array value's element type (GGUF's type id) and length, kept for every array,
+    the skipped large ones included, so their types can be checked without reading them."""
+
+    element: int
+    length: int
+    start: int  # byte offset of the first element
+
+
+# The fewest bytes a key-value entry (key length, type, a one-byte value) and a tensor entry
+# (name length, dims count, one dim, type, offset) can take: counts claiming more entries
+# than the file could hold are refused before any loop runs over them.
+_MIN_ENTRY_BYTES = 8 + 4 + 1
+_MIN_TENSOR_ENTRY_BYTES = 8 + 4 + 8 + 4 + 8
+
+
+def _read_layout(buffer) -> tuple[dict[str, Any], dict[str, TensorInfo], dict[str, ArrayInfo]]:
     cursor, n_tensors, n_keys = _open_sections(buffer)
+    left = len(buffer) - cursor.offset
+    if n_keys * _MIN_ENTRY_BYTES + n_tensors * _MIN_TENSOR_ENTRY_BYTES > left:
+        raise ValueError(f"it claims {n_keys} keys and {n_tensors} tensors, more than it holds")
     metadata: dict[str, Any] = {}
+    arrays: dict[str, ArrayInfo] = {}
     for _ in range(n_keys):
+        start = cursor.offset
         key, value = cursor.entry()
+        if key in metadata or key in arrays:
+            raise ValueError(f"key {key} appears twice")
         if value is not _SKIPPED:
             metadata[key] = value
+        arrays_at = _array_at(buffer, start)
+        if arrays_at is not None:
+            arrays[key] = arrays_at
     placed = [_tensor_entry(cursor) for _ in range(n_tensors)]
     alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
-    if not isinstance(alignment, int) or alignment <= 0:
-        raise ValueError(f"general.alignment is {alignment!r}")
+    if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"general.alignment is {alignment!r}, not a power of two")
     data_start = -(-cursor.offset // alignment) * alignment
     tensors = {}
     for name, ggml_type, shape, relative in placed:
+        if name in tensors:
+            raise ValueError(f"tensor {name} appears twice")
+        if relative % alignment:
+            raise ValueError(f"tensor {name} is not aligned to {alignment} bytes")
         block_size, type_size = GGML_QUANT_SIZES[ggml_type]
-        nbytes = int(np.prod(shape)) // block_size * type_size
+        if shape[-1] % block_size:
+            raise ValueError(
+                f"tensor {name} has rows of {shape[-1]} values, not whole {ggml_type.name} "
+                f"blocks of {block_size}"
+            )
+        nbytes = math.prod(shape) // block_size * type_size
         tensors[name] = TensorInfo(name, ggml_type, shape, data_start + relative, nbytes)
-    return metadata, tensors
+    return metadata, tensors, arrays
+
+
+def _array_at(buffer, start: int) -> ArrayInfo | None:
+    """The element type and length of the array entry at `start`, None for a scalar."""
+    cursor = _Cursor(buffer, start)
+    (key_length,) = cursor.unpack("<Q")
+    cursor.skip(key_length)
+    (kind,) = cursor.unpack("<I")
+    if kind != _ARRAY:
+        return None
+    element, items = cursor.unpack("<IQ")
+    return ArrayInfo(element, items, cursor.offset)
+
+
+def _check_tensor_placement(tensors, layout_end: int) -> None:
+    """Every tensor's bytes inside the file and no two tensors sharing bytes."""
+    previous = None
+    for info in sorted(tensors, key=lambda info: info.offset):
+        if info.offset + info.nbytes > layout_end:
+            raise ModelFileError(
+                "", f"truncated GGUF (tensor {info.name} claims {_size(info.nbytes)} from byte "
+                f"{info.offset}, past the end of the file at {layout_end})"
+            )  # fmt: skip
+        if previous is not None and previous.offset + previous.nbytes > info.offset:
+            raise ModelFileError(
+                "", f"corrupt GGUF (tensors {previous.name} and {info.name} overlap)"
+            )
+        previous = info
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("TB", 1 << 40), ("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} bytes"
 
 
 def _tensor_entry(cursor: _Cursor) -> tuple[str, GGMLQuantizationType, tuple[int, ...], int]:
@@ -240,6 +342,8 @@ def _tensor_entry(cursor: _Cursor) -> tuple[str, GGMLQuantizationType, tuple[int
     if not 1 <= n_dims <= _MAX_DIMS:
         raise ValueError(f"tensor {name} has {n_dims} dimensions")
     dims = cursor.unpack(f"<{n_dims}Q")
+    if 0 in dims:
+        raise ValueError(f"tensor {name} has an empty dimension")
     type_id, relative = cursor.unpack("<IQ")
     try:
         ggml_type = GGMLQuantizationType(type_id)

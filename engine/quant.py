@@ -261,6 +261,24 @@ def dequantize_rows(
     raise ValueError(f"no dequantizer for {ggml_type.name}")
 
 
+# Where each block keeps its fp16 scale (d) and, for the affine types, its minimum (m or
+# dmin): every other byte is an integer code or sub-scale, which cannot be NaN.
+_FLOAT_FIELDS = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,),
+                 Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}  # fmt: skip
+
+
+def all_finite(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> bool:
+    """Whether every value (float types) or every block scale (quantized types) of raw rows
+    uint8 [rows, row_bytes] is finite. Types we do not decode count as finite."""
+    if ggml_type in FLOAT_TYPES:
+        dtype = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}[ggml_type]
+        return bool(torch.isfinite(raw.contiguous().view(dtype)).all())
+    blocks = _blocks(raw, ggml_type) if ggml_type in _FLOAT_FIELDS else None
+    return all(
+        bool(torch.isfinite(_f16(blocks, at)).all()) for at in _FLOAT_FIELDS.get(ggml_type, ())
+    )
+
+
 # ----------------------------------------------------------------------- kernel format
 
 

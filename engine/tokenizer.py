@@ -12,12 +12,14 @@ from pathlib import Path
 
 from .errors import ModelFileError
 from .llamacpp_lib import Llama, llama_cpp
+from .vocab_probe import check_vocabulary_apart
 
 
 class Tokenizer:
     def __init__(self, model_path: Path | str, llama: Llama | None = None):
         self.path = Path(model_path)
         if llama is None:
+            check_vocabulary_apart(self.path)
             try:
                 llama = Llama(str(self.path), vocab_only=True, verbose=False)
             except ValueError as exc:  # llama-cpp-python reports load failures as ValueError

@@ -108,5 +108,5 @@ def test_a_truncated_or_corrupt_file_is_one_line(tmp_path):
         GGUFFile(cut)
     tail = tmp_path / "tail.gguf"
     tail.write_bytes(data[: len(data) - 100])  # every header intact, the last tensor cut
-    with pytest.raises(ModelFileError, match="tail.gguf: truncated GGUF .tensor .* runs past"):
+    with pytest.raises(ModelFileError, match="tail.gguf: truncated GGUF .tensor .* past the end"):
         GGUFFile(tail)

@@ -45,6 +45,7 @@ class TinyModel:
     sliding_window_pattern: int = 0
     local_rope_base: float = 0.0
     final_logit_softcap: float = 0.0
+    chat_template: str | None = None
 
 
 # Variants per architecture, as llama.cpp reads them.
@@ -173,12 +174,24 @@ def _write_metadata(writer: GGUFWriter, spec: TinyModel) -> None:
     writer.add_eos_token_id(2)
     writer.add_unk_token_id(0)
     writer.add_add_bos_token(True)
+    if spec.chat_template is not None:
+        writer.add_chat_template(spec.chat_template)
 
 
-def write_tiny_model(path: Path, spec: TinyModel = LLAMA, seed: int = 0) -> Path:
+def write_tiny_model(
+    path: Path, spec: TinyModel = LLAMA, seed: int = 0, metadata: dict | None = None
+) -> Path:
+    """`metadata`: keys to write over the spec's, each as (value, GGUFValueType) or, for an
+    array, (values, GGUFValueType.ARRAY, element type); None drops the key."""
     rng = np.random.default_rng(seed)
     writer = GGUFWriter(str(path), spec.architecture)
     _write_metadata(writer, spec)
+    for key, value in (metadata or {}).items():
+        writer.kv_data[0].pop(key, None)
+        if value is not None:
+            writer.add_key_value(
+                key, value[0], value[1], sub_type=value[2] if len(value) > 2 else None
+            )
 
     def weight(rows: int, cols: int, scale: float) -> np.ndarray:
         return rng.normal(0.0, scale, size=(rows, cols))

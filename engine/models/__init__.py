@@ -6,9 +6,10 @@ from collections.abc import Callable
 
 from ..errors import UnsupportedModelError
 from ..gguf_file import GGUFFile
+from ..model_checks import check_model_file
 from ..quant import SUPPORTED_TYPES
 from . import gemma3, llama, phi3, qwen
-from .config import DecoderConfig
+from .config import DecoderConfig, check_config
 from .decoder import DecoderModel
 from .loading import build_decoder
 from .placement import CPU_PLACEMENT, CachePolicy, Placement
@@ -27,7 +28,9 @@ __all__ = ["CachePolicy", "DecoderModel", "Placement", "build_model", "check_sup
 
 
 def check_supported(gguf: GGUFFile) -> DecoderConfig:
-    """The model's config, or UnsupportedModelError if the torch engine cannot run it."""
+    """The model's config, or UnsupportedModelError if the torch engine cannot run it
+    (ModelFileError if the file is bad)."""
+    check_model_file(gguf)
     arch = gguf.architecture
     if arch not in CONFIGS:
         raise UnsupportedModelError(
@@ -42,7 +45,9 @@ def check_supported(gguf: GGUFFile) -> DecoderConfig:
                 f"tensor {info.name} has type {info.ggml_type.name}, "
                 "which the torch engine does not support yet",
             )
-    return CONFIGS[arch](gguf)
+    config = CONFIGS[arch](gguf)
+    check_config(config, gguf.path)
+    return config
 
 
 def build_model(gguf: GGUFFile, placement: Placement = CPU_PLACEMENT) -> DecoderModel:

@@ -3,6 +3,7 @@ metadata reader each architecture file builds it with."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..errors import ModelFileError, UnsupportedModelError
@@ -45,61 +46,137 @@ class DecoderConfig:
 
 
 class MetadataReader:
-    """Typed access to `<architecture>.<key>` metadata, with errors naming the file."""
+    """Typed access to `<architecture>.<key>` metadata, with errors naming the file and key:
+    a value of the wrong type (a string where a count belongs, a NaN epsilon) is a bad file,
+    not a crash further on."""
 
     def __init__(self, gguf: GGUFFile):
         self.gguf = gguf
 
-    def need(self, key: str):
+    def _raw(self, key: str, default, required: bool):
         value = self.gguf.arch_value(key)
         if value is None:
-            raise ModelFileError(
-                self.gguf.path, f"missing metadata key {self.gguf.architecture}.{key}"
-            )
+            if required:
+                raise self.bad(key, "is missing")
+            return default
+        return value
+
+    def bad(self, key: str, problem: str) -> ModelFileError:
+        return ModelFileError(self.gguf.path, f"metadata {self.gguf.architecture}.{key} {problem}")
+
+    def whole(self, key: str, default: int | None = None, required: bool = False) -> int:
+        """A whole number (GGUF's integer types); booleans and floats are refused."""
+        value = self._raw(key, default, required)
+        if type(value) is not int:
+            raise self.bad(key, f"is {_shown(value)}, not a whole number")
+        return value
+
+    def real(self, key: str, default: float | None = None, required: bool = False) -> float:
+        """A finite number, integer or float."""
+        value = self._raw(key, default, required)
+        if type(value) not in (int, float) or not math.isfinite(value):
+            raise self.bad(key, f"is {_shown(value)}, not a finite number")
+        return float(value)
+
+    def text(self, key: str, default: str) -> str:
+        value = self._raw(key, default, required=False)
+        if not isinstance(value, str):
+            raise self.bad(key, f"is {_shown(value)}, not text")
         return value
 
     def get(self, key: str, default=None):
-        value = self.gguf.arch_value(key)
-        return default if value is None else value
+        """The raw value (any type), for keys an architecture reads in more than one form."""
+        return self._raw(key, default, required=False)
 
     def unsupported(self, reason: str) -> UnsupportedModelError:
         return UnsupportedModelError(self.gguf.path, reason)
 
     def common(self) -> dict:
         """Fields shared by every architecture's config."""
-        dim = int(self.need("embedding_length"))
-        n_heads = int(self.need("attention.head_count"))
-        head_dim = int(self.get("attention.key_length", dim // n_heads))
-        if int(self.get("attention.value_length", head_dim)) != head_dim:
+        dim = self.whole("embedding_length", required=True)
+        n_heads = self.whole("attention.head_count", required=True)
+        if dim <= 0 or n_heads <= 0:
+            raise self.bad("embedding_length", f"and head_count are {dim} and {n_heads}")
+        head_dim = self.whole("attention.key_length", dim // n_heads)
+        if self.whole("attention.value_length", head_dim) != head_dim:
             raise self.unsupported("different key and value head sizes are not supported yet")
-        n_kv_heads = self.get("attention.head_count_kv", n_heads)
-        if isinstance(n_kv_heads, list):
+        if isinstance(self.get("attention.head_count_kv"), list):
             raise self.unsupported("per-layer KV head counts are not supported yet")
-        vocab = self.get("vocab_size") or self.gguf.tensor("token_embd.weight").shape[0]
+        n_kv_heads = self.whole("attention.head_count_kv", n_heads)
+        vocab = self.gguf.tensor("token_embd.weight").shape[0]
         return dict(
             architecture=self.gguf.architecture,
-            n_layers=int(self.need("block_count")),
+            n_layers=self.whole("block_count", required=True),
             dim=dim,
             n_heads=n_heads,
-            n_kv_heads=int(n_kv_heads),
+            n_kv_heads=n_kv_heads,
             head_dim=head_dim,
-            ffn_dim=int(self.need("feed_forward_length")),
-            vocab_size=int(vocab),
-            norm_eps=float(self.need("attention.layer_norm_rms_epsilon")),
-            context_length=int(self.get("context_length", 4096)),
+            ffn_dim=self.whole("feed_forward_length", required=True),
+            vocab_size=self.whole("vocab_size", vocab),
+            norm_eps=self.real("attention.layer_norm_rms_epsilon", required=True),
+            context_length=self.whole("context_length", 4096),
         )
 
     def rope(self, interleaved: bool, head_dim: int) -> RopeConfig:
-        scaling = self.get("rope.scaling.type", "none")
-        factor = float(self.get("rope.scaling.factor", 1.0) or 1.0)
+        scaling = self.text("rope.scaling.type", "none")
+        factor = self.real("rope.scaling.factor", 1.0) or 1.0
         if scaling not in ("none", "linear") and factor != 1.0:
             raise self.unsupported(f"RoPE scaling '{scaling}' is not supported yet")
+        if factor <= 0:
+            raise self.bad("rope.scaling.factor", f"is {factor}, not positive")
         return RopeConfig(
-            base=float(self.get("rope.freq_base", 10000.0)),
+            base=self.real("rope.freq_base", 10000.0),
             interleaved=interleaved,
-            rotary_dim=int(self.get("rope.dimension_count", head_dim)),
+            rotary_dim=self.whole("rope.dimension_count", head_dim),
             position_scale=1.0 / factor if scaling == "linear" else 1.0,
         )
+
+
+def _shown(value) -> str:
+    if isinstance(value, list):
+        return f"a list of {len(value)}"
+    text = repr(value)
+    return f"{type(value).__name__} {text[:40]}"
+
+
+# Upper bounds far above any real model's, so that a corrupt count is refused before it
+# sizes a loop or an allocation (the largest open models have ~130 layers, 32k-wide states,
+# 1M-token contexts and vocabularies of ~260k).
+MAX_LAYERS = 4096
+MAX_WIDTH = 1 << 20
+MAX_CONTEXT = 1 << 24
+
+
+def check_config(config: DecoderConfig, path) -> None:
+    """Hyper-parameters that could not describe a working model are a bad file."""
+
+    def bad(what: str) -> ModelFileError:
+        return ModelFileError(path, f"metadata of {config.architecture}: {what}")
+
+    counts = {"block_count": (config.n_layers, MAX_LAYERS),
+              "embedding_length": (config.dim, MAX_WIDTH),
+              "attention.head_count": (config.n_heads, MAX_WIDTH),
+              "attention.head_count_kv": (config.n_kv_heads, MAX_WIDTH),
+              "attention.key_length": (config.head_dim, MAX_WIDTH),
+              "feed_forward_length": (config.ffn_dim, MAX_WIDTH),
+              "vocab_size": (config.vocab_size, MAX_WIDTH),
+              "context_length": (config.context_length, MAX_CONTEXT)}  # fmt: skip
+    for key, (value, most) in counts.items():
+        if not 1 <= value <= most:
+            raise bad(f"{key} is {value}, outside 1..{most}")
+    if config.n_heads % config.n_kv_heads:
+        raise bad(f"{config.n_heads} query heads do not share {config.n_kv_heads} KV heads")
+    for rope in (config.rope, config.local_rope):
+        if rope is None:
+            continue
+        if not 2 <= rope.rotary_dim <= config.head_dim or rope.rotary_dim % 2:
+            raise bad(f"RoPE covers {rope.rotary_dim} of {config.head_dim} head dimensions")
+        if rope.base <= 0:
+            raise bad(f"the RoPE base is {rope.base}")
+    if not config.norm_eps > 0:
+        raise bad(f"the norm epsilon is {config.norm_eps}")
+    if config.sliding_window < 0 or config.final_logit_softcap < 0:
+        raise bad("a negative sliding window or logit soft-cap")
 
 
 # Decode runs ~30 tensor ops per layer and each costs a microsecond or two of Python and

@@ -29,13 +29,13 @@ def config_from_gguf(gguf: GGUFFile) -> DecoderConfig:
     common = meta.common()
     n_layers, head_dim = common["n_layers"], common["head_dim"]
     rope = meta.rope(interleaved=False, head_dim=head_dim)
-    window = int(meta.get("attention.sliding_window", 0))
+    window = meta.whole("attention.sliding_window", 0)
     local_layers: tuple[bool, ...] = ()
     local_rope = None
     if window > 0:
         local_layers = _local_layer_pattern(meta, n_layers)
         local_rope = RopeConfig(
-            base=float(meta.get("rope.freq_base_swa", DEFAULT_LOCAL_ROPE_BASE)),
+            base=meta.real("rope.freq_base_swa", DEFAULT_LOCAL_ROPE_BASE),
             interleaved=False,
             rotary_dim=rope.rotary_dim,
         )
@@ -54,7 +54,7 @@ def config_from_gguf(gguf: GGUFFile) -> DecoderConfig:
         sliding_window=window,
         local_layers=local_layers,
         local_rope=local_rope,
-        final_logit_softcap=float(meta.get("final_logit_softcapping", 0.0)),
+        final_logit_softcap=meta.real("final_logit_softcapping", 0.0),
     )
 
 
@@ -64,6 +64,10 @@ def _local_layer_pattern(meta: MetadataReader, n_layers: int) -> tuple[bool, ...
     if isinstance(pattern, list):
         if len(pattern) != n_layers:
             raise meta.unsupported("sliding_window_pattern length does not match block_count")
+        if any(type(v) not in (bool, int) for v in pattern):
+            raise meta.bad("attention.sliding_window_pattern", "holds values that are not flags")
         return tuple(bool(v) for v in pattern)
-    n = int(pattern)
+    n = meta.whole("attention.sliding_window_pattern", DEFAULT_PATTERN)
+    if n < 0:
+        raise meta.bad("attention.sliding_window_pattern", f"is {n}")
     return tuple(n == 0 or i % n < n - 1 for i in range(n_layers))

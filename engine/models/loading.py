@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import UnsupportedModelError
+from ..errors import ModelFileError, UnsupportedModelError
 from ..gguf_file import GGUFFile, TensorInfo
 from ..layers import (
     CPU_INT4,
@@ -16,7 +16,7 @@ from ..layers import (
     WeightTarget,
     linear_from_raw,
 )
-from ..quant import dequantize_rows
+from ..quant import all_finite, dequantize_rows
 from .config import DecoderConfig
 from .decoder import Attention, Block, DecoderModel, FeedForward
 from .placement import CPU_PLACEMENT, Placement
@@ -32,12 +32,14 @@ def build_decoder(
     # Many small models tie the output head to the embedding.
     head = "output.weight" if weights.has("output.weight") else "token_embd.weight"
     head_target = placement.head_target(config.n_layers)
-    output = weights.linear([head], bias="output.bias", target=head_target)
-    embed = weights.embedding("token_embd.weight", config.dim)
-    norm_weight = weights.vector("output_norm.weight").to(head_target.device)
+    output = weights.linear([head], config.dim, [config.vocab_size], "output.bias", head_target)
+    embed = weights.embedding("token_embd.weight", config.vocab_size, config.dim)
+    norm_weight = weights.vector("output_norm.weight", config.dim).to(head_target.device)
     norm = RMSNorm(norm_weight, config.norm_eps)
     # Llama 3.1-style frequency factors: each RoPE frequency is divided by its factor.
-    freq_factors = weights.vector("rope_freqs.weight") if weights.has("rope_freqs.weight") else None
+    freq_factors = None
+    if weights.has("rope_freqs.weight"):
+        freq_factors = weights.vector("rope_freqs.weight", config.rope.rotary_dim // 2)
     weights.check_all_used()
     model = DecoderModel(config, embed, layers, norm, output, freq_factors, placement)
     model.head_weight = weights.raw_weight(head)
@@ -48,36 +50,37 @@ def _build_block(
     weights: WeightReader, config: DecoderConfig, i: int, target: WeightTarget
 ) -> Block:
     p = f"blk.{i}."
-    eps = config.norm_eps
+    eps, dim, ffn_dim = config.norm_eps, config.dim, config.ffn_dim
+    q_rows, kv_rows = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
     if weights.has(p + "attn_qkv.weight"):
-        wqkv = weights.linear([p + "attn_qkv.weight"], p + "attn_qkv.bias", target)
+        qkv_rows = [q_rows + 2 * kv_rows]
+        wqkv = weights.linear([p + "attn_qkv.weight"], dim, qkv_rows, p + "attn_qkv.bias", target)
     else:
         names = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
         biases = [p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"]
-        wqkv = weights.linear(names, biases, target)
+        wqkv = weights.linear(names, dim, [q_rows, kv_rows, kv_rows], biases, target)
     qk_norm = None
     if config.qk_norm:
-        q_norm, k_norm = (
-            weights.vector(p + "attn_q_norm.weight"),
-            weights.vector(p + "attn_k_norm.weight"),
-        )
+        q_norm = weights.vector(p + "attn_q_norm.weight", config.head_dim)
+        k_norm = weights.vector(p + "attn_k_norm.weight", config.head_dim)
         qk_norm = torch.cat(
             [q_norm.expand(config.n_heads, -1), k_norm.expand(config.n_kv_heads, -1)]
         )
         qk_norm = qk_norm.to(target.device).contiguous()
-    wo = weights.linear([p + "attn_output.weight"], p + "attn_output.bias", target)
+    wo = weights.linear([p + "attn_output.weight"], q_rows, [dim], p + "attn_output.bias", target)
     attention = Attention(config, wqkv, wo, qk_norm)
     gated = config.activation == "silu"  # the kernel may fuse silu(gate) * up
     if weights.has(p + "ffn_gate.weight"):
         names = [p + "ffn_gate.weight", p + "ffn_up.weight"]
-        gate_up = weights.linear(names, target=target, gated=gated)
+        gate_up = weights.linear(names, dim, [ffn_dim, ffn_dim], target=target, gated=gated)
     else:  # Phi-3 stores gate and up as one tensor of 2 * ffn_dim rows, gate first
-        gate_up = weights.linear([p + "ffn_up.weight"], target=target, gated=gated)
-    down = weights.linear([p + "ffn_down.weight"], target=target)
+        names = [p + "ffn_up.weight"]
+        gate_up = weights.linear(names, dim, [2 * ffn_dim], target=target, gated=gated)
+    down = weights.linear([p + "ffn_down.weight"], ffn_dim, [dim], target=target)
     ffn = FeedForward(gate_up, down, config.ffn_dim, config.activation)
 
     def norm(name: str) -> RMSNorm:
-        return RMSNorm(weights.vector(p + name).to(target.device), eps)
+        return RMSNorm(weights.vector(p + name, dim).to(target.device), eps)
 
     post_attn = norm("post_attention_norm.weight") if config.post_norms else None
     post_ffn = norm("post_ffw_norm.weight") if config.post_norms else None
@@ -89,7 +92,12 @@ def _build_block(
 class WeightReader:
     """Turns named GGUF tensors into modules. Releases each tensor's mapped pages once
     repacked, so the file and its repacked copy are never both resident, and remembers
-    what it read, so a tensor the model would silently ignore becomes an error."""
+    what it read, so a tensor the model would silently ignore becomes an error.
+
+    Every tensor is taken with the shape the config gives it, as llama.cpp's loader does,
+    and with finite scales: a file whose tensors disagree with its metadata, or whose
+    numbers are NaN, is refused by name here rather than failing (or printing nonsense)
+    at the first token."""
 
     def __init__(self, gguf: GGUFFile):
         self.gguf = gguf
@@ -98,21 +106,31 @@ class WeightReader:
     def has(self, name: str) -> bool:
         return name in self.gguf.tensors
 
-    def _take(self, name: str) -> TensorInfo:
+    def _take(self, name: str, shape: tuple[int, ...]) -> TensorInfo:
         self.used.add(name)
-        return self.gguf.tensor(name)
+        info = self.gguf.tensor(name)
+        if info.shape != shape:
+            raise ModelFileError(
+                self.gguf.path,
+                f"tensor {name} has shape {list(info.shape)}, but the metadata gives {list(shape)}",
+            )
+        if not all_finite(self.gguf.raw(info), info.ggml_type):
+            raise ModelFileError(self.gguf.path, f"tensor {name} holds NaN or infinite values")
+        return info
 
     def linear(
         self,
         names: list[str],
+        n_cols: int,
+        rows: list[int],
         bias: str | list[str] | None = None,
         target: WeightTarget = CPU_INT4,
         gated: bool = False,
     ) -> Linear:
-        infos = [self._take(n) for n in names]
+        infos = [self._take(n, (r, n_cols)) for n, r in zip(names, rows, strict=True)]
         raws = [(self.gguf.raw(i), i.ggml_type) for i in infos]
         bias_vector = self._bias(bias, infos)
-        module = linear_from_raw(raws, infos[0].shape[-1], bias_vector, target, gated)
+        module = linear_from_raw(raws, n_cols, bias_vector, target, gated)
         self.gguf.release()
         return module
 
@@ -122,7 +140,7 @@ class WeightReader:
         if not any(present):
             return None
         parts = [
-            self.vector(n) if here else torch.zeros(info.shape[0])
+            self.vector(n, info.shape[0]) if here else torch.zeros(info.shape[0])
             for n, here, info in zip(names, present, infos, strict=True)
         ]
         return torch.cat(parts)
@@ -132,13 +150,13 @@ class WeightReader:
         info = self.gguf.tensor(name)
         return self.gguf.raw(info), info.ggml_type
 
-    def vector(self, name: str) -> torch.Tensor:
-        info = self._take(name)
+    def vector(self, name: str, size: int) -> torch.Tensor:
+        info = self._take(name, (size,))
         return dequantize_rows(self.gguf.raw(info), info.ggml_type, info.n_elements)[0].clone()
 
-    def embedding(self, name: str, dim: int) -> BlockEmbedding:
+    def embedding(self, name: str, vocab_size: int, dim: int) -> BlockEmbedding:
         # Looked-up rows are read straight from the memory map: no copy of the table.
-        info = self._take(name)
+        info = self._take(name, (vocab_size, dim))
         return BlockEmbedding(self.gguf.raw(info), info.ggml_type, dim)
 
     def check_all_used(self) -> None:

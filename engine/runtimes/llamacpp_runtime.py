@@ -13,6 +13,7 @@ from ..devices import DeviceProbe
 from ..gguf_file import GGUFFile
 from ..kv_types import KVSetting
 from ..llamacpp_lib import Llama, OpenedModel, open_model
+from ..model_checks import check_model_file
 from ..sampling import SamplingParams, TokenLogprob
 from ..token_stream import GeneratedTokens, TokenStream
 from ..tokenizer import Tokenizer
@@ -47,6 +48,7 @@ class LlamaCppRuntime(Runtime):
         self.model_path = Path(model_path)
         # Our own reader first: it names the problem in a bad file more clearly than llama.cpp.
         gguf = GGUFFile(self.model_path)
+        check_model_file(gguf)  # before llama.cpp reads it: a bad file stops here, in Python
         self.chat_template = gguf.metadata.get("tokenizer.chat_template")
         self.architecture = gguf.architecture
         threads = threads or default_threads()

@@ -26,7 +26,7 @@ from ..errors import MiniappError
 from ..gguf_file import GGUFFile
 from ..kv_types import KVSetting, bytes_per_token, default_kv_type, kv_type
 from ..memory import available_memory_bytes, limit_heap_fragmentation
-from ..models import CachePolicy, DecoderModel, Placement, build_model
+from ..models import CachePolicy, DecoderModel, Placement, build_model, check_supported
 from ..models.placement import CPU
 from ..models.static_step import StaticDecodeStep
 from ..sampling import SamplingParams
@@ -96,14 +96,12 @@ class TorchRuntime(Runtime):
         gguf = gguf or GGUFFile(self.model_path)
         self.gguf = gguf  # kept (memory-mapped) to rebuild the model on a fallback
         self.probe = probe or default_probe()
-        head_dim = int(gguf.arch_value("attention.key_length", 0)) or None
-        self.kv_type = asked or default_kv_type(head_dim or 0)
+        head_dim = check_supported(gguf).head_dim  # a bad file is refused before any use
+        self.kv_type = asked or default_kv_type(head_dim)
+        self.kv_type.check(head_dim)
         footprint = estimate_footprint(gguf, n_ctx, self.kv_type)
         self.device_plan = plan_device(device, self.probe, footprint)
         self.model = self._load()
-        if asked is None:  # the metadata may leave the head size out: the model says it
-            self.kv_type = default_kv_type(self.model.config.head_dim)
-        self.kv_type.check(self.model.config.head_dim)
         self.chat_template = gguf.metadata.get("tokenizer.chat_template")
         self.architecture = gguf.architecture
         self.tokenizer = Tokenizer(self.model_path)
