@@ -50,6 +50,7 @@ def write_seeds(folder: Path) -> list[Path]:
         "phi3": replace(PHI3, **small),
         "gemma3": replace(GEMMA3, **{**small, "n_layers": 2}),
         "template": replace(llama, chat_template=SEED_TEMPLATE),
+        "bpe": replace(llama, tokenizer="gpt2", chat_template=SEED_TEMPLATE),
     }
     for qtype in (Q.Q4_0, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.F16, Q.F32):
         specs[f"llama-{qtype.name}"] = replace(llama, weight_type=qtype)

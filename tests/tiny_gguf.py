@@ -20,6 +20,22 @@ VOCAB = ["<unk>", "<s>", "</s>", *BYTE_TOKENS]
 TOKEN_TYPES = [2, 3, 3] + [6] * 256  # unknown, control, control, byte
 
 
+def _gpt2_byte_chars() -> list[str]:
+    """GPT-2's byte-level BPE spells each byte as one printable character: the printable
+    Latin-1 ones as themselves, the rest as code points from 256 on, in order."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    others = [b for b in range(256) if b not in printable]
+    chars = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
+    return [chars[b] for b in range(256)]
+
+
+# A byte-level BPE vocabulary (llama.cpp's "gpt2" tokenizer, as SmolLM2's): every byte, a few
+# merges, and ChatML's control tokens.
+GPT2_MERGES = ["Ġ t", "h e", "Ġt he", "i n"]
+GPT2_VOCAB = [*_gpt2_byte_chars(), "Ġt", "he", "Ġthe", "in", "<|im_start|>", "<|im_end|>"]
+GPT2_TOKEN_TYPES = [1] * (len(GPT2_VOCAB) - 2) + [3, 3]  # normal, then control
+
+
 @dataclass(frozen=True)
 class TinyModel:
     architecture: str = "llama"
@@ -46,6 +62,11 @@ class TinyModel:
     local_rope_base: float = 0.0
     final_logit_softcap: float = 0.0
     chat_template: str | None = None
+    tokenizer: str = "llama"  # or "gpt2" (byte-level BPE)
+
+    @property
+    def vocab(self) -> list[str]:
+        return GPT2_VOCAB if self.tokenizer == "gpt2" else VOCAB
 
 
 # Variants per architecture, as llama.cpp reads them.
@@ -158,7 +179,7 @@ def _write_metadata(writer: GGUFWriter, spec: TinyModel) -> None:
     writer.add_rope_freq_base(spec.rope_base)
     writer.add_layer_norm_rms_eps(spec.norm_eps)
     writer.add_rope_dimension_count(spec.head_dim)
-    writer.add_vocab_size(len(VOCAB))
+    writer.add_vocab_size(len(spec.vocab))
     if spec.sliding_window:
         writer.add_uint32(f"{arch}.attention.sliding_window", spec.sliding_window)
         writer.add_uint32(f"{arch}.attention.sliding_window_pattern", spec.sliding_window_pattern)
@@ -166,13 +187,22 @@ def _write_metadata(writer: GGUFWriter, spec: TinyModel) -> None:
         writer.add_float32(f"{arch}.rope.freq_base_swa", spec.local_rope_base)
     if spec.final_logit_softcap:
         writer.add_float32(f"{arch}.final_logit_softcapping", spec.final_logit_softcap)
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(VOCAB)
-    writer.add_token_scores([0.0] * len(VOCAB))
-    writer.add_token_types(TOKEN_TYPES)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_unk_token_id(0)
+    if spec.tokenizer == "gpt2":
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("smollm")
+        writer.add_token_list(GPT2_VOCAB)
+        writer.add_token_types(GPT2_TOKEN_TYPES)
+        writer.add_token_merges(GPT2_MERGES)
+        writer.add_bos_token_id(GPT2_VOCAB.index("<|im_start|>"))
+        writer.add_eos_token_id(GPT2_VOCAB.index("<|im_end|>"))
+    else:
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(VOCAB)
+        writer.add_token_scores([0.0] * len(VOCAB))
+        writer.add_token_types(TOKEN_TYPES)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+        writer.add_unk_token_id(0)
     writer.add_add_bos_token(True)
     if spec.chat_template is not None:
         writer.add_chat_template(spec.chat_template)
@@ -204,7 +234,7 @@ def write_tiny_model(
     # Scales like a trained network's: attention logits and residual updates of order one,
     # so logits are not so chaotic that quantization noise decides the top token.
     w_in, w_ffn_out, w_attn_out = 1 / np.sqrt(d), 1 / np.sqrt(spec.ffn_dim), 1 / np.sqrt(q_rows)
-    embedding = weight(len(VOCAB), d, 1.0)
+    embedding = weight(len(spec.vocab), d, 1.0)
     _add_weight(writer, "token_embd.weight", embedding, spec.embed_type)
     for i in range(spec.n_layers):
         p = f"blk.{i}."
@@ -239,7 +269,7 @@ def write_tiny_model(
     if not spec.tied_output:
         # An untied head near the embedding, as trained models' heads are: a purely random
         # one makes many near-tied logits, where rounding noise decides the top token.
-        head = embedding + weight(len(VOCAB), d, 0.3)
+        head = embedding + weight(len(spec.vocab), d, 0.3)
         _add_weight(writer, "output.weight", head, wt)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
