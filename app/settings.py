@@ -135,10 +135,13 @@ def write_file(values: dict[str, Any], path: Path | None = None) -> Path:
     from .gui.history import write_atomically
 
     path = path or config_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
     lines = ["# miniapp settings: `miniapp config set NAME VALUE` edits this file"]
     lines += [f"{name} = {_toml_value(value)}" for name, value in sorted(values.items())]
-    write_atomically(path, "\n".join(lines) + "\n")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, "\n".join(lines) + "\n")
+    except OSError as exc:  # the old file, if any, is left as it was
+        raise MiniappError(f"{path}: cannot write the settings ({exc.strerror or exc})") from None
     return path
 
 
@@ -171,8 +174,10 @@ def resolve(flags: dict[str, Any] | None = None, file: dict[str, Any] | None = N
     except ValidationError as exc:
         error = exc.errors()[0]
         name = error["loc"][0] if error["loc"] else "?"
-        raise MiniappError(f"setting {name} (from the {sources.get(name, '?')}): "
-                           f"{error['msg']}") from None  # fmt: skip
+        where = sources.get(name, "?")
+        if where == "file" and file is None:
+            where = f"file {config_path()}"
+        raise MiniappError(f"setting {name} (from the {where}): {error['msg']}") from None
 
 
 def _from_env(environ) -> dict[str, Any]:

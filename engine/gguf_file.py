@@ -57,7 +57,7 @@ class GGUFFile:
             layout = _read_layout(self._map)
         except (struct.error, ValueError, UnicodeDecodeError) as exc:
             self._map.close()
-            raise ModelFileError(self.path, f"corrupt or truncated GGUF ({_short(exc)})") from exc
+            raise ModelFileError(self.path, _layout_problem(exc)) from exc
         self.metadata, self.tensors, self.arrays = layout
         try:
             _check_tensor_placement(self.tensors.values(), layout_end=len(self._map))
@@ -134,6 +134,12 @@ def _check_header(path: Path) -> None:
         raise ModelFileError(path, "not a GGUF file (bad magic bytes)")
 
 
+def _layout_problem(exc: Exception) -> str:
+    if isinstance(exc, UnsupportedVersion):
+        return str(exc)
+    return f"corrupt or truncated GGUF ({_short(exc)})"
+
+
 def _short(exc: Exception) -> str:
     text = str(exc).strip().splitlines()
     return text[0][:160] if text else type(exc).__name__
@@ -165,6 +171,9 @@ class _Cursor:
         self.buffer, self.offset = buffer, offset
 
     def unpack(self, fmt: str) -> tuple:
+        if self.offset + struct.calcsize(fmt) > len(self.buffer):
+            raise ValueError(f"it ends at byte {len(self.buffer)}, inside a value at byte "
+                             f"{self.offset}")  # fmt: skip
         values = struct.unpack_from(fmt, self.buffer, self.offset)
         self.offset += struct.calcsize(fmt)
         return values
@@ -233,6 +242,10 @@ class _Cursor:
 _SKIPPED = object()
 
 
+class UnsupportedVersion(ValueError):
+    """A GGUF version this reader does not take: said as it is, not as a corrupt file."""
+
+
 def _open_sections(buffer) -> tuple[_Cursor, int, int]:
     """A cursor at the first key, the number of tensors and the number of keys."""
     cursor = _Cursor(buffer, len(GGUF_MAGIC))
@@ -240,7 +253,7 @@ def _open_sections(buffer) -> tuple[_Cursor, int, int]:
     if version & 0xFFFF == 0:
         raise ValueError("a big-endian GGUF, which this reader does not take")
     if not 2 <= version <= 3:
-        raise ValueError(f"GGUF version {version} is not supported")
+        raise UnsupportedVersion(f"GGUF version {version} is not supported (2 and 3 are)")
     n_tensors, n_keys = cursor.unpack("<QQ")
     return cursor, n_tensors, n_keys
 
@@ -370,5 +383,5 @@ def read_scalar(path: Path | str, key: str) -> Any:
                 if name == key:
                     return None if isinstance(value, list) or value is _SKIPPED else value
     except (OSError, struct.error, ValueError, UnicodeDecodeError) as exc:
-        raise ModelFileError(path, f"corrupt or truncated GGUF ({_short(exc)})") from exc
+        raise ModelFileError(path, _layout_problem(exc)) from exc
     return None

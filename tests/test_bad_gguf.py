@@ -116,11 +116,11 @@ def _misspelt_byte_token() -> dict:
 extra = [f"extra{i}" for i in range(41)]
 BAD_FILES: dict[str, tuple[Callable[[Path], Path], str]] = {
     "cut in the header": (_cut(0.001), "corrupt or truncated GGUF"),
-    "cut in the metadata": (_cut(0.1), "corrupt or truncated GGUF"),
+    "cut in the metadata": (_cut(0.1), "corrupt or truncated GGUF (it ends at byte"),
     "cut in the tensor data": (_cut(0.9), "truncated GGUF (tensor"),
     "bad magic": (lambda tmp: _edit(_model(tmp), 0, b"GGML"), "not a GGUF file (bad magic"),
     "bad version": (lambda tmp: _edit(_model(tmp), 4, struct.pack("<I", 7)),
-                    "GGUF version 7 is not supported"),
+                    ": GGUF version 7 is not supported (2 and 3 are)"),
     "absurd key count": (lambda tmp: _edit(_model(tmp), 16, struct.pack("<Q", 1 << 60)),
                          "1152921504606846976 keys and 20 tensors, more than"),
     "absurd tensor count": (lambda tmp: _edit(_model(tmp), 8, struct.pack("<Q", 1 << 60)),
@@ -136,7 +136,7 @@ BAD_FILES: dict[str, tuple[Callable[[Path], Path], str]] = {
         lambda tmp: _model(tmp, {"llama.attention.layer_norm_rms_epsilon": (math.nan, V.FLOAT32)}),
         "layer_norm_rms_epsilon is float nan, not a finite number"),
     "no attention heads": (lambda tmp: _model(tmp, {"llama.attention.head_count": (0, V.UINT32)}),
-                           "head_count are 64 and 0"),
+                           "llama.attention.head_count is 0, not a positive count"),
     "a width the tensors do not have": (
         lambda tmp: _model(tmp, {"llama.embedding_length": (128, V.UINT32)}),
         "has shape [64, 64], but the metadata gives [64, 128]"),
@@ -210,3 +210,13 @@ def test_a_vocabulary_that_would_crash_llamacpp_is_refused_by_a_child(tmp_path):
     with pytest.raises(ModelFileError, match="llama.cpp crashed reading its vocabulary .SIGABRT"):
         check_vocabulary_apart(path)
     check_vocabulary_apart(write_tiny_model(tmp_path / "good.gguf"))  # a good one passes
+
+
+@pytest.mark.parametrize(
+    "backend, case", [("torch", "no attention heads"), ("llamacpp", "more tokens than embeddings")]
+)
+def test_the_server_refuses_a_bad_file_before_it_listens(miniapp_exe, tmp_path, backend, case):
+    build, reason = BAD_FILES[case]
+    path = build(tmp_path)
+    done = _run(miniapp_exe, "serve", "--port", "0", "--backend", backend, "--model", str(path))
+    _assert_one_line_error(done, path.name, reason)

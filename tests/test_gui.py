@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import socket
 import subprocess
 import time
@@ -34,10 +35,17 @@ def _free_port() -> int:
 class GuiServer:
     """`miniapp gui` in a subprocess, on its own data folder (kept across restarts)."""
 
-    def __init__(self, exe: str, data_dir: Path, *extra_args: str):
+    def __init__(self, exe: str, data_dir: Path, *extra_args: str, file_size_limit: int = 0):
         self.exe, self.data_dir, self.extra_args = exe, data_dir, list(extra_args)
+        self.file_size_limit = file_size_limit  # bytes a written file may reach (0: no limit)
         self.process: subprocess.Popen | None = None
         self.url = ""
+
+    def _limits(self) -> None:
+        if self.file_size_limit:  # writes past it fail with EFBIG, as on a full disk
+            resource.setrlimit(
+                resource.RLIMIT_FSIZE, (self.file_size_limit, resource.RLIM_INFINITY)
+            )
 
     def start(self) -> GuiServer:
         port = _free_port()
@@ -47,6 +55,7 @@ class GuiServer:
             [self.exe, "gui", "--port", str(port), "--no-browser", "--threads", "2",
              "--temperature", "0", "--max-tokens", str(MAX_TOKENS), *self.extra_args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            preexec_fn=self._limits,
         )  # fmt: skip
         deadline = time.monotonic() + STARTUP_S
         for line in self.process.stdout:
@@ -326,6 +335,37 @@ def test_history_survives_a_restart(browser, miniapp_exe, data_dir, tmp_path):
         page.close()
     finally:
         second.stop()
+
+
+def test_a_chat_that_cannot_be_saved_goes_on_and_a_corrupt_one_is_named(
+    browser, miniapp_exe, tmp_path
+):
+    """A full disk (a file-size limit on the GUI process) and a corrupt saved chat: one line
+    each in the notice; the answer streams, the next turn sees the first, nothing is lost."""
+    conversations = tmp_path / "data" / "conversations"
+    conversations.mkdir(parents=True)
+    corrupt = conversations / ("c" * 32 + ".json")
+    corrupt.write_text('{"id": "cut off')
+    gui = GuiServer(miniapp_exe, tmp_path / "data", "--parallel", "1", file_size_limit=2000)
+    gui.start()
+    try:
+        page = browser.new_page(viewport={"width": 1280, "height": 1100})
+        page.goto(gui.url)
+        page.wait_for_selector("#message-box textarea", timeout=STARTUP_S * 1000)
+        _wait_for_text(page, "#notice", f"{corrupt.name} could not be read")
+        _send(page, "Remember the word lighthouse. " + "Background: " + "calm sea. " * 250)
+        notice = _wait_for_text(page, "#notice", "could not save this chat")
+        assert "File too large" in notice and "\n" not in notice.strip()
+        assert _answer(page)
+        _send(page, "What word?")
+        _wait_for_text(page, "#chatbot", "What word?")
+        assert _answer(page) and "Remember the word lighthouse" in page.inner_text("#chatbot")
+        page.screenshot(path=str(tmp_path / "screenshot.png"), full_page=True)
+        page.close()
+    finally:
+        gui.stop()
+    assert corrupt.read_text() == '{"id": "cut off'
+    assert gui.process.returncode in (0, -15)  # stopped by us, not crashed
 
 
 def _open_pages(browser, server, count: int) -> list:

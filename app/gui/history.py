@@ -3,6 +3,11 @@
 A conversation is saved after every message and every answer. Each write goes to a temporary
 file in the same folder, is flushed to disk, then renamed over the old file: a crash or a
 kill at any moment leaves either the previous version or the new one, never a torn file.
+
+When the folder cannot be written (read-only, full, gone), a save fails in one line
+(`HistoryError`) and the conversation is kept in memory, where the chat goes on, until a
+later save succeeds. A file that cannot be read (corrupt, or written by a newer miniapp) is
+listed as unreadable and never written over: its conversation id is never reused.
 """
 
 from __future__ import annotations
@@ -17,9 +22,16 @@ from pathlib import Path
 
 import platformdirs
 
+from miniapp.engine.errors import MiniappError
+
 DATA_DIR_ENV = "MINIAPP_DATA_DIR"
+HISTORY_VERSION = 1  # written into each file; a larger one is a newer miniapp's format
 TITLE_CHARS = 48
 _ID_PATTERN = re.compile(r"^[0-9a-f]{32}$")
+
+
+class HistoryError(MiniappError):
+    """A saved conversation that could not be written or read, in one line."""
 
 
 @dataclass
@@ -45,6 +57,7 @@ class SavedChat:
     updated: float
     model: str = ""
     messages: list[SavedMessage] = field(default_factory=list)
+    version: int = HISTORY_VERSION
 
     @classmethod
     def new(cls, model: str = "") -> SavedChat:
@@ -63,8 +76,14 @@ class SavedChat:
 
     @classmethod
     def from_dict(cls, data: dict) -> SavedChat:
+        """ValueError (or KeyError, TypeError) for data that is not a saved chat of ours."""
+        version = data.get("version", HISTORY_VERSION)
+        if not isinstance(version, int) or version > HISTORY_VERSION:
+            raise ValueError(f"written by a newer miniapp (history version {version})")
         messages = [SavedMessage(**m) for m in data.get("messages", [])]
         fields = {k: data[k] for k in ("id", "title", "created", "updated")}
+        if not all(isinstance(m.content, str) for m in messages):
+            raise ValueError("a message without text")
         return cls(**fields, model=data.get("model", ""), messages=messages)
 
     def to_markdown(self) -> str:
@@ -87,7 +106,13 @@ def data_dir() -> Path:
 class ChatStore:
     def __init__(self, folder: Path | None = None):
         self.folder = folder or data_dir() / "conversations"
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self._unsaved: dict[str, SavedChat] = {}  # saves that failed, newest version each
+        self.unreadable: dict[str, str] = {}  # file name -> why, from the last listing
+        self.problem = ""  # why the folder cannot be used, if it cannot
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            self.problem = f"cannot use {self.folder} ({_reason(exc)}): chats are kept in memory"
 
     def _path(self, conversation_id: str) -> Path:
         if not _ID_PATTERN.match(conversation_id):
@@ -95,25 +120,72 @@ class ChatStore:
         return self.folder / f"{conversation_id}.json"
 
     def save(self, conversation: SavedChat) -> None:
+        """HistoryError if the write failed; the conversation is then kept in memory (and
+        written by the next save that works)."""
         conversation.updated = time.time()
-        write_atomically(self._path(conversation.id), conversation.to_json())
+        try:
+            write_atomically(self._path(conversation.id), conversation.to_json())
+        except OSError as exc:
+            self._unsaved[conversation.id] = conversation
+            raise HistoryError(
+                f"could not save this chat in {self.folder} ({_reason(exc)}); it is kept in "
+                "memory while the app runs"
+            ) from None
+        self._unsaved.pop(conversation.id, None)
 
     def load(self, conversation_id: str) -> SavedChat:
-        data = json.loads(self._path(conversation_id).read_text(encoding="utf-8"))
-        return SavedChat.from_dict(data)
+        """HistoryError if the file is missing or is not a saved chat this version reads."""
+        if conversation_id in self._unsaved:
+            return self._unsaved[conversation_id]
+        path = self._path(conversation_id)
+        try:
+            return SavedChat.from_dict(json.loads(path.read_text(encoding="utf-8")))
+        except OSError as exc:
+            raise HistoryError(f"cannot read {path} ({_reason(exc)})") from None
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise HistoryError(f"{path} is not a readable saved chat ({exc}); it is left "
+                               "as it is") from None  # fmt: skip
 
     def delete(self, conversation_id: str) -> None:
-        self._path(conversation_id).unlink(missing_ok=True)
+        self._unsaved.pop(conversation_id, None)
+        try:
+            self._path(conversation_id).unlink(missing_ok=True)
+        except OSError as exc:
+            raise HistoryError(f"could not delete that chat ({_reason(exc)})") from None
 
     def list(self) -> list[SavedChat]:
-        """Newest first. A file that cannot be read is skipped, not fatal."""
-        found = []
-        for path in self.folder.glob("*.json"):
-            try:
-                found.append(SavedChat.from_dict(json.loads(path.read_text("utf-8"))))
-            except (OSError, ValueError, KeyError, TypeError):
+        """Newest first, unsaved ones included. A file that cannot be read is skipped and
+        named in `unreadable`, not fatal."""
+        found = dict(self._unsaved)
+        self.unreadable = {}
+        try:
+            paths = sorted(self.folder.glob("*.json"))
+        except OSError:
+            paths = []
+        for path in paths:
+            if path.stem in found:
                 continue
-        return sorted(found, key=lambda c: c.updated, reverse=True)
+            try:
+                found[path.stem] = self.load(path.stem)
+            except (HistoryError, ValueError) as exc:
+                self.unreadable[path.name] = str(exc)
+        return sorted(found.values(), key=lambda c: c.updated, reverse=True)
+
+    def notice(self) -> str:
+        """One line on what is wrong with the saved chats, or ""."""
+        if self.problem:
+            return self.problem
+        if self._unsaved:
+            return f"{len(self._unsaved)} chat(s) not saved yet: {self.folder} cannot be written"
+        if self.unreadable:
+            name = next(iter(self.unreadable))
+            more = f" and {len(self.unreadable) - 1} more" if len(self.unreadable) > 1 else ""
+            return f"{name}{more} could not be read and {'are' if more else 'is'} left as is"
+        return ""
+
+
+def _reason(exc: OSError) -> str:
+    return exc.strerror or type(exc).__name__
 
 
 def write_atomically(path: Path, text: str) -> None:
@@ -122,11 +194,15 @@ def write_atomically(path: Path, text: str) -> None:
 
 def write_atomically_bytes(path: Path, data: bytes) -> None:
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with temporary.open("wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
+    try:
+        with temporary.open("wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except OSError:
+        temporary.unlink(missing_ok=True)  # a full disk keeps no half-written copies
+        raise
     folder = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(folder)  # the rename itself survives a power cut

@@ -195,8 +195,8 @@ def _wire(ctx: GuiContext, w: dict) -> None:
             return
         conversation.messages.append(user)
         conversation.retitle()
-        ctx.store.save(conversation)  # the question is saved before the answer starts
-        yield *_view(ctx, conversation, notice="; ".join(user.notes)), EMPTY_BOX
+        saved = _save(ctx, conversation)  # the question is saved before the answer starts
+        yield *_view(ctx, conversation, notice=_joined(*user.notes, saved)), EMPTY_BOX
         for view in _answer(ctx, conversation, settings, notes=user.notes):
             yield *view, gr.update()
 
@@ -221,8 +221,8 @@ def _wire(ctx: GuiContext, w: dict) -> None:
             return gr.update(), gr.update(), gr.update()
         last = conversation.messages[users[-1]]
         del conversation.messages[users[-1] :]
-        ctx.store.save(conversation)
-        return chat_messages(conversation), {"text": last.display, "files": []}, ""
+        saved = _save(ctx, conversation)
+        return chat_messages(conversation), {"text": last.display, "files": []}, saved
 
     def stop_answer(conversation_id: str):
         if conversation_id:
@@ -236,13 +236,16 @@ def _wire(ctx: GuiContext, w: dict) -> None:
             return gr.update(), gr.update(), "choose a saved chat first"
         try:
             conversation = ctx.store.load(chosen)
-        except (OSError, ValueError) as exc:
+        except (MiniappError, ValueError) as exc:
             return gr.update(), gr.update(), f"⚠️ cannot open that chat: {exc}"
         return chat_messages(conversation), conversation.id, f"opened “{conversation.title}”"
 
     def delete_chat(chosen: str | None, conversation_id: str):
         if chosen:
-            ctx.store.delete(chosen)
+            try:
+                ctx.store.delete(chosen)
+            except MiniappError as exc:
+                gr.Warning(str(exc))
         cleared = chosen == conversation_id
         choices = gr.update(choices=history_choices(ctx.store), value=None)
         return choices, ([] if cleared else gr.update()), ("" if cleared else conversation_id)
@@ -251,12 +254,16 @@ def _wire(ctx: GuiContext, w: dict) -> None:
         target = chosen or conversation_id
         if not target:
             return None
-        conversation = ctx.store.load(target)
         folder = ctx.store.folder.parent / "exports"
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"{conversation.id}.{kind}"
-        text = conversation.to_markdown() if kind == "md" else conversation.to_json()
-        path.write_text(text, encoding="utf-8")
+        try:
+            conversation = ctx.store.load(target)
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / f"{conversation.id}.{kind}"
+            text = conversation.to_markdown() if kind == "md" else conversation.to_json()
+            path.write_text(text, encoding="utf-8")
+        except (MiniappError, ValueError, OSError) as exc:
+            gr.Warning(f"could not export that chat: {exc}")
+            return None
         return str(path)
 
     def settings_changed(*values):
@@ -287,7 +294,7 @@ def _wire(ctx: GuiContext, w: dict) -> None:
                    w["window"], w["sinks"]):  # fmt: skip
         widget.change(settings_changed, settings_inputs, w["status"])
     # The list built with the page is the server's at start-up: each visit reads it afresh.
-    w["demo"].load(lambda: gr.update(choices=history_choices(ctx.store)), None, w["saved"])
+    w["demo"].load(_on_page_load(ctx), None, [w["saved"], w["notice"]])
     timer = gr.Timer(STATUS_POLL_S)
     timer.tick(lambda: ctx.host.status.message, None, w["status"], queue=False)
     _wire_microphone(ctx, w)
@@ -329,13 +336,38 @@ def _conversation(ctx: GuiContext, conversation_id: str, settings: ChatSettings)
     if conversation_id:
         try:
             return ctx.store.load(conversation_id)
-        except (OSError, ValueError):
-            pass
+        except (MiniappError, ValueError):
+            pass  # a new chat, under a new id: the unreadable file is never written over
     return SavedChat.new(Path(settings.model).name)
 
 
+def _on_page_load(ctx: GuiContext):
+    def load():
+        choices = gr.update(choices=history_choices(ctx.store))
+        problem = ctx.store.notice()  # read after the listing, which finds unreadable files
+        return choices, f"⚠️ {problem}" if problem else gr.update()
+
+    return load
+
+
+def _save(ctx: GuiContext, conversation: SavedChat) -> str:
+    """ "" when saved; otherwise the one-line reason (the chat goes on, kept in memory)."""
+    try:
+        ctx.store.save(conversation)
+    except MiniappError as exc:
+        return f"⚠️ {exc}"
+    return ""
+
+
+def _joined(*notes: str) -> str:
+    return "; ".join(note for note in notes if note)
+
+
 def _view(ctx: GuiContext, conversation: SavedChat, figures: str = "", notice: str = ""):
-    choices = gr.update(choices=history_choices(ctx.store))
+    choices = gr.update(choices=history_choices(ctx.store))  # also reads the store's health
+    store_notice = ctx.store.notice()
+    if store_notice and store_notice not in notice:
+        notice = _joined(notice, f"⚠️ {store_notice}")
     return chat_messages(conversation), figures, notice, choices, conversation.id
 
 
@@ -348,10 +380,10 @@ def _answer(ctx: GuiContext, conversation: SavedChat, settings: ChatSettings, no
         for update in stream_answer(ctx.host, conversation, settings, stop.is_set):
             bubble = {"role": "assistant", "content": update.text}
             if update.finished:
-                ctx.store.save(conversation)
-                yield _view(ctx, conversation, update.figures, notice)
+                saved = _save(ctx, conversation)
+                yield _view(ctx, conversation, update.figures, _joined(notice, saved))
             else:
                 yield shown + [bubble], update.figures, notice, gr.update(), conversation.id
     except (ModelLoadError, MiniappError) as exc:
-        ctx.store.save(conversation)  # with what a server sent before it broke off
-        yield _view(ctx, conversation, notice=f"⚠️ {exc}")
+        saved = _save(ctx, conversation)  # with what a server sent before it broke off
+        yield _view(ctx, conversation, notice=_joined(f"⚠️ {exc}", saved))

@@ -13,7 +13,10 @@ from pathlib import Path
 
 from miniapp.engine.chat_template import ChatTemplate
 from miniapp.engine.errors import MiniappError
+from miniapp.engine.gguf_file import GGUFFile
+from miniapp.engine.model_checks import check_model_file
 from miniapp.engine.model_store import resolve_model
+from miniapp.engine.models import check_supported
 from miniapp.engine.runtimes import REMOTE_BACKEND
 from miniapp.engine.sampling import SamplingParams
 
@@ -31,6 +34,7 @@ def run_serve(args: argparse.Namespace) -> int:
     model_path = resolve_model(args.model)
     if not model_path.is_file():
         raise MiniappError(f"{args.model}: model file not found")
+    check_model(model_path, args.backend)
     chat_template_source(args.chat_template_file)  # a bad file stops us before loading
     spec = load_spec(args)
     host = ModelHost()
@@ -45,6 +49,17 @@ def run_serve(args: argparse.Namespace) -> int:
     finally:
         server.should_exit = True
     return 0
+
+
+def check_model(path: Path, backend: str) -> None:
+    """The file's structure and metadata, checked before the server listens (milliseconds):
+    a bad file is one line and exit code 2, not a server that can never answer. What only
+    loading finds (NaN weights, a vocabulary llama.cpp cannot read) /health reports."""
+    gguf = GGUFFile(path)
+    if backend == "torch":
+        check_supported(gguf)
+    else:
+        check_model_file(gguf)
 
 
 def check_local_backend(backend: str) -> None:

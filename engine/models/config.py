@@ -95,8 +95,9 @@ class MetadataReader:
         """Fields shared by every architecture's config."""
         dim = self.whole("embedding_length", required=True)
         n_heads = self.whole("attention.head_count", required=True)
-        if dim <= 0 or n_heads <= 0:
-            raise self.bad("embedding_length", f"and head_count are {dim} and {n_heads}")
+        for key, value in (("embedding_length", dim), ("attention.head_count", n_heads)):
+            if value <= 0:
+                raise self.bad(key, f"is {value}, not a positive count")
         head_dim = self.whole("attention.key_length", dim // n_heads)
         if self.whole("attention.value_length", head_dim) != head_dim:
             raise self.unsupported("different key and value head sizes are not supported yet")
