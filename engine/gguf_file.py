@@ -59,11 +59,10 @@ class GGUFFile:
             self._map.close()
             raise ModelFileError(self.path, _layout_problem(exc)) from exc
         self.metadata, self.tensors, self.arrays = layout
-        try:
-            _check_tensor_placement(self.tensors.values(), layout_end=len(self._map))
-        except ModelFileError as exc:
+        problem = _misplaced_tensor(self.tensors.values(), file_end=len(self._map))
+        if problem:
             self._map.close()
-            raise ModelFileError(self.path, exc.reason) from None
+            raise ModelFileError(self.path, problem)
 
     @property
     def architecture(self) -> str:
@@ -326,20 +325,17 @@ def _array_at(buffer, start: int) -> ArrayInfo | None:
     return ArrayInfo(element, items, cursor.offset)
 
 
-def _check_tensor_placement(tensors, layout_end: int) -> None:
-    """Every tensor's bytes inside the file and no two tensors sharing bytes."""
+def _misplaced_tensor(tensors, file_end: int) -> str | None:
+    """Why a tensor's bytes are not inside the file or overlap another's, or None."""
     previous = None
     for info in sorted(tensors, key=lambda info: info.offset):
-        if info.offset + info.nbytes > layout_end:
-            raise ModelFileError(
-                "", f"truncated GGUF (tensor {info.name} claims {_size(info.nbytes)} from byte "
-                f"{info.offset}, past the end of the file at {layout_end})"
-            )  # fmt: skip
+        if info.offset + info.nbytes > file_end:
+            return (f"truncated GGUF (tensor {info.name} claims {_size(info.nbytes)} from byte "
+                    f"{info.offset}, past the end of the file at {file_end})")  # fmt: skip
         if previous is not None and previous.offset + previous.nbytes > info.offset:
-            raise ModelFileError(
-                "", f"corrupt GGUF (tensors {previous.name} and {info.name} overlap)"
-            )
+            return f"corrupt GGUF (tensors {previous.name} and {info.name} overlap)"
         previous = info
+    return None
 
 
 def _size(nbytes: int) -> str:

@@ -3,7 +3,8 @@
 `GGUFFile` already refuses a file whose structure is broken (truncated, bad counts, tensors
 outside the file or overlapping). These checks cover what the structure leaves open: known
 keys holding the wrong type of value, a tokenizer whose arrays disagree with each other or
-with the embedding, and a chat template that does not parse. They run before llama.cpp reads
+with the embedding, byte tokens llama.cpp's tokenizer would abort on, and a chat template
+that does not parse. They run before llama.cpp reads
 the vocabulary, so a hostile file is refused here in one line rather than inside C++.
 """
 
@@ -53,7 +54,8 @@ def check_model_file(gguf: GGUFFile) -> None:
     _check_chat_template(gguf)
 
 
-def _describe(value) -> str:
+def describe_value(value) -> str:
+    """A metadata value as an error line shows it: its type and the start of its text."""
     if isinstance(value, list):
         return f"a list of {len(value)}"
     return f"{type(value).__name__} {repr(value)[:40]}"
@@ -61,7 +63,7 @@ def _describe(value) -> str:
 
 def _check_value_types(gguf: GGUFFile) -> None:
     def bad(key: str, value, wanted: str) -> ModelFileError:
-        return ModelFileError(gguf.path, f"metadata {key} is {_describe(value)}, not {wanted}")
+        return ModelFileError(gguf.path, f"metadata {key} is {describe_value(value)}, not {wanted}")
 
     for key in _TEXT_KEYS:
         value = gguf.metadata.get(key)
@@ -105,7 +107,9 @@ def _check_tokenizer(gguf: GGUFFile) -> None:
             continue
         # An id past the vocabulary is allowed: llama.cpp warns and uses its default.
         if type(value) is not int:
-            raise ModelFileError(gguf.path, f"metadata {key} is {_describe(value)}, not a token id")
+            raise ModelFileError(
+                gguf.path, f"metadata {key} is {describe_value(value)}, not a token id"
+            )
     _check_byte_tokens(gguf)
     embedding = gguf.tensors.get("token_embd.weight")
     if embedding is not None and embedding.shape[0] != tokens.length:

@@ -110,21 +110,31 @@ class _Client:
         self.random = random.Random(seed)
         self.model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
         self.figures, self.lock = figures, lock
-        self.http = httpx.Client(base_url=base, timeout=120)
+        self.last_code = ""  # the error code of the last 503
+        self.http = httpx.Client(base_url=base, timeout=120,
+                                 event_hooks={"response": [self._note_refusal]})  # fmt: skip
 
     def run(self, until: float) -> None:
         kinds, weights = zip(*MIX.items(), strict=True)
         while time.monotonic() < until:
             kind = self.random.choices(kinds, weights)[0]
+            self.last_code = ""
             try:
                 status = getattr(self, kind)()
             except httpx.HTTPError as exc:
                 status = 0
                 self.invalid(f"{kind}: {type(exc).__name__}: {exc}")
+            if status == 503 and self.last_code != "queue_full":
+                self.invalid(f"{kind}: a 503 that is not the queue's bound ({self.last_code})")
             with self.lock:
                 self.figures.statuses[(kind, status)] += 1
 
     # -- helpers
+
+    def _note_refusal(self, response: httpx.Response) -> None:
+        if response.status_code == 503:
+            response.read()
+            self.last_code = response.json().get("error", {}).get("code", "")
 
     def invalid(self, reason: str) -> None:
         with self.lock:
@@ -152,7 +162,8 @@ class _Client:
         text = choice["message"]["content"] if "message" in choice else choice["text"]
         if choice["finish_reason"] not in ("stop", "length") or not isinstance(text, str):
             self.invalid(f"{kind}: finish_reason {choice['finish_reason']!r}")
-        elif not 0 <= tokens <= limit or (choice["finish_reason"] == "length") != (tokens == limit):
+        # "stop" may come at the limit too: the end-of-turn token can be the last one allowed.
+        elif not 0 <= tokens <= limit or (choice["finish_reason"] == "length" and tokens < limit):
             self.invalid(f"{kind}: {tokens} tokens, {choice['finish_reason']} at {limit}")
         else:
             self.produced(tokens)

@@ -220,3 +220,15 @@ def test_the_server_refuses_a_bad_file_before_it_listens(miniapp_exe, tmp_path, 
     path = build(tmp_path)
     done = _run(miniapp_exe, "serve", "--port", "0", "--backend", backend, "--model", str(path))
     _assert_one_line_error(done, path.name, reason)
+
+
+def test_a_file_cut_anywhere_is_refused_in_one_line(warm, tmp_path):
+    """Every 2% of a tiny model, and the last bytes: each cut is a one-line refusal."""
+    whole = write_tiny_model(tmp_path / "whole.gguf").read_bytes()
+    cut = tmp_path / "cut.gguf"
+    ends = sorted({len(whole) * i // 50 for i in range(50)} | {len(whole) - 1})
+    for end in ends:
+        cut.write_bytes(whole[:end])
+        with pytest.raises(ModelFileError) as refused:
+            load_to_first_token(cut)
+        assert "\n" not in str(refused.value) and str(cut) in str(refused.value), end

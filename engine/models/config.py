@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from ..errors import ModelFileError, UnsupportedModelError
 from ..gguf_file import GGUFFile
+from ..model_checks import describe_value
 
 
 @dataclass(frozen=True)
@@ -68,20 +69,20 @@ class MetadataReader:
         """A whole number (GGUF's integer types); booleans and floats are refused."""
         value = self._raw(key, default, required)
         if type(value) is not int:
-            raise self.bad(key, f"is {_shown(value)}, not a whole number")
+            raise self.bad(key, f"is {describe_value(value)}, not a whole number")
         return value
 
     def real(self, key: str, default: float | None = None, required: bool = False) -> float:
         """A finite number, integer or float."""
         value = self._raw(key, default, required)
         if type(value) not in (int, float) or not math.isfinite(value):
-            raise self.bad(key, f"is {_shown(value)}, not a finite number")
+            raise self.bad(key, f"is {describe_value(value)}, not a finite number")
         return float(value)
 
     def text(self, key: str, default: str) -> str:
         value = self._raw(key, default, required=False)
         if not isinstance(value, str):
-            raise self.bad(key, f"is {_shown(value)}, not text")
+            raise self.bad(key, f"is {describe_value(value)}, not text")
         return value
 
     def get(self, key: str, default=None):
@@ -131,13 +132,6 @@ class MetadataReader:
             rotary_dim=self.whole("rope.dimension_count", head_dim),
             position_scale=1.0 / factor if scaling == "linear" else 1.0,
         )
-
-
-def _shown(value) -> str:
-    if isinstance(value, list):
-        return f"a list of {len(value)}"
-    text = repr(value)
-    return f"{type(value).__name__} {text[:40]}"
 
 
 # Upper bounds far above any real model's, so that a corrupt count is refused before it
