@@ -37,7 +37,7 @@ def test_a_one_shot_chat_says_one_line_and_exits_2(miniapp_exe, tmp_path, kind):
     path = _hostile_model(tmp_path, kind)
     started = time.monotonic()
     done = _run(miniapp_exe, "chat", "--model", str(path), "--spec", "off", stdin="hello\n")
-    assert time.monotonic() - started < 60
+    assert time.monotonic() - started < 110  # a process start and a refusal, not a hang
     _assert_one_line_error(done, "chat template", HOSTILE[kind][1])
 
 
