@@ -50,5 +50,9 @@ def check_supported(gguf: GGUFFile) -> DecoderConfig:
     return config
 
 
-def build_model(gguf: GGUFFile, placement: Placement = CPU_PLACEMENT) -> DecoderModel:
-    return build_decoder(gguf, check_supported(gguf), placement)
+def build_model(
+    gguf: GGUFFile, placement: Placement = CPU_PLACEMENT, config: DecoderConfig | None = None
+) -> DecoderModel:
+    """The model, placed as asked. `config` is check_supported's answer for this file when
+    the caller already has it: the check reads every vocabulary string, so it runs once."""
+    return build_decoder(gguf, config or check_supported(gguf), placement)

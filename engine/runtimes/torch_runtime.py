@@ -96,7 +96,8 @@ class TorchRuntime(Runtime):
         gguf = gguf or GGUFFile(self.model_path)
         self.gguf = gguf  # kept (memory-mapped) to rebuild the model on a fallback
         self.probe = probe or default_probe()
-        head_dim = check_supported(gguf).head_dim  # a bad file is refused before any use
+        self.config = check_supported(gguf)  # a bad file is refused before any use
+        head_dim = self.config.head_dim
         self.kv_type = asked or default_kv_type(head_dim)
         self.kv_type.check(head_dim)
         footprint = estimate_footprint(gguf, n_ctx, self.kv_type)
@@ -145,7 +146,7 @@ class TorchRuntime(Runtime):
         return self._fall_back_to_cpu(step, reason)
 
     def _build(self) -> DecoderModel:
-        model = build_model(self.gguf, self._placement())
+        model = build_model(self.gguf, self._placement(), self.config)
         self.probe.watch(model, self.device_plan)
         return model
 
