@@ -378,10 +378,17 @@ def _add_asr_eval_parser(eval_sub) -> None:
     modes = asr.add_mutually_exclusive_group()
     modes.add_argument("--stream", action="store_true", help="only the streaming path")
     modes.add_argument("--offline", action="store_true", help="only offline recognition")
-    asr.add_argument("--set", choices=("clean", "hard"), default="clean", help="sentence set")
+    asr.add_argument(
+        "--set", choices=("clean", "hard", "wide"), default="clean",
+        help="sentence set (wide: voices, speeds, pauses and noise never tuned on; scored per "
+        "condition, offline and streamed)",
+    )  # fmt: skip
     asr.add_argument("--sentences", type=_positive_int, help="use only the first N sentences")
     _add_asr_model_arg(asr)
-    asr.add_argument("--asr-threads", type=_positive_int, help="CPU threads for recognition")
+    asr.add_argument(
+        "--asr-threads", type=_positive_int,
+        help="CPU threads for recognition (default: --threads, else up to 4)",
+    )  # fmt: skip
     asr.add_argument(
         "--no-answer", action="store_true",
         help="skip end of speech -> first answer token (which loads the chat model)",
@@ -430,8 +437,9 @@ def _add_transcribe_parser(sub) -> None:
     _add_asr_model_arg(transcribe)
     transcribe.add_argument("--threads", type=_positive_int, help="CPU threads for recognition")
     transcribe.add_argument(
-        "--chunk", type=_positive_float, default=0.5,
-        help="--stream: seconds of audio per streaming step (default 0.5)",
+        "--chunk", type=_positive_float,
+        help="--stream: seconds of audio per streaming step (default: the streaming "
+        "policy's, 0.3)",
     )  # fmt: skip
     transcribe.add_argument(
         "--no-refine", action="store_true",

@@ -27,7 +27,6 @@ from miniapp.engine.voice.export import to_json, to_srt, to_vtt
 from miniapp.engine.voice.microphone import Microphone, NoAudioDevice, check_input_device
 from miniapp.engine.voice.offline import transcribe_blocks
 from miniapp.engine.voice.streaming import (
-    CHUNK_S,
     ReplayClock,
     StreamingConfig,
     StreamingTranscriber,
@@ -163,8 +162,9 @@ def _listen(
     events: list[VoiceEvent],
     out: TextIO,
 ) -> None:
-    """Feed the microphone to the transcriber every CHUNK_S, showing the words so far."""
-    step = int(CHUNK_S * SAMPLE_RATE)
+    """Feed the microphone to the transcriber every `chunk_s` of its config, showing the words
+    so far (committed, then the partial tail)."""
+    step = int(transcriber.config.chunk_s * SAMPLE_RATE)
     waiting = 0
     committed: list[str] = []
     while not stop.is_set():

@@ -174,6 +174,40 @@ def test_stream_sends_committed_words_as_openai_events(server, client, sentence)
     assert "".join(e.delta for e in events[:-1]) == events[-1].text == done["text"]
 
 
+def test_a_stream_can_ask_for_partial_text(server, client, sentence):
+    _, base = server
+    speech, audio = sentence
+    files = {"file": ("sentence.wav", audio, "audio/wav")}
+    fields = {"model": "whisper-1", "stream": "true", "include[]": "partials"}
+    url = base + "/v1/audio/transcriptions"
+    with httpx.stream("POST", url, files=files, data=fields, timeout=60) as response:
+        assert response.status_code == 200
+        events = [json.loads(line.removeprefix("data: ")) for line in response.iter_lines()
+                  if line and line != "data: [DONE]"]  # fmt: skip
+    kinds = [e["type"] for e in events]
+    assert kinds[-1] == "transcript.text.done" and "transcript.text.partial" in kinds
+    # A word shows as partial text before it is committed: the first partial comes before
+    # the first delta, and every committed word was shown in some partial first.
+    assert kinds.index("transcript.text.partial") < kinds.index("transcript.text.delta")
+    partial_words = {normalized_words(w["word"])[0] for e in events
+                     if e["type"] == "transcript.text.partial" for w in e["words"]}  # fmt: skip
+    committed = normalized_words(events[-1]["text"])
+    assert sum(w in partial_words for w in committed) >= 0.8 * len(committed), partial_words
+    deltas = [e["delta"] for e in events if e["type"] == "transcript.text.delta"]
+    assert "".join(deltas) == events[-1]["text"]
+    assert word_error_rate(speech.text, events[-1]["text"]) == 0
+
+    # The official client passes the extension through and still ends on the done event.
+    streamed = list(transcribe(client, sentence, stream=True, include=["partials"]))
+    assert streamed[-1].type == "transcript.text.done"
+    assert any(e.type == "transcript.text.partial" for e in streamed)
+    # Partial text is a streaming feature; OpenAI's own include (logprobs) is not done here.
+    for extra, param in (({"include[]": "partials"}, "include[]"),
+                         ({"include[]": "logprobs", "stream": "true"}, "include[]")):  # fmt: skip
+        response = post(base, {"file": ("sentence.wav", audio)}, model="whisper-1", **extra)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
 # ------------------------------------------------------------------ bad requests
 
 

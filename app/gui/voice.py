@@ -20,9 +20,6 @@ from miniapp.engine.voice.events import EndOfUtterance, PartialText, Word, Words
 from .controller import Transcriber
 
 INT16_SCALE = 32768.0
-# Recognising after every browser chunk would fall behind, so the worker runs the transcriber
-# once this much new audio has arrived (everything queued meanwhile goes in at once).
-PROCESS_EVERY_S = 0.5
 _END = None  # queued after the last chunk of a recording
 
 
@@ -116,7 +113,10 @@ class _Recording:
                 if ended:
                     self._apply(stream.finish())
                     return
-                if unprocessed_s >= PROCESS_EVERY_S:
+                # Recognising after every browser chunk would fall behind: the transcriber
+                # runs once its step of new audio has arrived (what queued meanwhile goes in
+                # at once).
+                if unprocessed_s >= stream.config.chunk_s:
                     unprocessed_s = 0.0
                     self._apply(stream.process_iter())
         except Exception as exc:  # shown in the transcript; the GUI keeps running

@@ -7,7 +7,9 @@ The request is OpenAI's multipart form: `file`, `model`, and optionally `languag
 `stream=true` it takes `transcribe --stream`'s (live-sized chunks through the streaming
 transcriber on a replay clock), and each batch of committed words is sent as a
 `transcript.text.delta` event as soon as it is committed, with its words' times on the stream
-clock.
+clock. A stream that asks for `include[]=partials` (our extension) also gets a
+`transcript.text.partial` event whenever the uncommitted tail changes: the words heard but
+not yet final, which a later partial replaces and a delta makes final.
 
 There is one recogniser per server, loaded by the first request and kept. It is not
 thread-safe, so one worker thread runs every transcription, one at a time; the event loop only
@@ -40,7 +42,7 @@ from miniapp.engine.errors import MiniappError
 from miniapp.engine.model_store import DEFAULT_ASR_MODEL
 from miniapp.engine.voice.asr import FRAMES_PER_SECOND, LANGUAGE, WhisperASR, load_asr
 from miniapp.engine.voice.audio import SAMPLE_RATE, AudioFileError, iter_audio
-from miniapp.engine.voice.events import Word, WordsCommitted, words_text
+from miniapp.engine.voice.events import PartialText, Word, WordsCommitted, words_text
 from miniapp.engine.voice.export import cues, to_srt, to_vtt
 from miniapp.engine.voice.offline import transcribe_blocks
 from miniapp.engine.voice.streaming import ReplayClock, StreamingTranscriber, replay
@@ -55,9 +57,11 @@ FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
 STREAM_FORMATS = ("json", "text")  # a stream is events of text, whatever the format
 GRANULARITIES = ("word", "segment")
 FIELDS = frozenset({"file", "model", "language", "prompt", "temperature", "response_format",
-                    "timestamp_granularities", "stream"})  # fmt: skip
+                    "timestamp_granularities", "stream", "include"})  # fmt: skip
+# What `include[]` may ask for: OpenAI's is "logprobs" (not done here); "partials" is ours.
+INCLUDES = ("partials",)
 # OpenAI's fields that this server does not do: a request that sets one gets a 400 naming it.
-NOT_SUPPORTED = frozenset({"chunking_strategy", "include", "keywords", "known_speaker_names",
+NOT_SUPPORTED = frozenset({"chunking_strategy", "keywords", "known_speaker_names",
                            "known_speaker_references", "languages"})  # fmt: skip
 DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
 
@@ -97,6 +101,7 @@ class TranscriptionRequest:
     granularities: frozenset[str] = frozenset()
     stream: bool = False
     prompt: str = ""
+    partials: bool = False  # a stream that also sends the uncommitted tail as it changes
 
     @property
     def wants_segments(self) -> bool:
@@ -149,6 +154,7 @@ def parse_request(form: FormData) -> tuple[TranscriptionRequest, UploadFile]:
     asked = TranscriptionRequest(
         model, upload.filename or "file", response_format,
         _granularities(form, response_format), stream, _text(form, "prompt") or "",
+        "partials" in _includes(form, stream),
     )  # fmt: skip
     return asked, upload
 
@@ -202,6 +208,18 @@ def _granularities(form: FormData, response_format: str) -> frozenset[str]:
     return frozenset(values)
 
 
+def _includes(form: FormData, stream: bool) -> frozenset[str]:
+    key = "include[]"
+    values = [*form.getlist(key), *form.getlist("include")]
+    for value in values:
+        if value not in INCLUDES:
+            raise _invalid(key, str(value), INCLUDES)
+    if values and not stream:
+        raise bad_request(f"'{key}=partials' needs stream=true (partial text is only sent "
+                          "while streaming)", key, code="invalid_value")  # fmt: skip
+    return frozenset(values)
+
+
 def _check_language(language: str | None) -> None:
     if language is not None and language.lower() != LANGUAGE:
         raise bad_request(f"language '{language}' is not supported: this server's recogniser "
@@ -210,8 +228,8 @@ def _check_language(language: str | None) -> None:
 
 
 def _check_temperature(given: str | None) -> None:
-    """Only 0: the recogniser decodes without sampling (greedy while streaming, beam search
-    otherwise), so any other temperature would be ignored, which is refused instead."""
+    """Only 0: the recogniser decodes without sampling (beam search, streamed or not), so any
+    other temperature would be ignored, which is refused instead."""
     if given is None:
         return
     try:
@@ -465,6 +483,8 @@ def _stream_words(asr: WhisperASR, audio: UploadedAudio, job: Job) -> None:
         if isinstance(event, WordsCommitted):
             job.send(event.words)
             committed += len(event.words)
+        elif isinstance(event, PartialText) and job.asked.partials:
+            job.send(event)
     if not committed:
         raise audio.no_speech()
 
@@ -527,8 +547,8 @@ def _segments(words: list[Word], windows: list[_Window], asr: WhisperASR) -> lis
 async def _events(first: object, job: Job) -> AsyncIterator[str]:
     """OpenAI's transcription stream: a `transcript.text.delta` per batch of committed words
     (with those words' times, which OpenAI clients ignore), then `transcript.text.done` with
-    the whole text, then `data: [DONE]`. A stream that ends early (the client left) stops the
-    work."""
+    the whole text, then `data: [DONE]`; partial text, when asked for, comes between them. A
+    stream that ends early (the client left) stops the work."""
     words: list[Word] = []
     failed = False
     item = first
@@ -537,6 +557,9 @@ async def _events(first: object, job: Job) -> AsyncIterator[str]:
             if isinstance(item, ApiError):  # after the first words: too late for a status
                 failed = True
                 yield _sse(item.body())
+            elif isinstance(item, PartialText):
+                yield _sse({"type": "transcript.text.partial", "text": item.text,
+                            "words": [_word(w) for w in item.words]})  # fmt: skip
             else:
                 yield _sse(_delta(item, words))
                 words += item

@@ -7,7 +7,8 @@ The audio is cut into speech regions at pauses; each word is assigned to one reg
 so that the words overlap their regions as much as possible (a small dynamic programme); the
 first word of a region then starts where the region starts and the last one ends where it
 ends. Words spoken without a pause between them share a region: the edges between them have
-nothing to snap to and keep Whisper's estimate (kept in order and inside the region).
+nothing to snap to and keep Whisper's estimate, less its measured lag (kept in order and
+inside the region).
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ SILENCE_DB = -100.0
 # Gaps shorter than this are inside words (stop consonants close for up to ~0.1 s).
 MIN_PAUSE_S = 0.12
 MIN_REGION_S = 0.03  # shorter bursts are clicks
+# Whisper's alignment places the edges between words spoken without a pause late: by 85 ms
+# (median, both starts and ends) on the clean tuning sentences spoken as connected speech
+# with their espeak-ng word events as the truth. Such edges are moved back by that much.
+ALIGNMENT_LAG_S = 0.085
 
 
 @dataclass(frozen=True)
@@ -71,13 +76,17 @@ def refine_words(words: list[Word], audio: np.ndarray, offset: float = 0.0) -> l
         if region is not None:
             first = i == 0 or owners[i - 1] != owners[i]
             last = i + 1 == len(words) or owners[i + 1] != owners[i]
-            start = region.start if first else min(max(start, region.start), region.end)
-            end = region.end if last else min(max(end, region.start), region.end)
+            start = region.start if first else _inside(start - ALIGNMENT_LAG_S, region)
+            end = region.end if last else _inside(end - ALIGNMENT_LAG_S, region)
         start = max(start, previous_end)
         end = max(end, start)
         refined.append(replace(word, start=start, end=end))
         previous_end = end
     return refined
+
+
+def _inside(time: float, region: Region) -> float:
+    return min(max(time, region.start), region.end)
 
 
 def _assign(words: list[Word], regions: list[Region]) -> list[int | None]:

@@ -38,6 +38,7 @@ class PartialText:
     """The not yet committed tail of the hypothesis; it may still change."""
 
     text: str
+    words: tuple[Word, ...] = ()  # the same tail as words with their (provisional) times
 
 
 @dataclass(frozen=True)

@@ -2,16 +2,35 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from statistics import mean
+
+from num2words import num2words
 
 from .agreement import normalize
 from .events import Word
 
+# "42", "12:30", "3.5": numbers are compared as words, however they were written.
+_NUMBER = re.compile(r"\d+(?:[.:]\d+)?")
+_WORD_SEPARATORS = re.compile(r"[-–—/]")
+
 
 def normalized_words(text: str) -> list[str]:
-    """Lower case, punctuation gone: what WER compares."""
-    return [w for w in (normalize(part) for part in text.split()) if w]
+    """Lower case, punctuation gone, numbers spelled out ("12:30" as "twelve thirty"): what
+    WER compares."""
+    words: list[str] = []
+    for part in _WORD_SEPARATORS.sub(" ", _NUMBER.sub(_spelled, text)).split():
+        if word := normalize(part):
+            words.append(word)
+    return words
+
+
+def _spelled(number: re.Match) -> str:
+    text = number.group()
+    if ":" in text:  # a time: "12:30" is said "twelve thirty"
+        return " ".join(num2words(int(part)) for part in text.split(":"))
+    return f" {num2words(float(text) if '.' in text else int(text))} "
 
 
 def word_error_rate(reference: str, hypothesis: str) -> float:
@@ -30,6 +49,35 @@ def word_error_rate(reference: str, hypothesis: str) -> float:
             )
         previous = current
     return previous[-1] / max(1, len(ref))
+
+
+def matched_words(words: Sequence[Word], truth: Sequence[Word]) -> list[tuple[Word, int]]:
+    """The recognised words that match a true word, each with that word's index, by an
+    alignment of least edit distance (a word matches when both spell the same after
+    normalising, numbers included)."""
+    said = [" ".join(normalized_words(w.word)) for w in words]
+    true = [" ".join(normalized_words(w.word)) for w in truth]
+    # cost[i][j]: edit distance between said[i:] and true[j:]
+    cost = [[0] * (len(true) + 1) for _ in range(len(said) + 1)]
+    for i in range(len(said), -1, -1):
+        for j in range(len(true), -1, -1):
+            if i == len(said) or j == len(true):
+                cost[i][j] = (len(said) - i) + (len(true) - j)
+            else:
+                cost[i][j] = min(cost[i + 1][j] + 1, cost[i][j + 1] + 1,
+                                 cost[i + 1][j + 1] + (said[i] != true[j]))  # fmt: skip
+    pairs, i, j = [], 0, 0
+    while i < len(said) and j < len(true):
+        if said[i] == true[j] and cost[i][j] == cost[i + 1][j + 1]:
+            pairs.append((words[i], j))
+            i, j = i + 1, j + 1
+        elif cost[i][j] == cost[i + 1][j + 1] + 1:
+            i, j = i + 1, j + 1
+        elif cost[i][j] == cost[i + 1][j] + 1:
+            i += 1
+        else:
+            j += 1
+    return pairs
 
 
 def boundary_errors(words: Sequence[Word], truth: Sequence[Word]) -> tuple[list, list] | None:
