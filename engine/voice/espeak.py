@@ -21,6 +21,7 @@ import numpy as np
 
 from .audio import SAMPLE_RATE
 from .events import Word
+from .synthetic import SpeechSynthesisError
 
 LIBRARY = "espeak-ng"
 _SYNCHRONOUS = 2  # AUDIO_OUTPUT_SYNCHRONOUS: the callback gets audio as it is made
@@ -34,8 +35,8 @@ FRAME_S = 0.005
 _lock = threading.Lock()
 
 
-class EspeakUnavailable(RuntimeError):
-    """libespeak-ng is not installed, or refused a voice."""
+class EspeakUnavailable(SpeechSynthesisError):
+    """libespeak-ng is not installed, or refused a voice (one line, as every speech tool)."""
 
 
 class _Event(ctypes.Structure):
