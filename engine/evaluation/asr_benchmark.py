@@ -9,6 +9,7 @@ commit and to its first showing as partial text, and where the commit latency go
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -160,7 +161,7 @@ class AsrBenchmark:
             return Recognised(clip, words, time.perf_counter() - started)
         clock = ReplayClock()
         timed = _TimedASR(self.asr, clock)
-        config = StreamingConfig(**{**self.config.__dict__, "refine_boundaries": refine})
+        config = dataclasses.replace(self.config, refine_boundaries=refine)
         transcriber = StreamingTranscriber(timed, config, clock)
         recognised = Recognised(clip, [], 0.0, calls=timed.calls)
         for event in replay(transcriber, clock, [clip.audio]):

@@ -74,6 +74,14 @@ def _library() -> tuple[ctypes.CDLL, int]:
             "libespeak-ng not found (Debian: apt-get install espeak-ng; `make setup` installs "
             "it when run as root)"
         ) from None
+    lib.espeak_Initialize.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+    lib.espeak_SetSynthCallback.argtypes = [_Callback]
+    lib.espeak_SetVoiceByName.argtypes = [ctypes.c_char_p]
+    lib.espeak_SetParameter.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.espeak_Synth.argtypes = [
+        ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint, ctypes.c_int, ctypes.c_uint,
+        ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p,
+    ]  # fmt: skip
     rate = lib.espeak_Initialize(_SYNCHRONOUS, 0, None, 0)
     if rate <= 0:
         raise EspeakUnavailable("libespeak-ng failed to start")
