@@ -8,7 +8,7 @@ from speech_synth import CLEAN_SENTENCES, joined, require_tools, synthesize
 
 from miniapp.engine.errors import ModelFileError
 from miniapp.engine.model_store import resolve_asr_model
-from miniapp.engine.voice.agreement import LocalAgreement, normalize
+from miniapp.engine.voice.agreement import LocalAgreement, after_committed, normalize
 from miniapp.engine.voice.asr import load_asr
 from miniapp.engine.voice.audio import SAMPLE_RATE
 from miniapp.engine.voice.boundaries import refine_words, speech_regions
@@ -135,12 +135,30 @@ def test_local_agreement_commits_only_what_two_hypotheses_share():
     assert agreement.update(first, now=1.0) == []
     committed = agreement.update(second, now=1.5)
     assert [w.word for w in committed] == ["hello,"] and committed[0].committed_at == 1.5
-    third = [Word("hello", 0.0, 0.35), Word("world", 0.5, 0.9), Word("and", 1.0, 1.2)]
+    third = [Word("world", 0.5, 0.9), Word("and", 1.0, 1.2)]  # what follows "hello,"
     assert [w.word for w in agreement.update(third, now=2.0)] == ["world", "and"]
     # A repeat of committed words at the seam is not committed twice.
     repeat = [Word("and", 1.05, 1.25), Word("then", 1.4, 1.7)]
     assert agreement.update(repeat, now=2.5) == []
     assert [w.word for w in agreement.flush(now=3.0)] == ["then"]
+
+
+def test_a_hypothesis_is_split_where_the_committed_words_end():
+    committed = [Word("a", 5.1, 5.3), Word("film", 5.3, 5.7)]  # "film"'s end was late
+    hypothesis = [
+        Word("a", 5.1, 5.3), Word("film", 5.3, 5.5), Word("about", 5.5, 5.75),
+        Word("volcanoes", 5.8, 6.3),
+    ]  # fmt: skip
+    # Split by time, "about" (which ends within 0.1 s of the committed end) was lost.
+    assert [w.word for w in after_committed(hypothesis, committed)] == ["about", "volcanoes"]
+    # A committed word heard differently now still marks the seam.
+    reheard = [Word("the", 5.1, 5.3), Word("film", 5.3, 5.5), Word("about", 5.5, 5.75)]
+    assert [w.word for w in after_committed(reheard, committed)] == ["about"]
+    # Of two equally good splits, the one nearest the committed end in time.
+    heard = [Word("two", 5.0, 5.2), Word("to", 5.2, 5.4), Word("go", 5.4, 5.6)]
+    assert after_committed(heard, [Word("to", 5.0, 5.2)]) == heard[1:]
+    assert after_committed(heard, [Word("to", 5.2, 5.4)]) == heard[2:]
+    assert after_committed(hypothesis, []) == hypothesis
 
 
 def test_refinement_snaps_smeared_edges_to_the_sound():

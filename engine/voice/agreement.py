@@ -3,6 +3,12 @@
 Re-transcribing a growing buffer gives a new hypothesis each time; its last words are often
 wrong because the speaker is still in the middle of them. A word is committed once two
 hypotheses in a row contain it, after the same committed words (as in whisper_streaming).
+
+The recogniser re-transcribes the whole buffer, committed words included, so each hypothesis
+is first split where the committed words end (`after_committed`): by the alignment of least
+edit distance between its words and the committed ones. Splitting by time instead lost short
+words at the seam: a committed word's end is an estimate, and "the" after it can end within
+0.1 s of it.
 """
 
 from __future__ import annotations
@@ -14,9 +20,6 @@ from dataclasses import replace
 
 from .events import Word
 
-# A re-transcribed buffer still holds words that were committed before; words that end this
-# close to the committed end, or before it, are those old words.
-COMMITTED_OVERLAP_S = 0.1
 # At the seam between committed words and the new hypothesis, Whisper may repeat up to this
 # many committed words (with slightly different times); such a repeat is dropped.
 MAX_REPEATED_WORDS = 5
@@ -34,6 +37,30 @@ def normalize(text: str) -> str:
     return _NOT_A_LETTER.sub("", text.lower())
 
 
+def after_committed(hypothesis: list[Word], committed: list[Word]) -> list[Word]:
+    """The words of `hypothesis` (a transcript of audio that starts with the `committed`
+    words) that follow the committed ones: after its first k words, for the k whose text is
+    closest to the committed text; of equally close splits, the one nearest in time."""
+    if not committed:
+        return hypothesis
+    said = [normalize(w.word) for w in hypothesis]
+    # distance[k]: edit distance between the committed words and said[:k]
+    distance = list(range(len(said) + 1))
+    for word in (normalize(w.word) for w in committed):
+        previous, distance = distance, [distance[0] + 1]
+        for k, other in enumerate(said, start=1):
+            distance.append(
+                min(previous[k] + 1, distance[k - 1] + 1, previous[k - 1] + (word != other))
+            )
+    end = committed[-1].end
+
+    def mismatch(k: int) -> tuple[int, float]:
+        seam = hypothesis[k - 1].end if k else hypothesis[0].start
+        return distance[k], abs(seam - end)
+
+    return hypothesis[min(range(len(said) + 1), key=mismatch) :]
+
+
 class LocalAgreement:
     def __init__(self) -> None:
         # Only the last few committed words are needed here (callers keep the transcript).
@@ -47,9 +74,10 @@ class LocalAgreement:
     def update(
         self, hypothesis: list[Word], now: float, ready: Callable[[Word], bool] = lambda w: True
     ) -> list[Word]:
-        """Take a new hypothesis (words with stream times) and return the newly committed
-        words, stamped with `now`. Only words that are `ready` can be committed."""
-        fresh = self._beyond_committed(hypothesis)
+        """Take a new hypothesis of what follows the committed words (words with stream
+        times, see `after_committed`) and return the newly committed words, stamped with
+        `now`. Only words that are `ready` can be committed."""
+        fresh = self._drop_repeat(hypothesis)
         agreed = 0
         while (
             agreed < len(fresh)
@@ -67,11 +95,6 @@ class LocalAgreement:
         newly = self._commit(self.pending, now)
         self.pending = []
         return newly
-
-    def _beyond_committed(self, hypothesis: list[Word]) -> list[Word]:
-        end = self.committed_end
-        fresh = [w for w in hypothesis if not self.committed or w.end > end + COMMITTED_OVERLAP_S]
-        return self._drop_repeat(fresh)
 
     def _drop_repeat(self, fresh: list[Word]) -> list[Word]:
         """Drop the first n words of `fresh` if they repeat the last n committed words."""

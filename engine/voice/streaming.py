@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .agreement import LocalAgreement
+from .agreement import LocalAgreement, after_committed
 from .asr import WhisperASR
 from .audio import SAMPLE_RATE
 from .boundaries import refine_words
@@ -130,7 +130,7 @@ class StreamingTranscriber:
         started = time.perf_counter()
         try:
             events: list[VoiceEvent] = []
-            if self._buffer_start + len(self._buffer) > self._decoded_to and self._has_speech():
+            if self._has_new_speech(speech_spans(self._buffer, self._offset)):
                 events += self._transcribe_and_agree()
             events += self._end_utterance()
             self._cut(self._buffer_start + len(self._buffer))
@@ -151,7 +151,7 @@ class StreamingTranscriber:
         if not spans:
             self._drop_idle_audio()
             return []
-        if not self._agreement.pending and self._sample(last_speech_end) <= self._decoded_to:
+        if not self._has_new_speech(spans):
             return []  # no speech since everything heard was committed: nothing can change
         events = self._transcribe_and_agree()
         self._trim()
@@ -164,16 +164,21 @@ class StreamingTranscriber:
     def _sample(self, stream_time: float) -> int:
         return int(round(stream_time * SAMPLE_RATE))
 
-    def _has_speech(self) -> bool:
-        return bool(speech_spans(self._buffer, self._offset))
+    def _has_new_speech(self, spans: list[Span]) -> bool:
+        """Whether a hypothesis may differ from the last: words wait for agreement, or there
+        is speech the recogniser has not heard."""
+        if self._agreement.pending:
+            return True
+        return bool(spans) and self._sample(spans[-1].end) > self._decoded_to
 
     def _transcribe_and_agree(self) -> list[VoiceEvent]:
-        prompt = " ".join(self._prompt)
         words = self.asr.transcribe(
-            self._buffer, prompt=prompt, offset=self._offset, beam_size=self.config.beam_size
-        )
+            self._buffer, prompt=" ".join(self._prompt), offset=self._offset,
+            beam_size=self.config.beam_size,
+        )  # fmt: skip
         if self.config.refine_boundaries:
             words = refine_words(words, self._buffer, self._offset)
+        words = after_committed(words, self._in_buffer)
         self._decoded_to = self._buffer_start + len(self._buffer)
         return self._committed_events(self._agreement.update(words, self.clock(), self._ready))
 
