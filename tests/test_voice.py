@@ -11,7 +11,7 @@ from miniapp.engine.model_store import resolve_asr_model
 from miniapp.engine.voice.agreement import LocalAgreement, after_committed, normalize
 from miniapp.engine.voice.asr import load_asr
 from miniapp.engine.voice.audio import SAMPLE_RATE
-from miniapp.engine.voice.boundaries import refine_words, speech_regions
+from miniapp.engine.voice.boundaries import ALIGNMENT_LAG_S, refine_words, speech_regions
 from miniapp.engine.voice.events import EndOfUtterance, PartialText, Word, WordsCommitted
 from miniapp.engine.voice.export import to_json, to_srt, to_vtt
 from miniapp.engine.voice.metrics import boundary_errors, word_error_rate
@@ -171,6 +171,38 @@ def test_refinement_snaps_smeared_edges_to_the_sound():
     smeared = [Word("one", 0.2, 1.6), Word("two", 1.6, 2.9)]  # late and into the pause
     refined = refine_words(smeared, audio)
     assert [(round(w.start, 2), round(w.end, 2)) for w in refined] == [(0.5, 0.9), (2.0, 2.4)]
+
+
+def test_a_word_smeared_into_a_pause_stays_with_the_speech_before_it():
+    audio = np.zeros(3 * SAMPLE_RATE, dtype=np.float32)
+    tone = np.sin(np.arange(int(0.4 * SAMPLE_RATE)) * 0.3).astype(np.float32) * 0.5
+    audio[SAMPLE_RATE // 2 : SAMPLE_RATE // 2 + len(tone)] = tone  # 0.5 - 0.9 s
+    audio[int(1.7 * SAMPLE_RATE) : int(1.7 * SAMPLE_RATE) + len(tone)] = tone  # 1.7 - 2.1 s
+    # Whisper's "the" starts after the first sound ends and reaches just into the second.
+    heard = [Word("of", 0.55, 0.92), Word("the", 0.92, 1.72), Word("house", 1.75, 2.2)]
+    of, the, house = refine_words(heard, audio)
+    assert the.end == pytest.approx(0.9) and the.start < 0.9
+    assert house.start == pytest.approx(1.7)
+
+
+def test_an_edge_inside_connected_speech_moves_to_a_nearby_dip():
+    audio = np.zeros(2 * SAMPLE_RATE, dtype=np.float32)
+    sound = np.sin(np.arange(len(audio)) * 0.3).astype(np.float32) * 0.5
+    audio[int(0.5 * SAMPLE_RATE) : SAMPLE_RATE] = sound[int(0.5 * SAMPLE_RATE) : SAMPLE_RATE]
+    dip = slice(int(0.70 * SAMPLE_RATE), int(0.73 * SAMPLE_RATE))  # too short to be a pause
+    audio[dip] *= 0.005
+    assert len(speech_regions(audio)) == 1
+
+    def edge(whisper_edge: float) -> float:
+        words = [Word("one", 0.5, whisper_edge), Word("two", whisper_edge, 1.0)]
+        first, second = refine_words(words, audio)
+        assert first.end == second.start
+        return first.end
+
+    # Whisper's edge, less its lag, lands 45 ms after the dip: it moves into the dip.
+    assert 0.70 <= edge(0.76 + ALIGNMENT_LAG_S) <= 0.73
+    # 100 ms away, the dip is not this edge's.
+    assert edge(0.815 + ALIGNMENT_LAG_S) == pytest.approx(0.815)
 
 
 def test_exports():
