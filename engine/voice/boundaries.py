@@ -117,7 +117,9 @@ def _edges_at_dips(
     return words
 
 
-def _dip_near(edge: float, earliest: float, latest: float, levels, offset: float) -> float:
+def _dip_near(
+    edge: float, earliest: float, latest: float, levels: np.ndarray, offset: float
+) -> float:
     """The quietest moment within DIP_SEARCH_S of `edge` and DIP_MARGIN_S inside
     (`earliest`, `latest`), if it is deep enough; else `edge`."""
 

@@ -130,7 +130,8 @@ class StreamingTranscriber:
         started = time.perf_counter()
         try:
             events: list[VoiceEvent] = []
-            if self._has_new_speech(speech_spans(self._buffer, self._offset)):
+            unheard = self._buffer_start + len(self._buffer) > self._decoded_to
+            if unheard and self._has_new_speech(speech_spans(self._buffer, self._offset)):
                 events += self._transcribe_and_agree()
             events += self._end_utterance()
             self._cut(self._buffer_start + len(self._buffer))
@@ -172,10 +173,10 @@ class StreamingTranscriber:
         return bool(spans) and self._sample(spans[-1].end) > self._decoded_to
 
     def _transcribe_and_agree(self) -> list[VoiceEvent]:
+        prompt = " ".join(self._prompt)
         words = self.asr.transcribe(
-            self._buffer, prompt=" ".join(self._prompt), offset=self._offset,
-            beam_size=self.config.beam_size,
-        )  # fmt: skip
+            self._buffer, prompt=prompt, offset=self._offset, beam_size=self.config.beam_size
+        )
         if self.config.refine_boundaries:
             words = refine_words(words, self._buffer, self._offset)
         words = after_committed(words, self._in_buffer)
