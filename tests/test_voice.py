@@ -159,6 +159,9 @@ def test_a_hypothesis_is_split_where_the_committed_words_end():
     assert after_committed(heard, [Word("to", 5.0, 5.2)]) == heard[1:]
     assert after_committed(heard, [Word("to", 5.2, 5.4)]) == heard[2:]
     assert after_committed(hypothesis, []) == hypothesis
+    # A word inside the committed audio is not new, whatever the text alignment says.
+    again = [*hypothesis[:2], Word("are", 5.5, 5.65), Word("three", 5.75, 6.0)]
+    assert after_committed(again, committed) == again[3:]
 
 
 def test_refinement_snaps_smeared_edges_to_the_sound():

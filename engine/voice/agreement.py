@@ -40,7 +40,9 @@ def normalize(text: str) -> str:
 def after_committed(hypothesis: list[Word], committed: list[Word]) -> list[Word]:
     """The words of `hypothesis` (a transcript of audio that starts with the `committed`
     words) that follow the committed ones: after its first k words, for the k whose text is
-    closest to the committed text; of equally close splits, the one nearest in time."""
+    closest to the committed text; of equally close splits, the one nearest in time. Words
+    after the split that end before the committed words do are a committed word heard
+    again differently, and are dropped too."""
     if not committed:
         return hypothesis
     said = [normalize(w.word) for w in hypothesis]
@@ -58,7 +60,10 @@ def after_committed(hypothesis: list[Word], committed: list[Word]) -> list[Word]
         seam = hypothesis[k - 1].end if k else hypothesis[0].start
         return distance[k], abs(seam - end)
 
-    return hypothesis[min(range(len(said) + 1), key=mismatch) :]
+    after = hypothesis[min(range(len(said) + 1), key=mismatch) :]
+    while after and after[0].end <= end:
+        after = after[1:]
+    return after
 
 
 class LocalAgreement:
