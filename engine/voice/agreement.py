@@ -37,6 +37,18 @@ def normalize(text: str) -> str:
     return _NOT_A_LETTER.sub("", text.lower())
 
 
+def prefix_edit_distances(reference: list[str], hypothesis: list[str]) -> list[int]:
+    """For each k, the edit distance (in words) between `reference` and hypothesis[:k]."""
+    distance = list(range(len(hypothesis) + 1))
+    for word in reference:
+        previous, distance = distance, [distance[0] + 1]
+        for k, other in enumerate(hypothesis, start=1):
+            distance.append(
+                min(previous[k] + 1, distance[k - 1] + 1, previous[k - 1] + (word != other))
+            )
+    return distance
+
+
 def after_committed(hypothesis: list[Word], committed: list[Word]) -> list[Word]:
     """The words of `hypothesis` (a transcript of audio that starts with the `committed`
     words) that follow the committed ones: after its first k words, for the k whose text is
@@ -45,22 +57,16 @@ def after_committed(hypothesis: list[Word], committed: list[Word]) -> list[Word]
     again differently, and are dropped too."""
     if not committed:
         return hypothesis
-    said = [normalize(w.word) for w in hypothesis]
-    # distance[k]: edit distance between the committed words and said[:k]
-    distance = list(range(len(said) + 1))
-    for word in (normalize(w.word) for w in committed):
-        previous, distance = distance, [distance[0] + 1]
-        for k, other in enumerate(said, start=1):
-            distance.append(
-                min(previous[k] + 1, distance[k - 1] + 1, previous[k - 1] + (word != other))
-            )
+    distance = prefix_edit_distances(
+        [normalize(w.word) for w in committed], [normalize(w.word) for w in hypothesis]
+    )
     end = committed[-1].end
 
     def mismatch(k: int) -> tuple[int, float]:
         seam = hypothesis[k - 1].end if k else hypothesis[0].start
         return distance[k], abs(seam - end)
 
-    after = hypothesis[min(range(len(said) + 1), key=mismatch) :]
+    after = hypothesis[min(range(len(distance)), key=mismatch) :]
     while after and after[0].end <= end:
         after = after[1:]
     return after

@@ -8,7 +8,7 @@ from statistics import mean
 
 from num2words import num2words
 
-from .agreement import normalize
+from .agreement import normalize, prefix_edit_distances
 from .events import Word
 
 # "42", "12:30", "3.5": numbers are compared as words, however they were written.
@@ -36,19 +36,7 @@ def _spelled(number: re.Match) -> str:
 def word_error_rate(reference: str, hypothesis: str) -> float:
     """(substitutions + deletions + insertions) / reference words, by edit distance."""
     ref, hyp = normalized_words(reference), normalized_words(hypothesis)
-    previous = list(range(len(hyp) + 1))
-    for i, ref_word in enumerate(ref, start=1):
-        current = [i]
-        for j, hyp_word in enumerate(hyp, start=1):
-            current.append(
-                min(
-                    previous[j] + 1,  # deletion
-                    current[j - 1] + 1,  # insertion
-                    previous[j - 1] + (ref_word != hyp_word),  # substitution or match
-                )
-            )
-        previous = current
-    return previous[-1] / max(1, len(ref))
+    return prefix_edit_distances(ref, hyp)[-1] / max(1, len(ref))
 
 
 def matched_words(words: Sequence[Word], truth: Sequence[Word]) -> list[tuple[Word, int]]:
