@@ -52,8 +52,10 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
         a, b = pairs[..., 0, :], pairs[..., 1, :]
         y = torch.stack([a + b, a - b], dim=-2).reshape(*lead, d // size, size)
         span *= 2
-    scale = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(float(size)).sqrt()
-    return y.reshape(x.shape) * scale.to(x.device)
+    # 1/sqrt(size) rounded to float32, as the native codec has it, but as a Python number:
+    # a host tensor here would be a host-to-device copy, which a CUDA graph cannot capture.
+    scale = float(torch.tensor(1.0) / torch.tensor(float(size)).sqrt())
+    return y.reshape(x.shape) * scale
 
 
 def _blocks(x: torch.Tensor) -> torch.Tensor:

@@ -317,11 +317,10 @@ def expand_input(x: torch.Tensor, layout: KernelLayout) -> torch.Tensor:
     """The kernel's input: x [tokens, cols], or per interleaved group [16 * x_g, x_g]."""
     if not layout.interleave:
         return x
+    # Built from x alone: a host-side constant would be a host-to-device copy in every step,
+    # which a CUDA graph cannot capture.
     grouped = x.view(x.shape[0], -1, 1, layout.interleave)
-    return (grouped * _INTERLEAVE_MULTIPLIERS.to(x.device, x.dtype)).reshape(x.shape[0], -1)
-
-
-_INTERLEAVE_MULTIPLIERS = torch.tensor([16.0, 1.0]).view(1, 1, 2, 1)
+    return torch.cat([grouped * 16.0, grouped], dim=2).reshape(x.shape[0], -1)
 
 
 def effective_weight(groups: Int4Groups) -> torch.Tensor:

@@ -28,6 +28,10 @@ SAMPLE_TEXT = REPO / "assets" / "text" / "garden.txt"
 AGREEMENT_CTX = 256
 PPL_CTX = 256
 QUOTE_ASK = "Quote the first two sentences of the text above exactly."
+# The decode prompt stays well inside the 2048-token context: the random-weights model's
+# byte-sized tokens made 1,500 characters 2,164 tokens, so its decode ran in a full, sliding
+# cache and its phases were mostly prefill.
+QUOTE_PROMPT_TOKENS = 512
 SPLIT_SHARE = 0.5  # the split path gets room for about this share of the model's layers
 
 
@@ -38,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3, help="decode runs per mode (median)")
     parser.add_argument("--threads", type=int, help="CPU threads (default: all)")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--path", action="append", dest="paths",
+                        help="only this GPU path (repeatable), e.g. 'gpu int4'")  # fmt: skip
     args = parser.parse_args(argv)
 
     import torch
@@ -53,21 +59,30 @@ def main(argv: list[str] | None = None) -> int:
         cpu = _open(model, args.threads, device="cpu")
         rows = [_measure("cpu", cpu, None, text, args)]
         for name, path_probe, kv in _gpu_paths(probe, model, cpu.kv_type):
+            if args.paths and name not in args.paths:
+                continue
             try:
+                loading = time.perf_counter()
                 runtime = _open(model, args.threads, probe=path_probe, kv=kv)
+                print(f"  {name}: loaded in {time.perf_counter() - loading:.1f} s", flush=True)
             except Exception as exc:  # a GPU path that cannot even load is a result too
                 rows.append({"path": name, "error": f"{type(exc).__name__}: {exc}"})
                 continue
             rows.append(_measure(name, runtime, cpu, text, args))
+            _save(args.json, model_note, rows)  # a run cut short still leaves its numbers
             del runtime
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     elapsed = time.perf_counter() - started
     print(_table(rows))
     print(f"\n{elapsed:.0f} s in all")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"model": model_note, "rows": rows}, indent=2))
+    _save(args.json, model_note, rows)
     return 0
+
+
+def _save(path: str | None, model_note: str, rows: list[dict]) -> None:
+    if path:
+        Path(path).write_text(json.dumps({"model": model_note, "rows": rows}, indent=2))
 
 
 # ------------------------------------------------------------------ what runs
@@ -162,16 +177,20 @@ def _measure(name: str, runtime, reference, text: str, args) -> dict:
     plan = runtime.device_plan
     row = {"path": name, "device": plan.device, "weights": plan.weights,
            "gpu_layers": plan.gpu_layers, "reason": plan.reason}  # fmt: skip
+    timer = _PhaseTimer(name)
     if reference is not None:
         agree = agreement(runtime, reference, text, AGREEMENT_CTX)
         row.update(top1=agree.top1_agreement, kl=agree.mean_kl, max_diff=agree.max_abs_logit_diff)
+        timer.lap("agreement with the CPU")
     row["ppl"] = perplexity(runtime, text, PPL_CTX).ppl
+    timer.lap("perplexity")
     prompt = _quote_prompt(runtime, text)
     for mode in ("off", "auto"):
         runtime.spec_mode = type(runtime.spec_mode)(mode)
         speeds, tokens = _decode_speeds(runtime, prompt, args.tokens, args.runs)
         row[f"tok_s_spec_{mode}"] = statistics.median(speeds)
         row[f"tokens_spec_{mode}"] = tokens
+        timer.lap(f"decode, speculation {mode} ({row[f'tok_s_spec_{mode}']:.1f} tok/s)")
     row["spec_identical"] = row.pop("tokens_spec_off") == row.pop("tokens_spec_auto")
     row["decode_step"] = runtime.decode_step_note
     graphed, runtime.static_step = runtime.static_step, None  # the same decode, step by step
@@ -180,8 +199,22 @@ def _measure(name: str, runtime, reference, text: str, args) -> dict:
         speeds, tokens = _decode_speeds(runtime, prompt, args.tokens, args.runs)
         row["tok_s_eager_steps"] = statistics.median(speeds)
         row["graphs_captured"] = graphed.captured
+        timer.lap(f"decode, eager steps ({row['tok_s_eager_steps']:.1f} tok/s)")
     print(f"  {name}: done", flush=True)
     return row
+
+
+class _PhaseTimer:
+    """Prints how long each phase of a path's measurement took (a slow phase on a new
+    machine is a finding too)."""
+
+    def __init__(self, path: str):
+        self.path, self.last = path, time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        print(f"  {self.path}: {phase} {now - self.last:.1f} s", flush=True)
+        self.last = now
 
 
 def _quote_prompt(runtime, text: str) -> list[int]:
@@ -189,8 +222,13 @@ def _quote_prompt(runtime, text: str) -> list[int]:
 
     template = ChatTemplate.for_model(runtime.chat_template, runtime.tokenizer,
                                       runtime.architecture)  # fmt: skip
-    rendered = template.render([Message("user", f"{text[:1500]}\n\n{QUOTE_ASK}")])
-    return runtime.tokenizer.encode_chat(rendered)
+    chars = 1500
+    while True:
+        rendered = template.render([Message("user", f"{text[:chars]}\n\n{QUOTE_ASK}")])
+        prompt = runtime.tokenizer.encode_chat(rendered)
+        if len(prompt) <= QUOTE_PROMPT_TOKENS or chars < 100:
+            return prompt
+        chars //= 2
 
 
 def _decode_speeds(runtime, prompt: list[int], n_tokens: int, runs: int):
