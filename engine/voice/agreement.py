@@ -52,9 +52,13 @@ def prefix_edit_distances(reference: list[str], hypothesis: list[str]) -> list[i
 def after_committed(hypothesis: list[Word], committed: list[Word]) -> list[Word]:
     """The words of `hypothesis` (a transcript of audio that starts with the `committed`
     words) that follow the committed ones: after its first k words, for the k whose text is
-    closest to the committed text; of equally close splits, the one nearest in time. Words
-    after the split that end before the committed words do are a committed word heard
-    again differently, and are dropped too."""
+    closest to the committed text; of equally close splits, the one nearest in time.
+
+    Where the split ends on the last committed word itself, everything after it is new, and
+    starts no earlier than the committed end: a word committed while it was last in its
+    hypothesis can have its end stretched over the audio that followed ("film" to 5.70 s,
+    when "about" ends at 5.69 s). Otherwise a word after the split that ends before the
+    committed end is a committed word heard again differently, and is dropped."""
     if not committed:
         return hypothesis
     distance = prefix_edit_distances(
@@ -66,10 +70,19 @@ def after_committed(hypothesis: list[Word], committed: list[Word]) -> list[Word]
         seam = hypothesis[k - 1].end if k else hypothesis[0].start
         return distance[k], abs(seam - end)
 
-    after = hypothesis[min(range(len(distance)), key=mismatch) :]
+    split = min(range(len(distance)), key=mismatch)
+    after = hypothesis[split:]
+    if split and same_word(hypothesis[split - 1], committed[-1]):
+        return [_not_before(word, end) for word in after]
     while after and after[0].end <= end:
         after = after[1:]
     return after
+
+
+def _not_before(word: Word, time: float) -> Word:
+    if word.start >= time:
+        return word
+    return replace(word, start=time, end=max(word.end, time))
 
 
 class LocalAgreement:

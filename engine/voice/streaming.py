@@ -107,6 +107,7 @@ class StreamingTranscriber:
         self._prompt: deque[str] = deque()
         self._partial = ""
         self._spans: list[Span] = []  # speech in the buffer, as of the last iteration
+        self._speech_end = 0.0  # stream time at which the latest speech heard ended
 
     @property
     def received_s(self) -> float:
@@ -141,13 +142,16 @@ class StreamingTranscriber:
 
     def _process(self) -> list[VoiceEvent]:
         spans = self._spans = speech_spans(self._buffer, self._offset)
-        last_speech_end = spans[-1].end if spans else self._offset
-        silent_for = self.received_s - last_speech_end
+        if spans:
+            # Remembered, not read off the buffer each time: a trim in the pause after the
+            # last word leaves a buffer with no speech, and the pause must still count.
+            self._speech_end = spans[-1].end
+        silent_for = self.received_s - self._speech_end
         active = bool(self._utterance or self._agreement.pending)
         if active and silent_for >= self.config.utterance_end_s:
             # The last hypothesis already heard all of the speech and some silence after it.
             events = self._end_utterance()
-            self._cut(self._sample(last_speech_end))
+            self._cut(self._sample(self._speech_end))
             return events
         if not spans:
             self._drop_idle_audio()
