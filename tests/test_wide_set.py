@@ -158,8 +158,8 @@ def test_streaming_keeps_up_on_speech_it_was_not_tuned_on(asr):
         recognised = bench.recognise(clip, "stream")
         committed: list[Word] = []
         for _, shown in recognised.shown:
-            # What is shown after a commit starts after the committed words: nothing is
-            # taken back or shown twice.
+            # What is shown after a commit ends no earlier than the committed words:
+            # nothing is taken back or shown twice.
             if committed and shown:
                 assert shown[0].end >= committed[-1].end, (shown, committed[-1])
             if shown and shown[0].committed_at is not None:

@@ -80,6 +80,7 @@ def after_committed(hypothesis: list[Word], committed: list[Word]) -> list[Word]
 
 
 def _not_before(word: Word, time: float) -> Word:
+    """`word`, moved to start no earlier than `time` (as LocalAgreement commits it)."""
     if word.start >= time:
         return word
     return replace(word, start=time, end=max(word.end, time))
