@@ -4,6 +4,9 @@ graph-captured step); on the CPU the native library does the same, bit for bit."
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 import torch
 
 from .kv_types import BLOCK, F32, KVType
@@ -52,10 +55,15 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
         a, b = pairs[..., 0, :], pairs[..., 1, :]
         y = torch.stack([a + b, a - b], dim=-2).reshape(*lead, d // size, size)
         span *= 2
-    # 1/sqrt(size) rounded to float32, as the native codec has it, but as a Python number:
-    # a host tensor here would be a host-to-device copy, which a CUDA graph cannot capture.
-    scale = float(torch.tensor(1.0) / torch.tensor(float(size)).sqrt())
-    return y.reshape(x.shape) * scale
+    return y.reshape(x.shape) * _rotation_scale(size)
+
+
+@functools.cache
+def _rotation_scale(size: int) -> float:
+    """1/sqrt(size) in float32 arithmetic, as the native codec computes it, as a Python
+    number: a tensor made here would be copied from the host in every step, which a CUDA
+    graph cannot capture."""
+    return float(np.float32(1.0) / np.sqrt(np.float32(size)))
 
 
 def _blocks(x: torch.Tensor) -> torch.Tensor:

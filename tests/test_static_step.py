@@ -13,6 +13,7 @@ import torch
 from cache_snapshots import restore, snapshot
 from generation_helpers import first_tokens
 from tiny_gguf import GEMMA3, LLAMA, write_tiny_model
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from miniapp.engine.devices import SimulatedProbe
 from miniapp.engine.gguf_file import GGUFFile
@@ -277,6 +278,51 @@ def test_a_gpu_runtime_takes_static_steps_over_q4_keys(tiny_path, model, monkeyp
     got, got_logprobs = _logprobs(runtime, 90)
     assert got == want and probe.built >= 1
     assert (got_logprobs - want_logprobs).abs().max() < 1e-4
+
+
+class _HostData(TorchDispatchMode):
+    """Notes each tensor made from Python data: inside a captured step, that is a copy from
+    the host in every replay, which a CUDA graph refuses at capture (seen on an H200)."""
+
+    def __init__(self):
+        super().__init__()
+        self.made = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default):
+            self.made += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _HostDataProbe(SimulatedProbe):
+    """A simulated GPU whose step runner watches the step for tensors made from host data."""
+
+    def __init__(self):
+        super().__init__("cuda:Sim:24:8.9")
+        self.watch_mode = _HostData()
+
+    def step_runner(self, plan):
+        def runner(body):
+            def watched():
+                with self.watch_mode:
+                    body()
+
+            return watched
+
+        return runner, "watched runner"
+
+
+@pytest.mark.parametrize("kv", [None, Q4])
+def test_the_static_step_makes_no_tensor_from_host_data(tiny_path, model, monkeypatch, kv):
+    if kv is not None:
+        kv = _fitting(model, kv)
+        monkeypatch.setenv("MINIAPP_NATIVE", "0")  # a GPU's attention over decoded keys
+    probe = _HostDataProbe()
+    runtime = TorchRuntime(tiny_path, n_ctx=48, spec="off", probe=probe, kv=kv)
+    assert runtime.static_step is not None
+    _logprobs(runtime, 60)  # through the ring's wrap
+    assert runtime.static_step.captured >= 1
+    assert probe.watch_mode.made == 0
 
 
 def test_a_failed_capture_falls_back_to_ordinary_steps(tiny_path, cpu_tokens):
