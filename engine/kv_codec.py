@@ -4,8 +4,6 @@ graph-captured step); on the CPU the native library does the same, bit for bit."
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
 
@@ -55,15 +53,13 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
         a, b = pairs[..., 0, :], pairs[..., 1, :]
         y = torch.stack([a + b, a - b], dim=-2).reshape(*lead, d // size, size)
         span *= 2
-    return y.reshape(x.shape) * _rotation_scale(size)
+    return y.reshape(x.shape) * _ROTATION_SCALES[size]
 
 
-@functools.cache
-def _rotation_scale(size: int) -> float:
-    """1/sqrt(size) in float32 arithmetic, as the native codec computes it, as a Python
-    number: a tensor made here would be copied from the host in every step, which a CUDA
-    graph cannot capture."""
-    return float(np.float32(1.0) / np.sqrt(np.float32(size)))
+# 1/sqrt(size) for each block size (a power of two), in float32 arithmetic as the native codec
+# computes it, kept as Python numbers: a tensor made in `rotate` would be copied from the host
+# in every decode step, which a CUDA graph cannot capture.
+_ROTATION_SCALES = {1 << i: float(np.float32(1.0) / np.sqrt(np.float32(1 << i))) for i in range(16)}
 
 
 def _blocks(x: torch.Tensor) -> torch.Tensor:
