@@ -80,10 +80,9 @@ def after_committed(hypothesis: list[Word], committed: list[Word]) -> list[Word]
 
 
 def _not_before(word: Word, time: float) -> Word:
-    """`word`, moved to start no earlier than `time` (as LocalAgreement commits it)."""
-    if word.start >= time:
-        return word
-    return replace(word, start=time, end=max(word.end, time))
+    """`word`, moved to start no earlier than `time` and to end no earlier than it starts."""
+    start = max(word.start, time)
+    return replace(word, start=start, end=max(word.end, start))
 
 
 class LocalAgreement:
@@ -137,9 +136,7 @@ class LocalAgreement:
         """Stamp and append `words`, keeping times in order and without overlap."""
         newly = []
         for word in words:
-            start = max(word.start, self.committed_end)
-            end = max(word.end, start)
-            committed = replace(word, start=start, end=end, committed_at=now)
+            committed = replace(_not_before(word, self.committed_end), committed_at=now)
             self.committed.append(committed)
             newly.append(committed)
         return newly
