@@ -16,27 +16,45 @@ def storage_dtype(kind: KVType) -> torch.dtype:
     return getattr(torch, kind.storage)
 
 
-def encode(kind: KVType, x: torch.Tensor, rotated: bool | None = None) -> torch.Tensor:
+def encode(
+    kind: KVType, x: torch.Tensor, rotated: bool | None = None, matrix: torch.Tensor | None = None
+) -> torch.Tensor:
     """fp32 [..., head_dim] -> storage [..., width], in torch (any device). `rotated` stores
-    x times the Hadamard matrix (default: as the cache does, for the quantized types)."""
+    x times the Hadamard matrix (default: as the cache does, for the quantized types), by
+    `rotate`'s butterflies or, given `matrix` (`rotation_matrix`), by one product."""
     if kind is F32:
         return x.float()
     if not kind.blocked:
         return x.to(storage_dtype(kind))
     rotated = kind.blocked if rotated is None else rotated
-    x = rotate(x.float()) if rotated else x.float()
+    x = _rotated(x.float(), matrix) if rotated else x.float()
     return _encode_q8(x) if kind.name == "q8" else _encode_q4(x)
 
 
 def decode(
-    kind: KVType, stored: torch.Tensor, head_dim: int, rotated: bool | None = None
+    kind: KVType,
+    stored: torch.Tensor,
+    head_dim: int,
+    rotated: bool | None = None,
+    matrix: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """storage [..., width] -> fp32 [..., head_dim], in torch (any device)."""
     if not kind.blocked:
         return stored.float()
     rotated = kind.blocked if rotated is None else rotated
     values = _decode_q8(stored, head_dim) if kind.name == "q8" else _decode_q4(stored, head_dim)
-    return rotate(values) if rotated else values
+    return _rotated(values, matrix) if rotated else values
+
+
+def rotation_matrix(head_dim: int, device: torch.device) -> torch.Tensor:
+    """fp32 [head_dim, head_dim]: `rotate` as a matrix, x @ it. On a GPU one product does
+    what the butterflies take 3 kernels a level for (18 for heads of 64), in every layer's
+    encode and decode of every step; the result differs from them only in rounding."""
+    return rotate(torch.eye(head_dim)).to(device)
+
+
+def _rotated(x: torch.Tensor, matrix: torch.Tensor | None) -> torch.Tensor:
+    return rotate(x) if matrix is None else x @ matrix
 
 
 def rotate(x: torch.Tensor) -> torch.Tensor:
@@ -172,10 +190,13 @@ class KVCodec:
         self.dtype = storage_dtype(kind)
         self._native_code = kind.code + (self.ROTATED if self.rotated else 0)
         self.native = None
+        self.matrix = None  # the rotation as one product, off the CPU
         if kind.blocked and device.type == "cpu":
             from .kernels import cpu_kv_codec  # lazily: it loads the native library
 
             self.native = cpu_kv_codec()
+        elif self.rotated:
+            self.matrix = rotation_matrix(head_dim, device)
 
     @property
     def kernel_code(self) -> int:
@@ -193,7 +214,7 @@ class KVCodec:
             return x
         if self.native is not None and x.device.type == "cpu":
             return self.native.encode(self._native_code, x.float(), self.width, self.dtype)
-        return encode(self.kind, x, self.rotated)
+        return encode(self.kind, x, self.rotated, self.matrix)
 
     def decode(self, stored: torch.Tensor) -> torch.Tensor:
         """storage [1, heads, tokens, width] -> fp32 [1, heads, tokens, head_dim] (not for
@@ -204,4 +225,4 @@ class KVCodec:
             return stored
         if self.native is not None and stored.device.type == "cpu":
             return self.native.decode(self._native_code, stored, self.head_dim)
-        return decode(self.kind, stored, self.head_dim, self.rotated)
+        return decode(self.kind, stored, self.head_dim, self.rotated, self.matrix)

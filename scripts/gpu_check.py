@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--path", action="append", dest="paths",
                         help="only this GPU path (repeatable), e.g. 'gpu int4'")  # fmt: skip
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also profile N decode steps on the first GPU path")  # fmt: skip
     args = parser.parse_args(argv)
 
     import torch
@@ -58,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         text = SAMPLE_TEXT.read_text()
         cpu = _open(model, args.threads, device="cpu")
         rows = [_measure("cpu", cpu, None, text, args)]
+        profiled = False
         for name, path_probe, kv in _gpu_paths(probe, model, cpu.kv_type):
             if args.paths and name not in args.paths:
                 continue
@@ -70,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             rows.append(_measure(name, runtime, cpu, text, args))
             _save(args.json, model_note, rows)  # a run cut short still leaves its numbers
+            if args.profile and not profiled:
+                print(_profile(runtime, _quote_prompt(runtime, text), args.profile), flush=True)
+                profiled = True
             del runtime
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -251,6 +257,35 @@ def _decode_speeds(runtime, prompt: list[int], n_tokens: int, runs: int):
         if run and len(times) > 1:
             speeds.append((len(times) - 1) / (times[-1] - times[0]))
     return speeds or [0.0], tokens
+
+
+def _profile(runtime, prompt: list[int], n_steps: int) -> str:
+    """torch.profiler's table of `n_steps` greedy decode steps after the prompt (prefill
+    and the first step, where graphs are captured, are left out), speculation off."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from miniapp.engine.sampling import GREEDY
+
+    runtime.spec_mode = type(runtime.spec_mode)("off")
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    runtime.reset()
+    generator = runtime.generate_tokens(prompt, GREEDY)
+    try:
+        next(generator)
+        next(generator)
+        with profile(activities=activities) as prof:
+            started = time.perf_counter()
+            for _ in range(n_steps):
+                next(generator)
+            elapsed = time.perf_counter() - started
+    finally:
+        generator.close()
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=18, max_name_column_width=48)
+    return f"profile of {n_steps} decode steps: {elapsed / n_steps * 1e3:.1f} ms a step\n{table}"
 
 
 # ------------------------------------------------------------------ reporting

@@ -21,7 +21,7 @@ def test_gpu_check_measures_every_path_and_prints_its_table(tmp_path):
     env = {**os.environ, "MINIAPP_SIMULATE_GPU": "cuda:Sim:24:8.9"}
     done = subprocess.run(
         [str(SCRIPT), "--model", str(model), "--tokens", "12", "--runs", "1", "--threads", "2",
-         "--json", str(out)],
+         "--json", str(out), "--profile", "4"],
         capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
@@ -34,6 +34,8 @@ def test_gpu_check_measures_every_path_and_prints_its_table(tmp_path):
     # GEMM may round a batch of rows differently from one row, so that path is only reported.
     assert all(rows[path]["spec_identical"] for path in ("cpu", "gpu int4", "gpu split"))
     assert "| gpu split | cuda:0, int4, 1 |" in done.stdout
+    # --profile prints torch.profiler's table of decode steps once, for the first GPU path.
+    assert done.stdout.count("profile of 4 decode steps") == 1 and "Self CPU" in done.stdout
     # A whole-model GPU path also decodes op by op, for the graph's gain.
     assert "fixed-shape" in rows["gpu int4"]["decode_step"]
     assert rows["gpu int4"]["tok_s_eager_steps"] > 0 and rows["gpu int4"]["graphs_captured"] >= 1

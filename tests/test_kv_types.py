@@ -77,6 +77,25 @@ def test_the_native_codec_gives_the_torch_references_bits(library, kind, head_di
         assert torch.equal(codec.encode(x), kv_codec.encode(kind, x))
 
 
+@pytest.mark.parametrize("head_dim", [64, 96, 256])
+def test_off_the_cpu_the_rotation_is_one_product_with_the_butterflies_values(head_dim):
+    x = _rows(3, 37, head_dim, seed=2)
+    matrix = kv_codec.rotation_matrix(head_dim, CPU)
+    assert torch.allclose(x @ matrix, kv_codec.rotate(x), rtol=1e-6, atol=1e-5)
+    assert torch.allclose(matrix @ matrix, torch.eye(head_dim), atol=1e-6)  # its own inverse
+    for kind in (Q8, Q4):
+        stored = kv_codec.encode(kind, x, matrix=matrix)
+        butterflies = kv_codec.decode(kind, kv_codec.encode(kind, x), head_dim)
+        by_product = kv_codec.decode(kind, stored, head_dim, matrix=matrix)
+        # The same codes but where a value sits on a rounding edge: within one step.
+        step = x.abs().amax() / (127 if kind is Q8 else 7.5)
+        assert (by_product - butterflies).abs().max() <= step
+    # A GPU's codec takes the product, the CPU's the native codec (the same bits as `rotate`).
+    assert KVCodec(Q8, head_dim, torch.device("meta")).matrix is not None
+    assert KVCodec(Q8, head_dim, CPU).matrix is None
+    assert KVCodec(F16, head_dim, torch.device("meta")).matrix is None
+
+
 @pytest.mark.parametrize("kind", KINDS, ids=[k.name for k in KINDS])
 @pytest.mark.parametrize("rotated", [True, False], ids=["rotated", "as-is"])
 def test_decoding_is_within_the_types_error_bound(kind, rotated):
