@@ -145,6 +145,20 @@ def test_local_agreement_commits_only_what_two_hypotheses_share():
     assert [w.word for w in agreement.flush(now=3.0)] == ["then"]
 
 
+def test_a_word_at_the_very_end_of_the_audio_heard_waits_for_more(asr):
+    # Two hypotheses in a row had "behind me." where the speaker was saying "behind the
+    # old": the last word ended where the audio did, cut off mid-way. Agreement alone would
+    # commit it; it must wait until a little audio follows it.
+    transcriber = StreamingTranscriber(asr, StreamingConfig(), ReplayClock())
+    transcriber.insert_audio_chunk(np.zeros(int(2.7 * SAMPLE_RATE), dtype=np.float32))
+    sure = 0.9
+    assert not transcriber._ready(Word("me.", 2.48, 2.70, probability=sure))
+    assert not transcriber._ready(Word("me.", 2.48, 2.60, probability=sure))
+    assert transcriber._ready(Word("behind", 1.98, 2.48, probability=sure))
+    # An unsure word still waits for speech after it as well (none here: zeros).
+    assert not transcriber._ready(Word("behind", 1.98, 2.48, probability=0.3))
+
+
 def test_a_hypothesis_is_split_where_the_committed_words_end():
     committed = [Word("a", 5.1, 5.3), Word("film", 5.3, 5.7)]  # "film"'s end was late
     hypothesis = [

@@ -52,6 +52,9 @@ class StreamingConfig:
     sure_probability: float = 0.7
     unsure_speech_after_s: float = 0.8
     unsure_wait_s: float = 1.5
+    # Any word also waits until this much audio follows it: a word that ends where the audio
+    # ends may be cut off mid-way ("the" heard as "me." twice in a row, as the last word).
+    audio_after_s: float = 0.15
     utterance_end_s: float = 1.0  # this much silence after speech ends an utterance
     trim_after_s: float = 10.0  # a longer buffer is cut in a pause between committed words
     max_buffer_s: float = 25.0  # past this, everything pending is committed and cut
@@ -190,9 +193,11 @@ class StreamingTranscriber:
     def _ready(self, word: Word) -> bool:
         """Whether agreeing hypotheses may commit `word` yet."""
         c = self.config
+        heard_after = self.received_s - word.end
+        if heard_after < c.audio_after_s:
+            return False
         if word.probability is None or word.probability >= c.sure_probability:
             return True
-        heard_after = self.received_s - word.end
         return (
             heard_after >= c.unsure_wait_s
             or self._speech_after(word.end) >= c.unsure_speech_after_s
