@@ -20,7 +20,7 @@ from miniapp.engine.runtimes.torch_runtime import TorchRuntime
 from miniapp.engine.sampling import GREEDY, SamplingParams
 from miniapp.engine.speculative import DraftController, EarlyExitDrafter
 from miniapp.engine.speculative.acceptance import Verdict, accept_greedy, accept_sampled
-from miniapp.engine.speculative.controller import PROBE_EVERY
+from miniapp.engine.speculative.controller import MAX_PROBE_OVERHEAD, PROBE_EVERY
 from miniapp.engine.speculative.lookup import PromptLookup
 from miniapp.engine.torch_sampler import Sampler
 
@@ -425,6 +425,35 @@ def test_controller_probes_less_often_while_probes_keep_failing():
         controller.record_draft("early-exit", 1, 0, 0.005, 0.02)  # the probe fails
         waits.append(steps)
     assert waits[1] > waits[0] and waits[2] > waits[1]
+
+
+def test_a_verification_dearer_than_plain_steps_is_probed_seldom():
+    # An H200: plain steps replay a CUDA graph (7.7 ms), verifying one draft runs op by op
+    # (about 8 steps). Probes every PROBE_EVERY steps made decoding 25-30% slower than with
+    # drafting off, although every probe's draft was accepted.
+    controller = DraftController(max_draft=4)
+    controller.record_plain(0.0077)
+    controller.record_draft("lookup", 1, 1, 0.0, 0.064)
+    steps = 0
+    while controller.draft_length("lookup", 4) == 0:
+        controller.record_plain(0.0077)
+        steps += 1
+    assert controller.draft_length("lookup", 4) == 1  # a probe, not a full draft
+    overhead = (0.064 - 0.0077) / (steps * 0.0077)
+    assert overhead <= MAX_PROBE_OVERHEAD < (0.064 - 0.0077) / (PROBE_EVERY * 0.0077), steps
+
+
+def test_prompt_lookups_match_lengths_share_one_probe_clock():
+    # Each match length drafts under its own name ("lookup:2", "lookup:3"); probing each
+    # apart cost one probe per length in every interval (3 verifications in 128 tokens).
+    controller = DraftController(max_draft=4)
+    controller.record_plain(0.0077)
+    controller.record_draft("lookup:2", 1, 1, 0.0, 0.064)
+    for _ in range(controller._probe_spacing("lookup:2")):
+        assert controller.draft_length("lookup:3", 4) == 0
+        controller.record_plain(0.0077)
+    controller.record_draft("lookup:3", 1, 1, 0.0, 0.064)  # the family's probe
+    assert controller.draft_length("lookup:2", 4) == 0
 
 
 class _ReplayDrafter:
