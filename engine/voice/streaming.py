@@ -51,7 +51,7 @@ class StreamingConfig:
     # or `unsure_wait_s` of audio of any kind (the speaker may have paused).
     sure_probability: float = 0.7
     unsure_speech_after_s: float = 0.8
-    unsure_wait_s: float = 1.5
+    unsure_wait_s: float = 1.3
     # Any word also waits until this much audio follows it: a word that ends where the audio
     # ends may be cut off mid-way ("the" heard as "me." twice in a row, as the last word).
     audio_after_s: float = 0.15
