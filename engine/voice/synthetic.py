@@ -85,7 +85,7 @@ def synthesize(
 ) -> SyntheticSpeech:
     """`text` spoken word by word, with silences drawn from `gap_range` between words."""
     rng = np.random.default_rng(seed)
-    parts = [_silence(edge_silence)]
+    parts = [silence(edge_silence)]
     cursor = len(parts[0])
     truth = []
     names = text.split()
@@ -94,7 +94,7 @@ def synthesize(
         truth.append(Word(name, cursor / SAMPLE_RATE, (cursor + len(sound)) / SAMPLE_RATE))
         parts.append(sound)
         cursor += len(sound)
-        gap = _silence(rng.uniform(*gap_range) if i + 1 < len(names) else edge_silence)
+        gap = silence(rng.uniform(*gap_range) if i + 1 < len(names) else edge_silence)
         parts.append(gap)
         cursor += len(gap)
     return SyntheticSpeech(text, np.concatenate(parts), tuple(truth))
@@ -117,7 +117,8 @@ def write_wav(path: Path | str, audio: np.ndarray) -> None:
         out.writeframes(pcm.tobytes())
 
 
-def _silence(seconds: float) -> np.ndarray:
+def silence(seconds: float) -> np.ndarray:
+    """`seconds` of digital silence (float32 samples at SAMPLE_RATE)."""
     return np.zeros(int(round(seconds * SAMPLE_RATE)), dtype=np.float32)
 
 

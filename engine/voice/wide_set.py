@@ -20,7 +20,7 @@ import numpy as np
 from .audio import SAMPLE_RATE, read_audio
 from .espeak import speak
 from .events import Word
-from .synthetic import SpeechSynthesisError, write_wav
+from .synthetic import SpeechSynthesisError, silence, write_wav
 
 SOX = "sox"
 WIDE_SENTENCES = (
@@ -112,14 +112,14 @@ def _spoken(text: str, voice: str, wpm: int, pauses: str, seed: int):
             size = int(rng.integers(PHRASE_WORDS[0], PHRASE_WORDS[1] + 1))
             phrases.append(words[at : at + size])
             at += size
-    parts, truth, exact = [_silence(EDGE_SILENCE_S)], [], []
+    parts, truth, exact = [silence(EDGE_SILENCE_S)], [], []
     cursor = len(parts[0]) / SAMPLE_RATE
     for i, phrase in enumerate(phrases):
         spoken = speak(" ".join(phrase), voice, wpm)
         truth += [replace(w, start=w.start + cursor, end=w.end + cursor) for w in spoken.words]
         exact += spoken.exact
         pause = rng.uniform(*PAUSE_RANGE_S) if i + 1 < len(phrases) else EDGE_SILENCE_S
-        parts += [spoken.audio, _silence(pause)]
+        parts += [spoken.audio, silence(pause)]
         cursor += (len(spoken.audio) + len(parts[-1])) / SAMPLE_RATE
     audio = np.concatenate(parts)
     peak = max(1e-9, float(np.abs(audio).max()))
@@ -165,7 +165,3 @@ def _speech_level(audio: np.ndarray) -> float:
 
 def _rms(audio: np.ndarray) -> float:
     return float(np.sqrt(np.mean(np.square(audio))))
-
-
-def _silence(seconds: float) -> np.ndarray:
-    return np.zeros(int(round(seconds * SAMPLE_RATE)), dtype=np.float32)
