@@ -260,8 +260,9 @@ def _decode_speeds(runtime, prompt: list[int], n_tokens: int, runs: int):
 
 
 def _profile(runtime, prompt: list[int], n_steps: int) -> str:
-    """torch.profiler's table of `n_steps` greedy decode steps after the prompt (prefill
-    and the first step, where graphs are captured, are left out), speculation off."""
+    """torch.profiler's table of `n_steps` greedy decode steps after the prompt and one
+    step (left out), speculation off. `_measure` leaves the runtime taking ordinary steps,
+    op by op, so every op shows by name (a graph's replay would show only its kernels)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 

@@ -429,7 +429,7 @@ def test_controller_probes_less_often_while_probes_keep_failing():
 
 def test_a_verification_dearer_than_plain_steps_is_probed_seldom():
     # An H200: plain steps replay a CUDA graph (7.7 ms), verifying one draft runs op by op
-    # (about 8 steps). Probes every PROBE_EVERY steps made decoding 25-30% slower than with
+    # (about 8 steps). Probes every PROBE_EVERY steps made decoding 24-34% slower than with
     # drafting off, although every probe's draft was accepted.
     controller = DraftController(max_draft=4)
     controller.record_plain(0.0077)

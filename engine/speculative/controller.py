@@ -115,7 +115,7 @@ class DraftController:
         """Plain steps between probes that keep their cost to `MAX_PROBE_OVERHEAD` of the
         time: on a GPU, where plain steps replay a graph and a verification runs op by op,
         verifying one draft costs about 8 plain steps, and a probe every 24 steps made
-        decoding 25-30% slower than with drafting off."""
+        decoding a quarter to a third slower than with drafting off."""
         extra_steps = self._step_cost(drafter, 1) / self._plain_cost() - 1.0
         return math.ceil(extra_steps / MAX_PROBE_OVERHEAD)
 
