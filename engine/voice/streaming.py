@@ -3,7 +3,8 @@
 `StreamingTranscriber` is fed audio as it arrives (`insert_audio_chunk`), and on each
 `process_iter` (every `chunk_s` of new audio) re-transcribes its buffer (the audio since the
 last trim) with the committed text as the prompt. LocalAgreement-2 commits the words two
-hypotheses in a row agree on; a word Whisper is unsure of also waits for speech after it.
+hypotheses in a row agree on, once a little audio follows them; a word Whisper is unsure of
+also waits for speech after it.
 Everything not yet committed is shown as partial text. Silero VAD skips the work while nobody
 speaks and ends an utterance after a long pause. The buffer is cut in a pause between
 committed words once it grows long, so its cost stays bounded.
