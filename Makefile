@@ -74,8 +74,8 @@ package-test: package
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m package
 
 lint: setup
-	$(BIN)/ruff check app engine native assets tests
-	$(BIN)/ruff format --check app engine native assets tests
+	$(BIN)/ruff check app engine native assets tests scripts
+	$(BIN)/ruff format --check app engine native assets tests scripts
 
 bench: setup
 	$(BIN)/miniapp bench --threads 2

@@ -217,9 +217,7 @@ def bench_decode(model: Path, args) -> dict:
             "llamacpp": start_worker("llamacpp", {}, model, prompts, args),
             # The same llama.cpp with its extra buffer types (CPU_REPACK) off: what the
             # AMX guard costs where it has to turn them off (engine/llamacpp_lib.py).
-            "llamacpp-plain": start_worker(
-                "llamacpp", {REPACK_ENV: "off"}, model, prompts, args
-            ),
+            "llamacpp-plain": start_worker("llamacpp", {REPACK_ENV: "off"}, model, prompts, args),
         }
         speeds: dict[str, list[float]] = {name: [] for name in workers}
         digests: dict[str, set[str]] = {name: set() for name in workers}
