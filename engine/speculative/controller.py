@@ -101,15 +101,16 @@ class DraftController:
             rate = expected_tokens(a, k) / self._step_cost(drafter, k)
             if rate > best_rate:
                 best, best_rate = k, rate
-        probe_wait = max(
-            self._probe_every.get(drafter, self.probe_every), self._probe_spacing(drafter)
-        )
-        # One probe clock per family: prompt lookup's match lengths would each probe apart.
-        silent = self._steps - self._last_draft.get(_family(drafter), 0)
-        if best == 0 and silent >= probe_wait:
+        if best == 0 and self._probe_due(drafter):
             self._probing = drafter
             return 1  # a cheap probe: is acceptance back up?
         return best
+
+    def _probe_due(self, drafter: str) -> bool:
+        """Whether `drafter`, not paying now, has been silent long enough for a probe."""
+        wait = max(self._probe_every.get(drafter, self.probe_every), self._probe_spacing(drafter))
+        # One probe clock per family: prompt lookup's match lengths would each probe apart.
+        return self._steps - self._last_draft.get(_family(drafter), 0) >= wait
 
     def _probe_spacing(self, drafter: str) -> int:
         """Plain steps between probes that keep their cost to `MAX_PROBE_OVERHEAD` of the
