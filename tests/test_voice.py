@@ -231,6 +231,21 @@ def test_an_edge_inside_connected_speech_moves_to_a_nearby_dip():
     assert edge(0.815 + ALIGNMENT_LAG_S) == pytest.approx(0.815)
 
 
+def test_inner_edges_are_moved_back_by_the_models_own_lag():
+    audio = np.zeros(2 * SAMPLE_RATE, dtype=np.float32)
+    tone = np.sin(np.arange(int(0.6 * SAMPLE_RATE)) * 0.3).astype(np.float32) * 0.5
+    audio[int(0.4 * SAMPLE_RATE) : SAMPLE_RATE] = tone  # one sound, no dip: 0.4 - 1.0 s
+    words = [Word("one", 0.4, 0.7), Word("two", 0.7, 1.0)]
+
+    def edge(lag: float) -> float:
+        first, second = refine_words(words, audio, lag=lag)
+        assert (first.start, second.end) == pytest.approx((0.4, 1.0))  # the sound's own edges
+        return first.end
+
+    assert edge(ALIGNMENT_LAG_S) == pytest.approx(0.7 - ALIGNMENT_LAG_S)  # tiny.en: late
+    assert edge(-0.055) == pytest.approx(0.755)  # base: early
+
+
 def test_exports():
     words = [
         Word("Hello", 0.5, 0.9, 1.2),

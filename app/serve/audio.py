@@ -449,6 +449,10 @@ class _Prompted:
     keep_windows: bool = False
     windows: list[_Window] = field(default_factory=list)
 
+    @property
+    def alignment_lag_s(self) -> float:
+        return self.asr.alignment_lag_s
+
     def transcribe(self, audio, prompt: str = "", offset: float = 0.0, beam_size: int = 1):
         context = " ".join(part for part in (self.prompt, prompt) if part)
         words = self.asr.transcribe(audio, prompt=context, offset=offset, beam_size=beam_size)

@@ -77,6 +77,10 @@ class _TimedASR:
         self.clock = clock
         self.calls: list[_Call] = []
 
+    @property
+    def alignment_lag_s(self) -> float:
+        return self.asr.alignment_lag_s
+
     def transcribe(self, audio, prompt: str = "", offset: float = 0.0, beam_size: int = 1):
         started = self.clock()
         words = self.asr.transcribe(audio, prompt=prompt, offset=offset, beam_size=beam_size)

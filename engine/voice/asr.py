@@ -20,6 +20,7 @@ import numpy as np
 
 from ..errors import ModelFileError
 from .audio import SAMPLE_RATE
+from .boundaries import ALIGNMENT_LAG_S
 from .events import Word
 
 log = logging.getLogger(__name__)
@@ -58,16 +59,24 @@ class _Decoded:
 
 
 class WhisperASR:
-    """A loaded faster-whisper model. Not thread-safe: use one per thread."""
+    """A loaded faster-whisper model. Not thread-safe: use one per thread.
+
+    `alignment_lag_s` is how late the model's alignment places the edges between connected
+    words (it differs from model to model; see `boundaries`)."""
 
     def __init__(
-        self, model_dir: Path, threads: int | None = None, compute_type: str = "int8"
+        self,
+        model_dir: Path,
+        threads: int | None = None,
+        compute_type: str = "int8",
+        alignment_lag_s: float = ALIGNMENT_LAG_S,
     ) -> None:
         from faster_whisper import WhisperModel
         from faster_whisper.tokenizer import Tokenizer
 
         self.model_dir = Path(model_dir)
         self.threads = threads or DEFAULT_THREADS
+        self.alignment_lag_s = alignment_lag_s
         try:
             self._whisper = WhisperModel(
                 str(self.model_dir), device="cpu", compute_type=compute_type,
@@ -172,10 +181,16 @@ class WhisperASR:
 
 
 def load_asr(model: str | None = None, threads: int | None = None) -> WhisperASR:
-    """The bundled tiny.en (model None) or a faster-whisper model folder."""
-    from ..model_store import resolve_asr_model
+    """The bundled tiny.en (model None), another bundled speech model by name, or a
+    faster-whisper model folder."""
+    from ..model_store import asr_alignment_lag, resolve_asr_model
 
-    return WhisperASR(resolve_asr_model(model), threads=threads)
+    path = resolve_asr_model(model)
+    # A folder that is none of the bundled models gets tiny.en's lag (the usual model).
+    lag = asr_alignment_lag(path)
+    return WhisperASR(
+        path, threads=threads, alignment_lag_s=ALIGNMENT_LAG_S if lag is None else lag
+    )
 
 
 def _context_seconds(audio_seconds: float) -> float:

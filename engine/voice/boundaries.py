@@ -35,10 +35,11 @@ SILENCE_DB = -100.0
 # Gaps shorter than this are inside words (stop consonants close for up to ~0.1 s).
 MIN_PAUSE_S = 0.12
 MIN_REGION_S = 0.03  # shorter bursts are clicks
-# Whisper's alignment places the edges between words spoken without a pause late: by 85 ms
-# (median, both starts and ends) on the clean tuning sentences spoken as connected speech
-# with their espeak-ng word events as the truth. Such edges are moved back by that much.
-ALIGNMENT_LAG_S = 0.085
+# Whisper's alignment places the edges between words spoken without a pause off by a
+# model's own lag: tiny.en's are late by 85 ms (median, both starts and ends) on the clean
+# tuning sentences spoken as connected speech with their espeak-ng word events as the truth;
+# base's are early, by 55 ms. Such edges are moved back by the lag (see `WhisperASR`).
+ALIGNMENT_LAG_S = 0.085  # tiny.en's, the default
 # An edge between connected words moves to the quietest frame within DIP_SEARCH_S of it
 # (and at least DIP_MARGIN_S inside both words) when that frame is DIP_DEPTH_DB below the
 # loudest one around. On the clean tuning sentences spoken connected by espeak-ng, this took
@@ -75,14 +76,17 @@ def _regions(levels: np.ndarray, offset: float) -> list[Region]:
     ]
 
 
-def refine_words(words: list[Word], audio: np.ndarray, offset: float = 0.0) -> list[Word]:
-    """`words` (times on the clock where `audio` starts at `offset`) with edges snapped to the
-    speech regions of `audio`; the result stays in order and never overlaps."""
+def refine_words(
+    words: list[Word], audio: np.ndarray, offset: float = 0.0, lag: float = ALIGNMENT_LAG_S
+) -> list[Word]:
+    """`words` (times on the clock where `audio` starts at `offset`, from a model whose inner
+    edges run `lag` seconds late) with edges snapped to the speech regions of `audio`; the
+    result stays in order and never overlaps."""
     if not words:
         return []
     levels = _frame_levels_db(audio)
     regions = _regions(levels, offset)
-    owners = _assign(words, regions) if regions else [None] * len(words)
+    owners = _assign(words, regions, lag) if regions else [None] * len(words)
     refined: list[Word] = []
     previous_end = -np.inf
     for i, word in enumerate(words):
@@ -91,8 +95,8 @@ def refine_words(words: list[Word], audio: np.ndarray, offset: float = 0.0) -> l
         if region is not None:
             first = i == 0 or owners[i - 1] != owners[i]
             last = i + 1 == len(words) or owners[i + 1] != owners[i]
-            start = region.start if first else _inside(start - ALIGNMENT_LAG_S, region)
-            end = region.end if last else _inside(end - ALIGNMENT_LAG_S, region)
+            start = region.start if first else _inside(start - lag, region)
+            end = region.end if last else _inside(end - lag, region)
         start = max(start, previous_end)
         end = max(end, start)
         refined.append(replace(word, start=start, end=end))
@@ -141,11 +145,11 @@ def _inside(time: float, region: Region) -> float:
     return min(max(time, region.start), region.end)
 
 
-def _assign(words: list[Word], regions: list[Region]) -> list[int | None]:
+def _assign(words: list[Word], regions: list[Region], lag: float) -> list[int | None]:
     """For each word, the region it belongs to: region indices never decrease along the words,
     and the summed overlap of words with their regions is the largest possible. A word that
-    overlaps no region at all (its region is None) is left as Whisper placed it."""
-    lag = ALIGNMENT_LAG_S  # Whisper's times run late: overlaps are measured without the lag
+    overlaps no region at all (its region is None) is left as Whisper placed it. Overlaps are
+    measured on the words' times less the model's `lag`."""
     overlap = np.array([
         [max(0.0, min(w.end - lag, r.end) - max(w.start - lag, r.start)) for r in regions]
         for w in words
