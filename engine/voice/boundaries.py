@@ -59,7 +59,7 @@ class Region:
 
 def speech_regions(audio: np.ndarray, offset: float = 0.0) -> list[Region]:
     """Stretches of `audio` above the energy threshold, pauses shorter than MIN_PAUSE_S closed."""
-    return _regions(_frame_levels_db(audio), offset)
+    return _regions(frame_levels_db(audio), offset)
 
 
 def _regions(levels: np.ndarray, offset: float) -> list[Region]:
@@ -84,7 +84,7 @@ def refine_words(
     result stays in order and never overlaps."""
     if not words:
         return []
-    levels = _frame_levels_db(audio)
+    levels = frame_levels_db(audio)
     regions = _regions(levels, offset)
     owners = _assign(words, regions, lag) if regions else [None] * len(words)
     refined: list[Word] = []
@@ -177,7 +177,8 @@ def _running_argmax(values: np.ndarray) -> np.ndarray:
     return where
 
 
-def _frame_levels_db(audio: np.ndarray) -> np.ndarray:
+def frame_levels_db(audio: np.ndarray) -> np.ndarray:
+    """The level of each FRAME_S frame of `audio`, in dB (full scale 0), at least SILENCE_DB."""
     frames = len(audio) // FRAME_SAMPLES
     if frames == 0:
         return np.zeros(0)

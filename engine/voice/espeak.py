@@ -20,6 +20,7 @@ import av
 import numpy as np
 
 from .audio import SAMPLE_RATE
+from .boundaries import FRAME_S, frame_levels_db
 from .events import Word
 from .synthetic import SpeechSynthesisError
 
@@ -30,7 +31,6 @@ _RATE = 1  # espeakRATE: words per minute
 _EVENT_END_OF_LIST = 0
 _EVENT_WORD = 1
 LOUD_WITHIN_DB = 40.0  # a word's sound: frames within this of the utterance's loudest frame
-FRAME_S = 0.005
 
 _lock = threading.Lock()
 
@@ -184,10 +184,7 @@ def _word_spans(text: str) -> list[tuple[int, int]]:
 
 
 def _loud_frames(audio: np.ndarray) -> np.ndarray:
-    frame = int(FRAME_S * SAMPLE_RATE)
-    count = len(audio) // frame
-    power = np.mean(np.square(audio[: count * frame].reshape(count, frame)), axis=1)
-    levels = 10 * np.log10(power + 1e-12)
+    levels = frame_levels_db(audio)
     return levels >= levels.max() - LOUD_WITHIN_DB
 
 
