@@ -456,6 +456,28 @@ def test_prompt_lookups_match_lengths_share_one_probe_clock():
     assert controller.draft_length("lookup:2", 4) == 0
 
 
+def test_failed_probes_back_off_the_whole_family():
+    # A probe under one match length that fails doubles the wait of the other lengths too:
+    # each backing off only from its own failures, the family kept probing every 24 steps.
+    controller = DraftController(max_draft=4)
+    controller.record_plain(0.01)
+    for length in (2, 3):
+        controller.set_prior(f"lookup:{length}", 0.0)
+
+    def plain_steps_until_a_probe(drafter: str) -> int:
+        steps = 0
+        while controller.draft_length(drafter, 4) == 0:
+            controller.record_plain(0.01)
+            steps += 1
+        return steps
+
+    assert plain_steps_until_a_probe("lookup:2") == controller.probe_every - 1
+    controller.record_draft("lookup:2", 1, 0, 0.0, 0.012)  # rejected
+    assert plain_steps_until_a_probe("lookup:3") == 2 * controller.probe_every
+    controller.record_draft("lookup:3", 1, 0, 0.0, 0.012)
+    assert plain_steps_until_a_probe("lookup:2") == 4 * controller.probe_every
+
+
 class _ReplayDrafter:
     """A drafter written against the interface alone: it proposes what plain decoding said
     comes next, with every other proposal's last token wrong, so both paths of a verdict run."""

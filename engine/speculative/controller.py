@@ -108,9 +108,11 @@ class DraftController:
 
     def _probe_due(self, drafter: str) -> bool:
         """Whether `drafter`, not paying now, has been silent long enough for a probe."""
-        wait = max(self._probe_every.get(drafter, self.probe_every), self._probe_spacing(drafter))
-        # One probe clock per family: prompt lookup's match lengths would each probe apart.
-        return self._steps - self._last_draft.get(_family(drafter), 0) >= wait
+        # One probe clock per family, and one back-off: prompt lookup's match lengths would
+        # each probe apart, and each back off only from its own failures.
+        family = _family(drafter)
+        wait = max(self._probe_every.get(family, self.probe_every), self._probe_spacing(drafter))
+        return self._steps - self._last_draft.get(family, 0) >= wait
 
     def _probe_spacing(self, drafter: str) -> int:
         """Plain steps between probes that keep their cost to `MAX_PROBE_OVERHEAD` of the
@@ -131,9 +133,10 @@ class DraftController:
 
     def record_draft(self, drafter: str, drafted: int, accepted: int, draft_s: float,
                      verify_s: float) -> None:  # fmt: skip
-        if self._probing == drafter:  # back off while probes keep failing
-            wait = self._probe_every.get(drafter, self.probe_every)
-            self._probe_every[drafter] = (
+        if self._probing == drafter:  # back off while the family's probes keep failing
+            family = _family(drafter)
+            wait = self._probe_every.get(family, self.probe_every)
+            self._probe_every[family] = (
                 min(2 * wait, MAX_PROBE_EVERY) if accepted == 0 else self.probe_every
             )
         self._probing = None
