@@ -254,13 +254,13 @@ def resolve_asr_model(arg: str | None) -> Path:
     return path
 
 
-def asr_alignment_lag(path: Path) -> float | None:
+def asr_alignment_lag(path: Path) -> float:
     """The alignment lag of the bundled speech model whose files `path` holds (by their
-    sizes, so a copy elsewhere counts too); None for any other model."""
+    sizes, so a copy elsewhere counts too); for any other model, the default one's."""
     for bundle in BUNDLED_FOLDERS.values():
         if _folder_intact(bundle, path):
             return bundle.alignment_lag_s
-    return None
+    return BUNDLED_FOLDERS[DEFAULT_ASR_MODEL].alignment_lag_s
 
 
 def sha256_of(path: Path) -> str:

@@ -129,6 +129,14 @@ def test_an_optional_speech_model_not_installed_says_how_to_install_it(tmp_path,
 
 
 def test_the_alignment_lag_is_that_of_the_bundled_model_a_folder_holds(tmp_path):
-    tiny = resolve_asr_model(None)  # installed by set-up
-    assert asr_alignment_lag(tiny) == BUNDLED_FOLDERS["whisper-tiny.en"].alignment_lag_s
-    assert asr_alignment_lag(tmp_path) is None
+    tiny, base = (BUNDLED_FOLDERS[name] for name in ("whisper-tiny.en", "whisper-base"))
+    assert tiny.alignment_lag_s != base.alignment_lag_s
+    # A copy of a bundled model's files anywhere is known by their sizes.
+    for f in base.files:
+        with (tmp_path / f.name).open("wb") as out:
+            out.truncate(f.size)
+    assert asr_alignment_lag(tmp_path) == base.alignment_lag_s
+    assert asr_alignment_lag(resolve_asr_model(None)) == tiny.alignment_lag_s
+    # Any other folder: the default model's figure.
+    (tmp_path / "model.bin").unlink()
+    assert asr_alignment_lag(tmp_path) == tiny.alignment_lag_s

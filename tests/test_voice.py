@@ -7,11 +7,11 @@ import pytest
 from speech_synth import CLEAN_SENTENCES, joined, require_tools, synthesize
 
 from miniapp.engine.errors import ModelFileError
-from miniapp.engine.model_store import resolve_asr_model
+from miniapp.engine.model_store import BUNDLED_FOLDERS, resolve_asr_model
 from miniapp.engine.voice.agreement import LocalAgreement, after_committed, normalize
 from miniapp.engine.voice.asr import load_asr
 from miniapp.engine.voice.audio import SAMPLE_RATE
-from miniapp.engine.voice.boundaries import ALIGNMENT_LAG_S, refine_words, speech_regions
+from miniapp.engine.voice.boundaries import refine_words, speech_regions
 from miniapp.engine.voice.events import EndOfUtterance, PartialText, Word, WordsCommitted
 from miniapp.engine.voice.export import to_json, to_srt, to_vtt
 from miniapp.engine.voice.metrics import boundary_errors, word_error_rate
@@ -25,6 +25,7 @@ from miniapp.engine.voice.streaming import (
 
 BOUNDARY_MAE_TARGET_S = 0.080
 COMMIT_LATENCY_TARGET_S = 1.5
+TINY_EN_LAG_S = BUNDLED_FOLDERS["whisper-tiny.en"].alignment_lag_s
 
 
 @pytest.fixture(scope="session")
@@ -195,7 +196,7 @@ def test_refinement_snaps_smeared_edges_to_the_sound():
     regions = speech_regions(audio)
     assert [(round(r.start, 2), round(r.end, 2)) for r in regions] == [(0.5, 0.9), (2.0, 2.4)]
     smeared = [Word("one", 0.2, 1.6), Word("two", 1.6, 2.9)]  # late and into the pause
-    refined = refine_words(smeared, audio)
+    refined = refine_words(smeared, audio, lag=TINY_EN_LAG_S)
     assert [(round(w.start, 2), round(w.end, 2)) for w in refined] == [(0.5, 0.9), (2.0, 2.4)]
 
 
@@ -206,7 +207,7 @@ def test_a_word_smeared_into_a_pause_stays_with_the_speech_before_it():
     audio[int(1.7 * SAMPLE_RATE) : int(1.7 * SAMPLE_RATE) + len(tone)] = tone  # 1.7 - 2.1 s
     # Whisper's "the" starts after the first sound ends and reaches just into the second.
     heard = [Word("of", 0.55, 0.92), Word("the", 0.92, 1.72), Word("house", 1.75, 2.2)]
-    of, the, house = refine_words(heard, audio)
+    of, the, house = refine_words(heard, audio, lag=TINY_EN_LAG_S)
     assert the.end == pytest.approx(0.9) and the.start < 0.9
     assert house.start == pytest.approx(1.7)
 
@@ -221,14 +222,14 @@ def test_an_edge_inside_connected_speech_moves_to_a_nearby_dip():
 
     def edge(whisper_edge: float) -> float:
         words = [Word("one", 0.5, whisper_edge), Word("two", whisper_edge, 1.0)]
-        first, second = refine_words(words, audio)
+        first, second = refine_words(words, audio, lag=TINY_EN_LAG_S)
         assert first.end == second.start
         return first.end
 
     # Whisper's edge, less its lag, lands 45 ms after the dip: it moves into the dip.
-    assert 0.70 <= edge(0.76 + ALIGNMENT_LAG_S) <= 0.73
+    assert 0.70 <= edge(0.76 + TINY_EN_LAG_S) <= 0.73
     # 100 ms away, the dip is not this edge's.
-    assert edge(0.815 + ALIGNMENT_LAG_S) == pytest.approx(0.815)
+    assert edge(0.815 + TINY_EN_LAG_S) == pytest.approx(0.815)
 
 
 def test_inner_edges_are_moved_back_by_the_models_own_lag():
@@ -242,7 +243,7 @@ def test_inner_edges_are_moved_back_by_the_models_own_lag():
         assert (first.start, second.end) == pytest.approx((0.4, 1.0))  # the sound's own edges
         return first.end
 
-    assert edge(ALIGNMENT_LAG_S) == pytest.approx(0.7 - ALIGNMENT_LAG_S)  # tiny.en: late
+    assert edge(TINY_EN_LAG_S) == pytest.approx(0.7 - TINY_EN_LAG_S)  # tiny.en: late
     assert edge(-0.055) == pytest.approx(0.755)  # base: early
 
 

@@ -20,7 +20,6 @@ import numpy as np
 
 from ..errors import ModelFileError
 from .audio import SAMPLE_RATE
-from .boundaries import ALIGNMENT_LAG_S
 from .events import Word
 
 log = logging.getLogger(__name__)
@@ -62,14 +61,14 @@ class WhisperASR:
     """A loaded faster-whisper model. Not thread-safe: use one per thread.
 
     `alignment_lag_s` is how late the model's alignment places the edges between connected
-    words (it differs from model to model; see `boundaries`)."""
+    words (it differs from model to model; see `boundaries`); 0 leaves them where they are."""
 
     def __init__(
         self,
         model_dir: Path,
         threads: int | None = None,
         compute_type: str = "int8",
-        alignment_lag_s: float = ALIGNMENT_LAG_S,
+        alignment_lag_s: float = 0.0,
     ) -> None:
         from faster_whisper import WhisperModel
         from faster_whisper.tokenizer import Tokenizer
@@ -186,11 +185,7 @@ def load_asr(model: str | None = None, threads: int | None = None) -> WhisperASR
     from ..model_store import asr_alignment_lag, resolve_asr_model
 
     path = resolve_asr_model(model)
-    # A folder that is none of the bundled models gets tiny.en's lag (the usual model).
-    lag = asr_alignment_lag(path)
-    return WhisperASR(
-        path, threads=threads, alignment_lag_s=ALIGNMENT_LAG_S if lag is None else lag
-    )
+    return WhisperASR(path, threads=threads, alignment_lag_s=asr_alignment_lag(path))
 
 
 def _context_seconds(audio_seconds: float) -> float:

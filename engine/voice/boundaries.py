@@ -35,11 +35,11 @@ SILENCE_DB = -100.0
 # Gaps shorter than this are inside words (stop consonants close for up to ~0.1 s).
 MIN_PAUSE_S = 0.12
 MIN_REGION_S = 0.03  # shorter bursts are clicks
-# Whisper's alignment places the edges between words spoken without a pause off by a
-# model's own lag: tiny.en's are late by 85 ms (median, both starts and ends) on the clean
-# tuning sentences spoken as connected speech with their espeak-ng word events as the truth;
-# base's are early, by 55 ms. Such edges are moved back by the lag (see `WhisperASR`).
-ALIGNMENT_LAG_S = 0.085  # tiny.en's, the default
+# Whisper's alignment places the edges between words spoken without a pause off by each
+# model's own lag, which such edges are moved back by: tiny.en's are late by 85 ms (median,
+# both starts and ends) on the clean tuning sentences spoken as connected speech with their
+# espeak-ng word events as the truth, base's early by 55 ms (`model_store`'s figures, carried
+# by `WhisperASR.alignment_lag_s`).
 # An edge between connected words moves to the quietest frame within DIP_SEARCH_S of it
 # (and at least DIP_MARGIN_S inside both words) when that frame is DIP_DEPTH_DB below the
 # loudest one around. On the clean tuning sentences spoken connected by espeak-ng, this took
@@ -77,7 +77,7 @@ def _regions(levels: np.ndarray, offset: float) -> list[Region]:
 
 
 def refine_words(
-    words: list[Word], audio: np.ndarray, offset: float = 0.0, lag: float = ALIGNMENT_LAG_S
+    words: list[Word], audio: np.ndarray, offset: float = 0.0, *, lag: float
 ) -> list[Word]:
     """`words` (times on the clock where `audio` starts at `offset`, from a model whose inner
     edges run `lag` seconds late) with edges snapped to the speech regions of `audio`; the

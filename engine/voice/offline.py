@@ -64,7 +64,7 @@ class _Windows:
             audio, prompt=" ".join(self.prompt), offset=offset, beam_size=self.beam_size
         )
         if self.refine_boundaries:
-            words = refine_words(words, audio, offset, self.asr.alignment_lag_s)
+            words = refine_words(words, audio, offset, lag=self.asr.alignment_lag_s)
         placed = []
         for word in words:
             start = max(word.start, self.last_end)  # windows never overlap on the clock

@@ -186,7 +186,7 @@ class StreamingTranscriber:
             self._buffer, prompt=prompt, offset=self._offset, beam_size=self.config.beam_size
         )
         if self.config.refine_boundaries:
-            words = refine_words(words, self._buffer, self._offset, self.asr.alignment_lag_s)
+            words = refine_words(words, self._buffer, self._offset, lag=self.asr.alignment_lag_s)
         words = after_committed(words, self._in_buffer)
         self._decoded_to = self._buffer_start + len(self._buffer)
         return self._committed_events(self._agreement.update(words, self.clock(), self._ready))
