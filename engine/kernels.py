@@ -81,6 +81,23 @@ def _attention(library: int4.Library) -> NativeAttention:
     return NativeAttention(library)
 
 
+GGML_ENV = "MINIAPP_GGML_DIRECT"  # "0": every weight goes to the int4 layout; "all": Q4_0/Q4_1 too
+# Weights of these types stay in the file's own blocks, read by the GGML kernel (see
+# native/ggml_dot.cpp): the int4 layout holds them wider (Q6_K at 10 bits a weight instead of
+# 6.56, Q5_0 and Q8_0 at 9) or converts them at load. Q4_0 and Q4_1 are 4.5 and 5 bits either
+# way, and the int4 kernel computes them faster, so they keep it.
+_GGML_DEFAULT = frozenset({6, 7, 8, 12, 13, 14})  # Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K
+_GGML_ALL = _GGML_DEFAULT | {2, 3}  # and Q4_0 Q4_1
+
+
+def ggml_direct_types() -> frozenset[int]:
+    """The GGML type ids that weights keep in their file blocks on the CPU (read at load)."""
+    setting = os.environ.get(GGML_ENV, "").strip().lower()
+    if setting in _OFF:
+        return frozenset()
+    return _GGML_ALL if setting == "all" else _GGML_DEFAULT
+
+
 FUSED_ENV = "MINIAPP_FUSED_LAYERS"  # "0": decode steps call the layer's kernels one by one
 
 

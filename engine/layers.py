@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from gguf.constants import GGMLQuantizationType
 
+from ..native import ggml as native_ggml
 from ..native import int4 as native_int4
-from .kernels import cpu_int4_kernel, cpu_row_ops
+from .kernels import cpu_int4_kernel, cpu_row_ops, ggml_direct_types
 from .quant import (
     FLOAT_TYPES,
     PLAIN,
@@ -198,6 +199,26 @@ def cuda_inner_k_tiles(columns: int) -> int:
     raise ValueError(f"{columns} input columns do not tile for the CUDA int4 kernel")
 
 
+class GgmlLinear:
+    """y = x @ W.T (+ bias) for W kept as the file's own GGML blocks (one or more tensors
+    stacked by rows), read in place by the native kernel (`native/ggml.py`): nothing is
+    converted at load, and a step reads each weight at the file's own bits per weight.
+    With `gated`, W holds gate and up rows and forward gives silu(gate) * up. Returns fp32."""
+
+    bias = None  # added inside the kernel
+    plain = True
+
+    def __init__(self, native: native_ggml.PackedGgml):
+        self.native = native
+        self.in_features = native.shape.k
+        self.out_features = native.shape.outputs
+        self.gated = native.shape.gated
+        self.forward = native.forward
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward(x)
+
+
 class DenseLinear:
     """y = x @ W.T (+ bias) for weights stored unquantized, kept in their stored dtype.
 
@@ -249,6 +270,8 @@ def linear_from_raw(
     types = {t for _, t in parts}
     if bias is not None:
         bias = bias.to(target.device)
+    if (direct := _ggml_linear(parts, n_cols, bias, target, gated)) is not None:
+        return direct
     if gated and bias is None and (fused := _gated_int4(parts, n_cols, target)) is not None:
         return fused
     if types <= QUANT_TYPES and target.dense:
@@ -265,6 +288,28 @@ def linear_from_raw(
         stored = _STORED_DTYPE[next(iter(types))] if len(types) == 1 else torch.float32
         return DenseLinear(weight.to(target.device, stored), bias)
     return _ConcatLinear([linear_from_raw([p], n_cols, target=target) for p in parts], bias)
+
+
+def _ggml_linear(
+    parts: list[RawWeight],
+    n_cols: int,
+    bias: torch.Tensor | None,
+    target: WeightTarget,
+    gated: bool,
+) -> GgmlLinear | None:
+    """The weights as they are in the file, for the native GGML kernel: where it runs (the
+    CPU with the native library) and takes every part's type; None elsewhere."""
+    library = cpu_int4_kernel().library if target.on_cpu else None
+    direct = ggml_direct_types()
+    if library is None or not all(t in direct and native_ggml.takes(t, n_cols) for _, t in parts):
+        return None
+    if gated and len(parts) == 1:  # Phi-3: one tensor, gate rows first
+        raw, ggml_type = parts[0]
+        half = raw.shape[0] // 2
+        parts = [(raw[:half], ggml_type), (raw[half:], ggml_type)]
+    if len(parts) > native_ggml.MAX_PARTS or (gated and len(parts) != 2):
+        return None
+    return GgmlLinear(native_ggml.PackedGgml(library, parts, n_cols, bias, gated))
 
 
 def _gated_int4(parts: list[RawWeight], n_cols: int, target: WeightTarget) -> Int4Linear | None:
@@ -333,7 +378,7 @@ class _ConcatLinear:
     __call__ = forward
 
 
-Linear = Int4Linear | DenseLinear | _ConcatLinear
+Linear = Int4Linear | GgmlLinear | DenseLinear | _ConcatLinear
 
 
 class BlockEmbedding:

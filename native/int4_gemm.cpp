@@ -45,7 +45,7 @@
 
 namespace {
 
-constexpr int kAbiVersion = 6;
+constexpr int kAbiVersion = 7;
 constexpr int kBlockRows = 16;  // output rows per block: one AVX-512 fp32 lane each
 constexpr int kChunkCols = 8;   // input columns per chunk: 4 nibbles x 2 adjacent columns
 constexpr int kChunkBytes = 64;  // 16 rows x 8 columns x 4 bits
@@ -527,6 +527,10 @@ const char* miniapp_native_source_hash(void) { return MINIAPP_SOURCE_HASH; }
 int miniapp_int4_cpu_has(int isa) { return cpu_has(isa) ? 1 : 0; }
 
 // A packed weight, described once (Python keeps one per weight and passes its address).
+struct GgmlWeight;  // ggml_dot.cpp
+int miniapp_ggml_gemm(const GgmlWeight* w, const void* x, int64_t ldx, int x_type, int64_t m,
+                      float* y, int threads);
+
 struct Int4Weight {
   const uint8_t* packed;
   int64_t n_blocks;
@@ -535,6 +539,9 @@ struct Int4Weight {
   int64_t n;  // outputs: rows of w, or gated outputs (half the rows) with kSiluMul
   int32_t epilogue;
   int32_t isa;
+  // Not null: the weight is GGML blocks as the file stores them, and this kernel hands the
+  // call to miniapp_ggml_gemm (so the fused layer runs either kind of weight).
+  const GgmlWeight* ggml;
 };
 
 // y [m, n] (contiguous) for x [m, k] (fp32 or bf16, row stride ldx). With kSiluMul, blocks
@@ -542,6 +549,7 @@ struct Int4Weight {
 // Returns 0, or -1 for arguments it does not take (nothing is written then).
 int miniapp_int4_gemm(const Int4Weight* w, const void* x, int64_t ldx, int x_type, int64_t m,
                       float* y, int threads) {
+  if (w->ggml) return miniapp_ggml_gemm(w->ggml, x, ldx, x_type, m, y, threads);
   const int isa = w->isa, epilogue = w->epilogue;
   const int64_t n_blocks = w->n_blocks, k = w->k, group = w->group, n = w->n;
   if (!cpu_has(isa) || group <= 0 || group % kChunkCols || k % group || m < 0) return -1;

@@ -169,3 +169,25 @@ def rope(
     x[..., first] = a * cos - b * sin
     x[..., second] = a * sin + b * cos
     return x
+
+
+# ----------------------------------------------------------------- GGML blocks (ggml_dot.cpp)
+
+SMALL_BLOCK, SUPER_BLOCK = 32, 256
+
+
+def ggml_input(x: torch.Tensor, super_blocks: bool) -> torch.Tensor:
+    """x as the GGML kernel multiplies it, float64: q * d with q = round(x / d) an int8 and
+    d = max |x| / 127 (fp32) per block of 32 columns, or of 256 for the K types."""
+    block = SUPER_BLOCK if super_blocks else SMALL_BLOCK
+    blocks = x.float().reshape(x.shape[0], -1, block)
+    step = blocks.abs().amax(dim=-1, keepdim=True) / INT8_MAX
+    q = torch.where(step > 0, torch.round(blocks / step), torch.zeros_like(blocks))
+    return (q.double() * step.double()).reshape(x.shape)
+
+
+def ggml_matmul(weights: list[tuple[torch.Tensor, bool]], x: torch.Tensor) -> torch.Tensor:
+    """x @ W.T in float64 for W stacked from parts (dequantized weights [rows, k], whether the
+    part's type has super-blocks), each part multiplying x as the kernel quantizes it for
+    that type."""
+    return torch.cat([ggml_input(x, super_blocks) @ w.double().T for w, super_blocks in weights], 1)

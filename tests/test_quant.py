@@ -11,7 +11,8 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as Q
 from tiny_gguf import quantize_k
 
-from miniapp.engine.layers import DenseLinear, Int4Linear, linear_from_raw
+from miniapp.engine.kernels import GGML_ENV
+from miniapp.engine.layers import DenseLinear, GgmlLinear, Int4Linear, linear_from_raw
 from miniapp.engine.quant import (
     QUANT_TYPES,
     decode,
@@ -118,7 +119,8 @@ def _hi_distance_per_column(groups) -> torch.Tensor:
 @pytest.mark.parametrize("qtype", ALL_QUANTS, ids=lambda q: q.name)
 @pytest.mark.parametrize("rows", [16, 40, 259])
 @pytest.mark.parametrize("m", [1, 3, 17])
-def test_int4_linear_matches_reference(qtype, rows, m):
+def test_int4_linear_matches_reference(qtype, rows, m, monkeypatch):
+    monkeypatch.setenv(GGML_ENV, "0")  # every type through the int4 layout
     cols = 256
     raw = random_raw(qtype, rows, cols, scale=0.5)
     layer = linear_from_raw([(raw, qtype)], cols)
@@ -131,6 +133,29 @@ def test_int4_linear_matches_reference(qtype, rows, m):
     # accumulation; 2% of the output's scale is far above that and far below a bug.
     scale = reference.abs().max()
     assert (y - reference).abs().max() <= 0.02 * scale
+
+
+@pytest.mark.parametrize("qtype", ALL_QUANTS, ids=lambda q: q.name)
+@pytest.mark.parametrize("m", [1, 5])
+def test_ggml_linear_reads_the_file_blocks_and_matches_reference(qtype, m, monkeypatch):
+    monkeypatch.setenv(GGML_ENV, "all")
+    cols = 512
+    raw = random_raw(qtype, 40, cols, scale=0.5)
+    layer = linear_from_raw([(raw, qtype)], cols)
+    assert isinstance(layer, GgmlLinear)
+    assert layer.native.parts[0][0].data_ptr() == raw.data_ptr()  # no copy of the weights
+    x = torch.randn(m, cols)
+    reference = x @ dequantize_rows(raw, qtype, cols).T
+    # x is quantized to int8 per block (steps of max/127): well within 2% of the scale.
+    assert (layer(x) - reference).abs().max() <= 0.02 * reference.abs().max()
+
+
+def test_types_that_keep_the_int4_layout_by_default():
+    cols = 256
+    for qtype in (Q.Q4_0, Q.Q4_1):
+        assert isinstance(linear_from_raw([(random_raw(qtype, 16, cols), qtype)], cols), Int4Linear)
+    for qtype in (Q.Q4_K, Q.Q5_0, Q.Q6_K, Q.Q8_0):
+        assert isinstance(linear_from_raw([(random_raw(qtype, 16, cols), qtype)], cols), GgmlLinear)
 
 
 @pytest.mark.parametrize("qtype,width", [(Q.Q6_K, 16), (Q.Q8_0, 32)])

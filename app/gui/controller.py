@@ -84,9 +84,14 @@ def model_choices(settings: ChatSettings | None = None) -> list[tuple[str, str]]
         except MiniappError:
             return []
         return [(model.id, model.id) for model in listed]
-    choices = [(f"{name} (bundled)", name) for name in BUNDLED]
-    bundled_files = {m.filename for m in BUNDLED.values()}
     folder = models_dir()
+    # An optional bundled model is offered once installed (set-up does not fetch it).
+    choices = [
+        (f"{name} (bundled)", name)
+        for name, model in BUNDLED.items()
+        if not model.optional or (folder / model.filename).exists()
+    ]
+    bundled_files = {m.filename for m in BUNDLED.values()}
     if folder.is_dir():
         for path in sorted(folder.glob("*.gguf")):
             if path.name not in bundled_files and "mmproj" not in path.name.lower():

@@ -21,6 +21,7 @@ from ...native.decode_layer import LayerShape, NativeDecodeLayer
 from ..cache import Cache, Slots
 from ..kernels import cpu_attention_kernel, cpu_int4_kernel, cpu_row_ops, fused_layers_enabled
 from ..layers import (
+    GgmlLinear,
     Int4Linear,
     Linear,
     RawWeight,
@@ -527,6 +528,8 @@ def fused_layer(block: Block, rope: Rope) -> NativeDecodeLayer | None:
 
 
 def _plain_native(linear) -> bool:
+    if isinstance(linear, GgmlLinear):
+        return True  # any bias is added inside the kernel
     return (
         isinstance(linear, Int4Linear)
         and linear.native is not None

@@ -1,0 +1,165 @@
+"""Weights kept as the GGUF file's own quantized blocks, multiplied by `ggml_dot.cpp`.
+
+Nothing is converted at load: a weight is the memory-mapped rows of the file (one copy, the
+file's own bytes, read at the file's own bits per weight), and the kernel decodes each block
+as it multiplies. One weight may stack up to four tensors of different types that share an
+input (Q|K|V, where V is often wider), or hold a gate and an up projection whose outputs it
+combines as silu(gate) * up. A bias is added inside the call.
+
+`PackedGgml` has the interface of `int4.PackedInt4` that the rest of the engine uses
+(`forward`, `shape.gated`, `shape.outputs`, and an `Int4Weight` address the fused decode
+layer takes), so a layer mixes both kinds freely.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from .int4 import EPILOGUE_SILU_MUL, EPILOGUE_STORE, Library, _Weight
+
+MAX_PARTS = 4
+# GGML type ids (gguf's GGMLQuantizationType) the kernel reads, and their blocks:
+# (weights per block, bytes per block).
+BLOCKS = {
+    2: (32, 18),  # Q4_0
+    3: (32, 20),  # Q4_1
+    6: (32, 22),  # Q5_0
+    7: (32, 24),  # Q5_1
+    8: (32, 34),  # Q8_0
+    12: (256, 144),  # Q4_K
+    13: (256, 176),  # Q5_K
+    14: (256, 210),  # Q6_K
+}
+SUPER_BLOCK_TYPES = frozenset({12, 13, 14})
+_X_TYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+class _Part(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("rows", ctypes.c_int64),
+        ("row_bytes", ctypes.c_int64),
+        ("type", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
+    ]
+
+
+class _GgmlWeight(ctypes.Structure):
+    """GgmlWeight in ggml_dot.cpp."""
+
+    _fields_ = [
+        ("parts", _Part * MAX_PARTS),
+        ("n_parts", ctypes.c_int64),
+        ("k", ctypes.c_int64),
+        ("n", ctypes.c_int64),
+        ("bias", ctypes.c_void_p),
+        ("epilogue", ctypes.c_int32),
+        ("isa", ctypes.c_int32),
+    ]
+
+
+def takes(ggml_type: int, k: int) -> bool:
+    """Whether the kernel reads rows of k columns of this type."""
+    block = BLOCKS.get(int(ggml_type))
+    return block is not None and k % block[0] == 0
+
+
+@dataclass(frozen=True)
+class GgmlShape:
+    rows: int  # stacked rows of all parts
+    k: int  # input columns
+    types: tuple[int, ...]  # each part's GGML type
+    gated: bool = False  # two parts, gate then up; y = silu(gate) * up
+
+    @property
+    def outputs(self) -> int:
+        return self.rows // 2 if self.gated else self.rows
+
+
+class PackedGgml:
+    """Raw GGML rows bound for the kernel; `forward(x)` gives fp32 [M, outputs] for x [M, k].
+
+    `parts`: (uint8 [rows, row_bytes], GGML type id) each, sharing k input columns. The
+    tensors (memory-mapped file rows, usually) are kept alive here and never written."""
+
+    def __init__(
+        self,
+        library: Library,
+        parts: list[tuple[torch.Tensor, int]],
+        k: int,
+        bias: torch.Tensor | None = None,
+        gated: bool = False,
+    ):
+        if not 1 <= len(parts) <= MAX_PARTS:
+            raise ValueError(f"a GGML weight stacks 1 to {MAX_PARTS} tensors, not {len(parts)}")
+        if gated and (len(parts) != 2 or parts[0][0].shape[0] != parts[1][0].shape[0]):
+            raise ValueError("a gated GGML weight is a gate and an up tensor of equal rows")
+        rows = 0
+        for raw, ggml_type in parts:
+            block = BLOCKS.get(int(ggml_type))
+            if block is None or k % block[0]:
+                raise ValueError(f"the GGML kernel does not read type {ggml_type} rows of {k}")
+            if (
+                raw.dtype != torch.uint8
+                or raw.dim() != 2
+                or raw.shape[1] != k // block[0] * block[1]
+            ):
+                raise ValueError(f"rows of type {ggml_type} and {k} columns do not match the data")
+            if raw.stride(1) != 1 or raw.stride(0) != raw.shape[1]:
+                raise ValueError("GGML rows must be contiguous")
+            rows += raw.shape[0]
+        if bias is not None:
+            bias = bias.float().contiguous()
+            if bias.shape != (rows,):
+                raise ValueError(f"the bias has {tuple(bias.shape)} values for {rows} rows")
+        self.library = library
+        self.parts = parts
+        self.bias = bias
+        self.shape = GgmlShape(rows, k, tuple(int(t) for _, t in parts), gated)
+        self._ggml = _GgmlWeight()
+        for slot, (raw, ggml_type) in enumerate(parts):
+            self._ggml.parts[slot] = _Part(
+                raw.data_ptr(), raw.shape[0], raw.shape[1], int(ggml_type), 0
+            )
+        self._ggml.n_parts, self._ggml.k, self._ggml.n = len(parts), k, self.shape.outputs
+        self._ggml.bias = None if bias is None else bias.data_ptr()
+        self._ggml.epilogue = EPILOGUE_SILU_MUL if gated else EPILOGUE_STORE
+        # The int4 kernel's weight structure, pointing here: what the fused layer passes on.
+        self._weight = _Weight(
+            None, 0, k, 0, self.shape.outputs, 0, 0, ctypes.addressof(self._ggml)
+        )
+        self._address = ctypes.addressof(self._weight)
+        self._gemm = library.gemm
+        self._k, self._outputs = k, self.shape.outputs
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weights a call reads."""
+        return sum(raw.numel() for raw, _ in self.parts)
+
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`out`: an fp32 [M, outputs] contiguous tensor to write into (tests poison it)."""
+        m, k = x.shape
+        if k != self._k:
+            raise ValueError(f"x has {k} columns, the weight {self._k}")
+        x_type = _X_TYPES.get(x.dtype)
+        if x_type is None or x.stride(-1) != 1:
+            x, x_type = x.float().contiguous(), 0
+        if out is None:
+            y = torch.empty((m, self._outputs), dtype=torch.float32)
+        elif out.shape == (m, self._outputs) and out.dtype == torch.float32 and out.is_contiguous():
+            y = out
+        else:
+            raise ValueError(f"out must be fp32 [{m}, {self._outputs}] and contiguous")
+        status = self._gemm(
+            self._address, x.data_ptr(), x.stride(0), x_type, m, y.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if status:
+            raise ValueError(f"the GGML kernel refused x {tuple(x.shape)} for {self.shape}")
+        return y
+
+    __call__ = forward

@@ -1,0 +1,580 @@
+// Small-batch GEMM straight on GGML's quantized blocks: y[m, n] = sum_k x[m, k] * w[n, k] for
+// a few rows of x, with w read as the GGUF file stores it (memory-mapped, never repacked).
+//
+// Why this exists: the int4 kernel of int4_gemm.cpp needs its own layout, so a file's
+// weights were converted at load (seconds per GB, a second copy while it ran), and codes wider
+// than 4 bits were held as two 4-bit planes: Q6_K at 10 bits a weight instead of 6.56, Q5_0
+// at 9 instead of 5.5. A decode step is memory-bound, so bytes read are time. Here every type
+// is read at its own width, and a weight row is decoded once for up to kTile rows of x.
+//
+// How: as llama.cpp's CPU dot products do, x is quantized to int8 per row (per block of 32
+// with an fp32 step for the 32-weight types, per super-block of 256 with sums of each 16
+// codes for the K types), and each block's dot product is exact integer arithmetic
+// (`vpmaddubsw` then `vpmaddwd`: unsigned weight codes times signed x codes). The K types
+// fold their 6- or 8-bit sub-block scales in as integers too, so a super-block costs one
+// float multiply-add per row of x. The offsets (Q4_1 and Q5_1's minimum, the K types' mins,
+// Q6_K's -32) are applied through the sums of x's codes.
+//
+// Row independence: every output element sums its blocks in column order, each row of x with
+// its own quantization, so a row's result never depends on the other rows, the tile or the
+// thread (bit-identical rows across batching and verification, as the int4 kernel gives).
+//
+// The pure-torch reference is `reference.ggml_matmul` (tests compare against it).
+
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define GGML_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+namespace {
+
+// GGML type ids (gguf's GGMLQuantizationType).
+enum GgmlType {
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
+};
+constexpr int kMaxParts = 4;
+constexpr int kTile = 4;  // rows of x that share one decode of a weight row
+constexpr int64_t kSmallBlock = 32;  // Q4_0 .. Q8_0
+constexpr int64_t kSuperBlock = 256;  // the K types
+constexpr int64_t kMinParallelBytes = 1 << 16;  // below this, a second thread costs more
+enum Epilogue { kStore = 0, kSiluMul = 1 };
+
+struct GgmlPart {
+  const uint8_t* data;  // rows of blocks, row_bytes apart
+  int64_t rows;
+  int64_t row_bytes;
+  int32_t type;
+  int32_t reserved;
+};
+
+}  // namespace
+
+// Up to kMaxParts weights sharing one input, stacked by rows (Q|K|V), or with kSiluMul a
+// gate and an up weight of equal rows: y = silu(gate x + bias) * (up x + bias).
+struct GgmlWeight {
+  GgmlPart parts[kMaxParts];
+  int64_t n_parts;
+  int64_t k;
+  int64_t n;  // outputs: all rows, or the gate's rows with kSiluMul
+  const float* bias;  // one per row of the stacked parts, or null
+  int32_t epilogue;
+  int32_t isa;  // reserved: the AVX2 path is the only one
+};
+
+namespace {
+
+// ------------------------------------------------------------------ x, quantized per row
+
+struct QuantizedX {
+  int64_t m, k;
+  const int8_t* q32;  // [m, k]: per 32 columns, round(x / d), d = max |x| / 127
+  const float* d32;   // [m, k / 32]
+  const float* s32;   // [m, k / 32]: d * (sum of the block's codes), for the minimums
+  const int8_t* q256;  // [m, k]: the same per 256 columns (K types)
+  const float* d256;   // [m, k / 256]
+  const int16_t* sum16;  // [m, k / 16]: sums of each 16 codes of q256
+  const int16_t* sum32;  // [m, k / 32]: sums of each 32 codes of q256
+};
+
+struct Scratch {
+  void* ptr;
+  size_t size;
+};
+thread_local Scratch scratch = {nullptr, 0};
+
+void* scratch_bytes(size_t size) {
+  if (size > scratch.size) {
+    free(scratch.ptr);
+    size_t rounded = (size + 63) / 64 * 64;
+    scratch.ptr = aligned_alloc(64, rounded);
+    scratch.size = scratch.ptr ? rounded : 0;
+  }
+  return scratch.ptr;
+}
+
+float bf16_to_float(uint16_t value) {
+  uint32_t bits = static_cast<uint32_t>(value) << 16;
+  float out;
+  memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+// Codes of `count` values with one step: round to nearest even, as the reference does.
+void quantize_block(const float* x, int64_t count, int8_t* q, float* step) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < count; ++i) amax = fmaxf(amax, fabsf(x[i]));
+  const float d = amax / 127.0f;
+  const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
+  for (int64_t i = 0; i < count; ++i) {
+    q[i] = static_cast<int8_t>(lrintf(x[i] * inverse));
+  }
+  *step = d;
+}
+
+bool quantize_x(const void* x, int64_t ldx, int x_type, int64_t m, int64_t k, bool small,
+                bool super, QuantizedX& out) {
+  const size_t codes = static_cast<size_t>(m * k);
+  const size_t blocks32 = static_cast<size_t>(m * (k / kSmallBlock));
+  const size_t blocks256 = super ? static_cast<size_t>(m * (k / kSuperBlock)) : 0;
+  const size_t sums16 = super ? static_cast<size_t>(m * (k / 16)) : 0;
+  const size_t sums32 = sums16 / 2;
+  const size_t bytes =
+      2 * codes + 4 * (2 * blocks32 + blocks256) + 2 * (sums16 + sums32) + k * 4 + 256;
+  uint8_t* base = static_cast<uint8_t*>(scratch_bytes(bytes));
+  if (!base) return false;
+  int8_t* q32 = reinterpret_cast<int8_t*>(base);
+  int8_t* q256 = q32 + codes;
+  float* d32 = reinterpret_cast<float*>(base + (2 * codes + 63) / 64 * 64);
+  float* s32 = d32 + blocks32;
+  float* d256 = s32 + blocks32;
+  int16_t* sum16 = reinterpret_cast<int16_t*>(d256 + blocks256);
+  int16_t* sum32 = sum16 + sums16;
+  float* row = reinterpret_cast<float*>(sum32 + sums32 + 2);  // one row of x as fp32
+  for (int64_t r = 0; r < m; ++r) {
+    const float* xr;
+    if (x_type == 0) {
+      xr = static_cast<const float*>(x) + r * ldx;
+    } else {
+      const uint16_t* xb = static_cast<const uint16_t*>(x) + r * ldx;
+      for (int64_t c = 0; c < k; ++c) row[c] = bf16_to_float(xb[c]);
+      xr = row;
+    }
+    if (small) {
+      for (int64_t b = 0; b < k / kSmallBlock; ++b) {
+        const int64_t at = r * (k / kSmallBlock) + b;
+        int8_t* q = q32 + r * k + b * kSmallBlock;
+        quantize_block(xr + b * kSmallBlock, kSmallBlock, q, &d32[at]);
+        int sum = 0;
+        for (int i = 0; i < kSmallBlock; ++i) sum += q[i];
+        s32[at] = d32[at] * static_cast<float>(sum);
+      }
+    }
+    if (super) {
+      for (int64_t b = 0; b < k / kSuperBlock; ++b) {
+        int8_t* q = q256 + r * k + b * kSuperBlock;
+        quantize_block(xr + b * kSuperBlock, kSuperBlock, q, &d256[r * (k / kSuperBlock) + b]);
+        for (int j = 0; j < kSuperBlock / 16; ++j) {
+          int sum = 0;
+          for (int i = 0; i < 16; ++i) sum += q[16 * j + i];
+          sum16[r * (k / 16) + b * 16 + j] = static_cast<int16_t>(sum);
+        }
+        for (int j = 0; j < kSuperBlock / 32; ++j) {
+          const int16_t* pair = sum16 + r * (k / 16) + b * 16 + 2 * j;
+          sum32[r * (k / 32) + b * 8 + j] = static_cast<int16_t>(pair[0] + pair[1]);
+        }
+      }
+    }
+  }
+  out = {m, k, q32, d32, s32, q256, d256, sum16, sum32};
+  return true;
+}
+
+// ------------------------------------------------------------------ block helpers
+
+GGML_TARGET_AVX2 inline float f16_at(const uint8_t* p) {
+  uint16_t h;
+  memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+GGML_TARGET_AVX2 inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+GGML_TARGET_AVX2 inline __m256i load32(const void* p) {
+  return _mm256_loadu_si256(static_cast<const __m256i*>(p));
+}
+
+// Unsigned codes (< 128) times signed x codes, summed in 8 lanes of 4 products each.
+GGML_TARGET_AVX2 inline __m256i dot_unsigned(__m256i codes, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), _mm256_set1_epi16(1));
+}
+
+// The same with each 16-bit pair sum weighted by `scales` (int16 lanes).
+GGML_TARGET_AVX2 inline __m256i dot_scaled(__m256i codes, __m256i x, __m256i scales) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), scales);
+}
+
+// Signed weights: |w| times x with w's sign.
+GGML_TARGET_AVX2 inline __m256i dot_signed(__m256i w, __m256i x) {
+  return dot_unsigned(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+
+// 32 bits -> 32 bytes of 0x10 (bit set) or 0 (the fifth bit of Q5_0/Q5_1 codes).
+GGML_TARGET_AVX2 inline __m256i fifth_bits(const uint8_t* p) {
+  uint32_t bits;
+  memcpy(&bits, p, 4);
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL));
+  const __m256i masks = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, masks), masks);
+  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+// 16 bytes of packed nibbles -> 32 codes: the low nibbles, then the high ones.
+GGML_TARGET_AVX2 inline __m256i nibbles(const uint8_t* p) {
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
+  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+
+// Q4_K / Q5_K: the 8 six-bit scales and the 8 six-bit minimums packed in 12 bytes, as 8
+// bytes each. Bytes 0-3 hold scales 0-3 (low 6 bits) and the top 2 bits of scales 4-7;
+// bytes 4-7 the same for the minimums; bytes 8-11 the low 4 bits of scales 4-7 (low
+// nibbles) and of minimums 4-7 (high nibbles).
+inline void k_scales(const uint8_t* p, uint64_t* scales, uint64_t* mins) {
+  uint32_t a, b, c;
+  memcpy(&a, p, 4);
+  memcpy(&b, p + 4, 4);
+  memcpy(&c, p + 8, 4);
+  const uint32_t six = 0x3F3F3F3Fu, four = 0x0F0F0F0Fu, top = 0x30303030u;
+  const uint32_t scales_hi = (c & four) | ((a >> 2) & top);
+  const uint32_t mins_hi = ((c >> 4) & four) | ((b >> 2) & top);
+  *scales = (a & six) | (static_cast<uint64_t>(scales_hi) << 32);
+  *mins = (b & six) | (static_cast<uint64_t>(mins_hi) << 32);
+}
+
+// Word j of an 8-word vector, in all 16 lanes (both halves hold the 8 words).
+GGML_TARGET_AVX2 inline __m256i word_everywhere(__m256i words, int j) {
+  const __m256i index = _mm256_set1_epi16(static_cast<int16_t>((2 * j + 1) << 8 | 2 * j));
+  return _mm256_shuffle_epi8(words, index);
+}
+
+// ------------------------------------------------------------------ one weight row, MT rows
+
+// Each returns, per row t of the tile, that row of x times the weight row.
+
+template <int MT>
+GGML_TARGET_AVX2 void row_q8_0(const uint8_t* w, const QuantizedX& x, int64_t m0, float* out) {
+  const int64_t nb = x.k / kSmallBlock;
+  __m256 acc[MT];
+  for (int t = 0; t < MT; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* block = w + b * 34;
+    const float d = f16_at(block);
+    const __m256i codes = load32(block + 2);
+    for (int t = 0; t < MT; ++t) {
+      const int64_t at = (m0 + t) * nb + b;
+      const __m256i dot = dot_signed(codes, load32(x.q32 + at * kSmallBlock));
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * x.d32[at]), acc[t]);
+    }
+  }
+  for (int t = 0; t < MT; ++t) out[t] = hsum(acc[t]);
+}
+
+// Q4_0 (w = d (q - 8)) and Q5_0 (w = d (q - 16), the fifth bits first).
+template <int MT, bool kFive>
+GGML_TARGET_AVX2 void row_q_0(const uint8_t* w, const QuantizedX& x, int64_t m0, float* out) {
+  const int64_t nb = x.k / kSmallBlock;
+  constexpr int64_t kBytes = kFive ? 22 : 18;
+  __m256 acc[MT];
+  for (int t = 0; t < MT; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* block = w + b * kBytes;
+    const float d = f16_at(block);
+    __m256i codes;
+    if (kFive) {
+      codes = _mm256_or_si256(nibbles(block + 6), fifth_bits(block + 2));
+      codes = _mm256_sub_epi8(codes, _mm256_set1_epi8(16));
+    } else {
+      codes = _mm256_sub_epi8(nibbles(block + 2), _mm256_set1_epi8(8));
+    }
+    for (int t = 0; t < MT; ++t) {
+      const int64_t at = (m0 + t) * nb + b;
+      const __m256i dot = dot_signed(codes, load32(x.q32 + at * kSmallBlock));
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * x.d32[at]), acc[t]);
+    }
+  }
+  for (int t = 0; t < MT; ++t) out[t] = hsum(acc[t]);
+}
+
+// Q4_1 and Q5_1: w = d q + m.
+template <int MT, bool kFive>
+GGML_TARGET_AVX2 void row_q_1(const uint8_t* w, const QuantizedX& x, int64_t m0, float* out) {
+  const int64_t nb = x.k / kSmallBlock;
+  constexpr int64_t kBytes = kFive ? 24 : 20;
+  __m256 acc[MT];
+  float mins[MT];
+  for (int t = 0; t < MT; ++t) acc[t] = _mm256_setzero_ps(), mins[t] = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* block = w + b * kBytes;
+    const float d = f16_at(block), minimum = f16_at(block + 2);
+    const __m256i codes =
+        kFive ? _mm256_or_si256(nibbles(block + 8), fifth_bits(block + 4)) : nibbles(block + 4);
+    for (int t = 0; t < MT; ++t) {
+      const int64_t at = (m0 + t) * nb + b;
+      const __m256i dot = dot_unsigned(codes, load32(x.q32 + at * kSmallBlock));
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * x.d32[at]), acc[t]);
+      mins[t] += minimum * x.s32[at];
+    }
+  }
+  for (int t = 0; t < MT; ++t) out[t] = hsum(acc[t]) + mins[t];
+}
+
+// Q4_K and Q5_K: per sub-block j of 32, w = d sc_j q - dmin m_j.
+template <int MT, bool kFive>
+GGML_TARGET_AVX2 void row_q_k(const uint8_t* w, const QuantizedX& x, int64_t m0, float* out) {
+  const int64_t nb = x.k / kSuperBlock;
+  constexpr int64_t kBytes = kFive ? 176 : 144;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+  __m256 acc[MT];
+  __m128 mins[MT];
+  for (int t = 0; t < MT; ++t) acc[t] = _mm256_setzero_ps(), mins[t] = _mm_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* block = w + b * kBytes;
+    const float d = f16_at(block), dmin = f16_at(block + 2);
+    uint64_t packed_scales, packed_mins;
+    k_scales(block + 4, &packed_scales, &packed_mins);
+    const __m128i scales8 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(packed_scales)));
+    const __m128i mins8 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(packed_mins)));
+    const __m256i scales = _mm256_broadcastsi128_si256(scales8);
+    const uint8_t* qs = block + (kFive ? 48 : 16);
+    __m256i high = kFive ? load32(block + 16) : _mm256_setzero_si256();
+    __m256i sums[MT];
+    for (int t = 0; t < MT; ++t) sums[t] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      const __m256i packed = load32(qs + 32 * c);
+      __m256i lo = _mm256_and_si256(packed, low4);
+      __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+      if (kFive) {
+        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(high, one), 4));
+        hi = _mm256_or_si256(
+            hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 1), one), 4));
+        high = _mm256_srli_epi16(high, 2);
+      }
+      const __m256i scale_lo = word_everywhere(scales, 2 * c);
+      const __m256i scale_hi = word_everywhere(scales, 2 * c + 1);
+      for (int t = 0; t < MT; ++t) {
+        const int8_t* xq = x.q256 + (m0 + t) * x.k + b * kSuperBlock + 64 * c;
+        sums[t] = _mm256_add_epi32(sums[t], dot_scaled(lo, load32(xq), scale_lo));
+        sums[t] = _mm256_add_epi32(sums[t], dot_scaled(hi, load32(xq + 32), scale_hi));
+      }
+    }
+    for (int t = 0; t < MT; ++t) {
+      const int64_t row = m0 + t;
+      const float dx = x.d256[row * nb + b];
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t]), _mm256_set1_ps(d * dx), acc[t]);
+      const __m128i s32 = _mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(x.sum32 + row * (x.k / 32) + b * 8));
+      mins[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mins8, s32)),
+                             _mm_set1_ps(dmin * dx), mins[t]);
+    }
+  }
+  for (int t = 0; t < MT; ++t) {
+    __m128 m4 = _mm_add_ps(mins[t], _mm_movehl_ps(mins[t], mins[t]));
+    m4 = _mm_add_ss(m4, _mm_movehdup_ps(m4));
+    out[t] = hsum(acc[t]) - _mm_cvtss_f32(m4);
+  }
+}
+
+// Q6_K: per sub-block j of 16, w = d sc_j (q - 32), q of 6 bits (4 in ql, 2 in qh).
+template <int MT>
+GGML_TARGET_AVX2 void row_q6_k(const uint8_t* w, const QuantizedX& x, int64_t m0, float* out) {
+  const int64_t nb = x.k / kSuperBlock;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(3);
+  // Chunk i of a half spans sub-blocks 2i (its low 16 codes) and 2i + 1: the low 128 bits of
+  // its scale vector broadcast word 2i, the high 128 bits word 2i + 1.
+  __m256i pick[4];
+  for (int i = 0; i < 4; ++i) {
+    pick[i] = _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>((4 * i + 3) << 8 | (4 * i + 2))),
+                               _mm_set1_epi16(static_cast<int16_t>((4 * i + 1) << 8 | 4 * i)));
+  }
+  __m256 acc[MT], offsets[MT];
+  for (int t = 0; t < MT; ++t) acc[t] = _mm256_setzero_ps(), offsets[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* block = w + b * 210;
+    const float d = f16_at(block + 208);
+    const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(block + 192)));
+    __m256i sums[MT];
+    for (int t = 0; t < MT; ++t) sums[t] = _mm256_setzero_si256();
+    for (int half = 0; half < 2; ++half) {
+      const uint8_t* ql = block + 64 * half;
+      const __m256i ql0 = load32(ql), ql1 = load32(ql + 32), qh = load32(block + 128 + 32 * half);
+      // The half's 8 scales in both 128-bit halves.
+      const __m256i half_scales = half ? _mm256_permute2x128_si256(scales16, scales16, 0x11)
+                                       : _mm256_permute2x128_si256(scales16, scales16, 0x00);
+      __m256i codes[4];
+      codes[0] = _mm256_or_si256(_mm256_and_si256(ql0, low4),
+                                 _mm256_slli_epi16(_mm256_and_si256(qh, low2), 4));
+      codes[1] = _mm256_or_si256(
+          _mm256_and_si256(ql1, low4),
+          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), low2), 4));
+      codes[2] = _mm256_or_si256(
+          _mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
+          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), low2), 4));
+      codes[3] = _mm256_or_si256(
+          _mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
+          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), low2), 4));
+      for (int i = 0; i < 4; ++i) {
+        const __m256i scale = _mm256_shuffle_epi8(half_scales, pick[i]);
+        for (int t = 0; t < MT; ++t) {
+          const int8_t* xq = x.q256 + (m0 + t) * x.k + b * kSuperBlock + 128 * half + 32 * i;
+          sums[t] = _mm256_add_epi32(sums[t], dot_scaled(codes[i], load32(xq), scale));
+        }
+      }
+    }
+    for (int t = 0; t < MT; ++t) {
+      const int64_t row = m0 + t;
+      const __m256 step = _mm256_set1_ps(d * x.d256[row * nb + b]);
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t]), step, acc[t]);
+      const __m256i s16 = load32(x.sum16 + row * (x.k / 16) + b * 16);
+      offsets[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(scales16, s16)), step,
+                                   offsets[t]);
+    }
+  }
+  for (int t = 0; t < MT; ++t) out[t] = hsum(acc[t]) - 32.0f * hsum(offsets[t]);
+}
+
+typedef void (*RowFn)(const uint8_t*, const QuantizedX&, int64_t, float*);
+
+template <int MT>
+RowFn row_function(int type) {
+  switch (type) {
+    case kQ4_0: return row_q_0<MT, false>;
+    case kQ5_0: return row_q_0<MT, true>;
+    case kQ4_1: return row_q_1<MT, false>;
+    case kQ5_1: return row_q_1<MT, true>;
+    case kQ8_0: return row_q8_0<MT>;
+    case kQ4_K: return row_q_k<MT, false>;
+    case kQ5_K: return row_q_k<MT, true>;
+    case kQ6_K: return row_q6_k<MT>;
+    default: return nullptr;
+  }
+}
+
+RowFn tile_function(int type, int rows) {
+  switch (rows) {
+    case 1: return row_function<1>(type);
+    case 2: return row_function<2>(type);
+    case 3: return row_function<3>(type);
+    default: return row_function<4>(type);
+  }
+}
+
+bool super_type(int type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K; }
+
+int64_t block_bytes(int type) {
+  switch (type) {
+    case kQ4_0: return 18;
+    case kQ4_1: return 20;
+    case kQ5_0: return 22;
+    case kQ5_1: return 24;
+    case kQ8_0: return 34;
+    case kQ4_K: return 144;
+    case kQ5_K: return 176;
+    case kQ6_K: return 210;
+    default: return 0;
+  }
+}
+
+// Row `row` of a part times rows m0..m0+rows-1 of x, into tile[0..rows-1].
+inline void weight_tile(const GgmlPart& part, int64_t row, const QuantizedX& x, int64_t m0,
+                        int rows, float* tile) {
+  tile_function(part.type, rows)(part.data + row * part.row_bytes, x, m0, tile);
+}
+
+inline float silu(float g) { return g / (1.0f + expf(-g)); }
+
+// The part holding stacked row i, and i's row within it.
+inline const GgmlPart& part_of(const GgmlWeight& w, int64_t& i) {
+  int64_t p = 0;
+  while (p + 1 < w.n_parts && i >= w.parts[p].rows) i -= w.parts[p++].rows;
+  return w.parts[p];
+}
+
+// Outputs first..last-1 of y [m, ldy]. Weight rows go kRowGroup at a time: each tile of x
+// runs over the group while its rows are in cache (long prompts re-read x from cache, not
+// the weights from memory).
+void run_outputs(const GgmlWeight& w, const QuantizedX& x, float* y, int64_t ldy,
+                 int64_t first, int64_t last) {
+  constexpr int64_t kRowGroup = 16;
+  const bool gated = w.epilogue == kSiluMul;
+  float tile[kTile], up[kTile];
+  for (int64_t i0 = first; i0 < last; i0 += kRowGroup) {
+    const int64_t i1 = i0 + kRowGroup < last ? i0 + kRowGroup : last;
+    for (int64_t m0 = 0; m0 < x.m; m0 += kTile) {
+      const int rows = static_cast<int>(x.m - m0 < kTile ? x.m - m0 : kTile);
+      for (int64_t i = i0; i < i1; ++i) {
+        int64_t local = i;
+        const GgmlPart& part = gated ? w.parts[0] : part_of(w, local);
+        weight_tile(part, local, x, m0, rows, tile);
+        if (w.bias) {
+          for (int t = 0; t < rows; ++t) tile[t] += w.bias[i];
+        }
+        if (gated) {
+          weight_tile(w.parts[1], i, x, m0, rows, up);
+          for (int t = 0; t < rows; ++t) {
+            const float u = w.bias ? up[t] + w.bias[w.parts[0].rows + i] : up[t];
+            tile[t] = silu(tile[t]) * u;
+          }
+        }
+        for (int t = 0; t < rows; ++t) y[(m0 + t) * ldy + i] = tile[t];
+      }
+    }
+  }
+}
+
+bool cpu_has_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+}
+
+}  // namespace
+
+extern "C" {
+
+// Whether this CPU runs the GGML block kernels.
+int miniapp_ggml_cpu_has(void) { return cpu_has_avx2() ? 1 : 0; }
+
+// y [m, w->n] (contiguous) for x [m, k] (fp32 or bf16: x_type 0 or 1, row stride ldx).
+// Returns 0, or -1 for arguments it does not take (nothing is written then).
+int miniapp_ggml_gemm(const GgmlWeight* w, const void* x, int64_t ldx, int x_type, int64_t m,
+                      float* y, int threads) {
+  if (!cpu_has_avx2() || m < 0 || (x_type != 0 && x_type != 1)) return -1;
+  if (w->n_parts < 1 || w->n_parts > kMaxParts || w->k <= 0) return -1;
+  if (w->epilogue != kStore && w->epilogue != kSiluMul) return -1;
+  bool small = false, super = false;
+  int64_t rows = 0, bytes = 0;
+  for (int64_t p = 0; p < w->n_parts; ++p) {
+    const GgmlPart& part = w->parts[p];
+    const int64_t block = super_type(part.type) ? kSuperBlock : kSmallBlock;
+    if (block_bytes(part.type) == 0 || w->k % block) return -1;
+    if (part.row_bytes != w->k / block * block_bytes(part.type)) return -1;
+    (super_type(part.type) ? super : small) = true;
+    rows += part.rows;
+    bytes += part.rows * part.row_bytes;
+  }
+  if (w->epilogue == kSiluMul &&
+      (w->n_parts != 2 || w->parts[0].rows != w->parts[1].rows || w->n != w->parts[0].rows)) {
+    return -1;
+  }
+  if (w->epilogue == kStore && w->n != rows) return -1;
+  if (m == 0) return 0;
+  QuantizedX qx;
+  if (!quantize_x(x, ldx, x_type, m, w->k, small, super, qx)) return -1;
+  const int64_t n = w->n;
+  if (threads > n) threads = static_cast<int>(n);
+  if (threads <= 1 || bytes < kMinParallelBytes) {
+    run_outputs(*w, qx, y, n, 0, n);
+    return 0;
+  }
+#pragma omp parallel num_threads(threads)
+  {
+    // Contiguous ranges of outputs: each thread streams its own part of the weight.
+    const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
+    run_outputs(*w, qx, y, n, n * t / count, n * (t + 1) / count);
+  }
+  return 0;
+}
+
+}  // extern "C"
