@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .int4 import EPILOGUE_SILU_MUL, EPILOGUE_STORE, Library, _Weight
+from .int4 import EPILOGUE_SILU_MUL, EPILOGUE_STORE, ISA_AVX2, ISA_AVX512, Library, _Weight
 
 MAX_PARTS = 4
 # GGML type ids (gguf's GGMLQuantizationType) the kernel reads, and their blocks:
@@ -34,6 +34,7 @@ BLOCKS = {
     14: (256, 210),  # Q6_K
 }
 SUPER_BLOCK_TYPES = frozenset({12, 13, 14})
+ISA_AUTO = 0  # the best path this CPU has; ISA_AVX2 / ISA_AVX512 force one (tests)
 _X_TYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -92,6 +93,7 @@ class PackedGgml:
         k: int,
         bias: torch.Tensor | None = None,
         gated: bool = False,
+        isa: int = ISA_AUTO,
     ):
         if not 1 <= len(parts) <= MAX_PARTS:
             raise ValueError(f"a GGML weight stacks 1 to {MAX_PARTS} tensors, not {len(parts)}")
@@ -127,6 +129,7 @@ class PackedGgml:
         self._ggml.n_parts, self._ggml.k, self._ggml.n = len(parts), k, self.shape.outputs
         self._ggml.bias = None if bias is None else bias.data_ptr()
         self._ggml.epilogue = EPILOGUE_SILU_MUL if gated else EPILOGUE_STORE
+        self._ggml.isa = isa
         # The int4 kernel's weight structure, pointing here: what the fused layer passes on.
         self._weight = _Weight(
             None, 0, k, 0, self.shape.outputs, 0, 0, ctypes.addressof(self._ggml)
@@ -163,3 +166,15 @@ class PackedGgml:
         return y
 
     __call__ = forward
+
+    def with_isa(self, isa: int) -> PackedGgml:
+        """The same weight run on another path (tests compare paths on one machine)."""
+        return PackedGgml(self.library, self.parts, self.shape.k, self.bias, self.shape.gated, isa)
+
+
+def cpu_has(library: Library, isa: int) -> bool:
+    """Whether this CPU runs the GGML kernels on the path ISA_AVX2 or ISA_AVX512."""
+    return bool(library.cdll.miniapp_ggml_cpu_has(isa))
+
+
+__all__ = ["ISA_AVX2", "ISA_AVX512", "PackedGgml", "cpu_has", "takes"]

@@ -1,3 +1,4 @@
+#ifndef MINIAPP_GGML_KERNELS
 // Small-batch GEMM straight on GGML's quantized blocks: y[m, n] = sum_k x[m, k] * w[n, k] for
 // a few rows of x, with w read as the GGUF file stores it (memory-mapped, never repacked).
 //
@@ -28,7 +29,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define GGML_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 namespace {
 
@@ -37,7 +37,8 @@ enum GgmlType {
   kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
 };
 constexpr int kMaxParts = 4;
-constexpr int kTile = 4;  // rows of x that share one decode of a weight row
+constexpr int kMaxTile = 8;  // the most rows of x a kernel takes at once
+enum Isa { kIsaAuto = 0, kIsaAvx2 = 1, kIsaAvx512 = 2 };
 constexpr int64_t kSmallBlock = 32;  // Q4_0 .. Q8_0
 constexpr int64_t kSuperBlock = 256;  // the K types
 constexpr int64_t kMinParallelBytes = 1 << 16;  // below this, a second thread costs more
@@ -62,10 +63,12 @@ struct GgmlWeight {
   int64_t n;  // outputs: all rows, or the gate's rows with kSiluMul
   const float* bias;  // one per row of the stacked parts, or null
   int32_t epilogue;
-  int32_t isa;  // reserved: the AVX2 path is the only one
+  int32_t isa;  // kIsaAvx2 or kIsaAvx512 to force a path; else the best this CPU has
 };
 
 namespace {
+
+typedef void (*RowFn)(const uint8_t*, const struct QuantizedX&, int64_t, float*);
 
 // ------------------------------------------------------------------ x, quantized per row
 
@@ -173,59 +176,6 @@ bool quantize_x(const void* x, int64_t ldx, int x_type, int64_t m, int64_t k, bo
   return true;
 }
 
-// ------------------------------------------------------------------ block helpers
-
-GGML_TARGET_AVX2 inline float f16_at(const uint8_t* p) {
-  uint16_t h;
-  memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
-
-GGML_TARGET_AVX2 inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-GGML_TARGET_AVX2 inline __m256i load32(const void* p) {
-  return _mm256_loadu_si256(static_cast<const __m256i*>(p));
-}
-
-// Unsigned codes (< 128) times signed x codes, summed in 8 lanes of 4 products each.
-GGML_TARGET_AVX2 inline __m256i dot_unsigned(__m256i codes, __m256i x) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), _mm256_set1_epi16(1));
-}
-
-// The same with each 16-bit pair sum weighted by `scales` (int16 lanes).
-GGML_TARGET_AVX2 inline __m256i dot_scaled(__m256i codes, __m256i x, __m256i scales) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), scales);
-}
-
-// Signed weights: |w| times x with w's sign.
-GGML_TARGET_AVX2 inline __m256i dot_signed(__m256i w, __m256i x) {
-  return dot_unsigned(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-}
-
-// 32 bits -> 32 bytes of 0x10 (bit set) or 0 (the fifth bit of Q5_0/Q5_1 codes).
-GGML_TARGET_AVX2 inline __m256i fifth_bits(const uint8_t* p) {
-  uint32_t bits;
-  memcpy(&bits, p, 4);
-  const __m256i spread = _mm256_shuffle_epi8(
-      _mm256_set1_epi32(static_cast<int>(bits)),
-      _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL));
-  const __m256i masks = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
-  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, masks), masks);
-  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
-}
-
-// 16 bytes of packed nibbles -> 32 codes: the low nibbles, then the high ones.
-GGML_TARGET_AVX2 inline __m256i nibbles(const uint8_t* p) {
-  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
-  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
-}
-
 // Q4_K / Q5_K: the 8 six-bit scales and the 8 six-bit minimums packed in 12 bytes, as 8
 // bytes each. Bytes 0-3 hold scales 0-3 (low 6 bits) and the top 2 bits of scales 4-7;
 // bytes 4-7 the same for the minimums; bytes 8-11 the low 4 bits of scales 4-7 (low
@@ -242,8 +192,227 @@ inline void k_scales(const uint8_t* p, uint64_t* scales, uint64_t* mins) {
   *mins = (b & six) | (static_cast<uint64_t>(mins_hi) << 32);
 }
 
+bool super_type(int type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K; }
+
+int64_t block_bytes(int type) {
+  switch (type) {
+    case kQ4_0: return 18;
+    case kQ4_1: return 20;
+    case kQ5_0: return 22;
+    case kQ5_1: return 24;
+    case kQ8_0: return 34;
+    case kQ4_K: return 144;
+    case kQ5_K: return 176;
+    case kQ6_K: return 210;
+    default: return 0;
+  }
+}
+
+// The kernels of one instruction set: rows of x per tile, and the function for a tile.
+struct Kernels {
+  int tile;
+  RowFn (*select)(int type, int rows);
+};
+
+// Row `row` of a part times rows m0..m0+rows-1 of x, into tile[0..rows-1].
+inline void weight_tile(const Kernels& kernels, const GgmlPart& part, int64_t row,
+                        const QuantizedX& x, int64_t m0, int rows, float* tile) {
+  kernels.select(part.type, rows)(part.data + row * part.row_bytes, x, m0, tile);
+}
+
+inline float silu(float g) { return g / (1.0f + expf(-g)); }
+
+// The part holding stacked row i, and i's row within it.
+inline const GgmlPart& part_of(const GgmlWeight& w, int64_t& i) {
+  int64_t p = 0;
+  while (p + 1 < w.n_parts && i >= w.parts[p].rows) i -= w.parts[p++].rows;
+  return w.parts[p];
+}
+
+// Outputs first..last-1 of y [m, ldy]. Weight rows go kRowGroup at a time: each tile of x
+// runs over the group while its rows are in cache (long prompts re-read x from cache, not
+// the weights from memory).
+void run_outputs(const Kernels& kernels, const GgmlWeight& w, const QuantizedX& x, float* y,
+                 int64_t ldy, int64_t first, int64_t last) {
+  constexpr int64_t kRowGroup = 16;
+  const bool gated = w.epilogue == kSiluMul;
+  const int64_t width = kernels.tile;
+  float tile[kMaxTile], up[kMaxTile];
+  for (int64_t i0 = first; i0 < last; i0 += kRowGroup) {
+    const int64_t i1 = i0 + kRowGroup < last ? i0 + kRowGroup : last;
+    for (int64_t m0 = 0; m0 < x.m; m0 += width) {
+      const int rows = static_cast<int>(x.m - m0 < width ? x.m - m0 : width);
+      for (int64_t i = i0; i < i1; ++i) {
+        int64_t local = i;
+        const GgmlPart& part = gated ? w.parts[0] : part_of(w, local);
+        weight_tile(kernels, part, local, x, m0, rows, tile);
+        if (w.bias) {
+          for (int t = 0; t < rows; ++t) tile[t] += w.bias[i];
+        }
+        if (gated) {
+          weight_tile(kernels, w.parts[1], i, x, m0, rows, up);
+          for (int t = 0; t < rows; ++t) {
+            const float u = w.bias ? up[t] + w.bias[w.parts[0].rows + i] : up[t];
+            tile[t] = silu(tile[t]) * u;
+          }
+        }
+        for (int t = 0; t < rows; ++t) y[(m0 + t) * ldy + i] = tile[t];
+      }
+    }
+  }
+}
+
+bool cpu_has_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+}
+
+bool cpu_has_avx512() {
+  __builtin_cpu_init();
+  return cpu_has_avx2() && __builtin_cpu_supports("avx512f") &&
+         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+}
+
+}  // namespace
+
+// The same kernels compiled twice: for AVX2 (16 vector registers, tiles of 4 rows of x) and
+// with AVX-512's encoding (32 registers, so tiles of 8 rows keep their sums in registers).
+// The arithmetic is the same instructions in the same order, so both give the same bits.
+#define MINIAPP_GGML_KERNELS
+#define GGML_TARGET __attribute__((target("avx2,fma,f16c")))
+#define GGML_ISA avx2
+#define GGML_TILE 4
+#include "ggml_dot.cpp"
+#undef GGML_TARGET
+#undef GGML_ISA
+#undef GGML_TILE
+#define GGML_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl")))
+#define GGML_ISA avx512
+#define GGML_TILE 8
+#include "ggml_dot.cpp"
+
+namespace {
+
+constexpr Kernels kAvx2Kernels = {avx2::kTile, avx2::tile_function};
+constexpr Kernels kAvx512Kernels = {avx512::kTile, avx512::tile_function};
+
+}  // namespace
+
+extern "C" {
+
+// Whether this CPU runs the GGML block kernels on the given path (1 AVX2, 2 AVX-512).
+int miniapp_ggml_cpu_has(int isa) {
+  return isa == kIsaAvx512 ? cpu_has_avx512() : isa == kIsaAvx2 ? cpu_has_avx2() : 0;
+}
+
+// y [m, w->n] (contiguous) for x [m, k] (fp32 or bf16: x_type 0 or 1, row stride ldx).
+// Returns 0, or -1 for arguments it does not take (nothing is written then).
+int miniapp_ggml_gemm(const GgmlWeight* w, const void* x, int64_t ldx, int x_type, int64_t m,
+                      float* y, int threads) {
+  if (!cpu_has_avx2() || m < 0 || (w->isa == kIsaAvx512 && !cpu_has_avx512()) || (x_type != 0 && x_type != 1)) return -1;
+  if (w->n_parts < 1 || w->n_parts > kMaxParts || w->k <= 0) return -1;
+  if (w->epilogue != kStore && w->epilogue != kSiluMul) return -1;
+  bool small = false, super = false;
+  int64_t rows = 0, bytes = 0;
+  for (int64_t p = 0; p < w->n_parts; ++p) {
+    const GgmlPart& part = w->parts[p];
+    const int64_t block = super_type(part.type) ? kSuperBlock : kSmallBlock;
+    if (block_bytes(part.type) == 0 || w->k % block) return -1;
+    if (part.row_bytes != w->k / block * block_bytes(part.type)) return -1;
+    (super_type(part.type) ? super : small) = true;
+    rows += part.rows;
+    bytes += part.rows * part.row_bytes;
+  }
+  if (w->epilogue == kSiluMul &&
+      (w->n_parts != 2 || w->parts[0].rows != w->parts[1].rows || w->n != w->parts[0].rows)) {
+    return -1;
+  }
+  if (w->epilogue == kStore && w->n != rows) return -1;
+  if (m == 0) return 0;
+  const Kernels& kernels =
+      w->isa == kIsaAvx2 || !cpu_has_avx512() ? kAvx2Kernels : kAvx512Kernels;
+  QuantizedX qx;
+  if (!quantize_x(x, ldx, x_type, m, w->k, small, super, qx)) return -1;
+  const int64_t n = w->n;
+  if (threads > n) threads = static_cast<int>(n);
+  if (threads <= 1 || bytes < kMinParallelBytes) {
+    run_outputs(kernels, *w, qx, y, n, 0, n);
+    return 0;
+  }
+#pragma omp parallel num_threads(threads)
+  {
+    // Contiguous ranges of outputs: each thread streams its own part of the weight.
+    const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
+    run_outputs(kernels, *w, qx, y, n, n * t / count, n * (t + 1) / count);
+  }
+  return 0;
+}
+
+}  // extern "C"
+
+#else  // MINIAPP_GGML_KERNELS: the kernels, once per instruction set
+
+namespace {
+namespace GGML_ISA {
+
+constexpr int kTile = GGML_TILE;  // rows of x that share one decode of a weight row
+
+// ------------------------------------------------------------------ block helpers
+
+GGML_TARGET inline float f16_at(const uint8_t* p) {
+  uint16_t h;
+  memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+GGML_TARGET inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+GGML_TARGET inline __m256i load32(const void* p) {
+  return _mm256_loadu_si256(static_cast<const __m256i*>(p));
+}
+
+// Unsigned codes (< 128) times signed x codes, summed in 8 lanes of 4 products each.
+GGML_TARGET inline __m256i dot_unsigned(__m256i codes, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), _mm256_set1_epi16(1));
+}
+
+// The same with each 16-bit pair sum weighted by `scales` (int16 lanes).
+GGML_TARGET inline __m256i dot_scaled(__m256i codes, __m256i x, __m256i scales) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), scales);
+}
+
+// Signed weights: |w| times x with w's sign.
+GGML_TARGET inline __m256i dot_signed(__m256i w, __m256i x) {
+  return dot_unsigned(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+
+// 32 bits -> 32 bytes of 0x10 (bit set) or 0 (the fifth bit of Q5_0/Q5_1 codes).
+GGML_TARGET inline __m256i fifth_bits(const uint8_t* p) {
+  uint32_t bits;
+  memcpy(&bits, p, 4);
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL));
+  const __m256i masks = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, masks), masks);
+  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+// 16 bytes of packed nibbles -> 32 codes: the low nibbles, then the high ones.
+GGML_TARGET inline __m256i nibbles(const uint8_t* p) {
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
+  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+
 // Word j of an 8-word vector, in all 16 lanes (both halves hold the 8 words).
-GGML_TARGET_AVX2 inline __m256i word_everywhere(__m256i words, int j) {
+GGML_TARGET inline __m256i word_everywhere(__m256i words, int j) {
   const __m256i index = _mm256_set1_epi16(static_cast<int16_t>((2 * j + 1) << 8 | 2 * j));
   return _mm256_shuffle_epi8(words, index);
 }
@@ -253,7 +422,7 @@ GGML_TARGET_AVX2 inline __m256i word_everywhere(__m256i words, int j) {
 // Each returns, per row t of the tile, that row of x times the weight row.
 
 template <int MT>
-GGML_TARGET_AVX2 void row_q8_0(const uint8_t* w, const QuantizedX& x, int64_t m0, float* out) {
+GGML_TARGET void row_q8_0(const uint8_t* w, const QuantizedX& x, int64_t m0, float* out) {
   const int64_t nb = x.k / kSmallBlock;
   __m256 acc[MT];
   for (int t = 0; t < MT; ++t) acc[t] = _mm256_setzero_ps();
@@ -272,7 +441,7 @@ GGML_TARGET_AVX2 void row_q8_0(const uint8_t* w, const QuantizedX& x, int64_t m0
 
 // Q4_0 (w = d (q - 8)) and Q5_0 (w = d (q - 16), the fifth bits first).
 template <int MT, bool kFive>
-GGML_TARGET_AVX2 void row_q_0(const uint8_t* w, const QuantizedX& x, int64_t m0, float* out) {
+GGML_TARGET void row_q_0(const uint8_t* w, const QuantizedX& x, int64_t m0, float* out) {
   const int64_t nb = x.k / kSmallBlock;
   constexpr int64_t kBytes = kFive ? 22 : 18;
   __m256 acc[MT];
@@ -298,7 +467,7 @@ GGML_TARGET_AVX2 void row_q_0(const uint8_t* w, const QuantizedX& x, int64_t m0,
 
 // Q4_1 and Q5_1: w = d q + m.
 template <int MT, bool kFive>
-GGML_TARGET_AVX2 void row_q_1(const uint8_t* w, const QuantizedX& x, int64_t m0, float* out) {
+GGML_TARGET void row_q_1(const uint8_t* w, const QuantizedX& x, int64_t m0, float* out) {
   const int64_t nb = x.k / kSmallBlock;
   constexpr int64_t kBytes = kFive ? 24 : 20;
   __m256 acc[MT];
@@ -321,7 +490,7 @@ GGML_TARGET_AVX2 void row_q_1(const uint8_t* w, const QuantizedX& x, int64_t m0,
 
 // Q4_K and Q5_K: per sub-block j of 32, w = d sc_j q - dmin m_j.
 template <int MT, bool kFive>
-GGML_TARGET_AVX2 void row_q_k(const uint8_t* w, const QuantizedX& x, int64_t m0, float* out) {
+GGML_TARGET void row_q_k(const uint8_t* w, const QuantizedX& x, int64_t m0, float* out) {
   const int64_t nb = x.k / kSuperBlock;
   constexpr int64_t kBytes = kFive ? 176 : 144;
   const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
@@ -377,7 +546,7 @@ GGML_TARGET_AVX2 void row_q_k(const uint8_t* w, const QuantizedX& x, int64_t m0,
 
 // Q6_K: per sub-block j of 16, w = d sc_j (q - 32), q of 6 bits (4 in ql, 2 in qh).
 template <int MT>
-GGML_TARGET_AVX2 void row_q6_k(const uint8_t* w, const QuantizedX& x, int64_t m0, float* out) {
+GGML_TARGET void row_q6_k(const uint8_t* w, const QuantizedX& x, int64_t m0, float* out) {
   const int64_t nb = x.k / kSuperBlock;
   const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(3);
   // Chunk i of a half spans sub-blocks 2i (its low 16 codes) and 2i + 1: the low 128 bits of
@@ -434,7 +603,6 @@ GGML_TARGET_AVX2 void row_q6_k(const uint8_t* w, const QuantizedX& x, int64_t m0
   for (int t = 0; t < MT; ++t) out[t] = hsum(acc[t]) - 32.0f * hsum(offsets[t]);
 }
 
-typedef void (*RowFn)(const uint8_t*, const QuantizedX&, int64_t, float*);
 
 template <int MT>
 RowFn row_function(int type) {
@@ -452,129 +620,20 @@ RowFn row_function(int type) {
 }
 
 RowFn tile_function(int type, int rows) {
+  if (rows > kTile) rows = kTile;
   switch (rows) {
     case 1: return row_function<1>(type);
     case 2: return row_function<2>(type);
     case 3: return row_function<3>(type);
-    default: return row_function<4>(type);
+    case 4: return row_function<4>(type);
+    case 5: return row_function<5>(type);
+    case 6: return row_function<6>(type);
+    case 7: return row_function<7>(type);
+    default: return row_function<8>(type);
   }
 }
 
-bool super_type(int type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K; }
-
-int64_t block_bytes(int type) {
-  switch (type) {
-    case kQ4_0: return 18;
-    case kQ4_1: return 20;
-    case kQ5_0: return 22;
-    case kQ5_1: return 24;
-    case kQ8_0: return 34;
-    case kQ4_K: return 144;
-    case kQ5_K: return 176;
-    case kQ6_K: return 210;
-    default: return 0;
-  }
-}
-
-// Row `row` of a part times rows m0..m0+rows-1 of x, into tile[0..rows-1].
-inline void weight_tile(const GgmlPart& part, int64_t row, const QuantizedX& x, int64_t m0,
-                        int rows, float* tile) {
-  tile_function(part.type, rows)(part.data + row * part.row_bytes, x, m0, tile);
-}
-
-inline float silu(float g) { return g / (1.0f + expf(-g)); }
-
-// The part holding stacked row i, and i's row within it.
-inline const GgmlPart& part_of(const GgmlWeight& w, int64_t& i) {
-  int64_t p = 0;
-  while (p + 1 < w.n_parts && i >= w.parts[p].rows) i -= w.parts[p++].rows;
-  return w.parts[p];
-}
-
-// Outputs first..last-1 of y [m, ldy]. Weight rows go kRowGroup at a time: each tile of x
-// runs over the group while its rows are in cache (long prompts re-read x from cache, not
-// the weights from memory).
-void run_outputs(const GgmlWeight& w, const QuantizedX& x, float* y, int64_t ldy,
-                 int64_t first, int64_t last) {
-  constexpr int64_t kRowGroup = 16;
-  const bool gated = w.epilogue == kSiluMul;
-  float tile[kTile], up[kTile];
-  for (int64_t i0 = first; i0 < last; i0 += kRowGroup) {
-    const int64_t i1 = i0 + kRowGroup < last ? i0 + kRowGroup : last;
-    for (int64_t m0 = 0; m0 < x.m; m0 += kTile) {
-      const int rows = static_cast<int>(x.m - m0 < kTile ? x.m - m0 : kTile);
-      for (int64_t i = i0; i < i1; ++i) {
-        int64_t local = i;
-        const GgmlPart& part = gated ? w.parts[0] : part_of(w, local);
-        weight_tile(part, local, x, m0, rows, tile);
-        if (w.bias) {
-          for (int t = 0; t < rows; ++t) tile[t] += w.bias[i];
-        }
-        if (gated) {
-          weight_tile(w.parts[1], i, x, m0, rows, up);
-          for (int t = 0; t < rows; ++t) {
-            const float u = w.bias ? up[t] + w.bias[w.parts[0].rows + i] : up[t];
-            tile[t] = silu(tile[t]) * u;
-          }
-        }
-        for (int t = 0; t < rows; ++t) y[(m0 + t) * ldy + i] = tile[t];
-      }
-    }
-  }
-}
-
-bool cpu_has_avx2() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("f16c");
-}
-
+}  // namespace GGML_ISA
 }  // namespace
 
-extern "C" {
-
-// Whether this CPU runs the GGML block kernels.
-int miniapp_ggml_cpu_has(void) { return cpu_has_avx2() ? 1 : 0; }
-
-// y [m, w->n] (contiguous) for x [m, k] (fp32 or bf16: x_type 0 or 1, row stride ldx).
-// Returns 0, or -1 for arguments it does not take (nothing is written then).
-int miniapp_ggml_gemm(const GgmlWeight* w, const void* x, int64_t ldx, int x_type, int64_t m,
-                      float* y, int threads) {
-  if (!cpu_has_avx2() || m < 0 || (x_type != 0 && x_type != 1)) return -1;
-  if (w->n_parts < 1 || w->n_parts > kMaxParts || w->k <= 0) return -1;
-  if (w->epilogue != kStore && w->epilogue != kSiluMul) return -1;
-  bool small = false, super = false;
-  int64_t rows = 0, bytes = 0;
-  for (int64_t p = 0; p < w->n_parts; ++p) {
-    const GgmlPart& part = w->parts[p];
-    const int64_t block = super_type(part.type) ? kSuperBlock : kSmallBlock;
-    if (block_bytes(part.type) == 0 || w->k % block) return -1;
-    if (part.row_bytes != w->k / block * block_bytes(part.type)) return -1;
-    (super_type(part.type) ? super : small) = true;
-    rows += part.rows;
-    bytes += part.rows * part.row_bytes;
-  }
-  if (w->epilogue == kSiluMul &&
-      (w->n_parts != 2 || w->parts[0].rows != w->parts[1].rows || w->n != w->parts[0].rows)) {
-    return -1;
-  }
-  if (w->epilogue == kStore && w->n != rows) return -1;
-  if (m == 0) return 0;
-  QuantizedX qx;
-  if (!quantize_x(x, ldx, x_type, m, w->k, small, super, qx)) return -1;
-  const int64_t n = w->n;
-  if (threads > n) threads = static_cast<int>(n);
-  if (threads <= 1 || bytes < kMinParallelBytes) {
-    run_outputs(*w, qx, y, n, 0, n);
-    return 0;
-  }
-#pragma omp parallel num_threads(threads)
-  {
-    // Contiguous ranges of outputs: each thread streams its own part of the weight.
-    const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
-    run_outputs(*w, qx, y, n, n * t / count, n * (t + 1) / count);
-  }
-  return 0;
-}
-
-}  // extern "C"
+#endif  // MINIAPP_GGML_KERNELS

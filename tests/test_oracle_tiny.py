@@ -71,6 +71,27 @@ def test_tiny_model_with_k_quants_matches_llama_cpp(tmp_path, arch, k_type):
     assert relative <= QUANT_BOUND, relative
 
 
+# The type mixes of the files people download, as llama-quantize writes them: Q4_K_M (Q4_K
+# with Q6_K values, down projections and embedding), Q5_K_M (Q5_K with the same Q6_K ones)
+# and Q8_0. Their weights are read from the file's own blocks (the GGML kernel).
+FILE_MIXES = {
+    "q4_k_m": dict(weight_type=Q.Q4_K, value_type=Q.Q6_K, down_type=Q.Q6_K, embed_type=Q.Q6_K),
+    "q5_k_m": dict(weight_type=Q.Q5_K, value_type=Q.Q6_K, down_type=Q.Q6_K, embed_type=Q.Q6_K),
+    "q8_0": dict(weight_type=Q.Q8_0, embed_type=Q.Q8_0),
+}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("mix", FILE_MIXES)
+def test_the_type_mixes_of_downloaded_files_match_llama_cpp(tmp_path, arch, mix):
+    spec = dataclasses.replace(
+        ARCHITECTURES[arch], dim=256, ffn_dim=256, head_dim=64, n_kv_heads=4, **FILE_MIXES[mix]
+    )
+    agreement, relative = _compare(write_tiny_model(tmp_path / "tiny.gguf", spec))
+    assert agreement >= MIN_AGREEMENT, agreement
+    assert relative <= QUANT_BOUND, relative
+
+
 def test_sliding_window_is_what_llama_cpp_computes(tmp_path):
     """The same Gemma file with the window widened past the sequence gives different logits,
     so the 8-token window really shapes the result that matched llama.cpp above."""

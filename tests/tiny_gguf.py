@@ -52,6 +52,7 @@ class TinyModel:
     embed_type: Q = Q.Q8_0
     tied_output: bool = True
     down_type: Q | None = None  # override blk.*.ffn_down's type (e.g. a K-quant)
+    value_type: Q | None = None  # override blk.*.attn_v's type (Q4_K_M files hold it in Q6_K)
     qkv_bias: bool = False  # qwen2
     qk_norm: bool = False  # qwen3, gemma3
     fused_qkv: bool = False  # phi3
@@ -244,7 +245,9 @@ def write_tiny_model(
         else:
             _add_weight(writer, p + "attn_q.weight", weight(q_rows, d, w_in), wt)
             _add_weight(writer, p + "attn_k.weight", weight(kv_rows, d, w_in), wt)
-            _add_weight(writer, p + "attn_v.weight", weight(kv_rows, d, w_in), wt)
+            _add_weight(
+                writer, p + "attn_v.weight", weight(kv_rows, d, w_in), spec.value_type or wt
+            )
         if spec.qkv_bias:
             writer.add_tensor(p + "attn_q.bias", vector(q_rows, 0.0, 0.3))
             writer.add_tensor(p + "attn_k.bias", vector(kv_rows, 0.0, 0.3))
