@@ -309,7 +309,9 @@ def _ggml_linear(
         parts = [(raw[:half], ggml_type), (raw[half:], ggml_type)]
     if len(parts) > native_ggml.MAX_PARTS or (gated and len(parts) != 2):
         return None
-    return GgmlLinear(native_ggml.PackedGgml(library, parts, n_cols, bias, gated))
+    # The int4 kernel's path says what this CPU (or a simulated one) runs: AVX2 there too.
+    isa = native_ggml.ISA_AVX2 if library.isa == native_int4.ISA_AVX2 else native_ggml.ISA_AUTO
+    return GgmlLinear(native_ggml.PackedGgml(library, parts, n_cols, bias, gated, isa))
 
 
 def _gated_int4(parts: list[RawWeight], n_cols: int, target: WeightTarget) -> Int4Linear | None:

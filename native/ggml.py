@@ -129,7 +129,7 @@ class PackedGgml:
         self._ggml.n_parts, self._ggml.k, self._ggml.n = len(parts), k, self.shape.outputs
         self._ggml.bias = None if bias is None else bias.data_ptr()
         self._ggml.epilogue = EPILOGUE_SILU_MUL if gated else EPILOGUE_STORE
-        self._ggml.isa = isa
+        self._ggml.isa = self.isa = isa
         # The int4 kernel's weight structure, pointing here: what the fused layer passes on.
         self._weight = _Weight(
             None, 0, k, 0, self.shape.outputs, 0, 0, ctypes.addressof(self._ggml)
@@ -177,4 +177,4 @@ def cpu_has(library: Library, isa: int) -> bool:
     return bool(library.cdll.miniapp_ggml_cpu_has(isa))
 
 
-__all__ = ["ISA_AVX2", "ISA_AVX512", "PackedGgml", "cpu_has", "takes"]
+__all__ = ["ISA_AUTO", "ISA_AVX2", "ISA_AVX512", "PackedGgml", "cpu_has", "takes"]

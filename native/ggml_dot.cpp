@@ -234,7 +234,7 @@ inline const GgmlPart& part_of(const GgmlWeight& w, int64_t& i) {
 // the weights from memory).
 void run_outputs(const Kernels& kernels, const GgmlWeight& w, const QuantizedX& x, float* y,
                  int64_t ldy, int64_t first, int64_t last) {
-  constexpr int64_t kRowGroup = 16;
+  constexpr int64_t kRowGroup = 32;
   const bool gated = w.epilogue == kSiluMul;
   const int64_t width = kernels.tile;
   float tile[kMaxTile], up[kMaxTile];
@@ -271,25 +271,31 @@ bool cpu_has_avx2() {
 bool cpu_has_avx512() {
   __builtin_cpu_init();
   return cpu_has_avx2() && __builtin_cpu_supports("avx512f") &&
-         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512vnni");
 }
 
 }  // namespace
 
 // The same kernels compiled twice: for AVX2 (16 vector registers, tiles of 4 rows of x) and
-// with AVX-512's encoding (32 registers, so tiles of 8 rows keep their sums in registers).
-// The arithmetic is the same instructions in the same order, so both give the same bits.
+// for AVX-512 with VNNI (32 registers, so tiles of 8 rows keep their sums in registers; and
+// vpdpbusd, one instruction for vpmaddubsw + vpmaddwd). Both sum exact integers per block, but
+// they apply the offsets differently, so the two paths agree to rounding, not bit for bit.
 #define MINIAPP_GGML_KERNELS
 #define GGML_TARGET __attribute__((target("avx2,fma,f16c")))
 #define GGML_ISA avx2
 #define GGML_TILE 4
+#define GGML_VNNI 0
 #include "ggml_dot.cpp"
 #undef GGML_TARGET
 #undef GGML_ISA
 #undef GGML_TILE
-#define GGML_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl")))
+#undef GGML_VNNI
+#define GGML_TARGET \
+  __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 #define GGML_ISA avx512
 #define GGML_TILE 8
+#define GGML_VNNI 1
 #include "ggml_dot.cpp"
 
 namespace {
@@ -379,7 +385,11 @@ GGML_TARGET inline __m256i load32(const void* p) {
 
 // Unsigned codes (< 128) times signed x codes, summed in 8 lanes of 4 products each.
 GGML_TARGET inline __m256i dot_unsigned(__m256i codes, __m256i x) {
+#if GGML_VNNI
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), codes, x);
+#else
   return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), _mm256_set1_epi16(1));
+#endif
 }
 
 // The same with each 16-bit pair sum weighted by `scales` (int16 lanes).
@@ -421,48 +431,48 @@ GGML_TARGET inline __m256i word_everywhere(__m256i words, int j) {
 
 // Each returns, per row t of the tile, that row of x times the weight row.
 
-template <int MT>
-GGML_TARGET void row_q8_0(const uint8_t* w, const QuantizedX& x, int64_t m0, float* out) {
-  const int64_t nb = x.k / kSmallBlock;
-  __m256 acc[MT];
-  for (int t = 0; t < MT; ++t) acc[t] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* block = w + b * 34;
-    const float d = f16_at(block);
-    const __m256i codes = load32(block + 2);
-    for (int t = 0; t < MT; ++t) {
-      const int64_t at = (m0 + t) * nb + b;
-      const __m256i dot = dot_signed(codes, load32(x.q32 + at * kSmallBlock));
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * x.d32[at]), acc[t]);
-    }
-  }
-  for (int t = 0; t < MT; ++t) out[t] = hsum(acc[t]);
-}
-
-// Q4_0 (w = d (q - 8)) and Q5_0 (w = d (q - 16), the fifth bits first).
-template <int MT, bool kFive>
+// Q8_0 (w = d q, q signed), Q4_0 (w = d (q - 8)) and Q5_0 (w = d (q - 16), the fifth bits
+// first). With VNNI the codes stay unsigned (Q8_0's biased by 128) and the offset comes off
+// through x's block sums; without it, |w| meets x with w's sign (vpmaddubsw takes unsigned
+// bytes up to 127 per pair without saturating, which Q8_0's biased codes would pass).
+template <int MT, int kType>
 GGML_TARGET void row_q_0(const uint8_t* w, const QuantizedX& x, int64_t m0, float* out) {
   const int64_t nb = x.k / kSmallBlock;
-  constexpr int64_t kBytes = kFive ? 22 : 18;
+  constexpr int64_t kBytes = kType == kQ8_0 ? 34 : kType == kQ5_0 ? 22 : 18;
+  constexpr int kOffsetCode = kType == kQ8_0 ? 128 : kType == kQ5_0 ? 16 : 8;
+  constexpr float kOffset = static_cast<float>(kOffsetCode);
   __m256 acc[MT];
-  for (int t = 0; t < MT; ++t) acc[t] = _mm256_setzero_ps();
+  float offsets[MT];
+  for (int t = 0; t < MT; ++t) acc[t] = _mm256_setzero_ps(), offsets[t] = 0.0f;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* block = w + b * kBytes;
     const float d = f16_at(block);
-    __m256i codes;
-    if (kFive) {
+    __m256i codes;  // unsigned: value + offset
+    if (kType == kQ8_0) {
+      codes = _mm256_xor_si256(load32(block + 2), _mm256_set1_epi8(static_cast<char>(0x80)));
+    } else if (kType == kQ5_0) {
       codes = _mm256_or_si256(nibbles(block + 6), fifth_bits(block + 2));
-      codes = _mm256_sub_epi8(codes, _mm256_set1_epi8(16));
     } else {
-      codes = _mm256_sub_epi8(nibbles(block + 2), _mm256_set1_epi8(8));
+      codes = nibbles(block + 2);
     }
+#if !GGML_VNNI
+    // Q8_0's 128 wraps to -128 as a byte: subtracting it adds 128, which undoes the bias.
+    const __m256i signed_codes =
+        _mm256_sub_epi8(codes, _mm256_set1_epi8(static_cast<char>(kOffsetCode)));
+#endif
     for (int t = 0; t < MT; ++t) {
       const int64_t at = (m0 + t) * nb + b;
-      const __m256i dot = dot_signed(codes, load32(x.q32 + at * kSmallBlock));
+      const __m256i xq = load32(x.q32 + at * kSmallBlock);
+#if GGML_VNNI
+      const __m256i dot = dot_unsigned(codes, xq);
+      offsets[t] += kOffset * d * x.s32[at];
+#else
+      const __m256i dot = dot_signed(signed_codes, xq);
+#endif
       acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * x.d32[at]), acc[t]);
     }
   }
-  for (int t = 0; t < MT; ++t) out[t] = hsum(acc[t]);
+  for (int t = 0; t < MT; ++t) out[t] = hsum(acc[t]) - offsets[t];
 }
 
 // Q4_1 and Q5_1: w = d q + m.
@@ -487,6 +497,33 @@ GGML_TARGET void row_q_1(const uint8_t* w, const QuantizedX& x, int64_t m0, floa
   }
   for (int t = 0; t < MT; ++t) out[t] = hsum(acc[t]) + mins[t];
 }
+
+#if GGML_VNNI
+// Byte indices that put, in each 128-bit half, words a, a, a, a, b, b, b, b of an 8-word
+// vector: the weights of vpmaddwd over sums packed from two dot products. Plain data (no
+// vector code runs when the library loads, on any CPU).
+struct WordPick {
+  alignas(32) uint8_t bytes[32];
+};
+
+constexpr WordPick pick_words(int low_a, int low_b, int high_a, int high_b) {
+  WordPick pick = {};
+  const int words[4] = {low_a, low_b, high_a, high_b};
+  for (int i = 0; i < 16; ++i) {
+    const int word = words[2 * (i / 8) + (i % 8) / 4];
+    pick.bytes[2 * i] = static_cast<uint8_t>(2 * word);
+    pick.bytes[2 * i + 1] = static_cast<uint8_t>(2 * word + 1);
+  }
+  return pick;
+}
+
+// Q4_K/Q5_K chunk c: its lo sums (sub-block 2c) then its hi sums (2c + 1), in both halves.
+constexpr WordPick kPairPick[4] = {pick_words(0, 1, 0, 1), pick_words(2, 3, 2, 3),
+                                   pick_words(4, 5, 4, 5), pick_words(6, 7, 6, 7)};
+// Q6_K chunks i, i + 1 packed: the low halves hold sub-blocks 2i and 2i + 2, the high
+// halves 2i + 1 and 2i + 3.
+constexpr WordPick kSixPick[2] = {pick_words(0, 2, 1, 3), pick_words(4, 6, 5, 7)};
+#endif
 
 // Q4_K and Q5_K: per sub-block j of 32, w = d sc_j q - dmin m_j.
 template <int MT, bool kFive>
@@ -519,6 +556,17 @@ GGML_TARGET void row_q_k(const uint8_t* w, const QuantizedX& x, int64_t m0, floa
             hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 1), one), 4));
         high = _mm256_srli_epi16(high, 2);
       }
+#if GGML_VNNI
+      // Each lane's sum of 4 products fits 16 bits (4 * 31 * 127): the lo and hi sums are
+      // packed side by side and weighted by their scales in one vpmaddwd.
+      const __m256i pair_scales = _mm256_shuffle_epi8(scales, load32(kPairPick[c].bytes));
+      for (int t = 0; t < MT; ++t) {
+        const int8_t* xq = x.q256 + (m0 + t) * x.k + b * kSuperBlock + 64 * c;
+        const __m256i both = _mm256_packs_epi32(dot_unsigned(lo, load32(xq)),
+                                                dot_unsigned(hi, load32(xq + 32)));
+        sums[t] = _mm256_add_epi32(sums[t], _mm256_madd_epi16(both, pair_scales));
+      }
+#else
       const __m256i scale_lo = word_everywhere(scales, 2 * c);
       const __m256i scale_hi = word_everywhere(scales, 2 * c + 1);
       for (int t = 0; t < MT; ++t) {
@@ -526,6 +574,7 @@ GGML_TARGET void row_q_k(const uint8_t* w, const QuantizedX& x, int64_t m0, floa
         sums[t] = _mm256_add_epi32(sums[t], dot_scaled(lo, load32(xq), scale_lo));
         sums[t] = _mm256_add_epi32(sums[t], dot_scaled(hi, load32(xq + 32), scale_hi));
       }
+#endif
     }
     for (int t = 0; t < MT; ++t) {
       const int64_t row = m0 + t;
@@ -551,13 +600,17 @@ GGML_TARGET void row_q6_k(const uint8_t* w, const QuantizedX& x, int64_t m0, flo
   const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(3);
   // Chunk i of a half spans sub-blocks 2i (its low 16 codes) and 2i + 1: the low 128 bits of
   // its scale vector broadcast word 2i, the high 128 bits word 2i + 1.
+#if GGML_VNNI
+  const __m256i pick[2] = {load32(kSixPick[0].bytes), load32(kSixPick[1].bytes)};
+#else
   __m256i pick[4];
   for (int i = 0; i < 4; ++i) {
     pick[i] = _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>((4 * i + 3) << 8 | (4 * i + 2))),
                                _mm_set1_epi16(static_cast<int16_t>((4 * i + 1) << 8 | 4 * i)));
   }
-  __m256 acc[MT], offsets[MT];
-  for (int t = 0; t < MT; ++t) acc[t] = _mm256_setzero_ps(), offsets[t] = _mm256_setzero_ps();
+#endif
+  __m256 acc[MT];
+  for (int t = 0; t < MT; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* block = w + b * 210;
     const float d = f16_at(block + 208);
@@ -583,6 +636,19 @@ GGML_TARGET void row_q6_k(const uint8_t* w, const QuantizedX& x, int64_t m0, flo
       codes[3] = _mm256_or_si256(
           _mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), low2), 4));
+#if GGML_VNNI
+      // Chunks i and i + 1 (sub-blocks 2i .. 2i + 3): a lane's sum of 4 products fits 16 bits
+      // (4 * 63 * 127), so the two chunks' sums are packed and weighted in one vpmaddwd.
+      for (int i = 0; i < 4; i += 2) {
+        const __m256i scale = _mm256_shuffle_epi8(half_scales, pick[i / 2]);
+        for (int t = 0; t < MT; ++t) {
+          const int8_t* xq = x.q256 + (m0 + t) * x.k + b * kSuperBlock + 128 * half + 32 * i;
+          const __m256i both = _mm256_packs_epi32(dot_unsigned(codes[i], load32(xq)),
+                                                  dot_unsigned(codes[i + 1], load32(xq + 32)));
+          sums[t] = _mm256_add_epi32(sums[t], _mm256_madd_epi16(both, scale));
+        }
+      }
+#else
       for (int i = 0; i < 4; ++i) {
         const __m256i scale = _mm256_shuffle_epi8(half_scales, pick[i]);
         for (int t = 0; t < MT; ++t) {
@@ -590,28 +656,29 @@ GGML_TARGET void row_q6_k(const uint8_t* w, const QuantizedX& x, int64_t m0, flo
           sums[t] = _mm256_add_epi32(sums[t], dot_scaled(codes[i], load32(xq), scale));
         }
       }
+#endif
     }
     for (int t = 0; t < MT; ++t) {
       const int64_t row = m0 + t;
-      const __m256 step = _mm256_set1_ps(d * x.d256[row * nb + b]);
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t]), step, acc[t]);
+      // The codes' offset of 32, in integers: sum_j sc_j * 32 * (x's sum over sub-block j).
       const __m256i s16 = load32(x.sum16 + row * (x.k / 16) + b * 16);
-      offsets[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(scales16, s16)), step,
-                                   offsets[t]);
+      const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(scales16, s16), 5);
+      const __m256 step = _mm256_set1_ps(d * x.d256[row * nb + b]);
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sums[t], offset)), step, acc[t]);
     }
   }
-  for (int t = 0; t < MT; ++t) out[t] = hsum(acc[t]) - 32.0f * hsum(offsets[t]);
+  for (int t = 0; t < MT; ++t) out[t] = hsum(acc[t]);
 }
 
 
 template <int MT>
 RowFn row_function(int type) {
   switch (type) {
-    case kQ4_0: return row_q_0<MT, false>;
-    case kQ5_0: return row_q_0<MT, true>;
+    case kQ4_0: return row_q_0<MT, kQ4_0>;
+    case kQ5_0: return row_q_0<MT, kQ5_0>;
     case kQ4_1: return row_q_1<MT, false>;
     case kQ5_1: return row_q_1<MT, true>;
-    case kQ8_0: return row_q8_0<MT>;
+    case kQ8_0: return row_q_0<MT, kQ8_0>;
     case kQ4_K: return row_q_k<MT, false>;
     case kQ5_K: return row_q_k<MT, true>;
     case kQ6_K: return row_q6_k<MT>;

