@@ -95,12 +95,9 @@ class GGUFFile:
         info = self.arrays[key]
         if info.element != _STRING:
             raise ValueError(f"{key} is not an array of strings")
-        cursor = _Cursor(self._map, info.start)
-        for _ in range(info.length):
-            (length,) = cursor.unpack("<Q")
-            start = cursor.offset
-            cursor.skip(length)
-            yield self._map[start : cursor.offset]
+        buffer = self._map
+        for start, end in _string_ends(buffer, info.start, info.length):
+            yield buffer[start:end]
 
     def array_numbers(self, key: str) -> np.ndarray:
         """An array of fixed-size numbers (large ones included), as numpy values."""
@@ -162,6 +159,24 @@ _MAX_DIMS = 4  # GGML_MAX_DIMS
 _DEFAULT_ALIGNMENT = 32
 
 
+_U64 = struct.Struct("<Q")
+
+
+def _string_ends(buffer, offset: int, count: int) -> Iterator[tuple[int, int]]:
+    """(start, end) of each of `count` length-prefixed strings from `offset`, in one tight
+    loop: a vocabulary holds up to 10^5-10^6 of them, and a cursor call per string made
+    reading Gemma 3's 262,144 tokens take half a second."""
+    read, size = _U64.unpack_from, len(buffer)
+    for _ in range(count):
+        if offset + 8 > size:
+            raise ValueError(f"it ends at byte {size}, inside a string at byte {offset}")
+        start = offset + 8
+        offset = start + read(buffer, offset)[0]
+        if offset > size:
+            raise ValueError("a value runs past the end of the file")
+        yield start, offset
+
+
 class _Cursor:
     """Reads GGUF's little-endian values from a buffer, front to back; running past the
     end raises struct.error or ValueError, which callers report as a corrupt file."""
@@ -215,6 +230,9 @@ class _Cursor:
             element, items = self.array_header()
             if element in _SCALAR_SIZES:
                 self.skip(_SCALAR_SIZES[element] * items)
+            elif element == _STRING:
+                for _, self.offset in _string_ends(self.buffer, self.offset, items):  # noqa: B020
+                    pass
             else:
                 for _ in range(items):
                     self.skip_value(element)

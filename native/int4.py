@@ -153,6 +153,57 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.
     ).reshape(-1)
 
 
+Q4_0, Q4_1 = 2, 3  # GGML type ids `pack_q4_rows` reads
+Q4_BLOCK_BYTES = {Q4_0: 18, Q4_1: 20}
+
+
+def pack_q4_rows(
+    library: Library,
+    parts: list[torch.Tensor],
+    ggml_type: int,
+    k: int,
+    order: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Q4_0 or Q4_1 rows as the GGUF file stores them (uint8 [rows, row_bytes] each, stacked
+    in order) -> the kernel's layout, in one native pass: the bytes `pack` gives for the
+    same weights (scale d, zero m + 8d or 0, rows padded to blocks of 16). `order`: the
+    stacked rows in the order to pack them (gate_up_order for a gated weight)."""
+    if ggml_type not in Q4_BLOCK_BYTES or k % 32:
+        raise ValueError(f"native Q4 packing takes Q4_0/Q4_1 rows of a multiple of 32, not {k}")
+    row_bytes = k // 32 * Q4_BLOCK_BYTES[ggml_type]
+    addresses = []
+    for raw in parts:
+        if raw.shape[1] != row_bytes or raw.stride(0) != row_bytes or raw.stride(1) != 1:
+            raise ValueError("Q4 rows do not match their width")
+        addresses.append(raw.data_ptr() + row_bytes * torch.arange(raw.shape[0], dtype=torch.int64))
+    stacked = torch.cat(addresses)
+    if order is not None:
+        stacked = stacked[order]
+    rows = stacked.shape[0]
+    padded = torch.zeros(padded_rows(rows), dtype=torch.int64)  # 0: a padding row
+    padded[:rows] = stacked
+    groups = k // 32
+    out = torch.empty(
+        padded.shape[0] // BLOCK_ROWS * groups * (BLOCK_ROWS * 16 + 64), dtype=torch.uint8
+    )
+    function = library.cdll.miniapp_int4_pack_q4
+    function.restype = ctypes.c_int
+    function.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_int,
+    ]
+    status = function(
+        padded.data_ptr(), padded.shape[0], k, ggml_type, out.data_ptr(), torch.get_num_threads()
+    )
+    if status:
+        raise ValueError(f"native Q4 packing refused type {ggml_type} rows of {k}")
+    return out
+
+
 def _per_group_bf16(values: torch.Tensor, blocks: int) -> torch.Tensor:
     """[rows, groups] -> uint8 [blocks, groups, 32]: each group's 16 row values as bf16."""
     per_block = values.to(SCALE_DTYPE).view(blocks, BLOCK_ROWS, -1).transpose(1, 2)

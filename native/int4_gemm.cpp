@@ -590,6 +590,63 @@ int miniapp_int4_gemm(const Int4Weight* w, const void* x, int64_t ldx, int x_typ
   return 0;
 }
 
+// Q4_0 / Q4_1 rows of a GGUF file straight into the packed layout (what
+// miniapp.native.int4.pack gives for engine/quant.py's codes of those types): the codes keep
+// their 4 bits, scale = d and zero = m + 8 d (Q4_1) or 0 (Q4_0, whose w = d (q - 8)), both
+// rounded to bf16. rows[r] points at row r of the packed order (n_rows, a multiple of 16);
+// null is a padding row, which decodes to zero. One pass over the bytes, no Python loop:
+// loading a file's Q4 weights costs a copy, not a conversion. Returns 0, or -1 for a type or
+// shape it does not take.
+TARGET_AVX2 int miniapp_int4_pack_q4(const uint8_t* const* rows, int64_t n_rows, int64_t k, int ggml_type,
+                         uint8_t* out, int threads) {
+  constexpr int kQ4_0 = 2, kQ4_1 = 3, kGroup = 32;
+  if ((ggml_type != kQ4_0 && ggml_type != kQ4_1) || k % kGroup || n_rows % kBlockRows) return -1;
+  const int64_t block_bytes = ggml_type == kQ4_0 ? 18 : 20, quant_at = ggml_type == kQ4_0 ? 2 : 4;
+  const int64_t n_groups = k / kGroup, n_blocks = n_rows / kBlockRows;
+  const int64_t group_bytes = kBlockRows * kGroup / 2 + 2 * kScaleBytes;
+#pragma omp parallel for num_threads(threads > 0 ? threads : 1) schedule(static)
+  for (int64_t block = 0; block < n_blocks; ++block) {
+    for (int64_t g = 0; g < n_groups; ++g) {
+      uint8_t* group = out + (block * n_groups + g) * group_bytes;
+      uint16_t* scales = reinterpret_cast<uint16_t*>(group + kBlockRows * kGroup / 2);
+      uint16_t* zeros = scales + kBlockRows;
+      for (int r = 0; r < kBlockRows; ++r) {
+        const uint8_t* row = rows[block * kBlockRows + r];
+        uint8_t codes[kGroup];
+        float scale = 0.0f, zero = 0.0f;
+        if (row) {
+          const uint8_t* source = row + g * block_bytes;
+          uint16_t half;
+          memcpy(&half, source, 2);
+          scale = _cvtsh_ss(half);
+          if (ggml_type == kQ4_1) {
+            memcpy(&half, source + 2, 2);
+            zero = _cvtsh_ss(half) + 8.0f * scale;
+          }
+          for (int i = 0; i < kGroup / 2; ++i) {
+            codes[i] = source[quant_at + i] & 0x0F;
+            codes[i + kGroup / 2] = source[quant_at + i] >> 4;
+          }
+        } else {
+          memset(codes, kCodeOffset, sizeof codes);
+        }
+        scales[r] = to_bf16(scale);
+        zeros[r] = to_bf16(zero);
+        // Column 8c + 2j + h of row r: nibble j of 16-bit word 2r + h of chunk c.
+        for (int c = 0; c < kGroup / kChunkCols; ++c) {
+          uint8_t* chunk = group + c * kChunkBytes;
+          for (int h = 0; h < 2; ++h) {
+            const uint8_t* col = codes + kChunkCols * c + h;
+            chunk[2 * (2 * r + h)] = static_cast<uint8_t>(col[0] | col[2] << 4);
+            chunk[2 * (2 * r + h) + 1] = static_cast<uint8_t>(col[4] | col[6] << 4);
+          }
+        }
+      }
+    }
+  }
+  return 0;
+}
+
 }  // extern "C"
 
 namespace {
