@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gguf.constants import GGMLQuantizationType
+from test_native_ggml import random_blocks
 
+from miniapp.engine.quant import decode, to_int4
 from miniapp.native import build, int4, reference
 
 M_VALUES = (1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 17)
@@ -299,3 +302,24 @@ def test_unwritable_cache_is_a_build_error(tmp_path):
     blocked.write_text("")
     with pytest.raises(build.BuildError, match="cannot write the library"):
         build.build(blocked / "native" / "lib.so")
+
+
+@pytest.mark.parametrize("ggml_type", [2, 3], ids=["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("rows", [16, 37])
+def test_q4_rows_pack_natively_into_the_same_bytes_as_torch(library, ggml_type, rows):
+    """Loading packs a file's Q4_0/Q4_1 rows in one native pass; it must give exactly the
+    layout the torch packing gives (which the kernel's other tests check)."""
+    qtype = GGMLQuantizationType(ggml_type)
+    raw = random_blocks(qtype, rows, 256)
+    groups = to_int4(decode(raw, qtype))
+    assert torch.equal(
+        int4.pack_q4_rows(library, [raw], ggml_type, 256),
+        int4.pack(groups.codes, groups.scale, groups.zero),
+    )
+    gate, up = random_blocks(qtype, 24, 256, seed=1), random_blocks(qtype, 24, 256, seed=2)
+    both = to_int4(decode(torch.cat([gate, up]), qtype))
+    order = int4.gate_up_order(48)
+    assert torch.equal(
+        int4.pack_q4_rows(library, [gate, up], ggml_type, 256, order),
+        int4.pack(both.codes[order], both.scale[order], both.zero[order]),
+    )
