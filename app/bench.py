@@ -9,15 +9,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from miniapp.assets import chat_prompts, sample_texts
 from miniapp.engine.chat_template import ChatTemplate, Message
 from miniapp.engine.errors import MiniappError
 from miniapp.engine.gguf_file import GGUFFile
-from miniapp.engine.model_store import resolve_model
+from miniapp.engine.model_store import BUNDLED, models_dir, resolve_model
 from miniapp.engine.models import check_supported
 from miniapp.engine.runtimes import REMOTE_BACKEND
 from miniapp.engine.tokenizer import Tokenizer
@@ -78,8 +80,21 @@ def run_bench(args: argparse.Namespace) -> int:
         from .bench_remote import run_remote_bench
 
         return run_remote_bench(args)
+    if getattr(args, "models", None):
+        return run_models_bench(args)
     model = resolve_model(args.model)
     check_supported(GGUFFile(model))  # report a bad file before any subprocess starts
+    results = _bench_model(model, args)
+    if args.json:
+        print(json.dumps(results))
+    else:
+        _print_table(model, results)
+    return 0
+
+
+def _bench_model(model: Path, args: argparse.Namespace) -> dict:
+    """Our engine and llama.cpp on one model, side by side (with speculation: plain decoding
+    beside it too); the results of each, as JSON-ready dicts."""
     tokenizer = Tokenizer(model)
     if args.task:
         prompts = task_prompts(model, tokenizer, args.task)
@@ -102,13 +117,14 @@ def run_bench(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="miniapp-bench-") as tmp:
         prompts_path = Path(tmp) / "prompts.json"
         prompts_path.write_text(json.dumps(prompts))
-        workers = {
-            name: _start_worker(backend, model, prompts_path, contexts[backend], args, spec_mode)
-            for name, (backend, spec_mode) in variants.items()
-        }
+        # One at a time: a load timed while another process loads is not its own.
+        workers = {}
         try:
-            for worker in workers.values():
-                worker.wait_ready()
+            for name, (backend, spec_mode) in variants.items():
+                workers[name] = _start_worker(
+                    backend, model, prompts_path, contexts[backend], args, spec_mode
+                )
+                workers[name].wait_ready()
             # Alternate single runs so every variant sees the same machine conditions, and
             # judge speed by the median of back-to-back pairs.
             speeds: dict[str, list[float]] = {name: [] for name in workers}
@@ -131,11 +147,100 @@ def run_bench(args: argparse.Namespace) -> int:
         results["spec_vs_plain"] = _pair_ratio(speeds["spec"], speeds["plain"])
         results["spec_vs_plain_worst"] = _pair_ratio(speeds["spec"], speeds["plain"], min)
         results["identical_output"] = digests["spec"] == digests["plain"]
+    return results
+
+
+def run_models_bench(args: argparse.Namespace) -> int:
+    """`bench --models`: the side-by-side table for several models in one run (plain
+    decoding), each beside its bandwidth floor: the weights a decode step reads divided by
+    the read bandwidth measured here first."""
+    names = installed_models() if args.models == "installed" else args.models.split(",")
+    models = [resolve_model(name.strip()) for name in names if name.strip()]
+    for model in models:
+        check_supported(GGUFFile(model))
+    # In its own process: a gigabyte touched here would count in every worker's peak RSS
+    # (a forked child starts with its parent's).
+    bandwidth = float(subprocess.run(
+        [sys.executable, "-c", f"from miniapp.app.bench import read_bandwidth as r; "
+                               f"print(r({args.threads or 0}))"],
+        capture_output=True, text=True, check=True,
+    ).stdout)  # fmt: skip
+    args.spec = "off"
+    rows = []
+    for model in models:
+        results = _bench_model(model, args)
+        ours, theirs = results["torch"], results["llamacpp"]
+        file_bytes = step_file_bytes(GGUFFile(model))
+        rows.append({
+            "model": model.name, "torch": ours, "llamacpp": theirs,
+            "file_bytes_per_token": file_bytes, "read_gb_s": bandwidth / 1e9,
+            "floor_tok_s": bandwidth / file_bytes,
+        })  # fmt: skip
     if args.json:
-        print(json.dumps(results))
-    else:
-        _print_table(model, results)
+        print(json.dumps({"read_gb_s": bandwidth / 1e9, "models": rows}))
+        return 0
+    print(
+        f"read bandwidth {bandwidth / 1e9:.1f} GB/s ({args.threads or 'all'} threads); tok/s "
+        "ours / llama.cpp (ratio); floor = bandwidth / weight bytes a step reads"
+    )
+    header = (f"{'model':44}{'decode':>22}{'pairs':>7}{'floor':>7}{'% ours':>8}{'% l.cpp':>8}"
+              f"{'prefill':>20}{'load s':>14}{'RSS MB':>13}{'MB/tok ours/file':>18}")  # fmt: skip
+    print(header)
+    for row in rows:
+        ours, theirs, floor = row["torch"], row["llamacpp"], row["floor_tok_s"]
+        read = ours.get("weight_bytes_per_token") or 0
+        share_ours = 100 * ours["decode_tok_s"] / floor
+        share_theirs = 100 * theirs["decode_tok_s"] / floor
+        print(
+            f"{row['model'][:43]:44}"
+            f"{_pair(ours['decode_tok_s'], theirs['decode_tok_s']):>22}"
+            f"{ours['decode_vs_llamacpp']:>7.2f}{floor:>7.1f}"
+            f"{share_ours:>7.0f}%{share_theirs:>7.0f}%"
+            f"{_pair(ours['prefill_tok_s'], theirs['prefill_tok_s'], '{:.0f}'):>20}"
+            f"{ours['load_s']:>7.2f}/{theirs['load_s']:<6.2f}"
+            f"{ours['peak_rss_mb']:>6.0f}/{theirs['peak_rss_mb']:<6.0f}"
+            f"{read / 1e6:>9.0f}/{row['file_bytes_per_token'] / 1e6:<8.0f}"
+        )  # fmt: skip
     return 0
+
+
+def _pair(ours: float, theirs: float, fmt: str = "{:.1f}") -> str:
+    return f"{fmt.format(ours)}/{fmt.format(theirs)} ({ours / max(theirs, 1e-9):.2f})"
+
+
+def installed_models() -> list[str]:
+    """Every bundled language model that is installed, then any other GGUF in the folder."""
+    folder = models_dir()
+    names = [name for name, m in BUNDLED.items() if (folder / m.filename).exists()]
+    bundled_files = {m.filename for m in BUNDLED.values()}
+    others = sorted(folder.glob("*.gguf")) if folder.is_dir() else []
+    return names + [str(p) for p in others
+                    if p.name not in bundled_files and "mmproj" not in p.name.lower()]  # fmt: skip
+
+
+def step_file_bytes(gguf: GGUFFile) -> int:
+    """The file's bytes of the weights a decode step reads: every tensor but the embedding
+    table, which serves as the output head too where the file has no output.weight."""
+    tied = "output.weight" not in gguf.tensors
+    return sum(
+        info.nbytes for name, info in gguf.tensors.items()
+        if name != "token_embd.weight" or tied
+    )  # fmt: skip
+
+
+def read_bandwidth(threads: int | None, gib: int = 1, repeats: int = 7) -> float:
+    """Bytes a second a plain sum reads from a buffer far larger than the caches (median)."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    buffer = torch.ones((gib << 30) // 4, dtype=torch.float32)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buffer.sum()
+        times.append(time.perf_counter() - start)
+    return buffer.numel() * 4 / statistics.median(times)
 
 
 def _pair_ratio(ours: list[float], theirs: list[float], summary=statistics.median) -> float:

@@ -190,6 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeat", type=_positive_int, default=5, help="runs; medians reported")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.add_argument(
+        "--models", metavar="LIST",
+        help="the table for several models in one run (plain decoding), each beside its "
+             "bandwidth floor: comma-separated names or paths, or 'installed'",
+    )  # fmt: skip
+    bench.add_argument(
         "--task", choices=TASKS,
         help="a chat prompt instead of raw text: summarize or quote one of the sample texts "
         "(about 500 tokens), or open chat questions; answers stop at end of turn",

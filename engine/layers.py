@@ -97,6 +97,12 @@ class Int4Linear:
         if native is not None and self.plain and bias is None:
             self.forward = native.forward  # the common case, without a Python frame between
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weights a forward pass reads (codes, scales and zeros)."""
+        extra = 0 if self.scales_zeros is None else _bytes(self.scales_zeros)
+        return _bytes(self.packed) + extra
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [tokens, in_features] (any float dtype) -> [tokens, out_features]: fp32 from our
         own kernel or with a bias, bf16 from torch's kernel without one."""
@@ -215,6 +221,11 @@ class GgmlLinear:
         self.gated = native.shape.gated
         self.forward = native.forward
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weights a forward pass reads: the file's own, for these tensors."""
+        return self.native.nbytes
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward(x)
 
@@ -233,6 +244,10 @@ class DenseLinear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight, self.bias = weight.contiguous(), bias
         self.out_features, self.in_features = weight.shape
+
+    @property
+    def nbytes(self) -> int:
+        return _bytes(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
@@ -412,6 +427,10 @@ class _ConcatLinear:
         self.out_features = sum(p.out_features for p in parts)
         self.in_features = parts[0].in_features
 
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.cat([p.forward(x).float() for p in self.parts], dim=-1)
         return y if self.bias is None else y + self.bias
@@ -420,6 +439,10 @@ class _ConcatLinear:
 
 
 Linear = Int4Linear | GgmlLinear | DenseLinear | _ConcatLinear
+
+
+def _bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 class BlockEmbedding:

@@ -17,37 +17,34 @@ from miniapp.engine.errors import MiniappError
 from miniapp.engine.kv_types import DEFAULT_KV_TYPE, bytes_per_token, kv_type
 
 
-def test_bench_json_reports_both_backends(miniapp_exe):
+def test_bench_json_reports_both_backends_beside_the_bandwidth_floor(miniapp_exe):
+    """`bench --models`: the side-by-side run for each model listed, with the bytes a decode
+    step reads (ours and the file's) and the floor they set at the measured bandwidth."""
     done = subprocess.run(
-        [
-            miniapp_exe,
-            "bench",
-            "--prompt-tokens",
-            "32",
-            "--tokens",
-            "8",
-            "--repeat",
-            "1",
-            "--threads",
-            "2",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+        [miniapp_exe, "bench", "--models", "smollm2-135m-instruct", "--prompt-tokens", "32",
+         "--tokens", "8", "--repeat", "1", "--threads", "2", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
+    assert report["read_gb_s"] > 0.5
+    (model,) = report["models"]
     for backend in ("torch", "llamacpp"):
-        row = report[backend]
+        row = model[backend]
         assert row["backend"] == backend
         assert row["prompt_tokens"] == 32 and row["generated_tokens"] == 8
-        for key in ("prefill_tok_s", "ttft_s", "decode_tok_s", "peak_rss_mb"):
+        for key in ("prefill_tok_s", "ttft_s", "decode_tok_s", "peak_rss_mb", "load_s"):
             assert row[key] > 0, (backend, key, row[key])
     # Each backend's own KV cache type, left out of the command line.
-    assert (report["torch"]["kv_type"], report["llamacpp"]["kv_type"]) == (DEFAULT_KV_TYPE, "f16")
-    # Each backend ran in its own process: llama.cpp's process never loaded torch (~200 MB).
-    assert report["llamacpp"]["peak_rss_mb"] < report["torch"]["peak_rss_mb"]
+    torch_row, llama_row = model["torch"], model["llamacpp"]
+    assert (torch_row["kv_type"], llama_row["kv_type"]) == (DEFAULT_KV_TYPE, "f16")
+    # Each backend ran in its own process: llama.cpp's process never loaded torch (~200 MB),
+    # and neither carries the bandwidth probe's gigabyte.
+    assert llama_row["peak_rss_mb"] < torch_row["peak_rss_mb"] < 900
+    # The Q4_1 layers are packed at the file's 5 bits a weight, the Q8_0 head read as it is.
+    file_bytes = model["file_bytes_per_token"]
+    assert 0.98 * file_bytes <= torch_row["weight_bytes_per_token"] <= 1.01 * file_bytes
+    assert model["floor_tok_s"] == pytest.approx(report["read_gb_s"] * 1e9 / file_bytes)
 
 
 def test_bench_prompt_from_samples_and_from_file(torch_runtime, tmp_path):

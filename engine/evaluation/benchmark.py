@@ -28,6 +28,7 @@ def _import_backend(backend: str) -> None:
     elif backend == "llamacpp":
         from ..runtimes import llamacpp_runtime  # noqa: F401
 
+
 WARMUP_TOKENS = 8  # first calls pay one-time costs (thread pools, kernel selection)
 
 
@@ -75,6 +76,7 @@ class BenchResult:
     by_drafter: dict[str, list[int]] = field(default_factory=dict)
     kv_type: str | None = None  # how the KV cache stored keys and values (--kv-type)
     kv_bytes_per_token: int | None = None  # their bytes a token, every layer (if known)
+    weight_bytes_per_token: int | None = None  # weights a decode step reads (if known)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -133,6 +135,7 @@ class BenchSession:
         info = self.runtime.info()
         self.sinks, self.window = info.sinks, info.window  # the torch engine's sliding window
         self.kv_type, self.kv_bytes_per_token = info.kv_type, info.kv_bytes_per_token
+        self.weight_bytes_per_token = info.weight_bytes_per_token
         self.n_tokens = n_tokens
         self._run(prompts[0][::-1], WARMUP_TOKENS)  # a different prompt: nothing reused below
         self.samples: list[RunStats] = []
@@ -210,4 +213,5 @@ class BenchSession:
             by_drafter=_summed(s.by_drafter for s in spec),
             kv_type=self.kv_type,
             kv_bytes_per_token=self.kv_bytes_per_token,
+            weight_bytes_per_token=self.weight_bytes_per_token,
         )

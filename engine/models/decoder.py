@@ -334,6 +334,16 @@ class DecoderModel:
         # block): `record(x, cache)` after layer `layer - 1`, for one sequence's passes.
         self.exit_tap: ExitTap | None = None
 
+    def weight_bytes_per_token(self) -> int:
+        """Bytes of weights one decode step reads: every layer's linears and the output head
+        (an embedding look-up reads one row, left out). Plain decoding cannot run faster
+        than memory bandwidth divided by this."""
+        linears = [self.output]
+        for block in self.layers:
+            attention, feed_forward = block.attention, block.feed_forward
+            linears += [attention.wqkv, attention.wo, feed_forward.w_gate_up, feed_forward.w_down]
+        return sum(linear.nbytes for linear in linears)
+
     def make_caches(self, policy: CachePolicy) -> list[Cache]:
         """One cache per layer, on the layer's device, as the policy says."""
         return policy.make_caches(self.config, self.ropes, self.layer_devices)

@@ -53,6 +53,7 @@ class RuntimeInfo:
     kv_bytes_per_token: int | None = None  # its bytes a token, every layer
     model_name: str | None = None  # a server's name for its model (--backend openai)
     endpoint: str | None = None  # that server's base URL
+    weight_bytes_per_token: int | None = None  # the torch engine: weights a decode step reads
 
     @property
     def label(self) -> str:

@@ -103,6 +103,7 @@ class TorchRuntime(Runtime):
         footprint = estimate_footprint(gguf, n_ctx, self.kv_type)
         self.device_plan = plan_device(device, self.probe, footprint)
         self.model = self._load()
+        self._weight_bytes = self.model.weight_bytes_per_token()
         self.chat_template = gguf.metadata.get("tokenizer.chat_template")
         self.architecture = gguf.architecture
         self.tokenizer = Tokenizer(self.model_path)
@@ -342,7 +343,7 @@ class TorchRuntime(Runtime):
         per_token = bytes_per_token(self.kv_type, c.n_layers, c.n_kv_heads, c.head_dim)
         return RuntimeInfo(self.backend, self.model_path, self.device_plan, self.spec_mode.value,
                            policy.sinks, policy.window_size, self.kv_type.name,
-                           per_token)  # fmt: skip
+                           per_token, weight_bytes_per_token=self._weight_bytes)  # fmt: skip
 
     def reset(self) -> None:
         # Under the scheduler there is no one context to forget: pooled prefixes serve
