@@ -440,7 +440,7 @@ GGML_TARGET void row_q_0(const uint8_t* w, const QuantizedX& x, int64_t m0, floa
   const int64_t nb = x.k / kSmallBlock;
   constexpr int64_t kBytes = kType == kQ8_0 ? 34 : kType == kQ5_0 ? 22 : 18;
   constexpr int kOffsetCode = kType == kQ8_0 ? 128 : kType == kQ5_0 ? 16 : 8;
-  constexpr float kOffset = static_cast<float>(kOffsetCode);
+  [[maybe_unused]] constexpr float kOffset = static_cast<float>(kOffsetCode);
   __m256 acc[MT];
   float offsets[MT];
   for (int t = 0; t < MT; ++t) acc[t] = _mm256_setzero_ps(), offsets[t] = 0.0f;

@@ -67,6 +67,16 @@ def test_each_type_matches_its_float64_reference(library, qtype, m):
         assert_close(out, want)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q5_0, Q.Q8_0], ids=lambda q: q.name)
+def test_an_odd_number_of_blocks(library, qtype):
+    """The AVX-512 path takes two 32-weight blocks a step; a row of 3 ends on a lone one."""
+    raw = random_blocks(qtype, 20, 96)
+    x = torch.randn(3, 96)
+    want = expected([(raw, qtype)], x, 96)
+    for isa in paths(library):
+        assert_close(PackedGgml(library, [(raw, qtype)], 96, isa=isa)(x), want)
+
+
 @pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
 def test_a_row_is_the_same_bits_alone_and_in_a_batch_on_every_path(library, qtype):
     """Verification and batching need each row exactly as its own decode step gives it. The
