@@ -120,10 +120,10 @@ def copy_tokenizer(source: Path, writer: GGUFWriter) -> int:
     return vocab
 
 
-def write(shape_name: str, out: Path, tokenizer: Path, seed: int = 0) -> None:
-    shape = SHAPES[shape_name]
+def write(shape: Shape, out: Path, tokenizer: Path, seed: int = 0) -> None:
+    """A qwen2 file of `shape` at `out`, with the tokenizer of the GGUF `tokenizer`."""
     writer = GGUFWriter(str(out), "qwen2")
-    writer.add_name(f"synthetic {shape_name} Q4_K_M (random weights)")
+    writer.add_name("synthetic Q4_K_M (random weights)")
     writer.add_file_type(15)  # MOSTLY_Q4_K_M
     writer.add_quantization_version(2)
     writer.add_block_count(shape.layers)
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     if not source.exists():
         raise SystemExit(f"no tokenizer source {source}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    write(args.shape, args.out, source, args.seed)
+    write(SHAPES[args.shape], args.out, source, args.seed)
     print(f"wrote {args.out} ({args.out.stat().st_size / 1e9:.2f} GB)")
     return 0
 

@@ -507,9 +507,10 @@ class DecoderModel:
 
 def fused_layer(block: Block, rope: Rope) -> NativeDecodeLayer | None:
     """The native one-call step for a block, where its shape is one the call takes: on the
-    CPU with the native kernels, a fused Q|K|V and SiLU-gated feed-forward packed for our
-    kernel without biases, no Q/K norms and no post-norms (SmolLM2 and the other llama-shaped
-    models; Gemma 3 keeps the layer-by-layer path)."""
+    CPU with the native kernels, a fused Q|K|V and SiLU-gated feed-forward run by our kernels
+    (biases only where the GGML kernel adds them inside), no Q/K norms and no post-norms
+    (SmolLM2, Qwen2 and the other llama-shaped models; Gemma 3 keeps the layer-by-layer
+    path)."""
     attention, feed_forward = block.attention, block.feed_forward
     library = cpu_int4_kernel().library
     linears = (attention.wqkv, attention.wo, feed_forward.w_gate_up, feed_forward.w_down)
