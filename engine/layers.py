@@ -316,7 +316,7 @@ def _ggml_linear(
 ) -> GgmlLinear | None:
     """The weights as they are in the file, for the native GGML kernel: where it runs (the
     CPU with the native library) and takes every part's type; None elsewhere."""
-    library = cpu_int4_kernel().library if target.on_cpu else None
+    library = cpu_int4_kernel().library if target.on_cpu and not target.dense else None
     direct = ggml_direct_types()
     if library is None or not all(t in direct and native_ggml.takes(t, n_cols) for _, t in parts):
         return None
@@ -341,7 +341,7 @@ def _native_q4(
     """Q4_0 or Q4_1 weights packed for the native int4 kernel in one native pass over the
     file's rows (the same bytes as decoding and packing them in torch, in a fraction of the
     time); None where that does not apply."""
-    library = cpu_int4_kernel().library if target.on_cpu else None
+    library = cpu_int4_kernel().library if target.on_cpu and not target.dense else None
     types = {int(t) for _, t in parts}
     if library is None or len(types) != 1 or not types <= set(native_int4.Q4_BLOCK_BYTES):
         return None

