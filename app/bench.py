@@ -154,8 +154,11 @@ def run_models_bench(args: argparse.Namespace) -> int:
     """`bench --models`: the side-by-side table for several models in one run (plain
     decoding), each beside its bandwidth floor: the weights a decode step reads divided by
     the read bandwidth measured here first."""
-    names = installed_models() if args.models == "installed" else args.models.split(",")
-    models = [resolve_model(name.strip()) for name in names if name.strip()]
+    names = [name.strip() for name in args.models.split(",") if name.strip()]
+    names = [
+        each for name in names for each in (installed_models() if name == "installed" else [name])
+    ]
+    models = [resolve_model(name) for name in names]
     for model in models:
         check_supported(GGUFFile(model))
     # In its own process: a gigabyte touched here would count in every worker's peak RSS

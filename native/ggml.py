@@ -18,7 +18,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .int4 import EPILOGUE_SILU_MUL, EPILOGUE_STORE, ISA_AVX2, ISA_AVX512, Library, _Weight
+from .int4 import (
+    EPILOGUE_SILU_MUL,
+    EPILOGUE_STORE,
+    ISA_AVX2,
+    ISA_AVX512,
+    BoundGemm,
+    Library,
+    _Weight,
+)
 
 MAX_PARTS = 4
 # GGML type ids (gguf's GGMLQuantizationType) the kernel reads, and their blocks:
@@ -35,7 +43,6 @@ BLOCKS = {
 }
 SUPER_BLOCK_TYPES = frozenset({12, 13, 14})
 ISA_AUTO = 0  # the best path this CPU has; ISA_AVX2 / ISA_AVX512 force one (tests)
-_X_TYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 class _Part(ctypes.Structure):
@@ -80,7 +87,7 @@ class GgmlShape:
         return self.rows // 2 if self.gated else self.rows
 
 
-class PackedGgml:
+class PackedGgml(BoundGemm):
     """Raw GGML rows bound for the kernel; `forward(x)` gives fp32 [M, outputs] for x [M, k].
 
     `parts`: (uint8 [rows, row_bytes], GGML type id) each, sharing k input columns. The
@@ -95,6 +102,7 @@ class PackedGgml:
         gated: bool = False,
         isa: int = ISA_AUTO,
     ):
+        self._kernel = "GGML kernel"
         if not 1 <= len(parts) <= MAX_PARTS:
             raise ValueError(f"a GGML weight stacks 1 to {MAX_PARTS} tensors, not {len(parts)}")
         if gated and (len(parts) != 2 or parts[0][0].shape[0] != parts[1][0].shape[0]):
@@ -142,30 +150,6 @@ class PackedGgml:
     def nbytes(self) -> int:
         """Bytes of weights a call reads."""
         return sum(raw.numel() for raw, _ in self.parts)
-
-    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """`out`: an fp32 [M, outputs] contiguous tensor to write into (tests poison it)."""
-        m, k = x.shape
-        if k != self._k:
-            raise ValueError(f"x has {k} columns, the weight {self._k}")
-        x_type = _X_TYPES.get(x.dtype)
-        if x_type is None or x.stride(-1) != 1:
-            x, x_type = x.float().contiguous(), 0
-        if out is None:
-            y = torch.empty((m, self._outputs), dtype=torch.float32)
-        elif out.shape == (m, self._outputs) and out.dtype == torch.float32 and out.is_contiguous():
-            y = out
-        else:
-            raise ValueError(f"out must be fp32 [{m}, {self._outputs}] and contiguous")
-        status = self._gemm(
-            self._address, x.data_ptr(), x.stride(0), x_type, m, y.data_ptr(),
-            torch.get_num_threads(),
-        )  # fmt: skip
-        if status:
-            raise ValueError(f"the GGML kernel refused x {tuple(x.shape)} for {self.shape}")
-        return y
-
-    __call__ = forward
 
     def with_isa(self, isa: int) -> PackedGgml:
         """The same weight run on another path (tests compare paths on one machine)."""

@@ -11,7 +11,8 @@
 // How: as llama.cpp's CPU dot products do, x is quantized to int8 per row (per block of 32
 // with an fp32 step for the 32-weight types, per super-block of 256 with sums of each 16
 // codes for the K types), and each block's dot product is exact integer arithmetic
-// (`vpmaddubsw` then `vpmaddwd`: unsigned weight codes times signed x codes). The K types
+// (unsigned weight codes times signed x codes: `vpdpbusd` with AVX-512 VNNI, `vpmaddubsw`
+// then `vpmaddwd` on AVX2; the two paths are this file's kernels compiled twice). The K types
 // fold their 6- or 8-bit sub-block scales in as integers too, so a super-block costs one
 // float multiply-add per row of x. The offsets (Q4_1 and Q5_1's minimum, the K types' mins,
 // Q6_K's -32) are applied through the sums of x's codes.
@@ -28,7 +29,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-
 
 namespace {
 
@@ -262,17 +262,24 @@ void run_outputs(const Kernels& kernels, const GgmlWeight& w, const QuantizedX& 
   }
 }
 
+// Read once: every call checks them.
 bool cpu_has_avx2() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("f16c");
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+  }();
+  return has;
 }
 
 bool cpu_has_avx512() {
-  __builtin_cpu_init();
-  return cpu_has_avx2() && __builtin_cpu_supports("avx512f") &&
-         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-         __builtin_cpu_supports("avx512vnni");
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return cpu_has_avx2() && __builtin_cpu_supports("avx512f") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512vnni");
+  }();
+  return has;
 }
 
 }  // namespace
@@ -316,7 +323,8 @@ int miniapp_ggml_cpu_has(int isa) {
 // Returns 0, or -1 for arguments it does not take (nothing is written then).
 int miniapp_ggml_gemm(const GgmlWeight* w, const void* x, int64_t ldx, int x_type, int64_t m,
                       float* y, int threads) {
-  if (!cpu_has_avx2() || m < 0 || (w->isa == kIsaAvx512 && !cpu_has_avx512()) || (x_type != 0 && x_type != 1)) return -1;
+  if (!cpu_has_avx2() || m < 0 || (x_type != 0 && x_type != 1)) return -1;
+  if (w->isa == kIsaAvx512 && !cpu_has_avx512()) return -1;
   if (w->n_parts < 1 || w->n_parts > kMaxParts || w->k <= 0) return -1;
   if (w->epilogue != kStore && w->epilogue != kSiluMul) return -1;
   bool small = false, super = false;
@@ -383,7 +391,8 @@ GGML_TARGET inline __m256i load32(const void* p) {
   return _mm256_loadu_si256(static_cast<const __m256i*>(p));
 }
 
-// Unsigned codes (< 128) times signed x codes, summed in 8 lanes of 4 products each.
+// Unsigned codes times signed x codes, summed in 8 lanes of 4 products each (codes below
+// 128 on AVX2, whose vpmaddubsw saturates a pair at 2^15; any byte with VNNI).
 GGML_TARGET inline __m256i dot_unsigned(__m256i codes, __m256i x) {
 #if GGML_VNNI
   return _mm256_dpbusd_epi32(_mm256_setzero_si256(), codes, x);

@@ -254,21 +254,16 @@ class _Weight(ctypes.Structure):
     ]
 
 
-class PackedInt4:
-    """A weight in the kernel's layout; `forward(x)` gives fp32 [M, outputs] for x [M, k]."""
+class BoundGemm:
+    """A weight bound for one of the library's GEMMs (`_gemm`, called with the weight's
+    structure at `_address`); `forward(x)` gives fp32 [M, outputs] for x [M, k]."""
 
-    def __init__(self, library: Library, data: torch.Tensor, shape: PackedShape, isa=None):
-        self.library, self.data, self.shape = library, data, shape
-        self.isa = library.isa if isa is None else isa
-        epilogue = EPILOGUE_SILU_MUL if shape.gated else EPILOGUE_STORE
-        self._weight = _Weight(
-            data.data_ptr(), shape.blocks, shape.k, shape.group, shape.outputs, epilogue, self.isa
-        )
-        # What a call needs besides x, bound once: ctypes converts each argument on every
-        # call (~0.1 us each), so the weight goes as one address.
-        self._gemm = library.gemm
-        self._address = ctypes.addressof(self._weight)
-        self._k, self._outputs = shape.k, shape.outputs
+    _kernel = "native int4 kernel"  # named when it refuses a call
+    shape: object
+    _gemm: object
+    _address: int
+    _k: int
+    _outputs: int
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """`out`: an fp32 [M, outputs] contiguous tensor to write into (tests poison it)."""
@@ -294,10 +289,27 @@ class PackedInt4:
             torch.get_num_threads(),
         )
         if status:
-            raise ValueError(f"native int4 kernel refused x {tuple(x.shape)} for {self.shape}")
+            raise ValueError(f"the {self._kernel} refused x {tuple(x.shape)} for {self.shape}")
         return y
 
     __call__ = forward
+
+
+class PackedInt4(BoundGemm):
+    """A weight in the kernel's layout; `forward(x)` gives fp32 [M, outputs] for x [M, k]."""
+
+    def __init__(self, library: Library, data: torch.Tensor, shape: PackedShape, isa=None):
+        self.library, self.data, self.shape = library, data, shape
+        self.isa = library.isa if isa is None else isa
+        epilogue = EPILOGUE_SILU_MUL if shape.gated else EPILOGUE_STORE
+        self._weight = _Weight(
+            data.data_ptr(), shape.blocks, shape.k, shape.group, shape.outputs, epilogue, self.isa
+        )
+        # What a call needs besides x, bound once: ctypes converts each argument on every
+        # call (~0.1 us each), so the weight goes as one address.
+        self._gemm = library.gemm
+        self._address = ctypes.addressof(self._weight)
+        self._k, self._outputs = shape.k, shape.outputs
 
     def with_isa(self, isa: int) -> PackedInt4:
         """The same weight run on another path (tests compare paths on one machine)."""
