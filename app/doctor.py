@@ -15,7 +15,7 @@ from miniapp.engine.devices import (
     plan_device,
 )
 from miniapp.engine.gguf_file import GGUFFile
-from miniapp.engine.kernels import cpu_attention_kernel, cpu_int4_kernel
+from miniapp.engine.kernels import cpu_attention_kernel, cpu_int4_kernel, describe_ggml_kernel
 from miniapp.engine.kv_types import KV_SETTING_NAMES, kv_type
 from miniapp.engine.model_store import resolve_model
 
@@ -46,6 +46,7 @@ def run_doctor(args: argparse.Namespace) -> int:
             **{g.label: asdict(probe.check_int4(g)) for g in gpus},
         },
         "cpu_int4_kernel": int4_kernel.describe(),
+        "cpu_ggml_kernel": describe_ggml_kernel(),
         "cpu_attention": "native (AVX2)" if attention else "torch (scaled_dot_product_attention)",
         "model": str(model),
         "footprint": asdict(footprint),
@@ -136,6 +137,7 @@ def _print_report(report: dict) -> None:
         state = "OK" if check["ok"] else "unavailable"
         print(f"int4 kernel on {where}: {state} ({check['reason']})")
     print(f"int4 matmul on the CPU: {report['cpu_int4_kernel']}")
+    print(f"GGML block matmul on the CPU: {report['cpu_ggml_kernel']}")
     print(f"decode attention on the CPU: {report['cpu_attention']}")
     plan, footprint, kv = report["plan"], report["footprint"], report["kv_cache"]
     print(

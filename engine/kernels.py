@@ -16,8 +16,9 @@ import os
 from dataclasses import dataclass
 
 import torch
+from gguf.constants import GGMLQuantizationType
 
-from ..native import int4
+from ..native import ggml, int4
 from ..native.attention import NativeAttention, NativeKVCodec
 from ..native.row_ops import NativeRowOps
 from .cpu_features import cpu_features
@@ -96,6 +97,20 @@ def ggml_direct_types() -> frozenset[int]:
     if setting in _OFF:
         return frozenset()
     return _GGML_ALL if setting == "all" else _GGML_DEFAULT
+
+
+def describe_ggml_kernel() -> str:
+    """One line for `miniapp doctor`: which weights stay in the file's blocks, and the path
+    the GGML kernel takes on this CPU."""
+    library = cpu_int4_kernel().library
+    if library is None:
+        return "off (no native library: every weight goes to the int4 layout)"
+    types = ggml_direct_types()
+    if not types:
+        return f"off ({GGML_ENV}=0: every weight goes to the int4 layout)"
+    wide = library.isa != int4.ISA_AVX2 and ggml.cpu_has(library, ggml.ISA_AVX512)
+    names = ", ".join(GGMLQuantizationType(t).name for t in sorted(types))
+    return f"native {'avx512-vnni' if wide else 'avx2'}: {names} read in place from the file"
 
 
 FUSED_ENV = "MINIAPP_FUSED_LAYERS"  # "0": decode steps call the layer's kernels one by one
