@@ -19,7 +19,7 @@ from miniapp.assets import chat_prompts, sample_texts
 from miniapp.engine.chat_template import ChatTemplate, Message
 from miniapp.engine.errors import MiniappError
 from miniapp.engine.gguf_file import GGUFFile
-from miniapp.engine.model_store import BUNDLED, models_dir, resolve_model
+from miniapp.engine.model_store import installed_models, resolve_model
 from miniapp.engine.models import check_supported
 from miniapp.engine.runtimes import REMOTE_BACKEND
 from miniapp.engine.tokenizer import Tokenizer
@@ -156,7 +156,9 @@ def run_models_bench(args: argparse.Namespace) -> int:
     the read bandwidth measured here first."""
     names = [name.strip() for name in args.models.split(",") if name.strip()]
     names = [
-        each for name in names for each in (installed_models() if name == "installed" else [name])
+        each
+        for name in names
+        for each in ([str(p) for _, p in installed_models()] if name == "installed" else [name])
     ]
     models = [resolve_model(name) for name in names]
     for model in models:
@@ -209,16 +211,6 @@ def run_models_bench(args: argparse.Namespace) -> int:
 
 def _pair(ours: float, theirs: float, fmt: str = "{:.1f}") -> str:
     return f"{fmt.format(ours)}/{fmt.format(theirs)} ({ours / max(theirs, 1e-9):.2f})"
-
-
-def installed_models() -> list[str]:
-    """Every bundled language model that is installed, then any other GGUF in the folder."""
-    folder = models_dir()
-    names = [name for name, m in BUNDLED.items() if (folder / m.filename).exists()]
-    bundled_files = {m.filename for m in BUNDLED.values()}
-    others = sorted(folder.glob("*.gguf")) if folder.is_dir() else []
-    return names + [str(p) for p in others
-                    if p.name not in bundled_files and "mmproj" not in p.name.lower()]  # fmt: skip
 
 
 def step_file_bytes(gguf: GGUFFile) -> int:

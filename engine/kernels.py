@@ -87,12 +87,13 @@ GGML_ENV = "MINIAPP_GGML_DIRECT"  # "0": every weight goes to the int4 layout; "
 # native/ggml_dot.cpp): the int4 layout holds them wider (Q6_K at 10 bits a weight instead of
 # 6.56, Q5_0 and Q8_0 at 9) or converts them at load. Q4_0 and Q4_1 are 4.5 and 5 bits either
 # way, and the int4 kernel computes them faster, so they keep it.
-_GGML_DEFAULT = frozenset({6, 7, 8, 12, 13, 14})  # Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K
-_GGML_ALL = _GGML_DEFAULT | {2, 3}  # and Q4_0 Q4_1
+_Q = GGMLQuantizationType
+_GGML_DEFAULT = frozenset({_Q.Q5_0, _Q.Q5_1, _Q.Q8_0, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K})
+_GGML_ALL = _GGML_DEFAULT | {_Q.Q4_0, _Q.Q4_1}
 
 
-def ggml_direct_types() -> frozenset[int]:
-    """The GGML type ids that weights keep in their file blocks on the CPU (read at load)."""
+def ggml_direct_types() -> frozenset[GGMLQuantizationType]:
+    """The GGML types that weights keep in their file blocks on the CPU (read at load)."""
     setting = os.environ.get(GGML_ENV, "").strip().lower()
     if setting in _OFF:
         return frozenset()
@@ -109,7 +110,7 @@ def describe_ggml_kernel() -> str:
     if not types:
         return f"off ({GGML_ENV}=0: every weight goes to the int4 layout)"
     wide = library.isa != int4.ISA_AVX2 and ggml.cpu_has(library, ggml.ISA_AVX512)
-    names = ", ".join(GGMLQuantizationType(t).name for t in sorted(types))
+    names = ", ".join(t.name for t in sorted(types))
     return f"native {'avx512-vnni' if wide else 'avx2'}: {names} read in place from the file"
 
 

@@ -307,6 +307,11 @@ def linear_from_raw(
     return _ConcatLinear([linear_from_raw([p], n_cols, target=target) for p in parts], bias)
 
 
+def _native_library(target: WeightTarget) -> native_int4.Library | None:
+    """The native library, where weights for `target` may use it: the CPU, not dense."""
+    return cpu_int4_kernel().library if target.on_cpu and not target.dense else None
+
+
 def _ggml_linear(
     parts: list[RawWeight],
     n_cols: int,
@@ -316,7 +321,7 @@ def _ggml_linear(
 ) -> GgmlLinear | None:
     """The weights as they are in the file, for the native GGML kernel: where it runs (the
     CPU with the native library) and takes every part's type; None elsewhere."""
-    library = cpu_int4_kernel().library if target.on_cpu and not target.dense else None
+    library = _native_library(target)
     direct = ggml_direct_types()
     if library is None or not all(t in direct and native_ggml.takes(t, n_cols) for _, t in parts):
         return None
@@ -341,7 +346,7 @@ def _native_q4(
     """Q4_0 or Q4_1 weights packed for the native int4 kernel in one native pass over the
     file's rows (the same bytes as decoding and packing them in torch, in a fraction of the
     time); None where that does not apply."""
-    library = cpu_int4_kernel().library if target.on_cpu and not target.dense else None
+    library = _native_library(target)
     types = {int(t) for _, t in parts}
     if library is None or len(types) != 1 or not types <= set(native_int4.Q4_BLOCK_BYTES):
         return None

@@ -218,6 +218,15 @@ def models_dir() -> Path:
     return Path(override) if override else platformdirs.user_data_path("miniapp") / "models"
 
 
+def installed_models() -> list[tuple[str, Path]]:
+    """(name, path) of each GGUF model in the models folder, in file-name order: bundled ones
+    under their names; projectors (mmproj) are not models of their own."""
+    folder = models_dir()
+    bundled = {model.filename: name for name, model in BUNDLED.items()}
+    paths = sorted(folder.glob("*.gguf")) if folder.is_dir() else []
+    return [(bundled.get(p.name, p.name), p) for p in paths if "mmproj" not in p.name.lower()]
+
+
 def bundled_path(name: str) -> Path:
     return models_dir() / BUNDLED[name].filename
 

@@ -30,6 +30,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+void* miniapp_scratch_bytes(size_t size);  // int4_gemm.cpp: the calling thread's buffer
+
 namespace {
 
 // GGML type ids (gguf's GGMLQuantizationType).
@@ -82,22 +84,6 @@ struct QuantizedX {
   const int16_t* sum16;  // [m, k / 16]: sums of each 16 codes of q256
   const int16_t* sum32;  // [m, k / 32]: sums of each 32 codes of q256
 };
-
-struct Scratch {
-  void* ptr;
-  size_t size;
-};
-thread_local Scratch scratch = {nullptr, 0};
-
-void* scratch_bytes(size_t size) {
-  if (size > scratch.size) {
-    free(scratch.ptr);
-    size_t rounded = (size + 63) / 64 * 64;
-    scratch.ptr = aligned_alloc(64, rounded);
-    scratch.size = scratch.ptr ? rounded : 0;
-  }
-  return scratch.ptr;
-}
 
 float bf16_to_float(uint16_t value) {
   uint32_t bits = static_cast<uint32_t>(value) << 16;
@@ -184,7 +170,7 @@ bool quantize_x(const void* x, int64_t ldx, int x_type, int64_t m, int64_t k, bo
   const size_t widened_floats = x_type != 0 ? codes : 0;  // bf16 x as fp32
   const size_t bytes =
       2 * codes + 4 * (2 * blocks32 + blocks256 + widened_floats) + 2 * (sums16 + sums32) + 256;
-  uint8_t* base = static_cast<uint8_t*>(scratch_bytes(bytes));
+  uint8_t* base = static_cast<uint8_t*>(miniapp_scratch_bytes(bytes));
   if (!base) return false;
   int8_t* q32 = reinterpret_cast<int8_t*>(base);
   int8_t* q256 = q32 + codes;

@@ -86,10 +86,13 @@ struct Scratch {
   void* ptr;
   size_t size;
 };
-// One buffer per calling thread, grown as needed and kept (a few hundred KB at most).
+// One buffer per calling thread, grown as needed and kept (a few hundred KB at most). The
+// GGML kernels (ggml_dot.cpp) take theirs here too: a call holds it only while it runs.
 thread_local Scratch scratch = {nullptr, 0};
 
-void* scratch_bytes(size_t size) {
+}  // namespace
+
+void* miniapp_scratch_bytes(size_t size) {
   if (size > scratch.size) {
     free(scratch.ptr);
     size_t rounded = (size + 63) / 64 * 64;
@@ -98,6 +101,10 @@ void* scratch_bytes(size_t size) {
   }
   return scratch.ptr;
 }
+
+namespace {
+
+void* scratch_bytes(size_t size) { return miniapp_scratch_bytes(size); }
 
 // fp32 -> bf16, round to nearest even, as torch converts (NaN stays a quiet NaN).
 constexpr uint32_t kBf16QuietNan = 0x7fc0;

@@ -13,14 +13,14 @@ from pathlib import Path
 
 from miniapp.engine.errors import MiniappError
 from miniapp.engine.gguf_file import read_scalar
-from miniapp.engine.model_store import BUNDLED, models_dir
+from miniapp.engine.model_store import installed_models
 
 
 def model_listing(served) -> list[dict]:
     runtime = served.host.runtime
     loaded = Path(runtime.model_path).resolve() if runtime is not None else None
     listed = [_entry(served.model_id, runtime.n_ctx if runtime else None, True, loaded)]
-    for name, path in _gguf_files():
+    for name, path in installed_models():
         if path.resolve() != loaded:
             listed.append(_entry(name, _trained_context(path), False, path))
     return listed
@@ -28,17 +28,8 @@ def model_listing(served) -> list[dict]:
 
 def warm_listing() -> None:
     """Read every listed file's context length now, in a background thread."""
-    threading.Thread(target=lambda: [_trained_context(p) for _, p in _gguf_files()],
+    threading.Thread(target=lambda: [_trained_context(p) for _, p in installed_models()],
                      name="models-listing", daemon=True).start()  # fmt: skip
-
-
-def _gguf_files() -> list[tuple[str, Path]]:
-    """(name, path) of each GGUF in the models folder, bundled ones under their names;
-    projectors (mmproj) are not models of their own."""
-    folder = models_dir()
-    bundled = {model.filename: name for name, model in BUNDLED.items()}
-    paths = sorted(folder.glob("*.gguf")) if folder.is_dir() else []
-    return [(bundled.get(p.name, p.name), p) for p in paths if "mmproj" not in p.name.lower()]
 
 
 def _entry(name: str, context: int | None, loaded: bool, path: Path | None) -> dict:
