@@ -19,7 +19,7 @@ from gguf.constants import GGMLQuantizationType
 
 from ..native import ggml as native_ggml
 from ..native import int4 as native_int4
-from .kernels import cpu_int4_kernel, cpu_row_ops, ggml_direct_types
+from .kernels import cpu_int4_kernel, cpu_row_ops, ggml_direct_types, ggml_interleave_enabled
 from .quant import (
     FLOAT_TYPES,
     PLAIN,
@@ -333,7 +333,11 @@ def _ggml_linear(
         return None
     # The int4 kernel's path says what this CPU (or a simulated one) runs: AVX2 there too.
     isa = native_ggml.ISA_AVX2 if library.isa == native_int4.ISA_AVX2 else native_ggml.ISA_AUTO
-    return GgmlLinear(native_ggml.PackedGgml(library, parts, n_cols, bias, gated, isa))
+    return GgmlLinear(
+        native_ggml.PackedGgml(
+            library, parts, n_cols, bias, gated, isa, interleave=ggml_interleave_enabled()
+        )
+    )
 
 
 def _native_q4(

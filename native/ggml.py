@@ -40,8 +40,13 @@ BLOCKS = {
     12: (256, 144),  # Q4_K
     13: (256, 176),  # Q5_K
     14: (256, 210),  # Q6_K
+    112: (256, 144),  # ours: Q4_K with each 8 rows interleaved (the same bytes)
+    114: (256, 210),  # ours: Q6_K, the same
 }
-SUPER_BLOCK_TYPES = frozenset({12, 13, 14})
+# Types whose rows the kernel reads faster interleaved 8 at a time, and the result's type.
+INTERLEAVED = {12: 112, 14: 114}
+GROUP_ROWS = 8
+SUPER_BLOCK_TYPES = frozenset({12, 13, 14, 112, 114})
 ISA_AUTO = 0  # the best path this CPU has; ISA_AVX2 / ISA_AVX512 force one (tests)
 
 
@@ -101,6 +106,7 @@ class PackedGgml(BoundGemm):
         bias: torch.Tensor | None = None,
         gated: bool = False,
         isa: int = ISA_AUTO,
+        interleave: bool = False,
     ):
         self._kernel = "GGML kernel"
         if not 1 <= len(parts) <= MAX_PARTS:
@@ -121,6 +127,8 @@ class PackedGgml(BoundGemm):
             if raw.stride(1) != 1 or raw.stride(0) != raw.shape[1]:
                 raise ValueError("GGML rows must be contiguous")
             rows += raw.shape[0]
+        if interleave:
+            parts = _interleaved(library, parts, k)
         if bias is not None:
             bias = bias.float().contiguous()
             if bias.shape != (rows,):
@@ -154,6 +162,34 @@ class PackedGgml(BoundGemm):
     def with_isa(self, isa: int) -> PackedGgml:
         """The same weight run on another path (tests compare paths on one machine)."""
         return PackedGgml(self.library, self.parts, self.shape.k, self.bias, self.shape.gated, isa)
+
+    @property
+    def interleaved(self) -> bool:
+        """Whether any part is held interleaved (see INTERLEAVED)."""
+        return any(t in INTERLEAVED.values() for t in self.shape.types)
+
+
+def _interleaved(
+    library: Library, parts: list[tuple[torch.Tensor, int]], k: int
+) -> list[tuple[torch.Tensor, int]]:
+    """The parts with each type that has an interleaved layout rewritten in it (a copy in
+    memory, the same size), where its rows come in whole groups from a group boundary."""
+    out, start = [], 0
+    for raw, ggml_type in parts:
+        rows = raw.shape[0]
+        target = INTERLEAVED.get(int(ggml_type))
+        if target is not None and rows % GROUP_ROWS == 0 and start % GROUP_ROWS == 0:
+            dst = torch.empty_like(raw)
+            got = library.cdll.miniapp_ggml_interleave(
+                int(ggml_type), ctypes.c_void_p(raw.data_ptr()), ctypes.c_int64(rows),
+                ctypes.c_int64(k), ctypes.c_void_p(dst.data_ptr()), torch.get_num_threads(),
+            )  # fmt: skip
+            if got != target:
+                raise RuntimeError(f"the native library did not interleave type {ggml_type}")
+            raw, ggml_type = dst, target
+        out.append((raw, ggml_type))
+        start += rows
+    return out
 
 
 def cpu_has(library: Library, isa: int) -> bool:

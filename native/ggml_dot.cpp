@@ -37,7 +37,12 @@ namespace {
 // GGML type ids (gguf's GGMLQuantizationType).
 enum GgmlType {
   kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
+  // Ours, not the file's: Q4_K with each 8 rows interleaved (`interleave_q4_k`), same bytes.
+  kQ4_Kx8 = 112, kQ6_Kx8 = 114,  // and Q6_K (`interleave_q6_k`)
 };
+constexpr int64_t kGroupRows = 8;  // rows of an interleaved group
+constexpr int64_t kGroupBlockBytes = kGroupRows * 144;  // a Q4_K super-block of the 8 rows
+constexpr int64_t kGroupBlockBytes6 = kGroupRows * 210;  // the same for Q6_K
 constexpr int kMaxParts = 4;
 constexpr int kMaxTile = 8;  // the most rows of x a kernel takes at once
 enum Isa { kIsaAuto = 0, kIsaAvx2 = 1, kIsaAvx512 = 2 };
@@ -71,6 +76,8 @@ struct GgmlWeight {
 namespace {
 
 typedef void (*RowFn)(const uint8_t*, const struct QuantizedX&, int64_t, float*);
+// The same for an interleaved group of 8 rows: out[t * 8 + r].
+typedef void (*GroupFn)(const uint8_t*, const struct QuantizedX&, int64_t, float*);
 
 // ------------------------------------------------------------------ x, quantized per row
 
@@ -215,7 +222,11 @@ inline void k_scales(const uint8_t* p, uint64_t* scales, uint64_t* mins) {
   *mins = (b & six) | (static_cast<uint64_t>(mins_hi) << 32);
 }
 
-bool super_type(int type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K; }
+bool super_type(int type) {
+  return type == kQ4_K || type == kQ5_K || type == kQ6_K || type == kQ4_Kx8 || type == kQ6_Kx8;
+}
+
+bool interleaved(int type) { return type == kQ4_Kx8 || type == kQ6_Kx8; }
 
 int64_t block_bytes(int type) {
   switch (type) {
@@ -225,6 +236,8 @@ int64_t block_bytes(int type) {
     case kQ5_1: return 24;
     case kQ8_0: return 34;
     case kQ4_K: return 144;
+    case kQ4_Kx8: return 144;  // per row, as in the file
+    case kQ6_Kx8: return 210;
     case kQ5_K: return 176;
     case kQ6_K: return 210;
     default: return 0;
@@ -235,6 +248,8 @@ int64_t block_bytes(int type) {
 struct Kernels {
   int tile;
   RowFn (*select)(int type, int rows);
+  int group_tile;  // rows of x per call of a group kernel
+  GroupFn (*group)(int type, int rows);
 };
 
 // Row `row` of a part times rows m0..m0+rows-1 of x, into tile[0..rows-1].
@@ -254,32 +269,102 @@ inline const GgmlPart& part_of(const GgmlWeight& w, int64_t& i) {
 
 // Outputs first..last-1 of y [m, ldy]. Weight rows go kRowGroup at a time: each tile of x
 // runs over the group while its rows are in cache (long prompts re-read x from cache, not
-// the weights from memory).
+// the weights from memory). An interleaved part goes 8 rows per call; `first` and `last`
+// then fall on its group boundaries (the caller splits work in multiples of 8).
 void run_outputs(const Kernels& kernels, const GgmlWeight& w, const QuantizedX& x, float* y,
                  int64_t ldy, int64_t first, int64_t last) {
   constexpr int64_t kRowGroup = 32;
   const bool gated = w.epilogue == kSiluMul;
-  const int64_t width = kernels.tile;
-  float tile[kMaxTile], up[kMaxTile];
+  float tile[kMaxTile * kGroupRows], up[kMaxTile * kGroupRows];
   for (int64_t i0 = first; i0 < last; i0 += kRowGroup) {
     const int64_t i1 = i0 + kRowGroup < last ? i0 + kRowGroup : last;
+    // Tiles of x as wide as the kernels of the group's first part take; a row group holds
+    // one part when that part is interleaved (parts and groups both start at multiples of 8).
+    int64_t first_local = i0;
+    const GgmlPart& first_part = gated ? w.parts[0] : part_of(w, first_local);
+    const int64_t width = interleaved(first_part.type) ? kernels.group_tile : kernels.tile;
     for (int64_t m0 = 0; m0 < x.m; m0 += width) {
       const int rows = static_cast<int>(x.m - m0 < width ? x.m - m0 : width);
-      for (int64_t i = i0; i < i1; ++i) {
+      for (int64_t i = i0; i < i1;) {
         int64_t local = i;
         const GgmlPart& part = gated ? w.parts[0] : part_of(w, local);
-        weight_tile(kernels, part, local, x, m0, rows, tile);
-        if (w.bias) {
-          for (int t = 0; t < rows; ++t) tile[t] += w.bias[i];
-        }
-        if (gated) {
-          weight_tile(kernels, w.parts[1], i, x, m0, rows, up);
-          for (int t = 0; t < rows; ++t) {
-            const float u = w.bias ? up[t] + w.bias[w.parts[0].rows + i] : up[t];
-            tile[t] = silu(tile[t]) * u;
+        const bool group = interleaved(part.type);
+        const int64_t count = group ? kGroupRows : 1;  // weight rows per call
+        const int call_rows = static_cast<int>(
+            group ? (rows < kernels.group_tile ? rows : kernels.group_tile)
+                  : (rows < kernels.tile ? rows : kernels.tile));
+        for (int64_t t0 = 0; t0 < rows; t0 += call_rows) {
+          const int n_rows = static_cast<int>(rows - t0 < call_rows ? rows - t0 : call_rows);
+          const auto call = [&](const GgmlPart& p, float* out) {
+            if (group) {
+              kernels.group(p.type, n_rows)(p.data + local * p.row_bytes, x, m0 + t0, out);
+            } else {
+              weight_tile(kernels, p, local, x, m0 + t0, n_rows, out);
+            }
+          };
+          call(part, tile);
+          if (gated) call(w.parts[1], up);
+          for (int t = 0; t < n_rows; ++t) {
+            for (int64_t r = 0; r < count; ++r) {
+              float value = tile[t * count + r];
+              if (w.bias) value += w.bias[i + r];
+              if (gated) {
+                float u = up[t * count + r];
+                if (w.bias) u += w.bias[w.parts[0].rows + i + r];
+                value = silu(value) * u;
+              }
+              y[(m0 + t0 + t) * ldy + i + r] = value;
+            }
           }
         }
-        for (int t = 0; t < rows; ++t) y[(m0 + t) * ldy + i] = tile[t];
+        i += count;
+      }
+    }
+  }
+}
+
+// Super-block b of 8 Q4_K rows (`block` is row 0's, the next row_bytes on) as one block of
+// 1152 bytes: the rows' d (f16 [8]) and dmin (f16 [8]); their scales and minimums (6 bits,
+// 128 values v = 8 j + r of sub-block j and row r): 32 bytes of the scales' low 4 bits
+// (value v in byte v % 32, nibble v / 32), the same for the minimums, and 32 bytes of the
+// high 2 bits (byte p: scale p, scale p + 32, minimum p, minimum p + 32); then the codes, each
+// 4 bytes of a row's 128 with the 8 rows' side by side.
+void interleave_q4_k(const uint8_t* block, int64_t row_bytes, uint8_t* out) {
+  uint8_t scales[64], mins[64];
+  for (int64_t r = 0; r < kGroupRows; ++r) {
+    const uint8_t* row = block + r * row_bytes;
+    memcpy(out + 2 * r, row, 2);
+    memcpy(out + 16 + 2 * r, row + 2, 2);
+    uint64_t packed_scales, packed_mins;
+    k_scales(row + 4, &packed_scales, &packed_mins);
+    for (int j = 0; j < 8; ++j) {
+      scales[8 * j + r] = static_cast<uint8_t>(packed_scales >> (8 * j));
+      mins[8 * j + r] = static_cast<uint8_t>(packed_mins >> (8 * j));
+    }
+    for (int q = 0; q < 32; ++q) memcpy(out + 128 + 32 * q + 4 * r, row + 16 + 4 * q, 4);
+  }
+  for (int p = 0; p < 32; ++p) {
+    out[32 + p] = static_cast<uint8_t>((scales[p] & 15) | (scales[p + 32] & 15) << 4);
+    out[64 + p] = static_cast<uint8_t>((mins[p] & 15) | (mins[p + 32] & 15) << 4);
+    out[96 + p] = static_cast<uint8_t>(scales[p] >> 4 | (scales[p + 32] >> 4) << 2 |
+                                       (mins[p] >> 4) << 4 | (mins[p + 32] >> 4) << 6);
+  }
+}
+
+// The same for Q6_K, 1680 bytes: d (f16 [8]), the scales (int8 [16 sub-blocks][8 rows]),
+// then per half h and step s (0-7) 96 bytes: the 8 rows' 4 bytes of ql at 64 h + 4 s, of ql
+// at 64 h + 32 + 4 s, and of qh at 32 h + 4 s (the codes of weights 128 h + 4 s + 32 i).
+void interleave_q6_k(const uint8_t* block, int64_t row_bytes, uint8_t* out) {
+  for (int64_t r = 0; r < kGroupRows; ++r) {
+    const uint8_t* row = block + r * row_bytes;
+    memcpy(out + 2 * r, row + 208, 2);
+    for (int j = 0; j < 16; ++j) out[16 + 8 * j + r] = row[192 + j];
+    for (int half = 0; half < 2; ++half) {
+      for (int step = 0; step < 8; ++step) {
+        uint8_t* units = out + 144 + (8 * half + step) * 96 + 4 * r;
+        memcpy(units, row + 64 * half + 4 * step, 4);
+        memcpy(units + 32, row + 64 * half + 32 + 4 * step, 4);
+        memcpy(units + 64, row + 128 + 32 * half + 4 * step, 4);
       }
     }
   }
@@ -315,23 +400,28 @@ bool cpu_has_avx512() {
 #define GGML_TARGET __attribute__((target("avx2,fma,f16c")))
 #define GGML_ISA avx2
 #define GGML_TILE 4
+#define GGML_GROUP_TILE 2
 #define GGML_VNNI 0
 #include "ggml_dot.cpp"
 #undef GGML_TARGET
 #undef GGML_ISA
 #undef GGML_TILE
+#undef GGML_GROUP_TILE
 #undef GGML_VNNI
 #define GGML_TARGET \
   __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 #define GGML_ISA avx512
 #define GGML_TILE 8
+#define GGML_GROUP_TILE 4
 #define GGML_VNNI 1
 #include "ggml_dot.cpp"
 
 namespace {
 
-constexpr Kernels kAvx2Kernels = {avx2::kTile, avx2::tile_function};
-constexpr Kernels kAvx512Kernels = {avx512::kTile, avx512::tile_function};
+constexpr Kernels kAvx2Kernels = {avx2::kTile, avx2::tile_function, avx2::kGroupTile,
+                                   avx2::group_function};
+constexpr Kernels kAvx512Kernels = {avx512::kTile, avx512::tile_function, avx512::kGroupTile,
+                                     avx512::group_function};
 
 }  // namespace
 
@@ -340,6 +430,31 @@ extern "C" {
 // Whether this CPU runs the GGML block kernels on the given path (1 AVX2, 2 AVX-512).
 int miniapp_ggml_cpu_has(int isa) {
   return isa == kIsaAvx512 ? cpu_has_avx512() : isa == kIsaAvx2 ? cpu_has_avx2() : 0;
+}
+
+// Rows [rows, k] of Q4_K or Q6_K (rows a multiple of 8) rewritten as groups of 8 rows
+// interleaved, in the same number of bytes (see interleave_q4_k and interleave_q6_k).
+// Returns the type id of the result, or -1 for a type or shape without this layout.
+int miniapp_ggml_interleave(int type, const uint8_t* src, int64_t rows, int64_t k, uint8_t* dst,
+                            int threads) {
+  if ((type != kQ4_K && type != kQ6_K) || rows % kGroupRows || k <= 0 || k % kSuperBlock) {
+    return -1;
+  }
+  const int64_t nb = k / kSuperBlock, row_bytes = nb * block_bytes(type);
+  const int64_t groups = rows / kGroupRows;
+#pragma omp parallel for num_threads(threads > 0 ? threads : 1) schedule(static)
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* rows_in = src + g * kGroupRows * row_bytes;
+    uint8_t* group = dst + g * kGroupRows * row_bytes;
+    for (int64_t b = 0; b < nb; ++b) {
+      if (type == kQ4_K) {
+        interleave_q4_k(rows_in + b * 144, row_bytes, group + b * kGroupBlockBytes);
+      } else {
+        interleave_q6_k(rows_in + b * 210, row_bytes, group + b * kGroupBlockBytes6);
+      }
+    }
+  }
+  return type == kQ4_K ? kQ4_Kx8 : kQ6_Kx8;
 }
 
 // y [m, w->n] (contiguous) for x [m, k] (fp32 or bf16: x_type 0 or 1, row stride ldx).
@@ -357,6 +472,8 @@ int miniapp_ggml_gemm(const GgmlWeight* w, const void* x, int64_t ldx, int x_typ
     const int64_t block = super_type(part.type) ? kSuperBlock : kSmallBlock;
     if (block_bytes(part.type) == 0 || w->k % block) return -1;
     if (part.row_bytes != w->k / block * block_bytes(part.type)) return -1;
+    // An interleaved part holds whole groups and starts on a group boundary.
+    if (interleaved(part.type) && (part.rows % kGroupRows || rows % kGroupRows)) return -1;
     (super_type(part.type) ? super : small) = true;
     rows += part.rows;
     bytes += part.rows * part.row_bytes;
@@ -381,7 +498,9 @@ int miniapp_ggml_gemm(const GgmlWeight* w, const void* x, int64_t ldx, int x_typ
   {
     // Contiguous ranges of outputs: each thread streams its own part of the weight.
     const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
-    run_outputs(kernels, *w, qx, y, n, n * t / count, n * (t + 1) / count);
+    // Split on multiples of 8 rows, so that no interleaved group is cut.
+    const auto bound = [&](int64_t i) { return i == count ? n : n * i / count / kGroupRows * kGroupRows; };
+    run_outputs(kernels, *w, qx, y, n, bound(t), bound(t + 1));
   }
   return 0;
 }
@@ -394,6 +513,7 @@ namespace {
 namespace GGML_ISA {
 
 constexpr int kTile = GGML_TILE;  // rows of x that share one decode of a weight row
+constexpr int kGroupTile = GGML_GROUP_TILE;  // the same for an interleaved group
 
 // ------------------------------------------------------------------ block helpers
 
@@ -703,6 +823,263 @@ GGML_TARGET void row_q6_k(const uint8_t* w, const QuantizedX& x, int64_t m0, flo
 }
 
 
+// ------------------------------------------------------------------ Q4_K, 8 rows interleaved
+
+// Eight weight rows at once (the layout `interleave_q4_k` writes): each 32-bit lane of a
+// vector holds 4 codes of one row, so a broadcast of 4 codes of x meets all 8 rows in one
+// instruction and the lanes sum straight into that row's total. No horizontal sums, no
+// packing: per 32 products, one vpdpbusd (VNNI) or vpmaddubsw and a 16-bit add (AVX2), and
+// a sub-block's scale costs one multiply for 256 products. The result of each of the 8 rows
+// sums its super-blocks in column order, whatever the other rows of x: rows stay independent.
+
+// A super-block's scales and minimums for the 8 rows, unpacked once for the tile of x.
+struct GroupScales {
+  alignas(32) int32_t scale[8][8];  // [sub-block][row], for vpmulld (VNNI)
+  alignas(32) int16_t scale16[8][16];  // [sub-block][row, twice], for vpmaddwd (AVX2)
+  alignas(32) int16_t min_pairs[4][16];  // [pair of sub-blocks][row: min 2p, min 2p + 1]
+};
+
+// 6-bit values from their low 4 bits (low nibbles of `low`) and high 2 (low bits of `high`).
+GGML_TARGET inline __m256i six(__m256i low, __m256i high) {
+  return _mm256_or_si256(_mm256_and_si256(low, _mm256_set1_epi8(0x0F)),
+                         _mm256_slli_epi16(_mm256_and_si256(high, _mm256_set1_epi8(0x03)), 4));
+}
+
+GGML_TARGET inline void unpack_group_scales(const uint8_t* block, GroupScales& out) {
+  const __m256i scale_low = load32(block + 32), min_low = load32(block + 64);
+  const __m256i high = load32(block + 96);
+  // Values v = 8 j + r: the first vector holds sub-blocks 0-3, the second 4-7.
+  alignas(32) uint8_t scales[64], mins[64];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(scales), six(scale_low, high));
+  _mm256_store_si256(reinterpret_cast<__m256i*>(scales + 32),
+                     six(_mm256_srli_epi16(scale_low, 4), _mm256_srli_epi16(high, 2)));
+  _mm256_store_si256(reinterpret_cast<__m256i*>(mins), six(min_low, _mm256_srli_epi16(high, 4)));
+  _mm256_store_si256(reinterpret_cast<__m256i*>(mins + 32),
+                     six(_mm256_srli_epi16(min_low, 4), _mm256_srli_epi16(high, 6)));
+  for (int j = 0; j < 8; ++j) {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales + 8 * j));
+#if GGML_VNNI
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out.scale[j]), _mm256_cvtepu8_epi32(bytes));
+#else
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out.scale16[j]),
+                       _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(bytes, bytes)));
+#endif
+  }
+  for (int p = 0; p < 4; ++p) {
+    const __m128i even = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mins + 16 * p));
+    const __m128i odd = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mins + 16 * p + 8));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out.min_pairs[p]),
+                       _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(even, odd)));
+  }
+}
+
+GGML_TARGET inline __m256i load_aligned(const void* p) {
+  return _mm256_load_si256(static_cast<const __m256i*>(p));
+}
+
+GGML_TARGET inline __m256i broadcast4(const int8_t* p) {
+  int32_t v;
+  memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// Rows m0..m0+MT-1 of x times the 8 rows of one group: out[t * 8 + r].
+template <int MT>
+GGML_TARGET void group_q4_k(const uint8_t* group, const QuantizedX& x, int64_t m0, float* out) {
+  const int64_t nb = x.k / kSuperBlock;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m256 acc[MT];
+  for (int t = 0; t < MT; ++t) acc[t] = _mm256_setzero_ps();
+  GroupScales scales;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* block = group + b * kGroupBlockBytes;
+    unpack_group_scales(block, scales);
+    const uint8_t* qs = block + 128;
+    const int8_t* xb[MT];
+    for (int t = 0; t < MT; ++t) xb[t] = x.q256 + (m0 + t) * x.k + b * kSuperBlock;
+    __m256i total[MT];
+    for (int t = 0; t < MT; ++t) total[t] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      __m256i lo_sum[MT], hi_sum[MT];
+      for (int t = 0; t < MT; ++t) lo_sum[t] = hi_sum[t] = _mm256_setzero_si256();
+      for (int step = 0; step < 8; ++step) {
+        const __m256i packed = load32(qs + (8 * c + step) * 32);
+        const __m256i lo = _mm256_and_si256(packed, low4);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+        for (int t = 0; t < MT; ++t) {
+          const int8_t* xq = xb[t] + 64 * c + 4 * step;
+#if GGML_VNNI
+          lo_sum[t] = _mm256_dpbusd_epi32(lo_sum[t], lo, broadcast4(xq));
+          hi_sum[t] = _mm256_dpbusd_epi32(hi_sum[t], hi, broadcast4(xq + 32));
+#else
+          // 16-bit sums: 8 steps of 2 products of at most 15 * 127 stay below 2^15.
+          lo_sum[t] = _mm256_add_epi16(lo_sum[t], _mm256_maddubs_epi16(lo, broadcast4(xq)));
+          hi_sum[t] = _mm256_add_epi16(hi_sum[t], _mm256_maddubs_epi16(hi, broadcast4(xq + 32)));
+#endif
+        }
+      }
+      for (int t = 0; t < MT; ++t) {
+#if GGML_VNNI
+        total[t] = _mm256_add_epi32(
+            total[t], _mm256_add_epi32(
+                          _mm256_mullo_epi32(lo_sum[t], load_aligned(scales.scale[2 * c])),
+                          _mm256_mullo_epi32(hi_sum[t], load_aligned(scales.scale[2 * c + 1]))));
+#else
+        total[t] = _mm256_add_epi32(
+            total[t],
+            _mm256_add_epi32(_mm256_madd_epi16(lo_sum[t], load_aligned(scales.scale16[2 * c])),
+                             _mm256_madd_epi16(hi_sum[t], load_aligned(scales.scale16[2 * c + 1]))));
+#endif
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
+    const __m256 dmin =
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16)));
+    for (int t = 0; t < MT; ++t) {
+      const int64_t row = m0 + t;
+      // The minimums: sum_j min_j * (x's codes summed over sub-block j), two j at a time.
+      const int16_t* sums = x.sum32 + row * (x.k / 32) + b * 8;
+      __m256i mins = _mm256_setzero_si256();
+      for (int p = 0; p < 4; ++p) {
+        int32_t pair;
+        memcpy(&pair, sums + 2 * p, 4);
+#if GGML_VNNI
+        mins = _mm256_dpwssd_epi32(mins, load_aligned(scales.min_pairs[p]), _mm256_set1_epi32(pair));
+#else
+        mins = _mm256_add_epi32(
+            mins, _mm256_madd_epi16(load_aligned(scales.min_pairs[p]), _mm256_set1_epi32(pair)));
+#endif
+      }
+      const __m256 dx = _mm256_set1_ps(x.d256[row * nb + b]);
+      const __m256 value = _mm256_fmsub_ps(_mm256_cvtepi32_ps(total[t]), d,
+                                           _mm256_mul_ps(_mm256_cvtepi32_ps(mins), dmin));
+      acc[t] = _mm256_fmadd_ps(value, dx, acc[t]);
+    }
+  }
+  for (int t = 0; t < MT; ++t) _mm256_storeu_ps(out + 8 * t, acc[t]);
+}
+
+// Q6_K, 8 rows interleaved (`interleave_q6_k`): per sub-block of 16, w = d sc_j (q - 32).
+struct GroupScales6 {
+  alignas(32) int32_t scale[16][8];  // [sub-block][row] (VNNI)
+  alignas(32) int16_t scale16[16][16];  // [sub-block][row, twice] (AVX2)
+  alignas(32) int16_t pairs[8][16];  // [pair of sub-blocks][row: scale 2p, scale 2p + 1]
+};
+
+GGML_TARGET inline void unpack_group_scales6(const uint8_t* block, GroupScales6& out) {
+  const uint8_t* scales = block + 16;  // int8 [16][8]
+  for (int j = 0; j < 16; ++j) {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales + 8 * j));
+#if GGML_VNNI
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out.scale[j]), _mm256_cvtepi8_epi32(bytes));
+#else
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out.scale16[j]),
+                       _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(bytes, bytes)));
+#endif
+  }
+  for (int p = 0; p < 8; ++p) {
+    const __m128i even = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales + 16 * p));
+    const __m128i odd = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales + 16 * p + 8));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out.pairs[p]),
+                       _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(even, odd)));
+  }
+}
+
+template <int MT>
+GGML_TARGET void group_q6_k(const uint8_t* group, const QuantizedX& x, int64_t m0, float* out) {
+  const int64_t nb = x.k / kSuperBlock;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(3);
+  __m256 acc[MT];
+  for (int t = 0; t < MT; ++t) acc[t] = _mm256_setzero_ps();
+  GroupScales6 scales;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* block = group + b * kGroupBlockBytes6;
+    unpack_group_scales6(block, scales);
+    const int8_t* xb[MT];
+    for (int t = 0; t < MT; ++t) xb[t] = x.q256 + (m0 + t) * x.k + b * kSuperBlock;
+    __m256i total[MT];
+    for (int t = 0; t < MT; ++t) total[t] = _mm256_setzero_si256();
+    for (int half = 0; half < 2; ++half) {
+      // Steps 4 g .. 4 g + 3 of a half cover sub-blocks 8 half + 2 i + g of its 4 codes i;
+      // codes 0 and 1 (the low nibbles) go first, then 2 and 3, for fewer live registers.
+      for (int g = 0; g < 2; ++g) {
+        for (int pass = 0; pass < 2; ++pass) {
+          __m256i sums[MT][2];
+          for (int t = 0; t < MT; ++t) sums[t][0] = sums[t][1] = _mm256_setzero_si256();
+          for (int s = 4 * g; s < 4 * g + 4; ++s) {
+            const uint8_t* units = block + 144 + (8 * half + s) * 96;
+            __m256i ql0 = load32(units), ql1 = load32(units + 32), qh = load32(units + 64);
+            if (pass) {
+              ql0 = _mm256_srli_epi16(ql0, 4), ql1 = _mm256_srli_epi16(ql1, 4);
+              qh = _mm256_srli_epi16(qh, 4);
+            }
+            __m256i codes[2];
+            codes[0] = _mm256_or_si256(_mm256_and_si256(ql0, low4),
+                                       _mm256_slli_epi16(_mm256_and_si256(qh, low2), 4));
+            codes[1] = _mm256_or_si256(
+                _mm256_and_si256(ql1, low4),
+                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), low2), 4));
+            for (int t = 0; t < MT; ++t) {
+              const int8_t* xq = xb[t] + 128 * half + 64 * pass + 4 * s;
+              for (int i = 0; i < 2; ++i) {
+#if GGML_VNNI
+                sums[t][i] = _mm256_dpbusd_epi32(sums[t][i], codes[i], broadcast4(xq + 32 * i));
+#else
+                // 16-bit sums: 2 steps of 2 products of at most 63 * 127 stay below 2^15.
+                sums[t][i] = _mm256_add_epi16(
+                    sums[t][i], _mm256_maddubs_epi16(codes[i], broadcast4(xq + 32 * i)));
+#endif
+              }
+            }
+#if !GGML_VNNI
+            if (s % 2 == 1) {  // the 16-bit sums are full: weight them and start again
+              for (int t = 0; t < MT; ++t) {
+                for (int i = 0; i < 2; ++i) {
+                  const int16_t* scale = scales.scale16[8 * half + 4 * pass + 2 * i + g];
+                  total[t] = _mm256_add_epi32(total[t],
+                                              _mm256_madd_epi16(sums[t][i], load_aligned(scale)));
+                  sums[t][i] = _mm256_setzero_si256();
+                }
+              }
+            }
+#endif
+          }
+#if GGML_VNNI
+          for (int t = 0; t < MT; ++t) {
+            for (int i = 0; i < 2; ++i) {
+              const int32_t* scale = scales.scale[8 * half + 4 * pass + 2 * i + g];
+              total[t] = _mm256_add_epi32(total[t],
+                                          _mm256_mullo_epi32(sums[t][i], load_aligned(scale)));
+            }
+          }
+#endif
+        }
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
+    for (int t = 0; t < MT; ++t) {
+      const int64_t row = m0 + t;
+      // The codes' offset of 32: 32 sum_j sc_j (x's codes summed over sub-block j).
+      const int16_t* sums16 = x.sum16 + row * (x.k / 16) + b * 16;
+      __m256i offset = _mm256_setzero_si256();
+      for (int p = 0; p < 8; ++p) {
+        int32_t pair;
+        memcpy(&pair, sums16 + 2 * p, 4);
+#if GGML_VNNI
+        offset = _mm256_dpwssd_epi32(offset, load_aligned(scales.pairs[p]), _mm256_set1_epi32(pair));
+#else
+        offset = _mm256_add_epi32(
+            offset, _mm256_madd_epi16(load_aligned(scales.pairs[p]), _mm256_set1_epi32(pair)));
+#endif
+      }
+      const __m256i exact = _mm256_sub_epi32(total[t], _mm256_slli_epi32(offset, 5));
+      const __m256 step = _mm256_mul_ps(d, _mm256_set1_ps(x.d256[row * nb + b]));
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), step, acc[t]);
+    }
+  }
+  for (int t = 0; t < MT; ++t) _mm256_storeu_ps(out + 8 * t, acc[t]);
+}
+
 template <int MT>
 RowFn row_function(int type) {
   switch (type) {
@@ -729,6 +1106,26 @@ RowFn tile_function(int type, int rows) {
     case 6: return row_function<6>(type);
     case 7: return row_function<7>(type);
     default: return row_function<8>(type);
+  }
+}
+
+template <int MT>
+GroupFn group_kernel(int type) {
+  switch (type) {
+    case kQ4_Kx8: return group_q4_k<MT>;
+    case kQ6_Kx8: return group_q6_k<MT>;
+    default: return nullptr;
+  }
+}
+
+GroupFn group_function(int type, int rows) {
+  switch (rows < kGroupTile ? rows : kGroupTile) {
+    case 1: return group_kernel<1>(type);
+#if GGML_GROUP_TILE > 2
+    case 2: return group_kernel<2>(type);
+    case 3: return group_kernel<3>(type);
+#endif
+    default: return group_kernel<kGroupTile>(type);
   }
 }
 

@@ -177,12 +177,15 @@ SMALL_BLOCK, SUPER_BLOCK = 32, 256
 
 
 def ggml_input(x: torch.Tensor, super_blocks: bool) -> torch.Tensor:
-    """x as the GGML kernel multiplies it, float64: q * d with q = round(x / d) an int8 and
-    d = max |x| / 127 (fp32) per block of 32 columns, or of 256 for the K types."""
+    """x as the GGML kernel multiplies it, float64: q * d with q = round(x * (1 / d)) an int8
+    and d = max |x| / 127 (fp32) per block of 32 columns, or of 256 for the K types. The
+    kernel multiplies by the fp32 reciprocal, as here: dividing instead rounds a value next
+    to a half the other way now and then."""
     block = SUPER_BLOCK if super_blocks else SMALL_BLOCK
     blocks = x.float().reshape(x.shape[0], -1, block)
     step = blocks.abs().amax(dim=-1, keepdim=True) / INT8_MAX
-    q = torch.where(step > 0, torch.round(blocks / step), torch.zeros_like(blocks))
+    inverse = torch.where(step > 0, 1.0 / step, torch.zeros_like(step))
+    q = torch.round(blocks * inverse)
     return (q.double() * step.double()).reshape(x.shape)
 
 
