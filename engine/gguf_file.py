@@ -107,6 +107,18 @@ class GGUFFile:
         dtype = np.dtype(_SCALAR_FORMATS[info.element])
         return np.frombuffer(self._map, dtype, count=info.length, offset=info.start)
 
+    def release_view(self, view: torch.Tensor) -> None:
+        """Drop the mapped pages under one tensor from `raw` (a range of rows, say), rounded
+        out to whole pages: a large tensor read once at load need not stay resident while
+        the rest of it is read. Pages are re-read from the file if touched again."""
+        base = torch.frombuffer(self._map, dtype=torch.uint8, count=1).data_ptr()
+        start = view.data_ptr() - base
+        end = start + view.numel() * view.element_size()
+        start -= start % mmap.PAGESIZE
+        end = min(len(self._map), -(-end // mmap.PAGESIZE) * mmap.PAGESIZE)
+        if 0 <= start < end:
+            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def release(self) -> None:
         """Drop every mapped page from this process's memory; pages are re-read if touched.
 

@@ -10,7 +10,7 @@ Each has `forward`, also callable as the object itself.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -270,6 +270,7 @@ def linear_from_raw(
     bias: torch.Tensor | None = None,
     target: WeightTarget = CPU_INT4,
     gated: bool = False,
+    release: Callable[[torch.Tensor], None] | None = None,
 ) -> Linear:
     """One linear from one or more weights sharing an input (stacked by rows, e.g. Q|K|V).
 
@@ -281,11 +282,14 @@ def linear_from_raw(
     (two parts, or one part holding both). Where our own CPU kernel runs them, the result
     computes silu(gate) * up in the same call (`Int4Linear.gated`); elsewhere it is the
     plain gate|up linear and the caller applies the activation.
+
+    `release`, if given, is called with each slice of a part once it has been copied (a
+    memory map's pages can then be dropped while the rest is read).
     """
     types = {t for _, t in parts}
     if bias is not None:
         bias = bias.to(target.device)
-    if (direct := _ggml_linear(parts, n_cols, bias, target, gated)) is not None:
+    if (direct := _ggml_linear(parts, n_cols, bias, target, gated, release)) is not None:
         return direct
     if (packed := _native_q4(parts, n_cols, bias, target, gated)) is not None:
         return packed
@@ -318,6 +322,7 @@ def _ggml_linear(
     bias: torch.Tensor | None,
     target: WeightTarget,
     gated: bool,
+    release: Callable[[torch.Tensor], None] | None = None,
 ) -> GgmlLinear | None:
     """The weights as they are in the file, for the native GGML kernel: where it runs (the
     CPU with the native library) and takes every part's type; None elsewhere."""
@@ -333,9 +338,10 @@ def _ggml_linear(
         return None
     # The int4 kernel's path says what this CPU (or a simulated one) runs: AVX2 there too.
     isa = native_ggml.ISA_AVX2 if library.isa == native_int4.ISA_AVX2 else native_ggml.ISA_AUTO
+    interleave = ggml_interleave_enabled()
     return GgmlLinear(
         native_ggml.PackedGgml(
-            library, parts, n_cols, bias, gated, isa, interleave=ggml_interleave_enabled()
+            library, parts, n_cols, bias, gated, isa, interleave=interleave, release=release
         )
     )
 
@@ -455,18 +461,53 @@ def _bytes(tensor: torch.Tensor) -> int:
 
 
 class BlockEmbedding:
-    """Token embedding kept in its GGML block format; only looked-up rows are dequantized."""
+    """Token embedding kept in its GGML block format; only looked-up rows are dequantized.
 
-    def __init__(self, raw: torch.Tensor, ggml_type: GGMLQuantizationType, dim: int):
+    With `order` (see `tied_to`), `raw` is an output head's interleaved copy of the same
+    table, and each looked-up row's file bytes are gathered back out of its group first."""
+
+    def __init__(
+        self,
+        raw: torch.Tensor,
+        ggml_type: GGMLQuantizationType,
+        dim: int,
+        order: torch.Tensor | None = None,
+    ):
         if raw.shape[1] != row_bytes(ggml_type, dim):
             raise ValueError("embedding rows do not match the model dimension")
         self.raw = raw
         self.ggml_type = ggml_type
         self.dim = dim
+        self.order = order
+        if order is not None:  # [groups, blocks per row, the 8 rows' block]
+            group_rows, block = order.shape
+            self._groups = raw.view(raw.shape[0] // group_rows, -1, group_rows * block)
+
+    @classmethod
+    def tied_to(cls, head: Linear, dim: int) -> BlockEmbedding | None:
+        """The embedding read from an output head that holds the same table interleaved
+        (one copy in memory, not two); None where the head holds it otherwise."""
+        if not isinstance(head, GgmlLinear) or len(head.native.parts) != 1:
+            return None
+        raw, stored = head.native.parts[0]
+        file_type = {v: k for k, v in native_ggml.INTERLEAVED.items()}.get(stored)
+        if file_type is None:
+            return None
+        order = native_ggml.group_byte_order(head.native.library, file_type)
+        if order is None:
+            return None
+        return cls(raw, GGMLQuantizationType(file_type), dim, order)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens: int64 [n] -> fp32 [n, dim]."""
-        return dequantize_rows(self.raw.index_select(0, tokens), self.ggml_type, self.dim)
+        if self.order is None:
+            rows = self.raw.index_select(0, tokens)
+        else:
+            group_rows, block = self.order.shape
+            blocks = self._groups.index_select(0, tokens // group_rows)
+            where = self.order[tokens % group_rows].unsqueeze(1).expand(-1, blocks.shape[1], -1)
+            rows = torch.gather(blocks, 2, where).reshape(len(tokens), -1)
+        return dequantize_rows(rows, self.ggml_type, self.dim)
 
     __call__ = forward
 

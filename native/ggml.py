@@ -14,6 +14,7 @@ layer takes), so a layer mixes both kinds freely.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -42,10 +43,13 @@ BLOCKS = {
     14: (256, 210),  # Q6_K
     112: (256, 144),  # ours: Q4_K with each 8 rows interleaved (the same bytes)
     114: (256, 210),  # ours: Q6_K, the same
+    106: (32, 22),  # ours: Q5_0, the same
+    108: (32, 34),  # ours: Q8_0, the same
 }
 # Types whose rows the kernel reads faster interleaved 8 at a time, and the result's type.
-INTERLEAVED = {12: 112, 14: 114}
+INTERLEAVED = {12: 112, 14: 114, 6: 106, 8: 108}
 GROUP_ROWS = 8
+_SLICE_BYTES = 16 << 20  # interleaved a slice at a time (see PackedGgml's `release`)
 SUPER_BLOCK_TYPES = frozenset({12, 13, 14, 112, 114})
 ISA_AUTO = 0  # the best path this CPU has; ISA_AVX2 / ISA_AVX512 force one (tests)
 
@@ -107,6 +111,7 @@ class PackedGgml(BoundGemm):
         gated: bool = False,
         isa: int = ISA_AUTO,
         interleave: bool = False,
+        release: Callable[[torch.Tensor], None] | None = None,
     ):
         self._kernel = "GGML kernel"
         if not 1 <= len(parts) <= MAX_PARTS:
@@ -128,7 +133,7 @@ class PackedGgml(BoundGemm):
                 raise ValueError("GGML rows must be contiguous")
             rows += raw.shape[0]
         if interleave:
-            parts = _interleaved(library, parts, k)
+            parts = _interleaved(library, parts, k, release)
         if bias is not None:
             bias = bias.float().contiguous()
             if bias.shape != (rows,):
@@ -170,26 +175,66 @@ class PackedGgml(BoundGemm):
 
 
 def _interleaved(
-    library: Library, parts: list[tuple[torch.Tensor, int]], k: int
+    library: Library,
+    parts: list[tuple[torch.Tensor, int]],
+    k: int,
+    release: Callable[[torch.Tensor], None] | None,
 ) -> list[tuple[torch.Tensor, int]]:
     """The parts with each type that has an interleaved layout rewritten in it (a copy in
-    memory, the same size), where its rows come in whole groups from a group boundary."""
+    memory, the same size), where its rows come in whole groups from a group boundary.
+    A slice at a time; `release` is called with each source slice once copied."""
     out, start = [], 0
     for raw, ggml_type in parts:
         rows = raw.shape[0]
         target = INTERLEAVED.get(int(ggml_type))
         if target is not None and rows % GROUP_ROWS == 0 and start % GROUP_ROWS == 0:
             dst = torch.empty_like(raw)
-            got = library.cdll.miniapp_ggml_interleave(
-                int(ggml_type), ctypes.c_void_p(raw.data_ptr()), ctypes.c_int64(rows),
-                ctypes.c_int64(k), ctypes.c_void_p(dst.data_ptr()), torch.get_num_threads(),
-            )  # fmt: skip
-            if got != target:
-                raise RuntimeError(f"the native library did not interleave type {ggml_type}")
+            step = max(1, _SLICE_BYTES // (GROUP_ROWS * raw.shape[1])) * GROUP_ROWS
+            for first in range(0, rows, step):
+                src = raw[first : first + step]
+                got = library.cdll.miniapp_ggml_interleave(
+                    int(ggml_type), ctypes.c_void_p(src.data_ptr()), ctypes.c_int64(len(src)),
+                    ctypes.c_int64(k), ctypes.c_void_p(dst[first].data_ptr()),
+                    torch.get_num_threads(),
+                )  # fmt: skip
+                if got != target:
+                    raise RuntimeError(f"the native library did not interleave type {ggml_type}")
+                if release is not None:
+                    release(src)
             raw, ggml_type = dst, target
         out.append((raw, ggml_type))
         start += rows
     return out
+
+
+def group_byte_order(library: Library, ggml_type: int) -> torch.Tensor | None:
+    """Where each byte of a row's block lands in its interleaved group's block: int64 [8 rows,
+    block bytes] of offsets into the 8 rows' block (for each type whose interleaving only
+    moves bytes), so that a row's file bytes can be gathered back (a tied embedding reads
+    the output head's interleaved copy). None for types whose interleaving re-encodes bytes.
+
+    Found by interleaving a block whose bytes number themselves, low then high bits."""
+    target = INTERLEAVED.get(int(ggml_type))
+    if target is None:
+        return None
+    columns, size = BLOCKS[int(ggml_type)]
+    ids = torch.arange(GROUP_ROWS * size, dtype=torch.int64)
+    found = torch.zeros(GROUP_ROWS * size, dtype=torch.int64)
+    for shift in (0, 8):
+        src = ((ids >> shift) & 0xFF).to(torch.uint8).view(GROUP_ROWS, size)
+        dst = torch.empty_like(src)
+        got = library.cdll.miniapp_ggml_interleave(
+            int(ggml_type), ctypes.c_void_p(src.data_ptr()), ctypes.c_int64(GROUP_ROWS),
+            ctypes.c_int64(columns), ctypes.c_void_p(dst.data_ptr()), 1,
+        )  # fmt: skip
+        if got != target:
+            return None
+        found |= dst.view(-1).to(torch.int64) << shift
+    if not torch.equal(found.sort().values, ids):  # not a permutation: bytes re-encoded
+        return None
+    order = torch.empty_like(found)
+    order[found] = ids
+    return order.view(GROUP_ROWS, size)
 
 
 def cpu_has(library: Library, isa: int) -> bool:
@@ -197,4 +242,12 @@ def cpu_has(library: Library, isa: int) -> bool:
     return bool(library.cdll.miniapp_ggml_cpu_has(isa))
 
 
-__all__ = ["ISA_AUTO", "ISA_AVX2", "ISA_AVX512", "PackedGgml", "cpu_has", "takes"]
+__all__ = [
+    "ISA_AUTO",
+    "ISA_AVX2",
+    "ISA_AVX512",
+    "PackedGgml",
+    "cpu_has",
+    "group_byte_order",
+    "takes",
+]

@@ -38,7 +38,7 @@ namespace {
 enum GgmlType {
   kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
   // Ours, not the file's: Q4_K with each 8 rows interleaved (`interleave_q4_k`), same bytes.
-  kQ4_Kx8 = 112, kQ6_Kx8 = 114,  // and Q6_K (`interleave_q6_k`)
+  kQ4_Kx8 = 112, kQ6_Kx8 = 114, kQ5_0x8 = 106, kQ8_0x8 = 108,  // the same for these
 };
 constexpr int64_t kGroupRows = 8;  // rows of an interleaved group
 constexpr int64_t kGroupBlockBytes = kGroupRows * 144;  // a Q4_K super-block of the 8 rows
@@ -226,7 +226,20 @@ bool super_type(int type) {
   return type == kQ4_K || type == kQ5_K || type == kQ6_K || type == kQ4_Kx8 || type == kQ6_Kx8;
 }
 
-bool interleaved(int type) { return type == kQ4_Kx8 || type == kQ6_Kx8; }
+bool interleaved(int type) {
+  return type == kQ4_Kx8 || type == kQ6_Kx8 || type == kQ5_0x8 || type == kQ8_0x8;
+}
+
+// The interleaved layout of a file type, or 0 where it has none.
+int interleaved_type(int type) {
+  switch (type) {
+    case kQ4_K: return kQ4_Kx8;
+    case kQ6_K: return kQ6_Kx8;
+    case kQ5_0: return kQ5_0x8;
+    case kQ8_0: return kQ8_0x8;
+    default: return 0;
+  }
+}
 
 int64_t block_bytes(int type) {
   switch (type) {
@@ -238,6 +251,8 @@ int64_t block_bytes(int type) {
     case kQ4_K: return 144;
     case kQ4_Kx8: return 144;  // per row, as in the file
     case kQ6_Kx8: return 210;
+    case kQ5_0x8: return 22;
+    case kQ8_0x8: return 34;
     case kQ5_K: return 176;
     case kQ6_K: return 210;
     default: return 0;
@@ -370,6 +385,28 @@ void interleave_q6_k(const uint8_t* block, int64_t row_bytes, uint8_t* out) {
   }
 }
 
+// The same for Q8_0 (272 bytes: d (f16 [8]), then per 4 codes the 8 rows' side by side) and
+// Q5_0 (176 bytes: d; the fifth bits, 4 bytes a row, byte s holding those of codes 4 s .. 4 s + 3
+// in its low 4 bits and of 16 + 4 s .. 16 + 4 s + 3 in its high 4; then per 4 bytes of the
+// packed codes the 8 rows' side by side).
+void interleave_q_0(int type, const uint8_t* block, int64_t row_bytes, uint8_t* out) {
+  for (int64_t r = 0; r < kGroupRows; ++r) {
+    const uint8_t* row = block + r * row_bytes;
+    memcpy(out + 2 * r, row, 2);
+    if (type == kQ8_0) {
+      for (int s = 0; s < 8; ++s) memcpy(out + 16 + 32 * s + 4 * r, row + 2 + 4 * s, 4);
+      continue;
+    }
+    uint32_t bits;
+    memcpy(&bits, row + 2, 4);
+    for (int s = 0; s < 4; ++s) {
+      out[16 + 4 * r + s] =
+          static_cast<uint8_t>((bits >> (4 * s) & 15) | (bits >> (16 + 4 * s) & 15) << 4);
+      memcpy(out + 48 + 32 * s + 4 * r, row + 6 + 4 * s, 4);
+    }
+  }
+}
+
 // Read once: every call checks them.
 bool cpu_has_avx2() {
   static const bool has = [] {
@@ -437,24 +474,26 @@ int miniapp_ggml_cpu_has(int isa) {
 // Returns the type id of the result, or -1 for a type or shape without this layout.
 int miniapp_ggml_interleave(int type, const uint8_t* src, int64_t rows, int64_t k, uint8_t* dst,
                             int threads) {
-  if ((type != kQ4_K && type != kQ6_K) || rows % kGroupRows || k <= 0 || k % kSuperBlock) {
-    return -1;
-  }
-  const int64_t nb = k / kSuperBlock, row_bytes = nb * block_bytes(type);
+  const int target = interleaved_type(type);
+  const int64_t block = super_type(type) ? kSuperBlock : kSmallBlock;
+  if (!target || rows % kGroupRows || k <= 0 || k % block) return -1;
+  const int64_t nb = k / block, bytes = block_bytes(type), row_bytes = nb * bytes;
   const int64_t groups = rows / kGroupRows;
 #pragma omp parallel for num_threads(threads > 0 ? threads : 1) schedule(static)
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* rows_in = src + g * kGroupRows * row_bytes;
     uint8_t* group = dst + g * kGroupRows * row_bytes;
     for (int64_t b = 0; b < nb; ++b) {
-      if (type == kQ4_K) {
-        interleave_q4_k(rows_in + b * 144, row_bytes, group + b * kGroupBlockBytes);
-      } else {
-        interleave_q6_k(rows_in + b * 210, row_bytes, group + b * kGroupBlockBytes6);
+      const uint8_t* in = rows_in + b * bytes;
+      uint8_t* out = group + b * kGroupRows * bytes;
+      switch (type) {
+        case kQ4_K: interleave_q4_k(in, row_bytes, out); break;
+        case kQ6_K: interleave_q6_k(in, row_bytes, out); break;
+        default: interleave_q_0(type, in, row_bytes, out); break;
       }
     }
   }
-  return type == kQ4_K ? kQ4_Kx8 : kQ6_Kx8;
+  return target;
 }
 
 // y [m, w->n] (contiguous) for x [m, k] (fp32 or bf16: x_type 0 or 1, row stride ldx).
@@ -1080,6 +1119,97 @@ GGML_TARGET void group_q6_k(const uint8_t* group, const QuantizedX& x, int64_t m
   for (int t = 0; t < MT; ++t) _mm256_storeu_ps(out + 8 * t, acc[t]);
 }
 
+// Q8_0 and Q5_0, 8 rows interleaved (`interleave_q8_0`, `interleave_q5_0`): per block of 32,
+// w = d q (Q8_0, signed codes) or d (q - 16) (Q5_0, 5-bit codes). VNNI multiplies unsigned
+// codes (Q8_0's biased by 128) and takes the offset off through x's block sums; AVX2 meets
+// Q8_0's |w| with x carrying w's sign, as the row kernels do.
+template <int MT, int kType>
+GGML_TARGET void group_q_0(const uint8_t* group, const QuantizedX& x, int64_t m0, float* out) {
+  const int64_t nb = x.k / kSmallBlock;
+  constexpr bool kEight = kType == kQ8_0x8;
+  constexpr int64_t kBytes = kGroupRows * (kEight ? 34 : 22);
+  constexpr float kOffset = kEight ? 128.0f : 16.0f;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), fifth = _mm256_set1_epi8(0x10);
+  // Q5_0: byte i of lane r takes bit i (low codes) or 4 + i (high codes) of byte s of the
+  // lane's fifth bits; the shuffles spread byte s over the lane.
+  const __m256i bit_low = _mm256_set1_epi32(0x08040201);
+  const __m256i bit_high = _mm256_set1_epi32(static_cast<int32_t>(0x80402010u));
+  const __m256i lane_bytes = _mm256_setr_epi32(0, 0x04040404, 0x08080808, 0x0C0C0C0C, 0,
+                                               0x04040404, 0x08080808, 0x0C0C0C0C);
+  __m256 acc[MT], offsets[MT];
+  for (int t = 0; t < MT; ++t) acc[t] = offsets[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* block = group + b * kBytes;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
+    __m256i sums[MT];
+    for (int t = 0; t < MT; ++t) sums[t] = _mm256_setzero_si256();
+    if (kEight) {
+      for (int s = 0; s < 8; ++s) {
+        const __m256i codes = load32(block + 16 + 32 * s);
+#if GGML_VNNI
+        const __m256i biased = _mm256_xor_si256(codes, _mm256_set1_epi8(static_cast<char>(0x80)));
+#else
+        const __m256i magnitude = _mm256_sign_epi8(codes, codes);
+#endif
+        for (int t = 0; t < MT; ++t) {
+          const __m256i xq = broadcast4(x.q32 + (m0 + t) * x.k + b * kSmallBlock + 4 * s);
+#if GGML_VNNI
+          sums[t] = _mm256_dpbusd_epi32(sums[t], biased, xq);
+#else
+          sums[t] = _mm256_add_epi32(
+              sums[t], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xq, codes)),
+                                         _mm256_set1_epi16(1)));
+#endif
+        }
+      }
+    } else {
+      const __m256i high_bits = load32(block + 16);
+#if !GGML_VNNI
+      __m256i sums16[MT];
+      for (int t = 0; t < MT; ++t) sums16[t] = _mm256_setzero_si256();
+#endif
+      for (int s = 0; s < 4; ++s) {
+        const __m256i spread = _mm256_shuffle_epi8(
+            high_bits, _mm256_add_epi8(lane_bytes, _mm256_set1_epi8(static_cast<char>(s))));
+        const __m256i packed = load32(block + 48 + 32 * s);
+        const __m256i lo = _mm256_or_si256(
+            _mm256_and_si256(packed, low4),
+            _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit_low), bit_low), fifth));
+        const __m256i hi = _mm256_or_si256(
+            _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4),
+            _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit_high), bit_high), fifth));
+        for (int t = 0; t < MT; ++t) {
+          const int8_t* xq = x.q32 + (m0 + t) * x.k + b * kSmallBlock + 4 * s;
+#if GGML_VNNI
+          sums[t] = _mm256_dpbusd_epi32(sums[t], lo, broadcast4(xq));
+          sums[t] = _mm256_dpbusd_epi32(sums[t], hi, broadcast4(xq + 16));
+#else
+          // 16-bit sums: 4 steps of 4 products of at most 31 * 127 stay below 2^15.
+          sums16[t] = _mm256_add_epi16(sums16[t], _mm256_maddubs_epi16(lo, broadcast4(xq)));
+          sums16[t] = _mm256_add_epi16(sums16[t], _mm256_maddubs_epi16(hi, broadcast4(xq + 16)));
+#endif
+        }
+      }
+#if !GGML_VNNI
+      for (int t = 0; t < MT; ++t) sums[t] = _mm256_madd_epi16(sums16[t], _mm256_set1_epi16(1));
+#endif
+    }
+    for (int t = 0; t < MT; ++t) {
+      const int64_t at = (m0 + t) * nb + b;
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t]), _mm256_mul_ps(d, _mm256_set1_ps(x.d32[at])),
+                               acc[t]);
+#if GGML_VNNI
+      offsets[t] = _mm256_fmadd_ps(d, _mm256_set1_ps(x.s32[at]), offsets[t]);
+#else
+      if (!kEight) offsets[t] = _mm256_fmadd_ps(d, _mm256_set1_ps(x.s32[at]), offsets[t]);
+#endif
+    }
+  }
+  for (int t = 0; t < MT; ++t) {
+    _mm256_storeu_ps(out + 8 * t, _mm256_fnmadd_ps(offsets[t], _mm256_set1_ps(kOffset), acc[t]));
+  }
+}
+
 template <int MT>
 RowFn row_function(int type) {
   switch (type) {
@@ -1114,6 +1244,8 @@ GroupFn group_kernel(int type) {
   switch (type) {
     case kQ4_Kx8: return group_q4_k<MT>;
     case kQ6_Kx8: return group_q6_k<MT>;
+    case kQ8_0x8: return group_q_0<MT, kQ8_0x8>;
+    case kQ5_0x8: return group_q_0<MT, kQ5_0x8>;
     default: return nullptr;
   }
 }

@@ -160,3 +160,91 @@ def test_x_of_the_wrong_width_is_refused(library):
     weight = PackedGgml(library, [(random_blocks(Q.Q8_0, 4, 64), Q.Q8_0)], 64)
     with pytest.raises(ValueError, match="columns"):
         weight(torch.randn(1, 32))
+
+
+# ------------------------------------------------------------------ interleaved groups
+
+INTERLEAVED_TYPES = [Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q8_0]
+
+
+@pytest.mark.parametrize("qtype", INTERLEAVED_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("m", [1, 3, 6, 20])
+def test_rows_interleaved_eight_at_a_time_match_the_reference(library, qtype, m):
+    cols = 512
+    raw = random_blocks(qtype, 48, cols, seed=4)
+    x = torch.randn(m, cols)
+    want = expected([(raw, qtype)], x, cols)
+    for isa in paths(library):
+        weight = PackedGgml(library, [(raw, qtype)], cols, isa=isa, interleave=True)
+        assert weight.interleaved and weight.nbytes == raw.numel()
+        out = torch.full((m, 48), POISON)
+        weight.forward(x, out=out)
+        assert_close(out, want)
+
+
+@pytest.mark.parametrize("qtype", INTERLEAVED_TYPES, ids=lambda q: q.name)
+def test_an_interleaved_row_is_the_same_bits_alone_and_in_a_batch(library, qtype):
+    """Large enough for both threads, split on a group boundary."""
+    cols = 2048
+    raw = random_blocks(qtype, 104, cols, seed=5)
+    x = torch.randn(11, cols)
+    for isa in paths(library):
+        weight = PackedGgml(library, [(raw, qtype)], cols, isa=isa, interleave=True)
+        together = weight(x)
+        assert torch.equal(together, torch.cat([weight(x[r : r + 1]) for r in range(11)]))
+        assert_close(together, expected([(raw, qtype)], x, cols))
+
+
+def test_interleaved_and_plain_parts_stack_with_a_bias(library):
+    """Q|K|V with V of 12 rows: Q and K interleave, V (not whole groups) stays as it is."""
+    cols = 256
+    parts = [(random_blocks(t, r, cols, seed=r), t) for t, r in ((Q.Q4_K, 32), (Q.Q8_0, 16),
+                                                                   (Q.Q6_K, 12))]  # fmt: skip
+    bias = torch.randn(60)
+    x = torch.randn(7, cols)
+    weight = PackedGgml(library, parts, cols, bias=bias, interleave=True)
+    assert weight.shape.types == (112, 108, 14)
+    assert_close(weight(x), expected(parts, x, cols) + bias.double())
+
+
+def test_an_interleaved_gated_weight(library):
+    cols = 256
+    gate, up = random_blocks(Q.Q6_K, 24, cols, seed=6), random_blocks(Q.Q6_K, 24, cols, seed=7)
+    bias = torch.randn(48)
+    x = torch.randn(5, cols)
+    parts = [(gate, Q.Q6_K), (up, Q.Q6_K)]
+    y = PackedGgml(library, parts, cols, bias=bias, gated=True, interleave=True)(x)
+    both = expected(parts, x, cols) + bias.double()
+    assert_close(y, torch.nn.functional.silu(both[:, :24]) * both[:, 24:])
+
+
+def test_interleaving_copies_a_slice_at_a_time_and_releases_each(library, monkeypatch):
+    monkeypatch.setattr(ggml, "_SLICE_BYTES", 4096)
+    cols = 256
+    raw = random_blocks(Q.Q4_K, 64, cols, seed=8)
+    released = []
+    weight = PackedGgml(library, [(raw, Q.Q4_K)], cols, interleave=True, release=released.append)
+    # 4096 bytes hold 3 groups of 8 rows of 144 bytes: slices of 24, 24 and 16 rows.
+    assert [len(s) for s in released] == [24, 24, 16]
+    assert sum(s.data_ptr() - raw.data_ptr() == 0 for s in released) == 1
+    x = torch.randn(2, cols)
+    assert_close(weight(x), expected([(raw, Q.Q4_K)], x, cols))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q6_K], ids=lambda q: q.name)
+def test_a_row_gathered_back_from_its_group_is_the_file_row(library, qtype):
+    """A tied embedding reads the output head's interleaved copy."""
+    cols = 512
+    raw = random_blocks(qtype, 32, cols, seed=9)
+    weight = PackedGgml(library, [(raw, qtype)], cols, interleave=True)
+    order = ggml.group_byte_order(library, qtype)
+    copy = weight.parts[0][0].view(4, -1, 8 * order.shape[1])
+    for row in (0, 5, 8, 31):
+        blocks = copy[row // 8][:, order[row % 8]]
+        assert torch.equal(blocks.reshape(-1), raw[row])
+
+
+def test_types_whose_interleaving_re_encodes_bytes_have_no_byte_order(library):
+    assert ggml.group_byte_order(library, Q.Q4_K) is None
+    assert ggml.group_byte_order(library, Q.Q5_0) is None
+    assert ggml.group_byte_order(library, Q.Q4_1) is None

@@ -11,8 +11,14 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as Q
 from tiny_gguf import quantize_k
 
-from miniapp.engine.kernels import GGML_ENV
-from miniapp.engine.layers import DenseLinear, GgmlLinear, Int4Linear, linear_from_raw
+from miniapp.engine.kernels import GGML_ENV, INTERLEAVE_ENV
+from miniapp.engine.layers import (
+    BlockEmbedding,
+    DenseLinear,
+    GgmlLinear,
+    Int4Linear,
+    linear_from_raw,
+)
 from miniapp.engine.quant import (
     QUANT_TYPES,
     decode,
@@ -21,6 +27,7 @@ from miniapp.engine.quant import (
     expand_input,
     to_int4,
 )
+from miniapp.native import ggml as native_ggml
 
 RNG = np.random.default_rng(1234)
 K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)  # gguf cannot quantize these: random blocks instead
@@ -137,17 +144,40 @@ def test_int4_linear_matches_reference(qtype, rows, m, monkeypatch):
 
 @pytest.mark.parametrize("qtype", ALL_QUANTS, ids=lambda q: q.name)
 @pytest.mark.parametrize("m", [1, 5])
-def test_ggml_linear_reads_the_file_blocks_and_matches_reference(qtype, m, monkeypatch):
+@pytest.mark.parametrize("interleave", ["1", "0"])
+def test_ggml_linear_reads_the_file_blocks_and_matches_reference(qtype, m, interleave, monkeypatch):
     monkeypatch.setenv(GGML_ENV, "all")
+    monkeypatch.setenv(INTERLEAVE_ENV, interleave)
     cols = 512
     raw = random_raw(qtype, 40, cols, scale=0.5)
     layer = linear_from_raw([(raw, qtype)], cols)
     assert isinstance(layer, GgmlLinear)
-    assert layer.native.parts[0][0].data_ptr() == raw.data_ptr()  # no copy of the weights
+    assert layer.nbytes == raw.numel()  # the file's own bytes, in place or interleaved
+    if interleave == "1" and qtype in native_ggml.INTERLEAVED:
+        assert layer.native.interleaved
+    else:  # read in place: no copy of the weights
+        assert layer.native.parts[0][0].data_ptr() == raw.data_ptr()
     x = torch.randn(m, cols)
     reference = x @ dequantize_rows(raw, qtype, cols).T
     # x is quantized to int8 per block (steps of max/127): well within 2% of the scale.
     assert (layer(x) - reference).abs().max() <= 0.02 * reference.abs().max()
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q6_K, Q.Q4_K], ids=lambda q: q.name)
+def test_a_tied_embedding_reads_the_heads_interleaved_copy_where_it_can(qtype):
+    """One copy of a tied table in memory: the embedding gathers its rows from the head's
+    interleaved groups (Q8_0, Q6_K); a head whose interleaving re-encodes bytes (Q4_K) leaves
+    the embedding to the file's rows."""
+    dim = 512
+    raw = random_raw(qtype, 48, dim, scale=0.5)
+    head = linear_from_raw([(raw, qtype)], dim)
+    tied = BlockEmbedding.tied_to(head, dim)
+    if qtype == Q.Q4_K:
+        assert tied is None
+        return
+    tokens = torch.tensor([0, 7, 8, 47, 21, 21])
+    assert torch.equal(tied(tokens), BlockEmbedding(raw, qtype, dim)(tokens))
+    assert tied.raw.data_ptr() == head.native.parts[0][0].data_ptr()
 
 
 def test_types_that_keep_the_int4_layout_by_default():

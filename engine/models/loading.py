@@ -21,6 +21,8 @@ from .config import DecoderConfig
 from .decoder import Attention, Block, DecoderModel, FeedForward
 from .placement import CPU_PLACEMENT, Placement
 
+_CHECK_BYTES = 16 << 20  # the slice of a tensor checked for non-finite scales at once
+
 
 def build_decoder(
     gguf: GGUFFile, config: DecoderConfig, placement: Placement = CPU_PLACEMENT
@@ -33,7 +35,8 @@ def build_decoder(
     head = "output.weight" if weights.has("output.weight") else "token_embd.weight"
     head_target = placement.head_target(config.n_layers)
     output = weights.linear([head], config.dim, [config.vocab_size], "output.bias", head_target)
-    embed = weights.embedding("token_embd.weight", config.vocab_size, config.dim)
+    tied = head == "token_embd.weight" and BlockEmbedding.tied_to(output, config.dim)
+    embed = tied or weights.embedding("token_embd.weight", config.vocab_size, config.dim)
     norm_weight = weights.vector("output_norm.weight", config.dim).to(head_target.device)
     norm = RMSNorm(norm_weight, config.norm_eps)
     # Llama 3.1-style frequency factors: each RoPE frequency is divided by its factor.
@@ -114,8 +117,16 @@ class WeightReader:
                 self.gguf.path,
                 f"tensor {name} has shape {list(info.shape)}, but the metadata gives {list(shape)}",
             )
-        if not all_finite(self.gguf.raw(info), info.ggml_type):
-            raise ModelFileError(self.gguf.path, f"tensor {name} holds NaN or infinite values")
+        raw = self.gguf.raw(info)
+        # A large tensor is checked a slice at a time, each slice's pages dropped after it:
+        # the whole tensor is never resident at once only for this check.
+        step = max(1, _CHECK_BYTES // max(1, raw.shape[1]))
+        for start in range(0, raw.shape[0], step):
+            rows = raw[start : start + step]
+            if not all_finite(rows, info.ggml_type):
+                raise ModelFileError(self.gguf.path, f"tensor {name} holds NaN or infinite values")
+            if raw.shape[0] > step:
+                self.gguf.release_view(rows)
         return info
 
     def linear(
@@ -130,7 +141,9 @@ class WeightReader:
         infos = [self._take(n, (r, n_cols)) for n, r in zip(names, rows, strict=True)]
         raws = [(self.gguf.raw(i), i.ggml_type) for i in infos]
         bias_vector = self._bias(bias, infos)
-        module = linear_from_raw(raws, n_cols, bias_vector, target, gated)
+        module = linear_from_raw(
+            raws, n_cols, bias_vector, target, gated, release=self.gguf.release_view
+        )
         self.gguf.release()
         return module
 
