@@ -189,6 +189,17 @@ def _string_ends(buffer, offset: int, count: int) -> Iterator[tuple[int, int]]:
         yield start, offset
 
 
+def _skip_strings(buffer, offset: int, count: int) -> int:
+    """The end of `count` length-prefixed strings from `offset`: _string_ends's walk with
+    nothing kept (a read past the end raises struct.error, a corrupt file)."""
+    read = _U64.unpack_from
+    for _ in range(count):
+        offset += 8 + read(buffer, offset)[0]
+    if offset > len(buffer):
+        raise ValueError("a value runs past the end of the file")
+    return offset
+
+
 class _Cursor:
     """Reads GGUF's little-endian values from a buffer, front to back; running past the
     end raises struct.error or ValueError, which callers report as a corrupt file."""
@@ -243,8 +254,7 @@ class _Cursor:
             if element in _SCALAR_SIZES:
                 self.skip(_SCALAR_SIZES[element] * items)
             elif element == _STRING:
-                for _, self.offset in _string_ends(self.buffer, self.offset, items):  # noqa: B020
-                    pass
+                self.offset = _skip_strings(self.buffer, self.offset, items)
             else:
                 for _ in range(items):
                     self.skip_value(element)

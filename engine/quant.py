@@ -267,15 +267,23 @@ _FLOAT_FIELDS = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q
                  Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}  # fmt: skip
 
 
+_F16_EXPONENT = 0x7C
+
+
 def all_finite(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> bool:
     """Whether every value (float types) or every block scale (quantized types) of raw rows
     uint8 [rows, row_bytes] is finite. Types we do not decode count as finite."""
     if ggml_type in FLOAT_TYPES:
         dtype = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}[ggml_type]
         return bool(torch.isfinite(raw.contiguous().view(dtype)).all())
-    blocks = _blocks(raw, ggml_type) if ggml_type in _FLOAT_FIELDS else None
-    return all(
-        bool(torch.isfinite(_f16(blocks, at)).all()) for at in _FLOAT_FIELDS.get(ggml_type, ())
+    fields = _FLOAT_FIELDS.get(ggml_type, ())
+    if not fields:
+        return True
+    blocks = _blocks(raw, ggml_type)
+    # An fp16 is infinite or NaN when its 5 exponent bits are all set: bits 2-6 of its high
+    # (second, little-endian) byte. One byte a scale is read, in place.
+    return not any(
+        bool(((blocks[..., at + 1] & _F16_EXPONENT) == _F16_EXPONENT).any()) for at in fields
     )
 
 

@@ -21,6 +21,7 @@ from miniapp.engine.layers import (
 )
 from miniapp.engine.quant import (
     QUANT_TYPES,
+    all_finite,
     decode,
     dequantize_rows,
     effective_weight,
@@ -228,3 +229,20 @@ def test_float_weights_stay_in_their_dtype():
 
 def test_every_quant_type_is_covered():
     assert set(ALL_QUANTS) == set(QUANT_TYPES)
+
+
+@pytest.mark.parametrize(
+    "qtype, at", [(Q.Q4_1, 0), (Q.Q4_1, 2), (Q.Q8_0, 0), (Q.Q6_K, 208)], ids=str
+)
+@pytest.mark.parametrize(
+    "value, finite",
+    [(float("inf"), False), (float("-inf"), False), (float("nan"), False), (65504.0, True),
+     (-65504.0, True), (6e-8, True)],
+)  # fmt: skip
+def test_a_non_finite_block_scale_is_found_in_any_of_its_fields(qtype, at, value, finite):
+    raw = random_raw(qtype, 6, 512, scale=0.5)
+    size = GGML_QUANT_SIZES[qtype][1]
+    assert all_finite(raw, qtype)
+    blocks = raw.view(6, -1, size)
+    blocks[4, 1, at : at + 2] = torch.tensor([value], dtype=torch.float16).view(torch.uint8)
+    assert all_finite(raw, qtype) is finite
