@@ -207,8 +207,9 @@ def cuda_inner_k_tiles(columns: int) -> int:
 
 class GgmlLinear:
     """y = x @ W.T (+ bias) for W kept as the file's own GGML blocks (one or more tensors
-    stacked by rows), read in place by the native kernel (`native/ggml.py`): nothing is
-    converted at load, and a step reads each weight at the file's own bits per weight.
+    stacked by rows), read by the native kernel (`native/ggml.py`) in place or, for the
+    types that have one, in an interleaved copy of the same bytes: a step reads each weight
+    at the file's own bits per weight.
     With `gated`, W holds gate and up rows and forward gives silu(gate) * up. Returns fp32."""
 
     bias = None  # added inside the kernel
