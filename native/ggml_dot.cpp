@@ -1210,8 +1210,8 @@ GGML_TARGET void group_q_0(const uint8_t* group, const QuantizedX& x, int64_t m0
     } else {
       const __m256i high_bits = load32(block + 16);
 #if !GGML_VNNI
-      __m256i sums16[MT];
-      for (int t = 0; t < MT; ++t) sums16[t] = _mm256_setzero_si256();
+      __m256i low16[MT], high16[MT];
+      for (int t = 0; t < MT; ++t) low16[t] = high16[t] = _mm256_setzero_si256();
 #endif
       for (int s = 0; s < 4; ++s) {
         const __m256i spread = _mm256_shuffle_epi8(
@@ -1229,14 +1229,19 @@ GGML_TARGET void group_q_0(const uint8_t* group, const QuantizedX& x, int64_t m0
           sums[t] = _mm256_dpbusd_epi32(sums[t], lo, broadcast4(xq));
           more[t] = _mm256_dpbusd_epi32(more[t], hi, broadcast4(xq + 16));
 #else
-          // 16-bit sums: 4 steps of 4 products of at most 31 * 127 stay below 2^15.
-          sums16[t] = _mm256_add_epi16(sums16[t], _mm256_maddubs_epi16(lo, broadcast4(xq)));
-          sums16[t] = _mm256_add_epi16(sums16[t], _mm256_maddubs_epi16(hi, broadcast4(xq + 16)));
+          // 16-bit sums, the low and high codes apart: 4 steps of 2 products of at most
+          // 31 * 127 each stay below 2^15 (both in one sum could reach 63,000 and wrap).
+          low16[t] = _mm256_add_epi16(low16[t], _mm256_maddubs_epi16(lo, broadcast4(xq)));
+          high16[t] = _mm256_add_epi16(high16[t], _mm256_maddubs_epi16(hi, broadcast4(xq + 16)));
 #endif
         }
       }
 #if !GGML_VNNI
-      for (int t = 0; t < MT; ++t) sums[t] = _mm256_madd_epi16(sums16[t], _mm256_set1_epi16(1));
+      for (int t = 0; t < MT; ++t) {
+        const __m256i ones = _mm256_set1_epi16(1);
+        sums[t] = _mm256_madd_epi16(low16[t], ones);
+        more[t] = _mm256_madd_epi16(high16[t], ones);
+      }
 #endif
     }
     for (int t = 0; t < MT; ++t) {

@@ -248,3 +248,26 @@ def test_types_whose_interleaving_re_encodes_bytes_have_no_byte_order(library):
     assert ggml.group_byte_order(library, Q.Q4_K) is None
     assert ggml.group_byte_order(library, Q.Q5_0) is None
     assert ggml.group_byte_order(library, Q.Q4_1) is None
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("interleave", [False, True], ids=["rows", "interleaved"])
+def test_the_largest_codes_against_the_largest_inputs_stay_exact(library, qtype, interleave):
+    """Every code (and K-type scale) at its largest, every x code at 127 or -127: the 16-bit
+    partial sums the AVX2 paths keep must not wrap."""
+    cols = 512
+    raw = random_blocks(qtype, 16, cols, seed=10)
+    per_block, size = GGML_QUANT_SIZES[qtype]
+    blocks = raw.view(16, -1, size)
+    scales = set()
+    for at in _FLOAT_FIELDS[qtype]:
+        scales.update((at, at + 1))
+    largest = 0x80 if qtype == Q.Q8_0 else 0xFF  # Q8_0: -128, the widest signed code
+    for byte in range(size):
+        if byte not in scales:
+            blocks[:, :, byte] = largest
+    x = torch.cat([torch.ones(1, cols), -torch.ones(1, cols), torch.randn(1, cols)])
+    want = expected([(raw, qtype)], x, cols)
+    for isa in paths(library):
+        weight = PackedGgml(library, [(raw, qtype)], cols, isa=isa, interleave=interleave)
+        assert_close(weight(x), want)
