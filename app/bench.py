@@ -225,9 +225,10 @@ def step_file_bytes(gguf: GGUFFile) -> int:
 
 def read_bandwidth(threads: int | None, gib: int = 1, repeats: int = 7) -> float:
     """Bytes a second a plain reduction reads from a buffer far larger than the caches
-    (median). The maximum, not the sum: torch's fp32 sum keeps its partial sums in order and
-    tops out near 35 GB/s on 2 Zen 4 threads, where the maximum (and our decode kernels)
-    read 55-60."""
+    (median). The maximum, not the sum: torch's fp32 sum tops out near 35 GB/s on 2 Zen 4
+    threads, where the maximum (and our one-row decode kernel) read up to 58. This VM's
+    bandwidth also swings between runs (32-58 GB/s for the maximum), so a floor is only as
+    good as its run's probe."""
     import torch
 
     if threads:

@@ -106,7 +106,8 @@ INTERLEAVE_ENV = "MINIAPP_GGML_INTERLEAVE"  # "0": keep every GGML weight in the
 def ggml_interleave_enabled() -> bool:
     """Whether weights of a type with an interleaved layout (Q4_K, Q6_K, Q5_0, Q8_0) are
     rewritten into it at load: each 8 rows side by side, the same bytes, so one instruction
-    meets 8 rows (1.5-3x the kernel's speed for a prompt or a few rows of decoding)."""
+    meets 8 rows (1.3-3.5x the kernel's speed for a prompt or a few rows of decoding;
+    Q6_K about even)."""
     return os.environ.get(INTERLEAVE_ENV, "").strip().lower() not in _OFF
 
 

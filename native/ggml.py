@@ -3,7 +3,7 @@
 A weight is the memory-mapped rows of the file, read at the file's own bits per weight, and
 the kernel decodes each block as it multiplies. With `interleave`, the types that have an
 interleaved layout (Q4_K, Q6_K, Q5_0, Q8_0: `INTERLEAVED`) are copied natively at load into
-it, the same bytes with each 8 rows side by side, which the kernel multiplies 1.5-3x faster;
+it, the same bytes with each 8 rows side by side, which the kernel multiplies up to 3.5x faster;
 the copy goes a slice at a time, each slice's file pages released once copied, so memory
 holds one copy of a weight, never two.
 

@@ -22,9 +22,9 @@
 // lanes are then summed, and a sub-block's scale is applied per row of x by shuffles and a
 // multiply. With 8 rows side by side (4 codes of each row in each 32-bit lane), a broadcast of
 // 4 codes of x meets all 8 rows in one instruction and every lane sums into its own row: no
-// horizontal sums, one scale multiply per 256 products. The kernel then does 1.5-3x the work
-// per second for a prompt or a few rows of decoding; the layouts are documented beside
-// `interleave_q4_k` and its siblings.
+// horizontal sums, one scale multiply per 256 products. The kernel then does 1.3-3.5x the
+// work per second for a prompt or a few rows of decoding (Q6_K, whose codes cost more to
+// unpack, about even); the layouts are documented beside `interleave_q4_k` and its siblings.
 //
 // Row independence: every output element sums its blocks in column order, each row of x with
 // its own quantization, so a row's result never depends on the other rows, the tile or the
