@@ -56,7 +56,8 @@ class LayerShape:
 
 class NativeDecodeLayer:
     """A layer's weights bound once; `step` runs one token through it, or a few consecutive
-    tokens of one sequence, each row exactly as its own step would."""
+    tokens of one sequence, each row exactly as its own step would; `step_sequences` runs the
+    rows of several sequences, each over its own cache."""
 
     def __init__(
         self,
@@ -84,6 +85,9 @@ class NativeDecodeLayer:
         self._function = library.cdll.miniapp_decode_layer
         self._function.argtypes = [_ptr, _ptr, _ptr, ctypes.c_int]
         self._function.restype = ctypes.c_int
+        self._batch_function = library.cdll.miniapp_decode_layer_batch
+        self._batch_function.argtypes = [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, ctypes.c_int]
+        self._batch_function.restype = ctypes.c_int
         self._weights_address = ctypes.addressof(self._weights)
         self._step_address = ctypes.addressof(self._step)
 
@@ -107,31 +111,75 @@ class NativeDecodeLayer:
         contiguous). Keys stored as q4 tiles (one row only): `tiled` says the rest, and the
         key slot is the token's fp32 row of tiled.recent (the caller encodes the tile it
         completes)."""
-        keys, values = stored
-        step = self._step
-        step.cos, step.signed_sin = cos.data_ptr(), signed_sin.data_ptr()
-        step.key_slot, step.value_slot = slots[0].data_ptr(), slots[1].data_ptr()
-        step.keys, step.values = keys.data_ptr(), values.data_ptr()
-        step.key_head_stride = keys.stride(1) * keys.element_size()
-        step.value_head_stride = values.stride(1) * values.element_size()
-        step.n_keys = keys.shape[2]
-        step.rows = x.shape[0]
-        step.key_slot_row_stride = slots[0].stride(2) * slots[0].element_size()
-        step.value_slot_row_stride = slots[1].stride(2) * slots[1].element_size()
-        step.mask = None if mask is None else mask.view(torch.uint8).data_ptr()
-        step.key_type, step.value_type = kv_types
-        if tiled is not None:
-            lead = tiled.lead
-            step.lead = None if lead is None else lead.data_ptr()
-            step.lead_rows = tiled.lead_rows
-            step.lead_head_stride = 0 if lead is None else lead.stride(0)
-            step.recent, step.recent_head_stride = tiled.recent.data_ptr(), tiled.recent.stride(0)
-            step.own_tile = int(tiled.own_tiles[0])
-            step.n_keys = keys.shape[2] + tiled.lead_rows
-        else:
-            step.lead, step.recent, step.lead_rows = None, None, 0
+        _fill(self._step, x.shape[0], SequenceRows(slots, stored, mask, kv_types, tiled))
+        self._step.cos, self._step.signed_sin = cos.data_ptr(), signed_sin.data_ptr()
         status = self._function(self._weights_address, self._step_address, x.data_ptr(),
                                 torch.get_num_threads())  # fmt: skip
         if status:
             raise ValueError("the native decode layer refused its step")
         return x
+
+    def step_sequences(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        sequences: list[tuple[int, SequenceRows]],
+    ) -> torch.Tensor:
+        """Rows of several sequences in one call (continuous batching): `sequences` holds,
+        in the order of x's rows, how many rows each sequence owns and where they go (as
+        `step` takes them for one sequence). Every row comes out as its own sequence's
+        `step` would give it; the matmuls read the weights once for all of them."""
+        steps = (_Step * len(sequences))()
+        for step, (rows, where) in zip(steps, sequences, strict=True):
+            _fill(step, rows, where)
+        status = self._batch_function(
+            self._weights_address,
+            ctypes.addressof(steps),
+            len(sequences),
+            cos.data_ptr(),
+            signed_sin.data_ptr(),
+            x.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if status:
+            raise ValueError("the native decode layer refused its batched step")
+        return x
+
+
+@dataclass(frozen=True)
+class SequenceRows:
+    """One sequence's part of a fused step: the cache rows its keys and values go into, what
+    its last row attends, its mask (one row only) and the cache's storage type codes."""
+
+    slots: tuple[torch.Tensor, torch.Tensor]
+    stored: tuple[torch.Tensor, torch.Tensor]
+    mask: torch.Tensor | None
+    kv_types: tuple[int, int]
+    tiled: TiledKeys | None = None
+
+
+def _fill(step: _Step, rows: int, where: SequenceRows) -> None:
+    """The native step structure for `rows` rows of one sequence (RoPE tables apart)."""
+    keys, values = where.stored
+    slots, mask, tiled = where.slots, where.mask, where.tiled
+    step.keys, step.values = keys.data_ptr(), values.data_ptr()
+    step.key_slot, step.value_slot = slots[0].data_ptr(), slots[1].data_ptr()
+    step.key_head_stride = keys.stride(1) * keys.element_size()
+    step.value_head_stride = values.stride(1) * values.element_size()
+    step.n_keys = keys.shape[2]
+    step.rows = rows
+    step.key_slot_row_stride = slots[0].stride(2) * slots[0].element_size()
+    step.value_slot_row_stride = slots[1].stride(2) * slots[1].element_size()
+    step.mask = None if mask is None else mask.view(torch.uint8).data_ptr()
+    step.key_type, step.value_type = where.kv_types
+    if tiled is not None:
+        lead = tiled.lead
+        step.lead = None if lead is None else lead.data_ptr()
+        step.lead_rows = tiled.lead_rows
+        step.lead_head_stride = 0 if lead is None else lead.stride(0)
+        step.recent, step.recent_head_stride = tiled.recent.data_ptr(), tiled.recent.stride(0)
+        step.own_tile = int(tiled.own_tiles[0])
+        step.n_keys = keys.shape[2] + tiled.lead_rows
+    else:
+        step.lead, step.recent, step.lead_rows = None, None, 0

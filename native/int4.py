@@ -20,7 +20,7 @@ import torch
 
 from . import build
 
-ABI_VERSION = 8  # must match kAbiVersion in int4_gemm.cpp
+ABI_VERSION = 9  # must match kAbiVersion in int4_gemm.cpp
 BLOCK_ROWS = 16  # output rows per packed block
 GATE_ROWS = BLOCK_ROWS // 2  # gated blocks: 8 gate rows, then the 8 matching up rows
 CHUNK_COLS = 8  # input columns per 64-byte chunk of a block

@@ -45,7 +45,7 @@
 
 namespace {
 
-constexpr int kAbiVersion = 8;
+constexpr int kAbiVersion = 9;
 constexpr int kBlockRows = 16;  // output rows per block: one AVX-512 fp32 lane each
 constexpr int kChunkCols = 8;   // input columns per chunk: 4 nibbles x 2 adjacent columns
 constexpr int kChunkBytes = 64;  // 16 rows x 8 columns x 4 bits
@@ -1826,7 +1826,7 @@ int miniapp_rope(float* x, int64_t ldx, int64_t rows, int64_t heads, int64_t hea
 // kernel computes a row on its own, so a row of a several-token call equals that token's
 // own decode step.
 
-constexpr int64_t kMaxLayerRows = 16;  // tokens a call takes (a verification's rows)
+constexpr int64_t kMaxLayerRows = 64;  // rows a call takes (a batched step's, at most)
 
 struct DecodeLayerWeights {
   const Int4Weight* qkv;
@@ -1862,19 +1862,29 @@ struct DecodeLayerStep {
   int64_t key_slot_row_stride, value_slot_row_stride;  // bytes between the tokens' slots
 };
 
-// x fp32 [rows, dim], the residual stream entering the layer, updated in place. Returns 0,
-// or -1 for a layer or step it does not take (x may then be partly updated: the caller
-// raises).
-int miniapp_decode_layer(const DecodeLayerWeights* w, const DecodeLayerStep* s, float* x,
-                         int threads) {
-  const int64_t d = w->head_dim, q_width = w->n_heads * d, m = s->rows;
+// x fp32 [rows, dim], the residual stream entering the layer, updated in place: the rows of
+// `n_steps` sequences, steps[i].rows each, in order (continuous batching: each sequence's
+// rows write into and attend its own cache, and every matmul takes all rows at once). cos and
+// signed_sin: the RoPE tables of every row, [rows, head_dim]. Returns 0, or -1 for a layer or
+// step it does not take (x may then be partly updated: the caller raises).
+int miniapp_decode_layer_batch(const DecodeLayerWeights* w, const DecodeLayerStep* steps,
+                               int64_t n_steps, const float* cos, const float* signed_sin,
+                               float* x, int threads) {
+  const int64_t d = w->head_dim, q_width = w->n_heads * d;
   const int64_t qkv_width = (w->n_heads + 2 * w->kv_heads) * d;
-  if (!kv_type_takes(s->key_type, d) || !kv_type_takes(s->value_type, d)) return -1;
-  if (s->value_type == kKvQ4Tiles) return -1;
-  const bool tiled = s->key_type == kKvQ4Tiles;
-  if (tiled && (!s->recent || (s->lead_rows && !s->lead))) return -1;
-  if (m < 1 || m > kMaxLayerRows || s->n_keys < m) return -1;
-  if (m > 1 && (tiled || s->mask)) return -1;  // several rows: unmasked prefixes of one storage
+  int64_t m = 0;
+  for (int64_t i = 0; i < n_steps; ++i) {
+    const DecodeLayerStep* s = steps + i;
+    if (!kv_type_takes(s->key_type, d) || !kv_type_takes(s->value_type, d)) return -1;
+    if (s->value_type == kKvQ4Tiles) return -1;
+    const bool tiled = s->key_type == kKvQ4Tiles;
+    if (tiled && (!s->recent || (s->lead_rows && !s->lead))) return -1;
+    if (s->rows < 1 || s->n_keys < s->rows) return -1;
+    // Several rows of one sequence: unmasked prefixes of one storage.
+    if (s->rows > 1 && (tiled || s->mask)) return -1;
+    m += s->rows;
+  }
+  if (m < 1 || m > kMaxLayerRows) return -1;
   // Per row: the normed input, Q|K|V, the queries alone (attention reads them contiguous),
   // attention's output, its projection, the gated feed-forward and its output.
   const int64_t row_floats = 2 * w->dim + qkv_width + 2 * q_width + w->dim + w->ffn_dim;
@@ -1892,27 +1902,33 @@ int miniapp_decode_layer(const DecodeLayerWeights* w, const DecodeLayerStep* s, 
   status = status ? status : miniapp_int4_gemm(w->qkv, normed, w->dim, kFloat32, m, qkv, threads);
   status = status ? status
                   : miniapp_rope(qkv, qkv_width, m, w->n_heads + w->kv_heads, d, w->rotary_dim,
-                                 w->interleaved, s->cos, s->signed_sin);
+                                 w->interleaved, cos, signed_sin);
   if (!status) {
-    // A tiled key goes into its fp32 row of `recent`; the caller encodes a tile it completes.
-    const int key_slot_type = tiled ? kKvF32 : s->key_type;
-    const int64_t key_slot_stride = tiled ? 4 * s->recent_head_stride : s->key_head_stride;
     RowKeys sources[kMaxLayerRows];
-    for (int64_t r = 0; r < m; ++r) {
-      const float* row = qkv + r * qkv_width;
-      for (int64_t h = 0; h < w->kv_heads; ++h) {
-        encode_row(key_slot_type, row + (w->n_heads + h) * d, d,
-                   s->key_slot + h * key_slot_stride + r * s->key_slot_row_stride,
-                   stored_rotated(key_slot_type));
-        encode_row(s->value_type, row + (w->n_heads + w->kv_heads + h) * d, d,
-                   s->value_slot + h * s->value_head_stride + r * s->value_slot_row_stride,
-                   stored_rotated(s->value_type));
+    int64_t at = 0;  // the first row of the step
+    for (int64_t i = 0; i < n_steps; ++i) {
+      const DecodeLayerStep* s = steps + i;
+      const bool tiled = s->key_type == kKvQ4Tiles;
+      // A tiled key goes into its fp32 row of `recent`; the caller encodes a tile it completes.
+      const int key_slot_type = tiled ? kKvF32 : s->key_type;
+      const int64_t key_slot_stride = tiled ? 4 * s->recent_head_stride : s->key_head_stride;
+      for (int64_t r = 0; r < s->rows; ++r) {
+        const float* row = qkv + (at + r) * qkv_width;
+        for (int64_t h = 0; h < w->kv_heads; ++h) {
+          encode_row(key_slot_type, row + (w->n_heads + h) * d, d,
+                     s->key_slot + h * key_slot_stride + r * s->key_slot_row_stride,
+                     stored_rotated(key_slot_type));
+          encode_row(s->value_type, row + (w->n_heads + w->kv_heads + h) * d, d,
+                     s->value_slot + h * s->value_head_stride + r * s->value_slot_row_stride,
+                     stored_rotated(s->value_type));
+        }
+        memcpy(queries + (at + r) * q_width, row, sizeof(float) * q_width);
+        sources[at + r] = {s->keys, s->values, s->key_head_stride, s->value_head_stride,
+                           s->n_keys - (s->rows - 1 - r), s->mask, s->key_type, s->value_type,
+                           s->lead, s->lead_rows, s->lead_head_stride, s->recent,
+                           s->recent_head_stride, tiled ? s->own_tile : -1};
       }
-      memcpy(queries + r * q_width, row, sizeof(float) * q_width);
-      sources[r] = {s->keys, s->values, s->key_head_stride, s->value_head_stride,
-                    s->n_keys - (m - 1 - r), s->mask, s->key_type, s->value_type,
-                    s->lead, s->lead_rows, s->lead_head_stride, s->recent,
-                    s->recent_head_stride, tiled ? s->own_tile : -1};
+      at += s->rows;
     }
     status = attend(queries, sources, m, w->n_heads, w->kv_heads, d, w->scale, attended,
                     threads);
@@ -1931,6 +1947,12 @@ int miniapp_decode_layer(const DecodeLayerWeights* w, const DecodeLayerStep* s, 
   }
   free(buffer);
   return status;
+}
+
+// One sequence's rows (a decode step, or a verification's rows): the batch of one.
+int miniapp_decode_layer(const DecodeLayerWeights* w, const DecodeLayerStep* s, float* x,
+                         int threads) {
+  return miniapp_decode_layer_batch(w, s, 1, s->cos, s->signed_sin, x, threads);
 }
 
 }  // extern "C"

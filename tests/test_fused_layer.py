@@ -123,3 +123,66 @@ def test_verification_rows_run_fused_and_equal_decode_steps(smollm2, monkeypatch
     assert torch.equal(caches[-1].keys, keys_after_steps)
     fused = window > len(PROMPT) + 5 and kind != "q4"
     assert counted == ([5] * len(smollm2.layers) if fused else [])
+
+
+def _batched_rows_counted(model, monkeypatch) -> list[int]:
+    """Records the rows of every batched fused call from now on."""
+    counted: list[int] = []
+    for block in model.layers:
+        step = block.fused.step_sequences
+
+        def counting(x, *args, _step=step, **kwargs):
+            counted.append(x.shape[0])
+            return _step(x, *args, **kwargs)
+
+        monkeypatch.setattr(block.fused, "step_sequences", counting)
+    return counted
+
+
+def _batched_pass(model, kind: str, fused: bool, monkeypatch):
+    """Three sequences at different lengths (one past its ring's wrap), then steps that
+    batch their decode rows, and a step with a fourth sequence's prompt chunk beside them.
+    Returns every step's hidden rows and the caches, with the fused layers on or off."""
+    layers = [block.fused for block in model.layers]
+    try:
+        for block, layer in zip(model.layers, layers, strict=True):
+            block.fused = layer if fused else None
+        counted = _batched_rows_counted(model, monkeypatch) if fused else []
+        policy = CachePolicy(ctx=512, sinks=4, window=16, kv_type=kv_type(kind))
+        prompts = [PROMPT[:7], PROMPT, PROMPT[:30], PROMPT[:25]]
+        caches = [model.make_caches(policy) for _ in prompts]
+        with torch.inference_mode():
+            for prompt, sequence in zip(prompts[:3], caches, strict=False):
+                model.hidden_states(torch.tensor(prompt), sequence)
+            outputs = []
+            for step in range(4):
+                rows = [([600 + step + i], sequence) for i, sequence in enumerate(caches[:3])]
+                if step == 2:  # a fresh cache's first prompt chunk beside the decode rows
+                    rows.append((prompts[3][:12], caches[3]))
+                if step == 3:  # and its next one
+                    rows.append((prompts[3][12:20], caches[3]))
+                outputs.append(model.hidden_segments(rows))
+        return torch.cat(outputs), caches, counted
+    finally:
+        for block, layer in zip(model.layers, layers, strict=True):
+            block.fused = layer
+
+
+@pytest.mark.parametrize("kind", ["f32", "q8", "q4"])
+def test_batched_decode_rows_run_fused_and_equal_the_layer_by_layer_pass(
+    smollm2, monkeypatch, kind
+):
+    # Several sequences' decode rows take one fused call a layer (continuous batching); a
+    # prompt chunk a fused call cannot take goes beside them layer by layer. Rows and caches
+    # come out bit for bit as without the fused layer.
+    fused_rows, fused_caches, counted = _batched_pass(smollm2, kind, True, monkeypatch)
+    plain_rows, plain_caches, _ = _batched_pass(smollm2, kind, False, monkeypatch)
+    assert torch.equal(fused_rows, plain_rows)
+    for fused, plain in zip(fused_caches, plain_caches, strict=True):
+        assert torch.equal(fused[-1].keys, plain[-1].keys)
+        assert torch.equal(fused[-1].values, plain[-1].values)
+    # Three decode rows a call; the fresh cache's first chunk (its sinks fill first) goes
+    # layer by layer beside them; its next chunk is exact rows of one storage, fused too
+    # where the keys are not tiles.
+    calls = counted[:: len(smollm2.layers)]
+    assert calls == [3, 3, 3, 3 if kind == "q4" else 11]

@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from ...native.decode_layer import LayerShape, NativeDecodeLayer
+from ...native.decode_layer import LayerShape, NativeDecodeLayer, SequenceRows
 from ..cache import Cache, Slots
 from ..kernels import cpu_attention_kernel, cpu_int4_kernel, cpu_row_ops, fused_layers_enabled
 from ..layers import (
@@ -250,6 +250,8 @@ class Block:
 
     def forward(self, x, rotation, cache, mask):
         """Updates the residual stream `x` (fp32 [tokens, dim]) in place and returns it."""
+        if isinstance(cache, Segments):
+            return self._forward_segments(x, rotation, cache)
         taken = self._take_fused(x, cache, mask)
         if taken is not None:
             if mask is not None and not isinstance(mask, RowMasks):
@@ -261,6 +263,81 @@ class Block:
             if taken.written is not None:
                 taken.written()
             return x
+        return self._forward_layer_by_layer(x, rotation, cache, mask)
+
+    def _forward_segments(self, x: torch.Tensor, rotation: RopeTables, segments: Segments):
+        """Rows of several sequences (continuous batching): the sequences whose rows the fused
+        layer takes go through it in one call, the rest layer by layer. Every row comes out
+        as its own sequence's pass would give it, whichever way it goes."""
+        fused, rest = self._take_fused_segments(x, segments)
+        if not fused:
+            return self._forward_layer_by_layer(x, rotation, segments, None)
+        if not rest:
+            self._step_fused(x, rotation.cos, rotation.signed_sin, fused)
+            return x
+        # Mixed: each part runs on its own rows (gathered), then goes back in place.
+        rows = [torch.arange(at, at + count) for at, count, _, _ in fused]
+        fused_rows = torch.cat(rows)
+        part = x.index_select(0, fused_rows)
+        cos = rotation.cos.index_select(0, fused_rows).contiguous()
+        sin = rotation.signed_sin.index_select(0, fused_rows).contiguous()
+        at = 0
+        renumbered = []
+        for _, count, taken, mask in fused:
+            renumbered.append((at, count, taken, mask))
+            at += count
+        self._step_fused(part, cos, sin, renumbered)
+        x.index_copy_(0, fused_rows, part)
+        other_rows = torch.cat([torch.arange(a, a + count) for a, count, _, _ in rest])
+        other = x.index_select(0, other_rows)
+        view = Segments(
+            [cache for _, _, cache, _ in rest],
+            [count for _, count, _, _ in rest],
+            [mask for _, _, _, mask in rest],
+        )
+        tables = RopeTables(
+            rotation.cos.index_select(0, other_rows),
+            rotation.signed_sin.index_select(0, other_rows),
+            rotation.rope,
+        )
+        self._forward_layer_by_layer(other, tables, view, None)
+        x.index_copy_(0, other_rows, other)
+        return x
+
+    def _take_fused_segments(self, x: torch.Tensor, segments: Segments):
+        """(first row, rows, slots, mask) of each sequence the fused layer takes, and
+        (first row, rows, cache, mask) of the others. Taking a sequence's slots advances its
+        cache, so none is taken unless the call will run."""
+        fused, rest, at, total = [], [], 0, 0
+        usable = self.fused is not None and x.is_cpu
+        for cache, count, mask in segments:
+            taken = None
+            fits = count <= FUSED_ROWS and total + count <= FUSED_BATCH_ROWS
+            if usable and fits and (count == 1 or isinstance(mask, RowMasks)):
+                taken = self._take_fused(x[at : at + count], cache, mask)
+            if taken is None:
+                rest.append((at, count, cache, mask))
+            else:
+                if mask is not None and not isinstance(mask, RowMasks):
+                    mask = mask.contiguous()
+                else:
+                    mask = None  # several exact rows: each sees a prefix, unmasked
+                fused.append((at, count, (taken, _kernel_types(cache)), mask))
+                total += count
+            at += count
+        return fused, rest
+
+    def _step_fused(self, x: torch.Tensor, cos, sin, fused) -> None:
+        sequences = [
+            (count, SequenceRows(taken.slots, taken.stored, mask, kv_types, taken.tiled))
+            for _, count, (taken, kv_types), mask in fused
+        ]
+        self.fused.step_sequences(x, cos, sin, sequences)
+        for _, _, (taken, _), _ in fused:
+            if taken.written is not None:
+                taken.written()
+
+    def _forward_layer_by_layer(self, x, rotation, cache, mask):
         attended = self.attention.forward(self.attn_norm.forward(x), rotation, cache, mask)
         if self.post_attn_norm is not None:
             attended = self.post_attn_norm.forward(attended.float())
@@ -285,9 +362,11 @@ class Block:
         return take_rows(x.shape[0])
 
 
-# Up to this many exact rows (a verification's) run through the fused layer in one call
-# (the native call's own limit).
+# Up to this many exact rows of one sequence (a verification's, a prompt chunk's) run
+# through the fused layer in one call; up to FUSED_BATCH_ROWS rows of a batched step (the
+# native call's own limit).
 FUSED_ROWS = 16
+FUSED_BATCH_ROWS = 64
 
 # Up to this many query rows (decode steps, verification) attend through the native kernel on
 # the CPU; longer prompt chunks go through torch's attention, which batches them better.
