@@ -823,12 +823,20 @@ class RotatingKVCache:
         return StaticStep(2 * self.sinks + slot, mask, self.frame, written)
 
 
+def common_prefix(a: Sequence, b: Sequence) -> int:
+    """How many leading items (tokens, or any comparable units) a and b share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def reusable_length(caches: Sequence[Cache], held: Sequence[int], prompt: Sequence[int]) -> int:
     """How many leading tokens of `prompt` caches that hold `held` can keep: the shared
     prefix, less at least the prompt's last token (its logits are needed), if every cache
     can trim back to it (a rotated ring cannot bring back what it pushed out); else 0."""
-    from .runtimes.base import common_prefix  # lazily: it loads the tokenizer (llama.cpp)
-
     shared = min(common_prefix(held, prompt), len(prompt) - 1)
     if all(cache.can_trim(len(held) - shared) for cache in caches):
         return shared

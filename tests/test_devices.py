@@ -188,20 +188,30 @@ def test_out_of_memory_mid_decode_goes_on_on_the_cpu_with_the_same_answer(
 
 
 def test_caches_rebuilt_after_running_out_of_memory_hold_what_was_lost(default_model):
-    """The rebuild feeds each prompt chunk as a chunk and every decoded token as a decode
-    step computes it: the next step's logits match, bit for bit, those of caches that were
-    never lost (a single pass over everything rounds differently and flips near-ties)."""
+    """The rebuild feeds every token again as exact rows, as the steps that first fed them
+    computed them (prompt chunks too): the rebuilt caches equal, bit for bit, caches that
+    were never lost, and the answer goes on the same (a single ordinary pass over everything
+    would round differently and flip near-ties)."""
     import torch
 
     from miniapp.engine.runtimes.torch_runtime import TorchRuntime
+    from miniapp.engine.sampling import GREEDY
 
     kept, rebuilt = (TorchRuntime(default_model, n_ctx=512, spec="off") for _ in range(2))
-    for runtime in (kept, rebuilt):  # two turns: prompt, answer, prompt, answer
+    streams, begun = [], []
+    for runtime in (kept, rebuilt):  # two turns, the second one stopped mid-answer
         answer = _greedy(runtime, PROMPT, n=6)
-        _greedy(runtime, PROMPT + answer + list(range(500, 530)), n=6)
-    rebuilt._recover_from_oom(torch.OutOfMemoryError("simulated"))
-    assert rebuilt._tokens == kept._tokens
-    assert torch.equal(rebuilt._feed([77]), kept._feed([77]))
+        streams.append(runtime.generate_tokens(PROMPT + answer + list(range(500, 530)), GREEDY))
+        begun.append([next(streams[-1]) for _ in range(6)])
+    assert begun[0] == begun[1]
+    lost = [cache.keys.clone() for cache in rebuilt.caches]
+    with rebuilt.scheduler._lock:  # what a recovery does once the model is on the CPU
+        rebuilt.scheduler._rebuild_caches()
+    for before, cache in zip(lost, rebuilt.caches, strict=True):
+        assert torch.equal(before[:, :, : cache.offset], cache.keys[:, :, : cache.offset])
+    assert [next(streams[1]) for _ in range(12)] == [next(streams[0]) for _ in range(12)]
+    for stream in streams:
+        stream.close()
 
 
 def test_out_of_memory_at_load_falls_back_to_the_cpu(default_model, cpu_answer):

@@ -78,11 +78,9 @@ def data_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(miniapp_exe, data_dir):
-    # One answer at a time, as the terminal answers: the same rows through the same kernels, so
-    # the two must agree word for word. The batching engine (the default, --parallel 4) takes
-    # its prompts through the exact-rows path, which rounds differently from a prompt pass
-    # and can flip a near-tie; it is checked against itself (two sessions, below).
-    running = GuiServer(miniapp_exe, data_dir, "--parallel", "1").start()
+    # The default slots (--parallel 4) against the terminal's one: one engine, the same rows
+    # through the same kernels, so the two must agree word for word.
+    running = GuiServer(miniapp_exe, data_dir).start()
     yield running
     running.stop()
 

@@ -85,6 +85,23 @@ def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
 
 
+# Greedy answers long enough to have parted between the terminal (once its own path) and the
+# server: the first did at its 14th token on the q8 cache.
+SAME_ANSWER_QUESTIONS = ("Name three colours.", "Why is the sky blue?")
+
+
+def test_the_terminal_and_the_server_give_the_same_greedy_answers(miniapp_exe, client):
+    for question in SAME_ANSWER_QUESTIONS:
+        served = chat(client, question, temperature=0, max_tokens=48)
+        local = subprocess.run(
+            [miniapp_exe, "chat", "--ctx", "1024", "--spec", "off", "--temperature", "0",
+             "--max-tokens", "48"],
+            input=question + "\n", capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert local.returncode == 0, local.stderr
+        assert local.stdout.strip() == served.choices[0].message.content.strip()
+
+
 def chat(client, content: str, **options):
     return client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": content}], **options

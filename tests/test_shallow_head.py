@@ -108,20 +108,20 @@ def _force_shallow(runtime, weights, threshold=0.0, drafts=3) -> ShallowBlock:
 def test_the_memory_holds_every_position_however_it_was_fed(tiny, trained):
     """After a generation of a prompt chunk, drafts, rejections and plain steps (the gate
     closes on some), the memory holds exactly what feeding the same tokens the plain way
-    gives: the prompt's chunk, then one token a step."""
+    gives: the prompt as one chunk of exact rows, then one token a step."""
     block = _force_shallow(tiny, trained, threshold=0.3)
     params = SamplingParams(**{**TINY_SAMPLING.__dict__, "seed": 3})
     prompt = [1, 72, 101, 108, 108, 111, 44, 32]
     tokens = _generate(tiny, prompt, 40, params)
     stats = tiny.last_speculation
     assert stats.drafted > stats.accepted > 0 and stats.steps > stats.verifications
-    fed = tiny._tokens
+    fed, live_caches = tiny.scheduler.latest_sequence()
     assert fed == [*prompt, *tokens][: len(fed)]
-    live = block.memory(tiny.caches[EXIT - 1])
+    live = block.memory(live_caches[EXIT - 1])
     model = tiny.model
     caches = model.make_caches(tiny.policy)
-    model.hidden_states(torch.tensor(prompt[:-1]), caches)
-    for token in fed[len(prompt) - 1 :]:
+    model.hidden_states(torch.tensor(prompt), caches, exact_rows=True)
+    for token in fed[len(prompt) :]:
         model.hidden_states(torch.tensor([token]), caches)
     _plain(tiny)
     clean = block.memory(caches[EXIT - 1])

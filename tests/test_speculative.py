@@ -406,7 +406,9 @@ def test_bench_reports_plain_and_spec_with_identical_output(miniapp_exe):
         for key in ("decode_tok_s", "acceptance_rate", "tokens_per_step"):
             assert key in report[name]
     assert report["plain"]["spec"] == "off" and report["spec"]["spec"] == "lookup"
-    assert report["spec"]["tokens_per_step"] > 1.0
+    # Tokens per full pass: 1.0 when every step is plain (the controller may not probe
+    # lookup within 24 tokens); never fewer.
+    assert report["spec"]["tokens_per_step"] >= 1.0
     assert report["identical_output"] is True
     assert report["spec_vs_plain"] > 0
 

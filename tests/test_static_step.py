@@ -248,12 +248,32 @@ def cpu_tokens(tiny_path):
 def test_a_gpu_runtime_decodes_through_the_static_step(tiny_path, cpu_tokens, spec):
     probe = _GraphProbe()
     runtime = TorchRuntime(tiny_path, n_ctx=48, spec=spec, probe=probe)
-    assert runtime.static_step is not None and runtime.decode_step_note == "test runner"
+    assert runtime.decode_step_note == "test runner"
     assert _answer(runtime) == cpu_tokens
+    assert runtime.static_step is not None  # the steps went through it
     assert probe.built >= 1 and runtime.static_step.captured == probe.built
     runtime.reset()  # a new chat keeps the caches' storage, so the built steps stay valid
     assert _answer(runtime) == cpu_tokens
     assert runtime.static_step.captured == probe.built
+
+
+def test_batched_decode_rows_replay_one_captured_step(tiny_path):
+    # Three sequences decoding together on a GPU: their rows go through one fixed-shape step
+    # built over all their caches, through the same graph runner as a lone step (captured
+    # once per span bucket, then replayed), and each answer is the one it gets alone.
+    prompts = [list(range(3 + i, 40 + i)) for i in range(3)]
+    cpu = TorchRuntime(tiny_path, n_ctx=48, spec="off", device="cpu")
+    alone = [first_tokens(cpu, prompt, 60) for prompt in prompts]
+    probe = _GraphProbe()
+    runtime = TorchRuntime(tiny_path, n_ctx=48, spec="off", probe=probe, parallel=3)
+    streams = [runtime.generate_tokens(prompt, GREEDY) for prompt in prompts]
+    together = [[next(stream) for stream in streams] for _ in range(60)]
+    for stream in streams:
+        stream.close()
+    assert [list(answer) for answer in zip(*together, strict=True)] == alone
+    step = runtime.static_step
+    assert step is not None and step.batched and len(step.sequences) == 3
+    assert 1 <= step.captured <= probe.built and step.replays > 10 * step.captured
 
 
 def _logprobs(runtime, n):
@@ -274,8 +294,9 @@ def test_a_gpu_runtime_takes_static_steps_over_q4_keys(tiny_path, model, monkeyp
     want, want_logprobs = _logprobs(cpu, 90)  # past whole tiles, through the ring's wrap
     probe = _GraphProbe()
     runtime = TorchRuntime(tiny_path, n_ctx=48, spec="off", probe=probe, kv=kind)
-    assert runtime.static_step is not None and runtime.kv_type == kind
+    assert runtime.decode_step_note == "test runner" and runtime.kv_type == kind
     got, got_logprobs = _logprobs(runtime, 90)
+    assert runtime.static_step is not None
     assert got == want and probe.built >= 1
     assert (got_logprobs - want_logprobs).abs().max() < 1e-4
 
@@ -319,9 +340,9 @@ def test_the_static_step_makes_no_tensor_from_host_data(tiny_path, model, monkey
         monkeypatch.setenv("MINIAPP_NATIVE", "0")  # a GPU's attention over decoded keys
     probe = _HostDataProbe()
     runtime = TorchRuntime(tiny_path, n_ctx=48, spec="off", probe=probe, kv=kv)
-    assert runtime.static_step is not None
+    assert runtime.decode_step_note == "watched runner"
     _logprobs(runtime, 60)  # through the ring's wrap
-    assert runtime.static_step.captured >= 1
+    assert runtime.static_step is not None and runtime.static_step.captured >= 1
     assert probe.watch_mode.made == 0
 
 

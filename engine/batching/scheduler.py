@@ -15,10 +15,15 @@ A finished sequence leaves its caches in a small pool; a later prompt that start
 same tokens (the next turn of a chat, the same system prompt, a regenerate) takes them over
 and evaluates only the rest.
 
-A sequence that runs alone (nothing else running or waiting) may decode speculatively, as a
-lone generation does: drafts verified in one pass cost little more than a step when one row
-is all the step has, but beside other sequences' rows every verified row costs nearly a full
-row of the int4 matmuls, so batched steps never draft (docs/BENCHMARKS.md has the figures).
+A sequence that runs alone (nothing else running or waiting) may decode speculatively:
+drafts verified in one pass cost little more than a step when one row is all the step has,
+but beside other sequences' rows every verified row costs nearly a full row of the int4
+matmuls, so batched steps never draft (docs/BENCHMARKS.md has the figures).
+
+Every torch generation runs here, one slot or many: the terminal chat's, the GUI's and the
+server's alike, so they all give the same answer to the same prompt. The steps themselves
+run in the model runner (runner.py); when the device runs out of memory, `recover` moves the
+model to the CPU and each running sequence's caches are rebuilt there from its tokens.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from typing import Protocol
 
 import torch
 
-from ..cache import Cache, keep_first, reusable_length
+from ..cache import Cache, common_prefix, keep_first, reusable_length
 from ..constraints import TokenGuide
 from ..errors import MiniappError
 from ..events import SpeculationStats
@@ -43,6 +48,7 @@ from ..sampling import SamplingParams
 from ..speculative import SpeculativeDecoder
 from ..token_stream import TokenStream
 from ..torch_sampler import Sampler, token_logprob
+from .runner import ModelRunner
 
 DEFAULT_SLOTS = 4
 DEFAULT_QUEUE = 64  # requests that may wait for a slot before new ones are refused
@@ -87,6 +93,9 @@ _END = object()
 # Builds the speculative decoder for a sequence about to run alone, over its caches, its
 # record of the tokens fed and its sampler; None when drafting is off.
 DecoderFactory = Callable[[list[Cache], list[int], Sampler], SpeculativeDecoder | None]
+# Called when a step ran out of device memory: moves the model to the CPU (the runner's
+# `use_model`) and returns True, or False when there is nowhere left to go.
+Recovery = Callable[[torch.OutOfMemoryError], bool]
 
 
 class StepDriver(Protocol):
@@ -175,8 +184,11 @@ class BatchScheduler:
         policy: CachePolicy,
         config: BatchConfig | None = None,
         decoder_factory: DecoderFactory | None = None,
+        runner: ModelRunner | None = None,
+        recover: Recovery | None = None,
     ):
-        self.model, self.policy = model, policy
+        self.runner = runner or ModelRunner(model, policy)
+        self.policy, self.recover = policy, recover
         self.config = config or BatchConfig()
         self.decoder_factory = decoder_factory
         self.driver: StepDriver | None = None
@@ -190,6 +202,10 @@ class BatchScheduler:
         self.kv_bytes_per_token = kv_bytes_per_token(model, policy.kv_type)
         self.steps = 0  # forward passes run (for tests and figures)
         self.peak_batch = 0  # most sequences in one step
+
+    @property
+    def model(self) -> DecoderModel:
+        return self.runner.model
 
     @property
     def driven(self) -> bool:
@@ -252,6 +268,33 @@ class BatchScheduler:
         """Prompt tokens a pooled prefix would give a sequence submitted now."""
         with self._lock:
             return self._best_prefix(prompt)[1]
+
+    @torch.inference_mode()  # caches grown during a forward pass hold inference tensors
+    def forget(self, start: int, end: int) -> bool:
+        """Drop fed tokens start..end-1 from the most recently finished sequence's caches
+        without evaluating anything again (a chat's oldest turns let go: its next prompt
+        lacks them). False if no such sequence is pooled, or its caches can no longer do it
+        (a ring that has rotated)."""
+        with self._stepping, self._lock:
+            self._drop_cancelled()  # a stream its reader closed: pooled now, not next step
+            for pooled in reversed(self._pool):
+                if not 0 < start <= end <= len(pooled.tokens):
+                    continue
+                if not all(cache.can_forget(start) for cache in pooled.caches):
+                    return False
+                for cache in pooled.caches:
+                    cache.forget(start, end)
+                del pooled.tokens[start:end]
+                return True
+        return False
+
+    def latest_sequence(self) -> tuple[list[int], list[Cache]] | None:
+        """The tokens fed and the caches of the sequence running or finished last (for
+        tests and figures)."""
+        with self._lock:
+            if self._running:
+                return self._running[-1].fed, self._running[-1].caches
+            return (self._pool[-1].tokens, self._pool[-1].caches) if self._pool else None
 
     def queue_position(self, stream: SequenceStream) -> int:
         with self._lock:
@@ -325,10 +368,43 @@ class BatchScheduler:
                 self._run_alone(alone)
             else:
                 self._run(batch)
-        except Exception as exc:  # noqa: BLE001 - reported to every stream in the step
+        except torch.OutOfMemoryError as exc:
+            if self.recover is None or not self.recover(exc):
+                self._fail(batch, exc)
+                return
             with self._lock:
-                for sequence, _ in batch:
-                    self._finish(sequence, exc)
+                self._rebuild_caches()
+        except Exception as exc:  # noqa: BLE001 - reported to every stream in the step
+            self._fail(batch, exc)
+        except BaseException as exc:  # Ctrl-C inside a pass: the step's sequences end
+            self._fail(batch, exc, interrupted=True)
+            raise
+
+    def _fail(
+        self,
+        batch: list[tuple[_Sequence, list[int]]],
+        exc: BaseException,
+        interrupted: bool = False,
+    ) -> None:
+        """End the step's sequences with `exc`. An interrupted pass left some layers' caches
+        a token ahead of the others: they are pooled all the same (a prompt that reuses them
+        trims each cache by its own offset), as a chat goes on after Ctrl-C."""
+        with self._lock:
+            for sequence, _ in batch:
+                self._finish(sequence, exc, pool=interrupted)
+
+    def _rebuild_caches(self) -> None:
+        """After the model moved to another device: every running sequence's caches made
+        again there from the tokens it had fed (exact rows, so they hold what was lost), and
+        the pool let go. A step cut short is taken again: its tokens are pending once more."""
+        self._pool.clear()
+        for sequence in self._running:
+            kept = common_prefix(sequence.fed, sequence.history)  # drafts not yet accepted out
+            del sequence.fed[kept:]
+            sequence.caches = self.runner.make_caches()
+            self.runner.replay(sequence.fed, sequence.caches)
+            sequence.pending = sequence.history[kept:]
+            sequence.decoder = None  # its drafters ran on the old model
 
     def _drop_cancelled(self) -> None:
         for sequence in [s for s in self._running if s.stream.cancelled.is_set()]:
@@ -393,13 +469,22 @@ class BatchScheduler:
         prompt = sequence.prompt
         best, shared = self._best_prefix(prompt)
         if best is None:
-            sequence.caches = self.model.make_caches(self.policy)
+            sequence.caches = self._fresh_caches()
         else:
             self._pool.remove(best)
             keep_first(best.caches, shared)
             sequence.caches, sequence.fed = best.caches, best.tokens[:shared]
         sequence.pending = prompt[shared:]
         sequence.stream.cached_prompt_tokens = shared
+
+    def _fresh_caches(self) -> list[Cache]:
+        """Empty caches: the oldest pooled prefix's, cleared, when the pool is full (their
+        storage, and any graphs captured over it, serve again), else new ones."""
+        if self._pool and len(self._pool) >= self.config.pooled_prefixes:
+            caches = self._pool.pop(0).caches
+            keep_first(caches, 0)
+            return caches
+        return self.runner.make_caches()
 
     def _next_batch(self) -> list[tuple[_Sequence, list[int]]]:
         """Every decoding sequence's next token, and prompt chunks while the step's prompt
@@ -413,7 +498,7 @@ class BatchScheduler:
             budget = chunk_rows = config.idle_prefill_rows
         for sequence in self._running:
             if sequence.prefilling and budget > 0:
-                limit = min(chunk_rows, budget, self.model.max_chunk(sequence.caches))
+                limit = min(chunk_rows, budget, self.runner.max_chunk(sequence.caches))
                 chunk = sequence.pending[:limit]
                 batch.append((sequence, chunk))
                 budget -= len(chunk)
@@ -449,21 +534,19 @@ class BatchScheduler:
                 return
 
     def _run(self, batch: list[tuple[_Sequence, list[int]]]) -> None:
-        hidden = self.model.hidden_segments([(tokens, s.caches) for s, tokens in batch])
+        rows, wanting, at = [], [], 0
+        for sequence, tokens in batch:
+            at += len(tokens)
+            if len(tokens) == len(sequence.pending):  # its prompt's end, or its last token
+                rows.append(at - 1)
+                wanting.append(sequence)
+        logits = self.runner.logits([(tokens, s.caches) for s, tokens in batch], rows)
         self.steps += 1
         self.peak_batch = max(self.peak_batch, len(batch))
-        rows, wanting, at = [], [], 0
         for sequence, tokens in batch:
             sequence.decoder = None  # its drafters missed these tokens: a new one later
             sequence.fed.extend(tokens)
             del sequence.pending[: len(tokens)]
-            at += len(tokens)
-            if not sequence.pending:  # its prompt is in, or its last token: sample the next
-                rows.append(at - 1)
-                wanting.append(sequence)
-        if not wanting:
-            return
-        logits = self.model.logits(hidden[rows])
         for sequence, row in zip(wanting, logits, strict=True):
             self._sample(sequence, row)
 
@@ -487,12 +570,16 @@ class BatchScheduler:
         sequence.pending = [token]
         return False
 
-    def _finish(self, sequence: _Sequence, error: BaseException | None = None) -> None:
-        """End the sequence's stream and free its slot; its caches go to the prefix pool."""
+    def _finish(
+        self, sequence: _Sequence, error: BaseException | None = None, pool: bool = False
+    ) -> None:
+        """End the sequence's stream and free its slot; its caches go to the prefix pool
+        (after an error only with `pool`)."""
         if sequence in self._running:
             self._running.remove(sequence)
         sequence.stream._items.put(error if error is not None else _END)
-        if error is None and sequence.caches and len(sequence.fed) == _offset(sequence):
+        whole = len(sequence.fed) == _offset(sequence)
+        if (error is None or pool) and sequence.caches and (whole or pool):
             self._pool.append(_Pooled(sequence.fed, sequence.caches))
             del self._pool[: max(0, len(self._pool) - self.config.pooled_prefixes)]
         sequence.caches = []

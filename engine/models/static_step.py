@@ -32,6 +32,7 @@ from ..kv_codec import TILE_ROWS, KVCodec
 from ..kv_types import F32
 from ..layers import Rope, RopeTables, apply_rope
 from .decoder import DecoderModel
+from .exact_rows import Segments
 from .placement import CPU
 
 WARMUP_STEPS = 2  # eager runs on a side stream before capture, as torch's graph docs advise
@@ -188,13 +189,29 @@ class CudaGraphRunner:
 class StaticDecodeStep:
     """Decode steps of `model` over `caches` with fixed shapes. Build it after `reserve`-ing
     the caches; `ready()` says whether the next step can be static (the sinks are filled and
-    nothing needs to grow); otherwise the caller takes an ordinary step."""
+    nothing needs to grow); otherwise the caller takes an ordinary step.
 
-    def __init__(self, model: DecoderModel, caches: list[Cache], runner: Runner = eager_runner):
-        reason = static_step_unsupported(model, caches)
-        if reason is not None:
-            raise ValueError(reason)
-        self.model, self.caches, self.runner = model, caches, runner
+    `batch`: the caches of several sequences instead, one token each a step (the
+    scheduler's decode rows): their rows share every matmul and each attends its own caches,
+    through the same layer loop continuous batching uses; a step then takes one token per
+    sequence, in order, and returns one row of logits each."""
+
+    def __init__(
+        self,
+        model: DecoderModel,
+        caches: list[Cache] | None = None,
+        runner: Runner = eager_runner,
+        batch: list[list[Cache]] | None = None,
+    ):
+        sequences = [caches] if batch is None else list(batch)
+        for one in sequences:
+            reason = static_step_unsupported(model, one)
+            if reason is not None:
+                raise ValueError(reason)
+        self.model, self.runner = model, runner
+        self.sequences = sequences
+        self.caches = sequences[0]
+        self.batched = batch is not None
         self.device = model.head_device
         config = model.config
         self._local = [config.is_local(i) for i in range(config.n_layers)]
@@ -202,34 +219,44 @@ class StaticDecodeStep:
             kind: [i for i, local in enumerate(self._local) if local == kind]
             for kind in sorted(set(self._local))
         }
-        self.kinds = {
-            kind: self._kind_inputs(model.ropes[kind], caches[layers[0]])
-            for kind, layers in self._layers_of_kind.items()
+        rows = len(sequences)
+        # Each kind's RoPE tables for all rows, one row a sequence: its inputs write there.
+        self.rotations = {
+            kind: self._tables(model.ropes[kind], rows) for kind in self._layers_of_kind
         }
-        self.x = torch.zeros(1, config.dim, device=self.device)
-        self.logits = torch.zeros(1, config.vocab_size, device=self.device)
+        self.inputs = [
+            {
+                kind: self._kind_inputs(kind, one[layers[0]], row)
+                for kind, layers in self._layers_of_kind.items()
+            }
+            for row, one in enumerate(sequences)
+        ]
+        self.kinds = self.inputs[0]
+        self.x = torch.zeros(rows, config.dim, device=self.device)
+        self.logits = torch.zeros(rows, config.vocab_size, device=self.device)
         self._storage = self._storage_addresses()
         self._runs: dict[tuple[int, ...], Callable[[], None]] = {}  # span lengths -> step
+        self.replays = 0  # steps taken (tests count them against captures)
 
-    def _kind_inputs(self, rope: Rope, cache: Cache) -> _KindInputs:
-        head_dim = self.model.config.head_dim
+    def _tables(self, rope: Rope, rows: int) -> RopeTables:
+        shape = (rows, 1, self.model.config.head_dim)
+        return RopeTables(torch.ones(shape, device=self.device),
+                          torch.zeros(shape, device=self.device), rope)  # fmt: skip
 
-        def tables() -> RopeTables:
-            shape = (1, 1, head_dim)
-            return RopeTables(torch.ones(shape, device=self.device),
-                              torch.zeros(shape, device=self.device), rope)  # fmt: skip
-
+    def _kind_inputs(self, kind: bool, cache: Cache, row: int) -> _KindInputs:
         _, span = cache.static_span()
         tiled = cache.key_codec.tiled
+        rope, batch = self.model.ropes[kind], self.rotations[kind]
+        rotation = RopeTables(batch.cos[row : row + 1], batch.signed_sin[row : row + 1], rope)
         return _KindInputs(
-            rope, tables(), tables(),
+            rope, rotation, self._tables(rope, 1),
             torch.zeros(1, dtype=torch.long, device=self.device),
             torch.zeros(1, span, dtype=torch.bool, device=self.device),
             _TileRows(self.device) if tiled else None,
         )  # fmt: skip
 
     def _storage_addresses(self) -> list[int]:
-        return [cache.keys.data_ptr() for cache in self.caches]
+        return [cache.keys.data_ptr() for one in self.sequences for cache in one]
 
     @property
     def captured(self) -> int:
@@ -239,40 +266,53 @@ class StaticDecodeStep:
     def ready(self) -> bool:
         """Whether the next token can go through the static step: every cache reserved at
         the addresses it was built for and in its steady state."""
-        return all(c.static_ready() for c in self.caches) and (
+        return all(c.static_ready() for one in self.sequences for c in one) and (
             self._storage_addresses() == self._storage
         )
 
     def __call__(self, token: int) -> torch.Tensor:
-        """Feed one token; returns its fp32 logits [1, vocab] on the CPU."""
+        """Feed one token (one sequence's step); returns its fp32 logits [1, vocab] on the
+        CPU."""
+        return self.step([token])
+
+    def step(self, tokens: list[int]) -> torch.Tensor:
+        """Feed one token to each sequence; returns fp32 logits [sequences, vocab] on the
+        CPU."""
         if self.model.fault_hook is not None:
             self.model.fault_hook()
-        self.x.copy_(self.model.embed_tokens(torch.tensor([token])))
+        self.x.copy_(self.model.embed_tokens(torch.tensor(tokens)))
         written: list[Callable[[], None]] = []
         lengths = tuple(
-            self._advance_kind(self.kinds[kind], layers, written)
+            self._advance_kind(inputs[kind], one, layers, written)
+            for inputs, one in zip(self.inputs, self.sequences, strict=True)
             for kind, layers in self._layers_of_kind.items()
         )
         try:
             run = self._runs.get(lengths) or self._build_run(lengths)
             run()
+            self.replays += 1
             for encode_tile in written:  # q4 keys: the tiles this step's keys completed
                 encode_tile()
         except BaseException:
-            for cache in self.caches:  # as if the token had never come
-                cache.trim(1)
+            for one in self.sequences:  # as if the tokens had never come
+                for cache in one:
+                    cache.trim(1)
             raise
         return self.logits.to(CPU, copy=True)  # the buffer is overwritten next step
 
     def _advance_kind(
-        self, inputs: _KindInputs, layers: list[int], written: list[Callable[[], None]]
+        self,
+        inputs: _KindInputs,
+        caches: list[Cache],
+        layers: list[int],
+        written: list[Callable[[], None]],
     ) -> int:
         """Cache bookkeeping for the new token, and the kind's static inputs for it; returns
         the span bucket its attention reads, and adds to `written` what to call after the
         step. The first cache of the kind answers for all (they hold the same positions)."""
-        first = self.caches[layers[0]]
+        first = caches[layers[0]]
         steps = [first.advance_one()]
-        steps += [self.caches[layer].advance_one(with_mask=False) for layer in layers[1:]]
+        steps += [caches[layer].advance_one(with_mask=False) for layer in layers[1:]]
         written += [step.written for step in steps if step.written is not None]
         step = steps[0]
         if inputs.tiles is not None:
@@ -288,20 +328,41 @@ class StaticDecodeStep:
         return span_bucket(first.static_extent(), inputs.mask.shape[1])
 
     def _build_run(self, lengths: tuple[int, ...]) -> Callable[[], None]:
-        span = dict(zip(self._layers_of_kind, lengths, strict=True))
-        views = [
-            _StaticCacheView(cache, self.kinds[kind], span[kind])
-            for cache, kind in zip(self.caches, self._local, strict=True)
+        kinds = list(self._layers_of_kind)
+        spans = [
+            dict(zip(kinds, lengths[row * len(kinds) : (row + 1) * len(kinds)], strict=True))
+            for row in range(len(self.sequences))
         ]
-        masks = {kind: inputs.mask[:, : span[kind]] for kind, inputs in self.kinds.items()}
-        run = self.runner(functools.partial(self._body, views, masks))
+        views = [
+            [
+                _StaticCacheView(cache, inputs[kind], span[kind])
+                for cache, kind in zip(one, self._local, strict=True)
+            ]
+            for one, inputs, span in zip(self.sequences, self.inputs, spans, strict=True)
+        ]
+        masks = [
+            {kind: inputs[kind].mask[:, : span[kind]] for kind in kinds}
+            for inputs, span in zip(self.inputs, spans, strict=True)
+        ]
+        if self.batched:  # each layer sees every sequence's cache, as a batched pass does
+            layers = [
+                Segments(
+                    [one[layer] for one in views],
+                    [1] * len(views),
+                    [mask[self._local[layer]] for mask in masks],
+                )
+                for layer in range(len(self._local))
+            ]
+            body = functools.partial(self._body, layers, dict.fromkeys(kinds))
+        else:
+            body = functools.partial(self._body, views[0], masks[0])
+        run = self.runner(body)
         self._runs[lengths] = run
         return run
 
-    def _body(self, views: list[_StaticCacheView], masks: dict[bool, torch.Tensor]) -> None:
+    def _body(self, layers: list, masks: dict[bool, torch.Tensor | None]) -> None:
         """The step itself, through the model's own layer loop and head: it reads only the
         static inputs, so it can be captured."""
         model = self.model
-        rotations = {kind: inputs.rotation for kind, inputs in self.kinds.items()}
-        x = model.apply_layers(self.x, views, rotations, masks)
+        x = model.apply_layers(self.x, layers, self.rotations, masks)
         self.logits.copy_(model.project(model.final_norm(x)))

@@ -29,16 +29,6 @@ def default_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)))
 
 
-def common_prefix(a: Sequence, b: Sequence) -> int:
-    """How many leading items (tokens, or any comparable units) a and b share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 @dataclass(frozen=True)
 class RuntimeInfo:
     """What a runtime is and where it runs, for interfaces to show."""

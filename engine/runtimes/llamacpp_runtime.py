@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..cache import common_prefix
 from ..constraints import TokenGuide, token_guide
 from ..devices import DeviceProbe
 from ..gguf_file import GGUFFile
@@ -22,7 +23,6 @@ from .base import (
     LOGIT_BLOCK,
     Runtime,
     RuntimeInfo,
-    common_prefix,
     default_threads,
 )
 

@@ -30,12 +30,13 @@ import numpy as np
 from llama_cpp import mtmd_cpp
 from llama_cpp.llama_chat_format import MTMDChatHandler
 
+from ..cache import common_prefix
 from ..devices import DeviceProbe
 from ..errors import MiniappError, ModelFileError
 from ..gguf_file import GGUFFile
 from ..images.route import projector_problem
 from ..llamacpp_lib import Llama, OpenedModel, llama_cpp, llama_supports_gpu_offload, open_model
-from .base import DEFAULT_CTX, Prefill, VisionRuntime, common_prefix
+from .base import DEFAULT_CTX, Prefill, VisionRuntime
 from .llamacpp_runtime import BATCH, LlamaCppRuntime
 
 log = logging.getLogger("miniapp.llamacpp")

@@ -10,7 +10,8 @@ import numpy as np
 import torch
 
 from ..batching import DEFAULT_QUEUE, UNLIMITED, BatchConfig, BatchScheduler
-from ..cache import Cache, keep_first, reusable_length
+from ..batching.runner import ModelRunner
+from ..cache import Cache
 from ..compute_thread import ComputeThread
 from ..devices import (
     DevicePlan,
@@ -23,6 +24,7 @@ from ..devices import (
     plan_device,
 )
 from ..errors import MiniappError
+from ..events import SpeculationStats
 from ..gguf_file import GGUFFile
 from ..kv_types import KVSetting, bytes_per_token, default_kv_type, kv_type
 from ..memory import available_memory_bytes, limit_heap_fragmentation
@@ -45,9 +47,9 @@ from ..speculative.calibration import (
 )
 from ..speculative.draft_head import HEAD_ACCEPTANCE_MEMORY, DraftHead, HeadDrafter
 from ..speculative.shallow_head import ShallowBlock, ShallowExitDrafter
-from ..token_stream import GeneratedTokens, TokenStream
+from ..token_stream import TokenStream
 from ..tokenizer import Tokenizer
-from ..torch_sampler import Sampler, sampler_for, token_logprob
+from ..torch_sampler import Sampler, sampler_for
 from .base import (
     DEFAULT_CTX,
     DEFAULT_SINKS,
@@ -64,10 +66,12 @@ class TorchRuntime(Runtime):
     """Streams: once a conversation outgrows --ctx, the caches keep `sinks` first tokens plus
     the most recent `window` (default ctx - sinks) and generation goes on.
 
-    With `parallel` above 1, generations run through a continuous-batching scheduler
-    (engine/batching), up to `parallel` at once, each with caches of its own; finished ones
-    leave their caches for a later prompt with the same start. With 1, one generation at a
-    time runs over the runtime's own caches (and, on a GPU, a replayed graph of the step)."""
+    Every generation runs through the continuous-batching scheduler (engine/batching), up to
+    `parallel` at once (one slot by default, as a terminal chat has), each with caches of its
+    own; finished ones leave their caches for a later prompt with the same start (the next
+    turn of a chat). The scheduler's model runner replays a graph of the decode step on a
+    GPU; this class builds the model where the device plan says, moves it to the CPU when
+    the GPU runs out of memory, and keeps what drafting learns across answers."""
 
     backend = "torch"
     slides_past_ctx = True
@@ -109,22 +113,20 @@ class TorchRuntime(Runtime):
         self.tokenizer = Tokenizer(self.model_path)
         self.n_ctx = n_ctx
         self.policy = CachePolicy(n_ctx, sinks=sinks, window=window, kv_type=self.kv_type)
-        self._new_caches()
-        self._tokens: list[int] = []  # every token fed, in order (the caches may keep fewer)
-        # The spans of `_tokens` that went in as prompt chunks (torch's batched attention);
-        # the rest went in as decode steps or their exact equal. A rebuild replays both alike.
-        self._prompt_chunks: list[tuple[int, int]] = []
         self.spec_mode = SpecMode(spec)
         # Kept across answers: what drafting costs and earns is learned as the chat goes.
         self.draft_controller = DraftController()
         self.early_exit = self._early_exit_drafter()
         self.draft_head = self._draft_head()
         self.parallel = parallel
-        self.scheduler = None
-        if parallel > 1:
-            config = BatchConfig(slots=parallel, pooled_prefixes=parallel, max_queue=max_queue,
-                                 kv_budget_bytes=_kv_budget())  # fmt: skip
-            self.scheduler = BatchScheduler(self.model, self.policy, config, self._lone_decoder)
+        graphs, note = decode_step_path(self.probe, self.device_plan, self.config.n_layers)
+        self.runner = ModelRunner(self.model, self.policy, graphs, note)
+        self.runner.on_graph_failure = self._record_graph_failure
+        config = BatchConfig(slots=parallel, pooled_prefixes=parallel, max_queue=max_queue,
+                             kv_budget_bytes=_kv_budget())  # fmt: skip
+        self.scheduler = BatchScheduler(self.model, self.policy, config, self._lone_decoder,
+                                        self.runner, self._recover_from_oom)  # fmt: skip
+        self._last_stream: TokenStream | None = None
 
     def _placement(self) -> Placement:
         plan = self.device_plan
@@ -160,64 +162,42 @@ class TorchRuntime(Runtime):
             torch.cuda.empty_cache()
         return self._build()
 
-    def _new_caches(self) -> None:
-        """Fresh caches for the model, and the fixed-shape decode step over them when the
-        device replays one as a graph (its caches are allocated in full, once)."""
-        self.caches, self.static_step = [], None  # the old ones go first (GPU memory)
-        self.caches = self.model.make_caches(self.policy)
-        runner, self.decode_step_note = decode_step_path(
-            self.probe, self.device_plan, self.model.config.n_layers
-        )
-        if runner is not None:
-            for cache in self.caches:
-                cache.reserve()
-            self.static_step = StaticDecodeStep(self.model, self.caches, runner)
+    @property
+    def static_step(self) -> StaticDecodeStep | None:
+        """The fixed-shape decode step the last graph-replayed step went through (None: the
+        steps run eagerly)."""
+        return self.runner.latest_static_step if self.runner.graphs is not None else None
 
-    def _recover_from_oom(self, exc: torch.OutOfMemoryError) -> None:
-        """Out of memory mid-decode: continue on the CPU with the same conversation. The
-        caches are rebuilt there from the tokens fed so far."""
+    @property
+    def decode_step_note(self) -> str:
+        """How decode steps run, in words (doctor and the device report)."""
+        return self.runner.graph_note
+
+    @property
+    def caches(self) -> list[Cache] | None:
+        """The caches of the generation running or finished last."""
+        latest = self.scheduler.latest_sequence()
+        return None if latest is None else latest[1]
+
+    @property
+    def last_speculation(self) -> SpeculationStats | None:
+        """What drafting did in the last generation (None: it did not draft)."""
+        return None if self._last_stream is None else self._last_stream.speculation
+
+    def _recover_from_oom(self, exc: torch.OutOfMemoryError) -> bool:
+        """Out of memory mid-step on a GPU: go on with the same generations on the CPU (the
+        scheduler rebuilds their caches there). False on the CPU: nowhere left to go."""
+        if not self.device_plan.on_gpu:
+            return False
         step = f"decoding on {self.device_plan.device}"
-        self.caches, self.static_step = [], None
+        self.runner.use_model(None, None, "eager steps on the CPU")  # the GPU copy goes first
         self.model = self._fall_back_to_cpu(step, f"out of memory during decode: {exc}")
         self.early_exit = self._early_exit_drafter()  # it drafts with the model's layers
         self.draft_head = self._draft_head()
-        fed, chunks = list(self._tokens), list(self._prompt_chunks)
-        self._new_caches()
-        self._replay(fed, chunks)
+        self.runner.use_model(self.model, None, "eager steps on the CPU")
+        return True
 
-    @torch.inference_mode()
-    def _replay(self, fed: list[int], chunks: list[tuple[int, int]]) -> None:
-        """Feed `fed` into fresh caches as it went in the first time: each prompt chunk as
-        that chunk, every other token through the exact-rows path (bit for bit a decode
-        step), so the rebuilt caches hold what the lost ones held on this device."""
-        self._tokens[:], self._prompt_chunks = fed, chunks
-        done = 0
-        for start, end in [*chunks, (len(fed), len(fed))]:
-            if done < start:
-                for _ in self._hidden_chunks(fed[done:start], self.caches, exact_rows=True):
-                    pass
-            if start < end:
-                self.model.hidden_states(torch.tensor(fed[start:end]), self.caches)
-            done = end
-
-    def _decode_one(self, token: int) -> torch.Tensor:
-        """One decode step (the token is not recorded in `_tokens`); fp32 logits [vocab]."""
-        step = self.static_step
-        if step is not None and step.ready():
-            try:
-                return step(token)[0]
-            except torch.OutOfMemoryError:
-                raise
-            except RuntimeError as exc:  # capture failed: ordinary steps from now on
-                self._give_up_static_steps(exc)
-        hidden = self.model.hidden_states(torch.tensor([token]), self.caches)
-        return self.model.logits(hidden)[0]
-
-    def _give_up_static_steps(self, exc: RuntimeError) -> None:
-        reason = _first_line(exc)
-        log.warning("decode steps run eagerly from now on: the graph failed: %s", reason)
-        self.static_step = None
-        self.decode_step_note = f"eager steps: the graph failed: {reason}"
+    def _record_graph_failure(self, reason: str) -> None:
         self.device_plan.fallbacks.append(Fallback("graph of the decode step", reason))
 
     def _draft_head(self) -> DraftHead | ShallowBlock | None:
@@ -270,63 +250,17 @@ class TorchRuntime(Runtime):
         return drafter
 
     def reusable_prefix(self, prompt: Sequence[int]) -> int:
-        if self.scheduler is not None:
-            return self.scheduler.reusable_prefix(prompt)
-        return reusable_length(self.caches, self._tokens, prompt)
+        return self.scheduler.reusable_prefix(prompt)
 
     def generate_tokens(self, prompt: Sequence[int], params: SamplingParams) -> TokenStream:
         # The constraint compiles here, so a bad schema fails the call, not the stream.
         sampler = sampler_for(params, self.tokenizer, len(prompt))
-        if self.scheduler is not None:
-            return self.scheduler.submit(prompt, params, max_new=UNLIMITED, guide=sampler.guide)
-        stream = GeneratedTokens(cached_prompt_tokens=self.reusable_prefix(prompt))
-        return stream.feeding(self._generate_alone(prompt, sampler, stream))
+        stream = self.scheduler.submit(prompt, params, max_new=UNLIMITED, guide=sampler.guide)
+        self._last_stream = stream
+        return stream
 
     def run_steps_on(self, compute: ComputeThread) -> None:
-        if self.scheduler is not None:
-            self.scheduler.driver = compute
-
-    def _generate_alone(
-        self, prompt: Sequence[int], sampler: Sampler, stream: GeneratedTokens
-    ) -> Iterator[int]:
-        history = list(prompt)
-        while True:
-            try:
-                yield from self._generate(history, sampler, stream)
-                return
-            except torch.OutOfMemoryError as exc:
-                if not self.device_plan.on_gpu:
-                    raise
-                # The tokens yielded so far are in `history`: go on from there, same sampler.
-                self._recover_from_oom(exc)
-
-    def _generate(
-        self, history: list[int], sampler: Sampler, stream: GeneratedTokens
-    ) -> Iterator[int]:
-        """Yields tokens after `history`, appending each to it."""
-        prompt = list(history)
-        reuse = self.reusable_prefix(prompt)
-        self._truncate(reuse)
-        logits = self._feed(prompt[reuse:])
-        self.last_speculation = None
-        if self.spec_mode is not SpecMode.OFF and sampler.params.logprobs is None:
-            drafters = build_drafters(self.spec_mode, self.model, self.early_exit, self.draft_head)
-            decoder = SpeculativeDecoder(
-                self.model, self.caches, self._tokens, sampler, self.draft_controller,
-                drafters, mode=self.spec_mode.value, decode_one=self._decode_one,
-            )  # fmt: skip
-            self.last_speculation = stream.speculation = decoder.stats
-            yield from decoder.run(logits, history)
-            return
-        if sampler.params.logprobs is not None and stream.logprobs is None:
-            stream.logprobs = []  # kept across a retry after running out of GPU memory
-        while True:
-            token = sampler(logits, history)
-            if stream.logprobs is not None:
-                stream.logprobs.append(token_logprob(logits, token, sampler.params.logprobs))
-            yield token
-            history.append(token)
-            logits = self._feed([token])
+        self.scheduler.driver = compute
 
     def _lone_decoder(
         self, caches: list[Cache], fed: list[int], sampler: Sampler
@@ -336,7 +270,8 @@ class TorchRuntime(Runtime):
             return None
         drafters = build_drafters(self.spec_mode, self.model, self.early_exit, self.draft_head)
         return SpeculativeDecoder(self.model, caches, fed, sampler, self.draft_controller,
-                                  drafters, mode=self.spec_mode.value)  # fmt: skip
+                                  drafters, mode=self.spec_mode.value,
+                                  decode_one=self.runner.stepper(caches))  # fmt: skip
 
     def info(self) -> RuntimeInfo:
         policy, c = self.policy, self.model.config
@@ -346,28 +281,15 @@ class TorchRuntime(Runtime):
                            per_token, weight_bytes_per_token=self._weight_bytes)  # fmt: skip
 
     def reset(self) -> None:
-        # Under the scheduler there is no one context to forget: pooled prefixes serve
-        # whichever prompt starts with them, and age out.
-        self._truncate(0)
+        # No one context to forget: pooled prefixes serve whichever prompt starts with them
+        # (rows are exact, so a reused prefix gives the answer a fresh one would), and age out.
+        pass
 
-    @torch.inference_mode()  # caches grown during a forward pass hold inference tensors
     def forget(self, start: int, end: int) -> bool:
-        """Drop fed tokens start..end-1 from every cache without evaluating anything again
-        (chat turn eviction). False if the caches can no longer do it (they have rotated)."""
-        if self.scheduler is not None or not 0 < start <= end <= len(self._tokens):
-            return False
-        if not all(cache.can_forget(start) for cache in self.caches):
-            return False
-        for cache in self.caches:
-            cache.forget(start, end)
-        del self._tokens[start:end]
-        gone = end - start  # chunks after the span move back; one cut by it is no longer whole
-        self._prompt_chunks = [
-            (a - gone, b - gone) if a >= end else (a, b)
-            for a, b in self._prompt_chunks
-            if b <= start or a >= end
-        ]
-        return True
+        """Drop fed tokens start..end-1 from the last finished generation's caches without
+        evaluating anything again (chat turn eviction). False if the caches can no longer do
+        it (they have rotated)."""
+        return self.scheduler.forget(start, end)
 
     @torch.inference_mode()
     def logit_blocks(
@@ -388,44 +310,15 @@ class TorchRuntime(Runtime):
             yield row, self.model.logits(hidden).numpy()
             row += len(hidden)
 
-    def _hidden_chunks(
-        self, tokens: Sequence[int], caches, exact_rows: bool = False
-    ) -> Iterator[torch.Tensor]:
-        """Final hidden states for `tokens`, in chunks the caches can take at once (with
-        `exact_rows`, each row as a decode step computes it)."""
-        if len(tokens) == 1:  # decoding: every cache takes one token
-            yield self.model.hidden_states(torch.tensor(tokens), caches)
-            return
+    def _hidden_chunks(self, tokens: Sequence[int], caches) -> Iterator[torch.Tensor]:
+        """Final hidden states for `tokens` (perplexity: the whole text at once), in chunks
+        the caches can take at once."""
         done = 0
         while done < len(tokens):
             size = self.model.max_chunk(caches)
             chunk = torch.tensor(tokens[done : done + size])
-            yield self.model.hidden_states(chunk, caches, exact_rows)
+            yield self.model.hidden_states(chunk, caches)
             done += len(chunk)
-
-    @torch.inference_mode()
-    def _feed(self, tokens: Sequence[int]) -> torch.Tensor:
-        """Append tokens to the caches; returns fp32 logits [vocab] after the last one.
-
-        The last token goes in as a decode step, the rest in prompt chunks: a later prompt
-        that keeps all but that token (a regenerate) evaluates it again exactly as the
-        first time, so a greedy answer comes out the same."""
-        done = 0
-        for hidden in self._hidden_chunks(tokens[:-1], self.caches):
-            start = len(self._tokens)
-            self._tokens.extend(tokens[done : done + len(hidden)])
-            self._prompt_chunks.append((start, len(self._tokens)))
-            done += len(hidden)
-        logits = self._decode_one(tokens[-1])
-        self._tokens.append(tokens[-1])
-        return logits
-
-    @torch.inference_mode()
-    def _truncate(self, n: int) -> None:
-        """Keep the first n tokens."""
-        del self._tokens[n:]
-        self._prompt_chunks = [(a, min(b, n)) for a, b in self._prompt_chunks if a < n]
-        keep_first(self.caches, n)
 
 
 def _kv_budget() -> int | None:

@@ -75,10 +75,10 @@ class SpeculativeDecoder:
         Feeds it, and returns the tokens that follow (one, or accepted drafts and one more),
         appended to `history`; the last of them is not fed yet."""
         pending = history[-1]
-        self.stats.emitted += 1
         self.observe([pending])
         new = self._step(pending, history)
         history.append(new[-1])
+        self.stats.emitted += 1  # the kept drafts are counted as accepted, this one here
         return new
 
     def _accept(self, tokens: Sequence[int], history: list[int]) -> None:

@@ -1,0 +1,191 @@
+"""The model runner: runs one step's rows on the device, for the scheduler that composed it.
+
+A step is a list of (tokens, caches) pairs, one per sequence: a decode row, a prompt chunk,
+or (through a drafter) verification rows. The runner only computes: it never decides which
+sequence runs, and it keeps no sequence's state beyond the caches it is handed. What it owns
+is how rows reach the device:
+
+- one sequence alone goes through the model's single-sequence pass (its fused layer takes a
+  decode row or a short chunk in one native call a layer);
+- several go through one batched pass, each over its own caches;
+- decode rows, on a device that replays graphs, go through a fixed-shape step
+  (models/static_step.py): a sequence alone through the one built over its caches and kept
+  with them, several through one built over all their caches.
+
+Every row comes out as a decode step of its sequence alone would compute it (prompt chunks
+take the exact-rows path), so a sequence's tokens do not depend on how its prompt was
+chunked, on which sequences shared its steps, or on which of these routes a row took.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..cache import Cache
+from ..models import CachePolicy, DecoderModel
+from ..models.static_step import Runner, StaticDecodeStep, static_step_unsupported
+
+log = logging.getLogger("miniapp.engine")
+
+Rows = Sequence[tuple[Sequence[int], list[Cache]]]
+# Batched fixed-shape steps kept (each holds its own graphs): the sets of sequences decoding
+# together change as they come and go.
+BATCH_STEPS_KEPT = 4
+
+
+class SequenceCaches(list):
+    """One sequence's caches, one per layer, with the fixed-shape step built over them (a
+    GPU's captured graphs), so the step travels with the caches through the prefix pool."""
+
+    static_step: StaticDecodeStep | None = None
+
+
+class ModelRunner:
+    """Runs steps of `model` over caches made by the policy. `graphs`: the device's runner
+    for fixed-shape decode steps (None: every step eager, as on a CPU)."""
+
+    def __init__(
+        self,
+        model: DecoderModel,
+        policy: CachePolicy,
+        graphs: Runner | None = None,
+        graph_note: str = "eager steps",
+    ):
+        self.model, self.policy = model, policy
+        self.graphs, self.graph_note = graphs, graph_note
+        self.latest_static_step: StaticDecodeStep | None = None
+        self._batch_steps: dict[tuple[int, ...], StaticDecodeStep] = {}
+        # Told why graphs were given up (the runtime records it as a device fallback).
+        self.on_graph_failure: Callable[[str], None] | None = None
+
+    def use_model(self, model: DecoderModel, graphs: Runner | None, graph_note: str) -> None:
+        """Run another model from now on (a fallback to the CPU); caches made for the old
+        one are no longer valid."""
+        self.model, self.graphs, self.graph_note = model, graphs, graph_note
+        self.latest_static_step = None
+        self._batch_steps.clear()
+
+    def make_caches(self) -> SequenceCaches:
+        """Fresh caches for one sequence (allocated in full where steps replay graphs: the
+        graph reads fixed addresses)."""
+        caches = SequenceCaches(self.model.make_caches(self.policy))
+        if self.graphs is not None:
+            for cache in caches:
+                cache.reserve()
+        return caches
+
+    def max_chunk(self, caches: list[Cache]) -> int:
+        return self.model.max_chunk(caches)
+
+    @torch.inference_mode()
+    def logits(self, rows: Rows, wanted: Sequence[int]) -> torch.Tensor:
+        """Run one step: each (tokens, caches) pair appends its tokens to its caches. Returns
+        fp32 logits [len(wanted), vocab] of the rows `wanted` (indices over all rows)."""
+        decode_rows = all(len(tokens) == 1 for tokens, _ in rows)
+        if decode_rows and list(wanted) == list(range(len(rows))):
+            if len(rows) == 1:
+                return self.decode_one(rows[0][0][0], rows[0][1])[None]
+            replayed = self._replay_batch(rows)
+            if replayed is not None:
+                return replayed
+        if len(rows) == 1:
+            tokens, caches = rows[0]
+            hidden = self.model.hidden_states(torch.tensor(list(tokens)), caches, True)
+        else:
+            hidden = self.model.hidden_segments(rows)
+        if not wanted:
+            return hidden.new_empty(0, 0)
+        return self.model.logits(hidden[list(wanted)])
+
+    def stepper(self, caches: list[Cache]) -> Callable[[int], torch.Tensor]:
+        """`decode_one` bound to one sequence's caches (a drafting decoder's plain steps)."""
+        return lambda token: self.decode_one(token, caches)
+
+    @torch.inference_mode()
+    def decode_one(self, token: int, caches: list[Cache]) -> torch.Tensor:
+        """One decode step of one sequence; fp32 logits [vocab]. Through its fixed-shape
+        step where the device replays graphs and the caches are in their steady state."""
+        step = self._static_step(caches)
+        if step is not None and step.ready():
+            try:
+                self.latest_static_step = step
+                return step(token)[0]
+            except torch.OutOfMemoryError:
+                raise
+            except RuntimeError as exc:  # capture failed: ordinary steps from now on
+                self._give_up_graphs(exc)
+        hidden = self.model.hidden_states(torch.tensor([token]), caches)
+        return self.model.logits(hidden)[0]
+
+    def _replay_batch(self, rows: Rows) -> torch.Tensor | None:
+        """Decode rows of several sequences through their fixed-shape batched step (a
+        graph per span bucket, as a lone step has); None when graphs are off or a sequence's
+        caches are not in their steady state (the eager batched pass runs instead)."""
+        step = self._batch_step([caches for _, caches in rows])
+        if step is None or not step.ready():
+            return None
+        try:
+            self.latest_static_step = step
+            return step.step([tokens[0] for tokens, _ in rows])
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as exc:
+            self._give_up_graphs(exc)
+            return None
+
+    def _batch_step(self, sequences: list[list[Cache]]) -> StaticDecodeStep | None:
+        """The batched step over these sequences' caches, built on first use and kept for
+        the next steps with the same sequences (the most recent few sets)."""
+        if self.graphs is None or not all(isinstance(c, SequenceCaches) for c in sequences):
+            return None
+        key = tuple(id(caches) for caches in sequences)
+        step = self._batch_steps.pop(key, None)
+        same = step is not None and all(
+            a is b for a, b in zip(step.sequences, sequences, strict=True)
+        )
+        if not same or step.model is not self.model:
+            if any(self._static_step(caches) is None for caches in sequences):
+                return None  # the caches cannot take fixed-shape steps (the reason is noted)
+            step = StaticDecodeStep(self.model, runner=self.graphs, batch=sequences)
+        self._batch_steps[key] = step  # most recent last
+        while len(self._batch_steps) > BATCH_STEPS_KEPT:
+            del self._batch_steps[next(iter(self._batch_steps))]
+        return step
+
+    def _static_step(self, caches: list[Cache]) -> StaticDecodeStep | None:
+        if self.graphs is None or not isinstance(caches, SequenceCaches):
+            return None
+        if caches.static_step is None or caches.static_step.model is not self.model:
+            reason = static_step_unsupported(self.model, caches)
+            if reason is not None:
+                self.graphs, self.graph_note = None, f"eager steps: {reason}"
+                return None
+            caches.static_step = StaticDecodeStep(self.model, caches, self.graphs)
+        return caches.static_step
+
+    def _give_up_graphs(self, exc: RuntimeError) -> None:
+        reason = _first_line(exc)
+        log.warning("decode steps run eagerly from now on: the graph failed: %s", reason)
+        self.graphs, self.latest_static_step = None, None
+        self._batch_steps.clear()
+        self.graph_note = f"eager steps: the graph failed: {reason}"
+        if self.on_graph_failure is not None:
+            self.on_graph_failure(reason)
+
+    @torch.inference_mode()
+    def replay(self, tokens: Sequence[int], caches: list[Cache]) -> None:
+        """Feed `tokens` into caches as the steps that first fed them computed them (exact
+        rows, whatever the chunks): caches rebuilt on another device hold what was lost."""
+        done = 0
+        while done < len(tokens):
+            chunk = list(tokens[done : done + self.model.max_chunk(caches)])
+            self.model.hidden_states(torch.tensor(chunk), caches, exact_rows=True)
+            done += len(chunk)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
