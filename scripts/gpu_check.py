@@ -199,7 +199,8 @@ def _measure(name: str, runtime, reference, text: str, args) -> dict:
         timer.lap(f"decode, speculation {mode} ({row[f'tok_s_spec_{mode}']:.1f} tok/s)")
     row["spec_identical"] = row.pop("tokens_spec_off") == row.pop("tokens_spec_auto")
     row["decode_step"] = runtime.decode_step_note
-    graphed, runtime.static_step = runtime.static_step, None  # the same decode, step by step
+    graphed = runtime.static_step
+    runtime.runner.stop_graphs("eager steps (the check's comparison)")  # the same, step by step
     if graphed is not None:
         runtime.spec_mode = type(runtime.spec_mode)("off")
         speeds, tokens = _decode_speeds(runtime, prompt, args.tokens, args.runs)

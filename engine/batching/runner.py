@@ -68,6 +68,11 @@ class ModelRunner:
         self.latest_static_step = None
         self._batch_steps.clear()
 
+    def stop_graphs(self, note: str) -> None:
+        """Every step eager from now on (the GPU check's comparison of the two)."""
+        self.graphs, self.latest_static_step, self.graph_note = None, None, note
+        self._batch_steps.clear()
+
     def make_caches(self) -> SequenceCaches:
         """Fresh caches for one sequence (allocated in full where steps replay graphs: the
         graph reads fixed addresses)."""
@@ -169,9 +174,7 @@ class ModelRunner:
     def _give_up_graphs(self, exc: RuntimeError) -> None:
         reason = _first_line(exc)
         log.warning("decode steps run eagerly from now on: the graph failed: %s", reason)
-        self.graphs, self.latest_static_step = None, None
-        self._batch_steps.clear()
-        self.graph_note = f"eager steps: the graph failed: {reason}"
+        self.stop_graphs(f"eager steps: the graph failed: {reason}")
         if self.on_graph_failure is not None:
             self.on_graph_failure(reason)
 
