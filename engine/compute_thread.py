@@ -31,6 +31,11 @@ class ComputeThread:
     def serving(self) -> bool:
         return self._thread is not None
 
+    @property
+    def on_serving_thread(self) -> bool:
+        """Whether the caller is the serving thread itself (work it posts would wait for it)."""
+        return self._thread is threading.current_thread()
+
     def serve(self, stop: threading.Event) -> None:
         """Run handed-over work until `stop` is set (or Ctrl-C)."""
         self._thread = threading.current_thread()

@@ -105,6 +105,11 @@ class StepDriver(Protocol):
     @property
     def serving(self) -> bool: ...
 
+    @property
+    def on_serving_thread(self) -> bool:
+        """Whether the caller is the driver's own thread (a consumer there steps itself)."""
+        ...
+
     def post(self, job: Callable[[], None]) -> bool:
         """Run `job` there soon; False if nothing serves (consumers then step)."""
         ...
@@ -211,7 +216,11 @@ class BatchScheduler:
     def driven(self) -> bool:
         """Another thread runs the steps: consumers wait for their tokens."""
         driver = self.driver
-        return self.serving or (self._driven and driver is not None and driver.serving)
+        if self.serving:
+            return True
+        if driver is None or getattr(driver, "on_serving_thread", False):
+            return False  # a consumer on the driver's thread would wait for itself
+        return self._driven and driver.serving
 
     # Read-only figures for monitoring (a server's /metrics), read from any thread: under the
     # lock, so a scrape never sees a queue half-changed by a step.
@@ -260,8 +269,12 @@ class BatchScheduler:
                 )
             self._waiting.append(sequence)
             self._lock.notify_all()
-            if not self.driven and self.driver is not None:
-                self._driven = self.driver.post(self._drain)
+            driver = self.driver
+            if not self.driven and driver is not None:
+                # From the driver's own thread (a GUI answering one message at a time on
+                # it) the consumer steps; posted, the job would wait behind that consumer.
+                if not getattr(driver, "on_serving_thread", False):
+                    self._driven = driver.post(self._drain)
         return stream
 
     def reusable_prefix(self, prompt: Sequence[int]) -> int:
