@@ -146,6 +146,11 @@ class Cache(Protocol):
 
     def can_trim(self, n: int) -> bool: ...
 
+    def exact_prefix(self, n: int) -> int:
+        """The longest prefix of at most n positions that trimming back to keeps as a cache
+        that only ever held it would be (prefix reuse): n, or less with keys in q4 tiles."""
+        ...
+
     def trim(self, n: int) -> int:
         """Forget the newest n positions (prefix reuse, speculative roll-back); returns how
         many were trimmed."""
@@ -309,6 +314,11 @@ class KVCache:
 
     def can_trim(self, n: int) -> bool:
         return True
+
+    def exact_prefix(self, n: int) -> int:
+        if self.key_tiles is None or self.key_tiles.trims_exactly_to(n):
+            return n
+        return n // TILE_ROWS * TILE_ROWS  # the tile's rows are written again, exactly
 
     def rows_share_storage(self, n_new: int) -> bool:
         """Whether n_new tokens written at once leave each one's decode-step view (every
@@ -691,6 +701,14 @@ class RotatingKVCache:
         wrap, the tokens they pushed out are gone (the slack keeps `slack` of them)."""
         return not self.wrapped or n <= self.ring_count - self.window + 1
 
+    def exact_prefix(self, n: int) -> int:
+        if self.key_tiles is None or n <= self.sinks:
+            return n  # the sinks' keys are held in fp32
+        slot = (n - self.sinks) % self.ring_capacity
+        if self.key_tiles.trims_exactly_to(slot):
+            return n
+        return n - slot % TILE_ROWS
+
     def rows_share_storage(self, n_new: int) -> bool:
         """As KVCache's: while the window is not full, nothing is masked, the frame stays
         put and the ring is in order, so decode-step views are prefixes of one storage."""
@@ -838,6 +856,7 @@ def reusable_length(caches: Sequence[Cache], held: Sequence[int], prompt: Sequen
     prefix, less at least the prompt's last token (its logits are needed), if every cache
     can trim back to it (a rotated ring cannot bring back what it pushed out); else 0."""
     shared = min(common_prefix(held, prompt), len(prompt) - 1)
+    shared = min((cache.exact_prefix(shared) for cache in caches), default=shared)
     if all(cache.can_trim(len(held) - shared) for cache in caches):
         return shared
     return 0

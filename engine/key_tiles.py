@@ -41,6 +41,14 @@ class KeyTiles:
     def clear(self) -> None:
         self.held = [-1, -1]
 
+    def trims_exactly_to(self, slot: int) -> bool:
+        """Whether keys cut back so that `slot` is written next stay as a cache that never
+        held the rest would hold them: the slot starts a tile, or its tile's earlier rows
+        are still here in fp32 (a tile's rows decoded from its q4 codes are not the rows
+        its queries read while it was open)."""
+        tile = slot // TILE_ROWS
+        return slot % TILE_ROWS == 0 or self.held[tile % 2] == tile
+
     def write(
         self, region: torch.Tensor, first_slot: int, k: torch.Tensor, ring: int | None = None
     ) -> None:

@@ -83,7 +83,8 @@ class ModelRunner:
         return caches
 
     def max_chunk(self, caches: list[Cache]) -> int:
-        return self.model.max_chunk(caches)
+        """Prompt rows one sequence may feed in the next step (as exact rows)."""
+        return self.model.max_chunk(caches, exact_rows=True)
 
     @torch.inference_mode()
     def logits(self, rows: Rows, wanted: Sequence[int]) -> torch.Tensor:
@@ -184,7 +185,7 @@ class ModelRunner:
         rows, whatever the chunks): caches rebuilt on another device hold what was lost."""
         done = 0
         while done < len(tokens):
-            chunk = list(tokens[done : done + self.model.max_chunk(caches)])
+            chunk = list(tokens[done : done + self.max_chunk(caches)])
             self.model.hidden_states(torch.tensor(chunk), caches, exact_rows=True)
             done += len(chunk)
 

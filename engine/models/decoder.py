@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from ...native.decode_layer import LayerShape, NativeDecodeLayer, SequenceRows
 from ..cache import Cache, Slots
 from ..kernels import cpu_attention_kernel, cpu_int4_kernel, cpu_row_ops, fused_layers_enabled
+from ..kv_codec import TILE_ROWS
 from ..layers import (
     GgmlLinear,
     Int4Linear,
@@ -427,9 +428,13 @@ class DecoderModel:
         """One cache per layer, on the layer's device, as the policy says."""
         return policy.make_caches(self.config, self.ropes, self.layer_devices)
 
-    def max_chunk(self, caches: list[Cache]) -> int:
-        """Tokens the next forward pass may take (the most constrained kind of layer)."""
-        limits = (caches[index].max_chunk() for index in self._kinds.values())
+    def max_chunk(self, caches: list[Cache], exact_rows: bool = False) -> int:
+        """Tokens the next forward pass may take (the most constrained kind of layer). Exact
+        rows over keys in q4 tiles: at most a tile's worth, so that the chunk touches at most
+        the two newest tiles, the ones kept in fp32 (a row reads its own tile from there)."""
+        limits = [caches[index].max_chunk() for index in self._kinds.values()]
+        if exact_rows and any(caches[index].key_codec.tiled for index in self._kinds.values()):
+            limits.append(TILE_ROWS)
         return max(1, min(PREFILL_CHUNK, *limits))
 
     def forward(
