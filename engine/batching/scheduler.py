@@ -301,6 +301,17 @@ class BatchScheduler:
                 return True
         return False
 
+    @torch.inference_mode()
+    def reset(self) -> None:
+        """Forget every pooled prefix: the next prompts are evaluated from scratch. The
+        pooled caches stay, emptied, for new sequences to take (their storage, and any graphs
+        captured over it, serve again)."""
+        with self._stepping, self._lock:
+            self._drop_cancelled()
+            for pooled in self._pool:
+                keep_first(pooled.caches, 0)
+                pooled.tokens = []
+
     def latest_sequence(self) -> tuple[list[int], list[Cache]] | None:
         """The tokens fed and the caches of the sequence running or finished last (for
         tests and figures)."""

@@ -281,9 +281,7 @@ class TorchRuntime(Runtime):
                            per_token, weight_bytes_per_token=self._weight_bytes)  # fmt: skip
 
     def reset(self) -> None:
-        # No one context to forget: pooled prefixes serve whichever prompt starts with them
-        # (rows are exact, so a reused prefix gives the answer a fresh one would), and age out.
-        pass
+        self.scheduler.reset()
 
     def forget(self, start: int, end: int) -> bool:
         """Drop fed tokens start..end-1 from the last finished generation's caches without
