@@ -111,7 +111,7 @@ class NativeDecodeLayer:
         contiguous). Keys stored as q4 tiles (one row only): `tiled` says the rest, and the
         key slot is the token's fp32 row of tiled.recent (the caller encodes the tile it
         completes)."""
-        _fill(self._step, x.shape[0], SequenceRows(slots, stored, mask, kv_types, tiled))
+        _fill(self._step, x.shape[0], slots, stored, mask, kv_types, tiled)
         self._step.cos, self._step.signed_sin = cos.data_ptr(), signed_sin.data_ptr()
         status = self._function(self._weights_address, self._step_address, x.data_ptr(),
                                 torch.get_num_threads())  # fmt: skip
@@ -132,7 +132,7 @@ class NativeDecodeLayer:
         `step` would give it; the matmuls read the weights once for all of them."""
         steps = (_Step * len(sequences))()
         for step, (rows, where) in zip(steps, sequences, strict=True):
-            _fill(step, rows, where)
+            _fill(step, rows, where.slots, where.stored, where.mask, where.kv_types, where.tiled)
         status = self._batch_function(
             self._weights_address,
             ctypes.addressof(steps),
@@ -159,10 +159,18 @@ class SequenceRows:
     tiled: TiledKeys | None = None
 
 
-def _fill(step: _Step, rows: int, where: SequenceRows) -> None:
-    """The native step structure for `rows` rows of one sequence (RoPE tables apart)."""
-    keys, values = where.stored
-    slots, mask, tiled = where.slots, where.mask, where.tiled
+def _fill(
+    step: _Step,
+    rows: int,
+    slots: tuple[torch.Tensor, torch.Tensor],
+    stored: tuple[torch.Tensor, torch.Tensor],
+    mask: torch.Tensor | None,
+    kv_types: tuple[int, int],
+    tiled: TiledKeys | None,
+) -> None:
+    """The native step structure for `rows` rows of one sequence (RoPE tables apart; a
+    plain function of plain arguments: it runs for every layer of every step)."""
+    keys, values = stored
     step.keys, step.values = keys.data_ptr(), values.data_ptr()
     step.key_slot, step.value_slot = slots[0].data_ptr(), slots[1].data_ptr()
     step.key_head_stride = keys.stride(1) * keys.element_size()
@@ -172,7 +180,7 @@ def _fill(step: _Step, rows: int, where: SequenceRows) -> None:
     step.key_slot_row_stride = slots[0].stride(2) * slots[0].element_size()
     step.value_slot_row_stride = slots[1].stride(2) * slots[1].element_size()
     step.mask = None if mask is None else mask.view(torch.uint8).data_ptr()
-    step.key_type, step.value_type = where.kv_types
+    step.key_type, step.value_type = kv_types
     if tiled is not None:
         lead = tiled.lead
         step.lead = None if lead is None else lead.data_ptr()
