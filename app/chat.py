@@ -4,10 +4,10 @@ Interactive on a terminal (line editing, /commands, Ctrl-C stops the answer, not
 with piped input, the whole of stdin is one message and the answer is printed once.
 With --audio FILE the file's transcript is the (first) message; with --voice, Enter on an
 empty line records until the next Enter (push-to-talk). Spoken messages keep their word times.
---json / --json-schema FILE constrain every answer to JSON (engine/constraints.py).
+--json / --json-schema FILE constrain every answer to JSON (engine/tokens/constraints.py).
 Images (--image, /image) go with the next message: as OCR text, or to a vision model
 (chat_images.py). The conversation itself (history, template, fitting the context, the
-vision switch) is engine/conversation.py's.
+vision switch) is engine/chat/conversation.py's.
 """
 
 from __future__ import annotations
@@ -22,25 +22,25 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TextIO
 
-from miniapp.engine.chat_template import Message
-from miniapp.engine.constraints import ConstraintError, OutputConstraint
-from miniapp.engine.conversation import Conversation
+from miniapp.engine.chat.conversation import Conversation
+from miniapp.engine.chat.generation import GenerationRequest
 from miniapp.engine.errors import InputFileError, MiniappError
-from miniapp.engine.events import (
+from miniapp.engine.images import ImageAttachment
+from miniapp.engine.modelfile.store import resolve_model
+from miniapp.engine.modelfile.template import Message
+from miniapp.engine.runtimes import REMOTE_BACKEND, open_runtime
+from miniapp.engine.tokens.constraints import ConstraintError, OutputConstraint
+from miniapp.engine.tokens.events import (
     Finished,
     FinishReason,
     GenerationEvent,
     ReasoningDelta,
     TextDelta,
 )
-from miniapp.engine.generation import GenerationRequest
-from miniapp.engine.images import ImageAttachment
-from miniapp.engine.model_store import resolve_model
-from miniapp.engine.runtimes import REMOTE_BACKEND, open_runtime
-from miniapp.engine.sampling import SamplingParams
+from miniapp.engine.tokens.sampling import SamplingParams
 
 from .chat_images import ChatImages, image_paths, pictures_of, print_prompt, with_image_labels
-from .settings import runtime_kv_type
+from .host.settings import runtime_kv_type
 from .transcribe import VoiceInput, spoken_file
 
 PROMPT = ">>> "
@@ -151,7 +151,7 @@ def run_chat(args: argparse.Namespace) -> int:
 def _open_remote(args: argparse.Namespace):
     """The server's model, asked for its models first: an unreachable server, a refused key
     or an unknown model is one line before anything is read."""
-    from .remote import chosen_sampling, open_remote
+    from .host.remote import chosen_sampling, open_remote
 
     return open_remote(args, chosen_sampling(args))
 

@@ -3,7 +3,7 @@
 Without a vision model (the offline default) an image becomes text: OCR, size, colours and
 EXIF in a labelled line of the message. With a projector (--mmproj, or an mmproj GGUF beside
 the model) the pictures go with the message to the conversation, which answers that turn and
-the rest of the chat on llama.cpp's vision path (engine/conversation.py), even when the chat
+the rest of the chat on llama.cpp's vision path (engine/chat/conversation.py), even when the chat
 runs on the torch engine.
 """
 
@@ -16,7 +16,6 @@ from dataclasses import replace
 from functools import cached_property
 from pathlib import Path
 
-from miniapp.engine.chat_template import Message
 from miniapp.engine.images import (
     ImageAttachment,
     ImageRoute,
@@ -26,6 +25,7 @@ from miniapp.engine.images import (
     remote_route,
     vision_images,
 )
+from miniapp.engine.modelfile.template import Message
 from miniapp.engine.runtimes import VisionRuntime, open_vision_runtime
 
 

@@ -13,16 +13,16 @@ import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
-from miniapp.engine.devices import DEVICE_CHOICES
 from miniapp.engine.errors import MiniappError
-from miniapp.engine.kv_types import DEFAULT_KV_TYPE
+from miniapp.engine.kv.types import DEFAULT_KV_TYPE
+from miniapp.engine.platform.devices import DEVICE_CHOICES
 from miniapp.engine.runtimes import BACKENDS, DEFAULT_CTX, LOCAL_BACKENDS
-from miniapp.engine.spec_modes import SPEC_MODES
+from miniapp.engine.tokens.spec_modes import SPEC_MODES
 
-from .remote import add_remote_flags
-from .settings import KV_TYPE_HELP, kv_type_name
-from .settings import add_flags as add_setting_flags
-from .settings import apply as apply_settings
+from .host.remote import add_remote_flags
+from .host.settings import KV_TYPE_HELP, kv_type_name
+from .host.settings import add_flags as add_setting_flags
+from .host.settings import apply as apply_settings
 
 EXIT_USAGE = 2
 TASKS = ("summarize", "quote", "chat")
@@ -503,7 +503,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         apply_settings(args, "chat")
         return run_chat(args)
     if command == "config":
-        from .settings import run_config
+        from .host.settings import run_config
 
         return run_config(args)
     if command == "eval":

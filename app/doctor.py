@@ -6,18 +6,22 @@ import argparse
 import json
 from dataclasses import asdict
 
-from miniapp.engine.cpu_features import cpu_features
-from miniapp.engine.devices import (
+from miniapp.engine.kv.footprint import estimate_footprint
+from miniapp.engine.kv.types import KV_SETTING_NAMES, kv_type
+from miniapp.engine.modelfile.gguf_file import GGUFFile
+from miniapp.engine.modelfile.store import resolve_model
+from miniapp.engine.platform.cpu_features import cpu_features
+from miniapp.engine.platform.devices import (
     GIB,
     decode_step_path,
     default_probe,
-    estimate_footprint,
     plan_device,
 )
-from miniapp.engine.gguf_file import GGUFFile
-from miniapp.engine.kernels import cpu_attention_kernel, cpu_int4_kernel, describe_ggml_kernel
-from miniapp.engine.kv_types import KV_SETTING_NAMES, kv_type
-from miniapp.engine.model_store import resolve_model
+from miniapp.engine.platform.kernels import (
+    cpu_attention_kernel,
+    cpu_int4_kernel,
+    describe_ggml_kernel,
+)
 
 KIB, MIB = 1024, 2**20
 
@@ -79,13 +83,13 @@ def _size(nbytes: float) -> str:
 
 
 def _llama_cpp_report(probe, footprint) -> dict:
-    from miniapp.engine.devices import plan_llamacpp_offload
-    from miniapp.engine.llamacpp_lib import (
+    from miniapp.engine.llamacpp.library import (
         build_features,
         cpu_path,
         llama_cpp,
         llama_supports_gpu_offload,
     )
+    from miniapp.engine.platform.devices import plan_llamacpp_offload
 
     supported = llama_supports_gpu_offload()
     offload = plan_llamacpp_offload(supported, probe, footprint)

@@ -7,7 +7,6 @@ import json
 import os
 from pathlib import Path
 
-from miniapp.engine.constraints import closing_reserve
 from miniapp.engine.errors import InputFileError, MiniappError
 from miniapp.engine.evaluation.perplexity import (
     agreement,
@@ -15,8 +14,9 @@ from miniapp.engine.evaluation.perplexity import (
     recompute_perplexity,
     streaming_perplexity,
 )
-from miniapp.engine.model_store import resolve_model
+from miniapp.engine.modelfile.store import resolve_model
 from miniapp.engine.runtimes import DEFAULT_SINKS, Runtime, open_runtime
+from miniapp.engine.tokens.constraints import closing_reserve
 
 
 def read_text(path_arg: str) -> str:

@@ -8,16 +8,16 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from miniapp.engine.chat_template import ChatTemplate, Message, fallback_template
 from miniapp.engine.errors import MiniappError, ModelFileError
-from miniapp.engine.gguf_file import GGUFFile
-from miniapp.engine.model_store import (
+from miniapp.engine.modelfile.gguf_file import GGUFFile
+from miniapp.engine.modelfile.store import (
     ASR_REQUIRED_FILES,
     BUNDLED,
     BUNDLED_FOLDERS,
     models_dir,
     resolve_model,
 )
+from miniapp.engine.modelfile.template import ChatTemplate, Message, fallback_template
 
 LONG_ARRAY = 8  # metadata arrays longer than this are summarised, not printed
 LONG_TEXT = 200
@@ -124,7 +124,7 @@ def _list_remote(args: argparse.Namespace) -> int:
     """A server's models (`--base-url`), as its /v1/models lists them."""
     from miniapp.engine.runtimes.remote import list_models as server_models
 
-    from .remote import endpoint_from_args
+    from .host.remote import endpoint_from_args
 
     endpoint = endpoint_from_args(args)
     listed = server_models(endpoint)
@@ -148,7 +148,7 @@ def _print_rows(rows: list[tuple[str, ...]]) -> None:
 
 
 def _pull(args: argparse.Namespace) -> int:
-    from miniapp.engine.hub import pull
+    from miniapp.engine.modelfile.hub import pull
 
     for path in pull(args.spec):
         print(path)

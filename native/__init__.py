@@ -2,7 +2,7 @@
 
 * `int4_gemm.cpp` (loaded by `int4.py`, reference in `reference.py`): small-batch int4
   matmul on the CPU, AVX-512 BF16 and AVX2 paths, with a fused silu(gate) * up variant. The
-  engine picks it or torch's op in `miniapp.engine.kernels`.
+  engine picks it or torch's op in `miniapp.engine.platform.kernels`.
 * `ggml_dot.cpp` (loaded by `ggml.py`, reference `reference.ggml_matmul`): the same small-batch
   matmul straight on GGML's quantized blocks as the file stores them (Q4_0 to Q8_0, Q4_K,
   Q5_K, Q6_K), AVX-512 VNNI and AVX2 paths; compiled into the same library.

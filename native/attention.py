@@ -5,7 +5,7 @@ A few query rows, each over its own keys: the first `lengths[r]` of them, or tho
 row marks (`__call__`), or each over another sequence's cache (`sequences`, a batch's decode
 steps). Used for decode steps, speculative verification and batches on the CPU, where every
 row must come out exactly as it would alone. Keys and values are read as the cache stores
-them (engine/kv_types.py: f32, f16, bf16, q8, q4), never dequantized into a copy first. See
+them (engine/kv/types.py: f32, f16, bf16, q8, q4), never dequantized into a copy first. See
 `reference.py` for the same in plain torch.
 """
 
@@ -261,7 +261,7 @@ def _head_bytes(stored: torch.Tensor) -> int:
 
 
 class NativeKVCodec:
-    """fp32 rows into a KV type's storage and back, as engine/kv_types.py does in torch
+    """fp32 rows into a KV type's storage and back, as engine/kv/types.py does in torch
     (bit for bit), for the caches on the CPU."""
 
     def __init__(self, library: Library):

@@ -1,6 +1,6 @@
 """The row operations of a decode step in `int4_gemm.cpp` ("Row operations" section), from
 Python: RMS norm (after an optional residual add) and RoPE in place. A one-token step runs
-them 90 times for SmolLM2; as torch ops each costs 4-6 dispatches (see engine/layers.py), as
+them 90 times for SmolLM2; as torch ops each costs 4-6 dispatches (see engine/ops/layers.py), as
 these one call. See `reference.py` for the same in plain torch.
 """
 
@@ -60,7 +60,7 @@ class NativeRowOps:
         interleaved: bool,
     ) -> torch.Tensor:
         """Rotates x fp32 [rows, heads, head_dim] (heads and values contiguous within a row)
-        in place by the tables fp32 [rows, 1, head_dim] (contiguous; engine/layers.py's Rope)
+        in place by the tables fp32 [rows, 1, head_dim] (contiguous; engine/ops/layers.py's Rope)
         and returns it."""
         rows, heads, head_dim = x.shape
         if x.dtype is not torch.float32 or x.stride(2) != 1 or x.stride(1) != head_dim:

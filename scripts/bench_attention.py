@@ -29,9 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.nn.functional as F
 
-    from miniapp.engine import kv_codec
-    from miniapp.engine.kernels import cpu_attention_kernel
-    from miniapp.engine.kv_types import kv_type
+    from miniapp.engine.kv import codec as kv_codec
+    from miniapp.engine.kv.types import kv_type
+    from miniapp.engine.platform.kernels import cpu_attention_kernel
 
     torch.set_num_threads(args.threads)
     native = cpu_attention_kernel()

@@ -32,11 +32,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from miniapp.engine.gguf_file import GGUFFile
-    from miniapp.engine.kernels import cpu_int4_kernel
-    from miniapp.engine.model_store import DEFAULT_MODEL, bundled_path
+    from miniapp.engine.modelfile.gguf_file import GGUFFile
+    from miniapp.engine.modelfile.store import DEFAULT_MODEL, bundled_path
     from miniapp.engine.models import CachePolicy, build_model
     from miniapp.engine.models.static_step import StaticDecodeStep, eager_runner
+    from miniapp.engine.platform.kernels import cpu_int4_kernel
 
     torch.set_num_threads(args.threads)
     path = Path(args.model) if args.model else bundled_path(DEFAULT_MODEL)

@@ -32,11 +32,11 @@ from pathlib import Path
 import torch
 
 from miniapp.app.worker_process import WorkerProcess, worker_arguments
-from miniapp.engine.gguf_file import GGUFFile
-from miniapp.engine.kernels import cpu_int4_kernel
-from miniapp.engine.layers import linear_from_raw
-from miniapp.engine.llamacpp_lib import REPACK_ENV
-from miniapp.engine.model_store import resolve_model
+from miniapp.engine.llamacpp.library import REPACK_ENV
+from miniapp.engine.modelfile.gguf_file import GGUFFile
+from miniapp.engine.modelfile.store import resolve_model
+from miniapp.engine.ops.layers import linear_from_raw
+from miniapp.engine.platform.kernels import cpu_int4_kernel
 from miniapp.native.int4 import ENV_SWITCH
 
 # MINIAPP_NATIVE for each; a path forced in the environment (MINIAPP_NATIVE=avx2) is kept.
@@ -205,7 +205,7 @@ def start_worker(backend: str, env: dict, model: Path, prompts: Path, args) -> W
 
 def bench_decode(model: Path, args) -> dict:
     from miniapp.app.bench import bench_prompt
-    from miniapp.engine.tokenizer import Tokenizer
+    from miniapp.engine.tokens.tokenizer import Tokenizer
 
     prompt = bench_prompt(Tokenizer(model), DECODE_PROMPT_TOKENS, None)
     with tempfile.TemporaryDirectory() as tmp:
@@ -216,7 +216,7 @@ def bench_decode(model: Path, args) -> dict:
             "torch": start_worker("torch", {ENV_SWITCH: KERNELS["torch"]}, model, prompts, args),
             "llamacpp": start_worker("llamacpp", {}, model, prompts, args),
             # The same llama.cpp with its extra buffer types (CPU_REPACK) off: what the
-            # AMX guard costs where it has to turn them off (engine/llamacpp_lib.py).
+            # AMX guard costs where it has to turn them off (engine/llamacpp/library.py).
             "llamacpp-plain": start_worker("llamacpp", {REPACK_ENV: "off"}, model, prompts, args),
         }
         speeds: dict[str, list[float]] = {name: [] for name in workers}

@@ -22,9 +22,14 @@ from importlib import resources
 
 import numpy as np
 
-from miniapp.engine.constraints import JSON_OPTIONS, OutputConstraint, _ll_tokenizer, token_guide
-from miniapp.engine.model_store import resolve_model
-from miniapp.engine.tokenizer import Tokenizer
+from miniapp.engine.modelfile.store import resolve_model
+from miniapp.engine.tokens.constraints import (
+    JSON_OPTIONS,
+    OutputConstraint,
+    _ll_tokenizer,
+    token_guide,
+)
+from miniapp.engine.tokens.tokenizer import Tokenizer
 
 MAX_STEPS = 120
 

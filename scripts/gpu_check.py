@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from miniapp.engine.devices import default_probe
+    from miniapp.engine.platform.devices import default_probe
 
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="miniapp-gpu-check-") as tmp:
@@ -95,7 +95,7 @@ def _save(path: str | None, model_note: str, rows: list[dict]) -> None:
 
 
 def _model(arg: str | None, tmp: Path) -> tuple[Path, str]:
-    from miniapp.engine.model_store import DEFAULT_MODEL, bundled_path
+    from miniapp.engine.modelfile.store import DEFAULT_MODEL, bundled_path
 
     if arg:
         return Path(arg), Path(arg).name
@@ -125,8 +125,9 @@ def _gpu_paths(probe, model: Path, kv_type):
     one, the same over q4 keys in tiles (their own fixed-shape step), then the two
     fallbacks forced (the split one with room for about half the layers and their cache,
     as `kv_type`, the default, stores it)."""
-    from miniapp.engine.devices import MIN_MARGIN_BYTES, estimate_footprint
-    from miniapp.engine.gguf_file import GGUFFile
+    from miniapp.engine.kv.footprint import estimate_footprint
+    from miniapp.engine.modelfile.gguf_file import GGUFFile
+    from miniapp.engine.platform.devices import MIN_MARGIN_BYTES
 
     if not probe.gpus():
         print("no GPU visible: only the CPU is measured", flush=True)
@@ -155,7 +156,7 @@ class ForcedProbe:
         return [dataclasses.replace(g, free_bytes=self.free_bytes) for g in found]
 
     def check_int4(self, gpu):
-        from miniapp.engine.devices import KernelCheck
+        from miniapp.engine.platform.devices import KernelCheck
 
         if gpu is not None and not self.int4:
             return KernelCheck("int4 matmul", False, "switched off by gpu_check")
@@ -225,7 +226,7 @@ class _PhaseTimer:
 
 
 def _quote_prompt(runtime, text: str) -> list[int]:
-    from miniapp.engine.chat_template import ChatTemplate, Message
+    from miniapp.engine.modelfile.template import ChatTemplate, Message
 
     template = ChatTemplate.for_model(runtime.chat_template, runtime.tokenizer,
                                       runtime.architecture)  # fmt: skip
@@ -240,7 +241,7 @@ def _quote_prompt(runtime, text: str) -> list[int]:
 
 def _decode_speeds(runtime, prompt: list[int], n_tokens: int, runs: int):
     """Decode tok/s of `runs` greedy runs from an empty cache (after one warm-up)."""
-    from miniapp.engine.sampling import GREEDY
+    from miniapp.engine.tokens.sampling import GREEDY
 
     speeds, tokens = [], []
     for run in range(runs + 1):
@@ -267,7 +268,7 @@ def _profile(runtime, prompt: list[int], n_steps: int) -> str:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from miniapp.engine.sampling import GREEDY
+    from miniapp.engine.tokens.sampling import GREEDY
 
     runtime.spec_mode = type(runtime.spec_mode)("off")
     activities = [ProfilerActivity.CPU]

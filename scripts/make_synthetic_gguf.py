@@ -6,7 +6,7 @@ speed and memory (the answers are noise; the bytes a step reads are a real model
     python scripts/make_synthetic_gguf.py qwen2.5-7b ~/models/synthetic-7b-q4_k_m.gguf
 
 The tokenizer (and chat template) is copied from a real Qwen2.5 file, by default the
-optional bundled `qwen2.5-coder-1.5b` (`python -m miniapp.engine.model_store install
+optional bundled `qwen2.5-coder-1.5b` (`python -m miniapp.engine.modelfile.store install
 qwen2.5-coder-1.5b`), so both engines tokenize and template as for a real model.
 
 The mix is Q4_K_M's as llama-quantize writes it for Qwen2.5: Q4_K everywhere, except Q6_K for
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    from miniapp.engine.model_store import resolve_model
+    from miniapp.engine.modelfile.store import resolve_model
 
     source = resolve_model(args.tokenizer_from)
     if not source.exists():

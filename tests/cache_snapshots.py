@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from miniapp.engine.cache import KVCache, RotatingKVCache
 from miniapp.engine.errors import ContextFullError
+from miniapp.engine.kv.cache import KVCache, RotatingKVCache
 
 _ROTATING_FIELDS = ("offset", "sinks_held", "ring_count", "ring_head", "wrapped", "frame")
 

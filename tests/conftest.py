@@ -28,7 +28,7 @@ os.environ["MINIAPP_SIMULATE_GPU"] = "none"
 for _name in ("MINIAPP_SIMULATE_CPU", "MINIAPP_LLAMACPP_REPACK", "MINIAPP_NATIVE"):
     os.environ.pop(_name, None)
 
-from miniapp.engine.model_store import resolve_model  # noqa: E402
+from miniapp.engine.modelfile.store import resolve_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 

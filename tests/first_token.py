@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from miniapp.engine.chat_template import ChatTemplate, Message
-from miniapp.engine.gguf_file import GGUFFile
+from miniapp.engine.modelfile.gguf_file import GGUFFile
+from miniapp.engine.modelfile.template import ChatTemplate, Message
 from miniapp.engine.models import build_model
-from miniapp.engine.tokenizer import Tokenizer
+from miniapp.engine.tokens.tokenizer import Tokenizer
 
 SEED_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] | trim }}{{ eos_token }}"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from miniapp.engine.runtimes.base import Runtime
-from miniapp.engine.sampling import GREEDY, SamplingParams
+from miniapp.engine.tokens.sampling import GREEDY, SamplingParams
 
 
 def first_tokens(

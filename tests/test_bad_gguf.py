@@ -204,7 +204,7 @@ def test_the_cli_says_one_line_and_exits_2(miniapp_exe, tmp_path, backend, case)
 def test_a_vocabulary_that_would_crash_llamacpp_is_refused_by_a_child(tmp_path):
     """Past our own checks (here: the byte check, by calling the probe alone), llama.cpp's
     abort on a missing byte token kills only the child that reads the vocabulary first."""
-    from miniapp.engine.vocab_probe import check_vocabulary_apart
+    from miniapp.engine.llamacpp.vocab_probe import check_vocabulary_apart
 
     path = _model(tmp_path, _without_byte_0x73())
     with pytest.raises(ModelFileError, match="llama.cpp crashed reading its vocabulary .SIGABRT"):

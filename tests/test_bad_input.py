@@ -9,7 +9,7 @@ import pytest
 from gguf.constants import GGMLQuantizationType as Q
 from tiny_gguf import TinyModel, write_tiny_model
 
-from miniapp.engine.kv_types import KV_TYPE_NAMES
+from miniapp.engine.kv.types import KV_TYPE_NAMES
 
 KV_CHOICES = "choose from " + ", ".join(KV_TYPE_NAMES)
 

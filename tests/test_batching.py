@@ -13,11 +13,8 @@ import torch
 from tiny_gguf import GEMMA3, LLAMA, write_tiny_model
 
 from miniapp.engine.batching.scheduler import BatchConfig, BatchScheduler, QueueFullError
-from miniapp.engine.compute_thread import ComputeThread
-from miniapp.engine.events import Finished, GenerationStats, TextDelta
-from miniapp.engine.generation import GenerationRequest, generate
-from miniapp.engine.gguf_file import GGUFFile
-from miniapp.engine.kv_types import (
+from miniapp.engine.chat.generation import GenerationRequest, generate
+from miniapp.engine.kv.types import (
     F32,
     KV_TYPES,
     Q4,
@@ -26,12 +23,15 @@ from miniapp.engine.kv_types import (
     bytes_per_token,
     storable_kv_types,
 )
+from miniapp.engine.modelfile.gguf_file import GGUFFile
 from miniapp.engine.models import CachePolicy, build_model
+from miniapp.engine.platform.compute_thread import ComputeThread
 from miniapp.engine.runtimes.torch_runtime import TorchRuntime
-from miniapp.engine.sampling import GREEDY
 from miniapp.engine.speculative import DraftController, EarlyExitDrafter, SpeculativeDecoder
 from miniapp.engine.speculative.lookup import LookupDrafter
-from miniapp.engine.torch_sampler import Sampler
+from miniapp.engine.tokens.events import Finished, GenerationStats, TextDelta
+from miniapp.engine.tokens.sampler import Sampler
+from miniapp.engine.tokens.sampling import GREEDY
 
 POLICY = CachePolicy(ctx=256, sinks=4)
 # A small ring: a few dozen tokens wrap it and move the sinks' frame.

@@ -14,7 +14,7 @@ from miniapp.app.bench import bench_prompt
 from miniapp.app.bench_serve import find_llama_server
 from miniapp.app.worker_process import exit_description
 from miniapp.engine.errors import MiniappError
-from miniapp.engine.kv_types import DEFAULT_KV_TYPE, bytes_per_token, kv_type
+from miniapp.engine.kv.types import DEFAULT_KV_TYPE, bytes_per_token, kv_type
 
 
 def test_bench_json_reports_both_backends_beside_the_bandwidth_floor(miniapp_exe):

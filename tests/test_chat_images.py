@@ -18,10 +18,10 @@ from image_fixtures import (
 from PIL import Image
 from tiny_gguf import LLAMA, write_tiny_model
 
-from miniapp.engine.conversation import Conversation
-from miniapp.engine.generation import GenerationRequest
+from miniapp.engine.chat.conversation import Conversation
+from miniapp.engine.chat.generation import GenerationRequest
 from miniapp.engine.runtimes.llamacpp_vision import MARKER
-from miniapp.engine.sampling import GREEDY
+from miniapp.engine.tokens.sampling import GREEDY
 
 PROMPT = ">>> "
 PROMPT_START, PROMPT_END = "--- prompt ---", "--- end of prompt ---"

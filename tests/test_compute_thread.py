@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from miniapp.engine.compute_thread import ComputeThread
+from miniapp.engine.platform.compute_thread import ComputeThread
 
 
 def _serve_while(compute: ComputeThread, fn):

@@ -11,11 +11,11 @@ import threading
 import jsonschema
 import pytest
 
-from miniapp.engine.constraints import ConstraintError, OutputConstraint, token_guide
-from miniapp.engine.events import Finished, FinishReason, TextDelta
-from miniapp.engine.generation import GenerationRequest, generate
+from miniapp.engine.chat.generation import GenerationRequest, generate
 from miniapp.engine.runtimes.torch_runtime import TorchRuntime
-from miniapp.engine.sampling import SamplingParams
+from miniapp.engine.tokens.constraints import ConstraintError, OutputConstraint, token_guide
+from miniapp.engine.tokens.events import Finished, FinishReason, TextDelta
+from miniapp.engine.tokens.sampling import SamplingParams
 
 PERSON = {
     "type": "object",
@@ -177,7 +177,7 @@ def test_the_grammar_drafter_proposes_what_the_schema_forces(plain):
     it (verification then accepts it, since the masked target can choose nothing else)."""
     from miniapp.engine.speculative.controller import DraftController
     from miniapp.engine.speculative.grammar import GrammarDrafter
-    from miniapp.engine.torch_sampler import sampler_for
+    from miniapp.engine.tokens.sampler import sampler_for
 
     tokenizer = plain.tokenizer
     prompt = _chat(plain, "A person?")
@@ -250,7 +250,7 @@ def test_the_greedy_check_picks_what_the_whole_mask_picks(plain):
     random logits along a valid answer, it chooses exactly what masking first chooses."""
     import torch
 
-    from miniapp.engine.torch_sampler import sampler_for
+    from miniapp.engine.tokens.sampler import sampler_for
 
     schema, question = ASKED["order"]
     prompt = _chat(plain, question)
@@ -276,7 +276,7 @@ def test_the_greedy_check_picks_what_the_whole_mask_picks(plain):
 def test_closing_tokens_rank_what_ends_the_value_soonest_inside_and_outside_strings():
     import numpy as np
 
-    from miniapp.engine.constraints import ClosingTokens
+    from miniapp.engine.tokens.constraints import ClosingTokens
 
     pieces = [b"", b"}", b'"', b",", b"\n  ", b"abc", b'"]', b": [", b'",', b'""', b'""}', b'"a']
     closing = ClosingTokens(pieces, ends=[0])

@@ -2,12 +2,12 @@ from __future__ import annotations
 
 import pytest
 
-from miniapp.engine.conversation import Conversation
+from miniapp.engine.chat.conversation import Conversation
+from miniapp.engine.chat.generation import GenerationRequest
 from miniapp.engine.errors import ContextFullError
-from miniapp.engine.events import Finished, FinishReason, TextDelta
-from miniapp.engine.generation import GenerationRequest
 from miniapp.engine.runtimes.torch_runtime import TorchRuntime
-from miniapp.engine.sampling import GREEDY
+from miniapp.engine.tokens.events import Finished, FinishReason, TextDelta
+from miniapp.engine.tokens.sampling import GREEDY
 
 REQUEST = GenerationRequest(max_tokens=16, sampling=GREEDY)
 

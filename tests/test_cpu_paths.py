@@ -17,9 +17,9 @@ from gguf.constants import GGMLQuantizationType as Q
 from test_oracle_tiny import MIN_AGREEMENT, QUANT_BOUND, TOKENS
 from tiny_gguf import GEMMA3, LLAMA, write_tiny_model
 
-from miniapp.engine import llamacpp_lib
-from miniapp.engine.cpu_features import CpuFeatures, cpu_features, parse_cpuinfo, simulated
-from miniapp.engine.llamacpp_lib import REPACK_ENV, build_features, choose_cpu_path
+from miniapp.engine.llamacpp import library as llamacpp_lib
+from miniapp.engine.llamacpp.library import REPACK_ENV, build_features, choose_cpu_path
+from miniapp.engine.platform.cpu_features import CpuFeatures, cpu_features, parse_cpuinfo, simulated
 from miniapp.native.ggml import ISA_AVX2
 
 # /proc/cpuinfo as a KVM guest on a Sapphire Rapids Xeon shows it (flags shortened).
@@ -122,7 +122,7 @@ def _load_log(monkeypatch, caplog, setting: str, open_model) -> str:
 
 @pytest.fixture(scope="module")
 def gemma_model():
-    from miniapp.engine.model_store import resolve_model
+    from miniapp.engine.modelfile.store import resolve_model
 
     return resolve_model("gemma3-270m")  # Q4_K_M: some of its weights are repacked
 
@@ -167,7 +167,7 @@ def test_loading_leaves_the_process_output_where_it_was(tmp_path):
     process-wide; two overlapping loads then left them there for good (the server's URL line
     was lost). Every message llama.cpp logs during our loads must see the streams unmoved."""
     from miniapp.engine.runtimes.llamacpp_runtime import LlamaCppRuntime
-    from miniapp.engine.tokenizer import Tokenizer
+    from miniapp.engine.tokens.tokenizer import Tokenizer
 
     def stream_ids() -> tuple:
         return tuple((os.fstat(fd).st_dev, os.fstat(fd).st_ino) for fd in (1, 2))
@@ -206,7 +206,7 @@ def _doctor_json(miniapp_exe, **env) -> dict:
 
 
 def test_doctor_reports_this_cpu_and_each_engines_path(miniapp_exe):
-    from miniapp.engine.kernels import cpu_int4_kernel
+    from miniapp.engine.platform.kernels import cpu_int4_kernel
 
     report = _doctor_json(miniapp_exe)
     cpu = report["cpu"]
@@ -253,7 +253,7 @@ def test_doctor_prints_the_cpu_line(miniapp_exe):
 _AVX2_CHECK = """
 import json, sys
 import numpy as np, torch
-from miniapp.engine.kernels import cpu_int4_kernel
+from miniapp.engine.platform.kernels import cpu_int4_kernel
 from miniapp.engine.runtimes.llamacpp_runtime import LlamaCppRuntime
 from miniapp.engine.runtimes.torch_runtime import TorchRuntime
 path, tokens = sys.argv[1], json.loads(sys.argv[2])

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from miniapp.assets import sample_texts
+from miniapp.engine.chat.generation import GenerationRequest, generate
 from miniapp.engine.evaluation.perplexity import agreement, perplexity
-from miniapp.engine.events import Finished, FinishReason, TextDelta
-from miniapp.engine.generation import GenerationRequest, generate
-from miniapp.engine.sampling import GREEDY
+from miniapp.engine.tokens.events import Finished, FinishReason, TextDelta
+from miniapp.engine.tokens.sampling import GREEDY
 
 CTX = 512
 PPL_TEXT_CHARS = 12_000  # half the sample texts

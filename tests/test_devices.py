@@ -11,21 +11,21 @@ import subprocess
 import pytest
 from generation_helpers import first_tokens
 
-from miniapp.engine.devices import (
+from miniapp.engine.errors import DeviceUnavailableError, MiniappError
+from miniapp.engine.kv.footprint import estimate_footprint
+from miniapp.engine.kv.types import DEFAULT_KV_TYPE, KV_SETTING_NAMES
+from miniapp.engine.modelfile.gguf_file import GGUFFile
+from miniapp.engine.platform.devices import (
     ALL_LAYERS,
     GIB,
     ModelFootprint,
     OffloadPlan,
     SimulatedProbe,
     TorchProbe,
-    estimate_footprint,
     load_with_fewer_layers,
     plan_device,
     plan_llamacpp_offload,
 )
-from miniapp.engine.errors import DeviceUnavailableError, MiniappError
-from miniapp.engine.gguf_file import GGUFFile
-from miniapp.engine.kv_types import DEFAULT_KV_TYPE, KV_SETTING_NAMES
 
 # A 7B-like model: 4 GiB packed, 13 GiB as bf16, 1 GiB of KV, 32 layers.
 BIG = ModelFootprint(int4_bytes=4 * GIB, bf16_bytes=13 * GIB, kv_bytes=1 * GIB, n_layers=32)
@@ -195,7 +195,7 @@ def test_caches_rebuilt_after_running_out_of_memory_hold_what_was_lost(default_m
     import torch
 
     from miniapp.engine.runtimes.torch_runtime import TorchRuntime
-    from miniapp.engine.sampling import GREEDY
+    from miniapp.engine.tokens.sampling import GREEDY
 
     kept, rebuilt = (TorchRuntime(default_model, n_ctx=512, spec="off") for _ in range(2))
     streams, begun = [], []
@@ -243,7 +243,7 @@ def test_a_gpu_without_the_int4_kernel_runs_dequantized_bf16_weights(
 ):
     import torch
 
-    from miniapp.engine.layers import DenseLinear
+    from miniapp.engine.ops.layers import DenseLinear
     from miniapp.engine.runtimes.torch_runtime import TorchRuntime
 
     runtime = TorchRuntime(default_model, n_ctx=512, spec="off",
@@ -294,7 +294,7 @@ def test_a_split_model_drafts_without_changing_its_answer(default_model):
 
 
 def test_a_split_model_keeps_dense_gpu_layers_and_packed_cpu_layers(default_model):
-    from miniapp.engine.layers import DenseLinear, GgmlLinear, Int4Linear
+    from miniapp.engine.ops.layers import DenseLinear, GgmlLinear, Int4Linear
     from miniapp.engine.runtimes.torch_runtime import TorchRuntime
 
     runtime = TorchRuntime(default_model, n_ctx=512, spec="off",
@@ -312,7 +312,7 @@ def test_a_split_model_keeps_dense_gpu_layers_and_packed_cpu_layers(default_mode
 def test_cuda_int4_packing_input_holds_two_codes_a_byte():
     import torch
 
-    from miniapp.engine.layers import code_pairs, cuda_inner_k_tiles
+    from miniapp.engine.ops.layers import code_pairs, cuda_inner_k_tiles
 
     codes = torch.randint(0, 16, (16, 96), generator=torch.Generator().manual_seed(1))
     pairs = code_pairs(codes)

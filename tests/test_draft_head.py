@@ -16,10 +16,10 @@ from tiny_gguf import TinyModel, write_tiny_model
 
 from miniapp.engine.evaluation import head_training as ht
 from miniapp.engine.runtimes.torch_runtime import TorchRuntime
-from miniapp.engine.sampling import GREEDY, SamplingParams
 from miniapp.engine.speculative import DraftController
 from miniapp.engine.speculative.calibration import file_hash, head_path, load_draft_head
 from miniapp.engine.speculative.draft_head import DraftHead, HeadWeights
+from miniapp.engine.tokens.sampling import GREEDY, SamplingParams
 
 
 @pytest.fixture(scope="module")

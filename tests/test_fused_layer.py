@@ -9,11 +9,11 @@ import pytest
 import torch
 from tiny_gguf import GEMMA3, QWEN2, write_tiny_model
 
-from miniapp.engine.gguf_file import GGUFFile
-from miniapp.engine.kernels import FUSED_ENV
-from miniapp.engine.kv_types import kv_type
-from miniapp.engine.model_store import DEFAULT_MODEL, bundled_path
+from miniapp.engine.kv.types import kv_type
+from miniapp.engine.modelfile.gguf_file import GGUFFile
+from miniapp.engine.modelfile.store import DEFAULT_MODEL, bundled_path
 from miniapp.engine.models import CachePolicy, build_model
+from miniapp.engine.platform.kernels import FUSED_ENV
 
 PROMPT = [300 + i for i in range(40)]
 # 100 tokens through 4 sinks and a window of 16 (a ring of 16 + 64 slack): the ring wraps,

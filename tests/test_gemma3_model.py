@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 
 from miniapp.assets import sample_texts
+from miniapp.engine.chat.generation import GenerationRequest, generate
 from miniapp.engine.evaluation.perplexity import perplexity
-from miniapp.engine.events import Finished, TextDelta
-from miniapp.engine.generation import GenerationRequest, generate
-from miniapp.engine.model_store import resolve_model
+from miniapp.engine.modelfile.store import resolve_model
 from miniapp.engine.runtimes.llamacpp_runtime import LlamaCppRuntime
 from miniapp.engine.runtimes.torch_runtime import TorchRuntime
-from miniapp.engine.sampling import GREEDY
+from miniapp.engine.tokens.events import Finished, TextDelta
+from miniapp.engine.tokens.sampling import GREEDY
 
 # Chunks of 1024 with their second halves scored: every scored token is past the local
 # layers' 512-token window, so the window shapes the result. (The benchmark notes also give

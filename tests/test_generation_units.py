@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from miniapp.engine.chat_template import CHATML_TEMPLATE, ChatTemplate, Message, TemplateError
-from miniapp.engine.generation import StopMatcher
+from miniapp.engine.chat.generation import StopMatcher
+from miniapp.engine.modelfile.template import CHATML_TEMPLATE, ChatTemplate, Message, TemplateError
 
 
 def _feed(stops, pieces):
@@ -64,7 +64,7 @@ def test_gemma_fallback_template_for_files_without_one():
 
 
 def test_a_template_says_whether_it_takes_tools_and_writes_tool_call_tags(default_model):
-    from miniapp.engine.gguf_file import GGUFFile
+    from miniapp.engine.modelfile.gguf_file import GGUFFile
 
     bundled = ChatTemplate(GGUFFile(default_model).metadata.get("tokenizer.chat_template"))
     assert not bundled.takes_tools and not bundled.tags_tool_calls

@@ -10,7 +10,7 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from tiny_gguf import GEMMA3, LLAMA, PHI3, QWEN2, QWEN3, write_tiny_model
 
 from miniapp.engine.errors import ModelFileError
-from miniapp.engine.gguf_file import LARGE_ARRAY_ITEMS, GGUFFile, read_scalar
+from miniapp.engine.modelfile.gguf_file import LARGE_ARRAY_ITEMS, GGUFFile, read_scalar
 
 SPECS = {"llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3, "phi3": PHI3, "gemma3": GEMMA3}
 

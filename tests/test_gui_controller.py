@@ -23,11 +23,11 @@ from miniapp.app.gui.controller import (
 )
 from miniapp.app.gui.history import SavedChat
 from miniapp.app.gui.server import settings_from_args
-from miniapp.app.settings import apply
-from miniapp.engine.devices import DevicePlan
+from miniapp.app.host.settings import apply
 from miniapp.engine.errors import MiniappError
-from miniapp.engine.events import GenerationStats
+from miniapp.engine.platform.devices import DevicePlan
 from miniapp.engine.runtimes.base import RuntimeInfo
+from miniapp.engine.tokens.events import GenerationStats
 
 
 @pytest.fixture

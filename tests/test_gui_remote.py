@@ -126,7 +126,7 @@ def test_an_answer_broken_off_midway_is_said_and_kept(browser, miniapp_exe, tmp_
 def test_a_servers_thinking_shows_in_the_figures_and_is_not_kept():
     from miniapp.app.gui.controller import ChatSettings, stream_answer
     from miniapp.app.gui.history import SavedChat, SavedMessage
-    from miniapp.app.model_host import ModelHost
+    from miniapp.app.host.model_host import ModelHost
 
     script = [chunk(reasoning="Colours: "), chunk(reasoning="red, blue."), chunk("Red, blue."),
               chunk(finish="stop")]  # fmt: skip

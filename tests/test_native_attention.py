@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miniapp.engine.kernels import cpu_int4_kernel
+from miniapp.engine.platform.kernels import cpu_int4_kernel
 from miniapp.native import reference
 from miniapp.native.attention import NativeAttention
 

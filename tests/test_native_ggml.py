@@ -8,7 +8,7 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as Q
 
-from miniapp.engine.quant import _FLOAT_FIELDS, dequantize_rows
+from miniapp.engine.ops.quant import _FLOAT_FIELDS, dequantize_rows
 from miniapp.native import ggml, int4, reference
 from miniapp.native.ggml import ISA_AVX2, ISA_AVX512, PackedGgml
 

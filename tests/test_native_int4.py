@@ -19,7 +19,7 @@ import torch
 from gguf.constants import GGMLQuantizationType
 from test_native_ggml import random_blocks
 
-from miniapp.engine.quant import decode, to_int4
+from miniapp.engine.ops.quant import decode, to_int4
 from miniapp.native import build, int4, reference
 
 M_VALUES = (1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 17)
@@ -198,7 +198,7 @@ def test_cpu_without_the_instructions_is_refused(library, monkeypatch):
 
 
 def test_no_compiler_means_torch_op(monkeypatch, tmp_path):
-    from miniapp.engine import kernels
+    from miniapp.engine.platform import kernels
 
     monkeypatch.setenv(int4.CACHE_ENV, str(tmp_path))  # nothing built there yet
     monkeypatch.setattr(int4, "installed_path", lambda: None)
@@ -254,8 +254,8 @@ def test_switch_off_gives_torch_op_and_same_results(library, monkeypatch):
     from gguf.constants import GGMLQuantizationType as Q
     from tiny_gguf import quantize_k
 
-    from miniapp.engine.kernels import cpu_int4_kernel
-    from miniapp.engine.layers import linear_from_raw
+    from miniapp.engine.ops.layers import linear_from_raw
+    from miniapp.engine.platform.kernels import cpu_int4_kernel
 
     generator = torch.Generator().manual_seed(3)
     values = torch.randn(40, 256, generator=generator).numpy()
@@ -272,7 +272,7 @@ def test_switch_off_gives_torch_op_and_same_results(library, monkeypatch):
 
 
 def test_forced_path_is_used(library, monkeypatch):
-    from miniapp.engine.kernels import cpu_int4_kernel
+    from miniapp.engine.platform.kernels import cpu_int4_kernel
 
     for isa in _isas():
         monkeypatch.setenv(int4.ENV_SWITCH, int4.ISA_NAMES[isa])

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miniapp.engine.kernels import cpu_int4_kernel
-from miniapp.engine.layers import Rope
+from miniapp.engine.ops.layers import Rope
+from miniapp.engine.platform.kernels import cpu_int4_kernel
 from miniapp.native import reference
 from miniapp.native.row_ops import NativeRowOps
 

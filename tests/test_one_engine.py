@@ -10,7 +10,7 @@ from generation_helpers import first_tokens
 
 from miniapp.engine.evaluation.calibrate import prompt_tokens
 from miniapp.engine.runtimes.torch_runtime import TorchRuntime
-from miniapp.engine.sampling import GREEDY
+from miniapp.engine.tokens.sampling import GREEDY
 
 # Long enough to diverge between a prompt pass and exact rows (the terminal's and the
 # server's answers to the first parted at its 14th token on the q8 cache).

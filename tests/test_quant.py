@@ -11,15 +11,14 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as Q
 from tiny_gguf import quantize_k
 
-from miniapp.engine.kernels import GGML_ENV, INTERLEAVE_ENV
-from miniapp.engine.layers import (
+from miniapp.engine.ops.layers import (
     BlockEmbedding,
     DenseLinear,
     GgmlLinear,
     Int4Linear,
     linear_from_raw,
 )
-from miniapp.engine.quant import (
+from miniapp.engine.ops.quant import (
     QUANT_TYPES,
     all_finite,
     decode,
@@ -28,6 +27,7 @@ from miniapp.engine.quant import (
     expand_input,
     to_int4,
 )
+from miniapp.engine.platform.kernels import GGML_ENV, INTERLEAVE_ENV
 from miniapp.native import ggml as native_ggml
 
 RNG = np.random.default_rng(1234)

@@ -6,9 +6,9 @@ import pytest
 import torch
 from cache_snapshots import restore, snapshot
 
-from miniapp.engine.cache import KVCache
 from miniapp.engine.errors import ContextFullError
-from miniapp.engine.layers import Rope, apply_rope
+from miniapp.engine.kv.cache import KVCache
+from miniapp.engine.ops.layers import Rope, apply_rope
 
 
 def _rotate_reference(x: torch.Tensor, position: int, base: float, interleaved: bool):

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from cache_snapshots import restore, snapshot
 
-from miniapp.engine.cache import KVCache, RotatingKVCache
-from miniapp.engine.layers import Rope, apply_rope
+from miniapp.engine.kv.cache import KVCache, RotatingKVCache
+from miniapp.engine.ops.layers import Rope, apply_rope
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
 

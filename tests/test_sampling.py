@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import torch
 
-from miniapp.engine.sampling import SamplingParams
-from miniapp.engine.torch_sampler import Sampler, apply_presence_frequency, apply_repeat_penalty
+from miniapp.engine.tokens.sampler import Sampler, apply_presence_frequency, apply_repeat_penalty
+from miniapp.engine.tokens.sampling import SamplingParams
 
 
 def test_greedy_is_argmax():

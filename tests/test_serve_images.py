@@ -14,9 +14,9 @@ from PIL import Image
 from test_serve import MODEL, running_server, wait_ready
 from tiny_gguf import LLAMA, write_tiny_model
 
-from miniapp.engine.chat_template import ChatTemplate, Message
 from miniapp.engine.images import attach_image, build_user_message, choose_route
-from miniapp.engine.tokenizer import Tokenizer
+from miniapp.engine.modelfile.template import ChatTemplate, Message
+from miniapp.engine.tokens.tokenizer import Tokenizer
 
 QUESTION = "What does the sign say?"
 
@@ -58,7 +58,7 @@ def test_an_image_is_read_by_ocr_into_the_prompt(client, default_model):
 
 
 def _template(model):
-    from miniapp.engine.gguf_file import GGUFFile
+    from miniapp.engine.modelfile.gguf_file import GGUFFile
 
     return GGUFFile(model).metadata.get("tokenizer.chat_template")
 

@@ -285,8 +285,8 @@ def test_the_models_own_template_renders_the_tools_and_the_tool_traffic(
 ):
     """With a template that takes tools, the prompt is the template's own rendering: the
     tools as it describes them, an earlier call in its tags, a result in its tags."""
-    from miniapp.engine.chat_template import ChatTemplate, Message
-    from miniapp.engine.tokenizer import Tokenizer
+    from miniapp.engine.modelfile.template import ChatTemplate, Message
+    from miniapp.engine.tokens.tokenizer import Tokenizer
 
     tokenizer, template = Tokenizer(default_model), ChatTemplate(TAGGING_TEMPLATE)
 

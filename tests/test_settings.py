@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from miniapp.app.settings import (
+from miniapp.app.host.settings import (
     Settings,
     add_flags,
     apply,
@@ -21,7 +21,7 @@ from miniapp.app.settings import (
     write_file,
 )
 from miniapp.engine.errors import MiniappError
-from miniapp.engine.kv_types import DEFAULT_KV_TYPE, KV_TYPE_NAMES
+from miniapp.engine.kv.types import DEFAULT_KV_TYPE, KV_TYPE_NAMES
 
 
 def test_each_layer_overrides_the_one_below():

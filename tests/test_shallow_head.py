@@ -17,7 +17,6 @@ from tiny_gguf import TinyModel, write_tiny_model
 from miniapp.engine.evaluation import head_training as ht
 from miniapp.engine.evaluation import shallow_training as st
 from miniapp.engine.runtimes.torch_runtime import TorchRuntime
-from miniapp.engine.sampling import SamplingParams
 from miniapp.engine.speculative import DraftController
 from miniapp.engine.speculative.calibration import (
     file_hash,
@@ -30,6 +29,7 @@ from miniapp.engine.speculative.shallow_head import (
     ShallowBlock,
     block_rope,
 )
+from miniapp.engine.tokens.sampling import SamplingParams
 
 EXIT = 2  # of the tiny model's 4 layers
 

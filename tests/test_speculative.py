@@ -12,17 +12,17 @@ import torch
 from generation_helpers import first_tokens
 from tiny_gguf import TinyModel, write_tiny_model
 
-from miniapp.engine.cache import RotatingKVCache
 from miniapp.engine.evaluation.calibrate import agreement_runs, prompt_tokens
-from miniapp.engine.kv_types import DEFAULT_KV_TYPE, KV_TYPES, Q4, Q8, KVPair
+from miniapp.engine.kv.cache import RotatingKVCache
+from miniapp.engine.kv.types import DEFAULT_KV_TYPE, KV_TYPES, Q4, Q8, KVPair
 from miniapp.engine.models import CachePolicy
 from miniapp.engine.runtimes.torch_runtime import TorchRuntime
-from miniapp.engine.sampling import GREEDY, SamplingParams
 from miniapp.engine.speculative import DraftController, EarlyExitDrafter
 from miniapp.engine.speculative.acceptance import Verdict, accept_greedy, accept_sampled
 from miniapp.engine.speculative.controller import MAX_PROBE_OVERHEAD, PROBE_EVERY
 from miniapp.engine.speculative.lookup import PromptLookup
-from miniapp.engine.torch_sampler import Sampler
+from miniapp.engine.tokens.sampler import Sampler
+from miniapp.engine.tokens.sampling import GREEDY, SamplingParams
 
 QUESTIONS = [
     "Why is the sky blue?",

@@ -15,13 +15,13 @@ from generation_helpers import first_tokens
 from tiny_gguf import GEMMA3, LLAMA, write_tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from miniapp.engine.devices import SimulatedProbe
-from miniapp.engine.gguf_file import GGUFFile
-from miniapp.engine.kv_types import BLOCK, F16, F32, Q4, Q8, KVPair
+from miniapp.engine.kv.types import BLOCK, F16, F32, Q4, Q8, KVPair
+from miniapp.engine.modelfile.gguf_file import GGUFFile
 from miniapp.engine.models import CachePolicy, build_model
 from miniapp.engine.models.static_step import StaticDecodeStep, span_bucket
+from miniapp.engine.platform.devices import SimulatedProbe
 from miniapp.engine.runtimes.torch_runtime import TorchRuntime
-from miniapp.engine.sampling import GREEDY
+from miniapp.engine.tokens.sampling import GREEDY
 
 # A small streaming cache, so a few dozen tokens wrap the ring and move the sinks' frame.
 POLICY = CachePolicy(ctx=20, sinks=4, window=12)
@@ -371,7 +371,7 @@ def test_the_cuda_graph_runner_warms_up_captures_once_and_replays(monkeypatch):
     machine has no GPU): warm-up runs, one capture in thread-local mode, then replays."""
     from contextlib import contextmanager
 
-    from miniapp.engine.models import static_step
+    from miniapp.engine.platform import graphs
 
     events = []
 
@@ -398,9 +398,9 @@ def test_the_cuda_graph_runner_warms_up_captures_once_and_replays(monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", on_stream)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
     monkeypatch.setattr(torch.cuda, "graph", capturing)
-    runner = static_step.CudaGraphRunner(lambda: events.append("body"))
+    runner = graphs.CudaGraphRunner(lambda: events.append("body"))
     runner()
     runner()
-    warm = ["body"] * static_step.WARMUP_STEPS
+    warm = ["body"] * graphs.WARMUP_STEPS
     assert events == ["wait", "side stream", *warm, "wait", "capture (thread_local)", "body",
                       "replay", "replay"]  # fmt: skip

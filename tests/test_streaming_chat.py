@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from miniapp.engine.conversation import Conversation
-from miniapp.engine.events import Finished, FinishReason
-from miniapp.engine.generation import GenerationRequest
+from miniapp.engine.chat.conversation import Conversation
+from miniapp.engine.chat.generation import GenerationRequest
 from miniapp.engine.runtimes.torch_runtime import TorchRuntime
-from miniapp.engine.sampling import GREEDY
+from miniapp.engine.tokens.events import Finished, FinishReason
+from miniapp.engine.tokens.sampling import GREEDY
 
 CTX = 192
 

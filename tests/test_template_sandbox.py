@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from miniapp.engine.chat_template import (
+from miniapp.engine.modelfile.template import (
     MAX_RENDERED_CHARS,
     RENDER_SECONDS,
     ChatTemplate,

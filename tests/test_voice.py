@@ -7,7 +7,7 @@ import pytest
 from speech_synth import CLEAN_SENTENCES, joined, require_tools, synthesize
 
 from miniapp.engine.errors import ModelFileError
-from miniapp.engine.model_store import BUNDLED_FOLDERS, resolve_asr_model
+from miniapp.engine.modelfile.store import BUNDLED_FOLDERS, resolve_asr_model
 from miniapp.engine.voice.agreement import LocalAgreement, after_committed, normalize
 from miniapp.engine.voice.asr import load_asr
 from miniapp.engine.voice.audio import SAMPLE_RATE

@@ -1,5 +1,5 @@
 """What the GUI does, without the GUI: settings, answers and attachments (the loaded model is
-the shared `ModelHost` of app/model_host.py).
+the shared `ModelHost` of app/host/model_host.py).
 
 The Gradio layer (`ui.py`) only turns widget values into calls here and results back into
 widget values, so everything below can be reasoned about (and tested) as plain Python.
@@ -14,19 +14,20 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from miniapp.engine.chat_template import Message
-from miniapp.engine.conversation import Conversation
+from miniapp.engine.chat.conversation import Conversation
+from miniapp.engine.chat.generation import GenerationRequest
 from miniapp.engine.errors import MiniappError
-from miniapp.engine.events import Finished, GenerationStats, ReasoningDelta, TextDelta
-from miniapp.engine.generation import GenerationRequest
-from miniapp.engine.model_store import BUNDLED, models_dir, resolve_model
+from miniapp.engine.modelfile.store import BUNDLED, models_dir, resolve_model
+from miniapp.engine.modelfile.template import Message
 from miniapp.engine.runtimes import REMOTE_BACKEND, Runtime
 from miniapp.engine.runtimes.base import MessageRuntime
-from miniapp.engine.sampling import SamplingParams
+from miniapp.engine.tokens.events import Finished, GenerationStats, ReasoningDelta, TextDelta
+from miniapp.engine.tokens.sampling import SamplingParams
 
-from ..model_host import LoadSpec, ModelHost
-from ..settings import Settings
-from .history import SavedChat, SavedMessage, data_dir, write_atomically_bytes
+from ..host.files import write_atomically_bytes
+from ..host.model_host import LoadSpec, ModelHost
+from ..host.settings import Settings
+from .history import SavedChat, SavedMessage, data_dir
 
 QUEUED_SHOWN_S = 0.05  # a wait for a slot of the batching engine worth showing
 THINKING_SHOWN = 400  # characters of a reasoning model's thinking shown while it thinks

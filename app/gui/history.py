@@ -24,6 +24,8 @@ import platformdirs
 
 from miniapp.engine.errors import MiniappError
 
+from ..host.files import write_atomically
+
 DATA_DIR_ENV = "MINIAPP_DATA_DIR"
 HISTORY_VERSION = 1  # written into each file; a larger one is a newer miniapp's format
 TITLE_CHARS = 48
@@ -186,25 +188,3 @@ class ChatStore:
 
 def _reason(exc: OSError) -> str:
     return exc.strerror or type(exc).__name__
-
-
-def write_atomically(path: Path, text: str) -> None:
-    write_atomically_bytes(path, text.encode("utf-8"))
-
-
-def write_atomically_bytes(path: Path, data: bytes) -> None:
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with temporary.open("wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except OSError:
-        temporary.unlink(missing_ok=True)  # a full disk keeps no half-written copies
-        raise
-    folder = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(folder)  # the rename itself survives a power cut
-    finally:
-        os.close(folder)

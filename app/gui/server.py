@@ -18,12 +18,12 @@ MAX_UPLOAD_ENV = "MINIAPP_MAX_UPLOAD"  # e.g. "1mb", to try the limit without a 
 
 
 def settings_from_args(args: argparse.Namespace):
-    from ..settings import runtime_kv_type
+    from ..host.settings import runtime_kv_type
     from .controller import ChatSettings
 
     defaults = ChatSettings()
     if args.backend == REMOTE_BACKEND:
-        from ..remote import endpoint_from_args, open_remote_checks
+        from ..host.remote import endpoint_from_args, open_remote_checks
 
         open_remote_checks(args)  # local-only options are one line, before the page starts
         endpoint = endpoint_from_args(args)
@@ -44,7 +44,7 @@ def settings_from_args(args: argparse.Namespace):
 def run_gui(args: argparse.Namespace) -> int:
     import gradio as gr
 
-    from ..model_host import ModelHost
+    from ..host.model_host import ModelHost
     from .controller import Transcriber
     from .history import ChatStore
     from .ui import GuiContext, build_ui

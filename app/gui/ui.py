@@ -9,12 +9,12 @@ from pathlib import Path
 
 import gradio as gr
 
-from miniapp.engine.devices import DEVICE_CHOICES
 from miniapp.engine.errors import MiniappError
+from miniapp.engine.platform.devices import DEVICE_CHOICES
 from miniapp.engine.runtimes import BACKENDS, DEFAULT_SINKS
-from miniapp.engine.spec_modes import SPEC_MODES
+from miniapp.engine.tokens.spec_modes import SPEC_MODES
 
-from ..model_host import ModelHost, ModelLoadError
+from ..host.model_host import ModelHost, ModelLoadError
 from .controller import (
     AUDIO_SUFFIXES,
     IMAGE_SUFFIXES,

@@ -20,14 +20,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
-from miniapp.engine.chat_template import Message
-from miniapp.engine.constraints import ConstraintError, OutputConstraint
-from miniapp.engine.events import Finished, TextDelta
-from miniapp.engine.generation import GenerationRequest
-from miniapp.engine.sampling import SamplingParams, TokenLogprob
-from miniapp.engine.tokenizer import Tokenizer
+from miniapp.engine.chat.generation import GenerationRequest
+from miniapp.engine.modelfile.template import Message
+from miniapp.engine.tokens.constraints import ConstraintError, OutputConstraint
+from miniapp.engine.tokens.events import Finished, TextDelta
+from miniapp.engine.tokens.sampling import SamplingParams, TokenLogprob
+from miniapp.engine.tokens.tokenizer import Tokenizer
 
-from ..model_host import LoadState
+from ..host.model_host import LoadState
 from .audio import audio_router
 from .errors import ApiError, bad_request, error_response
 from .images import ServedImages, vision_producer

@@ -11,8 +11,7 @@ import re
 import threading
 from pathlib import Path
 
-from miniapp.engine.chat_template import Message
-from miniapp.engine.conversation import Conversation
+from miniapp.engine.chat.conversation import Conversation
 from miniapp.engine.errors import MiniappError
 from miniapp.engine.images import (
     ImagePath,
@@ -22,6 +21,7 @@ from miniapp.engine.images import (
     choose_route,
     vision_images,
 )
+from miniapp.engine.modelfile.template import Message
 
 from .errors import bad_request
 from .protocol import ChatMessage

@@ -12,8 +12,8 @@ from functools import lru_cache
 from pathlib import Path
 
 from miniapp.engine.errors import MiniappError
-from miniapp.engine.gguf_file import read_scalar
-from miniapp.engine.model_store import installed_models
+from miniapp.engine.modelfile.gguf_file import read_scalar
+from miniapp.engine.modelfile.store import installed_models
 
 
 def model_listing(served) -> list[dict]:

@@ -1,5 +1,5 @@
 """`miniapp serve`: the API on uvicorn in a background thread, the engine's work on the main
-thread (OpenMP runs about 3x slower on any other, see engine/compute_thread.py), the model
+thread (OpenMP runs about 3x slower on any other, see engine/platform/compute_thread.py), the model
 loading in the background while /health says 503."""
 
 from __future__ import annotations
@@ -11,17 +11,17 @@ import threading
 import time
 from pathlib import Path
 
-from miniapp.engine.chat_template import ChatTemplate
 from miniapp.engine.errors import MiniappError
-from miniapp.engine.gguf_file import GGUFFile
-from miniapp.engine.model_checks import check_model_file
-from miniapp.engine.model_store import resolve_model
+from miniapp.engine.modelfile.checks import check_model_file
+from miniapp.engine.modelfile.gguf_file import GGUFFile
+from miniapp.engine.modelfile.store import resolve_model
+from miniapp.engine.modelfile.template import ChatTemplate
 from miniapp.engine.models import check_supported
 from miniapp.engine.runtimes import REMOTE_BACKEND
-from miniapp.engine.sampling import SamplingParams
+from miniapp.engine.tokens.sampling import SamplingParams
 
-from ..model_host import LoadSpec, ModelHost
-from ..settings import runtime_kv_type
+from ..host.model_host import LoadSpec, ModelHost
+from ..host.settings import runtime_kv_type
 from .api import ServeOptions, create_app
 from .service import ServedModel
 

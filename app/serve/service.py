@@ -17,15 +17,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from miniapp.engine.batching import QueueFullError
-from miniapp.engine.chat_template import ChatTemplate, Message
+from miniapp.engine.chat.generation import GenerationRequest, generate
 from miniapp.engine.errors import ContextFullError, MiniappError
-from miniapp.engine.events import Finished, FinishReason, GenerationEvent
-from miniapp.engine.generation import GenerationRequest, generate
-from miniapp.engine.model_store import BUNDLED, resolve_model
+from miniapp.engine.modelfile.store import BUNDLED, resolve_model
+from miniapp.engine.modelfile.template import ChatTemplate, Message
 from miniapp.engine.runtimes import Runtime
-from miniapp.engine.token_stream import TokenStream
+from miniapp.engine.tokens.events import Finished, FinishReason, GenerationEvent
+from miniapp.engine.tokens.stream import TokenStream
 
-from ..model_host import LoadSpec, LoadState, ModelHost, ModelLoadError
+from ..host.model_host import LoadSpec, LoadState, ModelHost, ModelLoadError
 from .errors import ApiError, bad_request
 
 RETRY_AFTER_S = 1  # what a client told "busy" (503) should wait before trying again

@@ -32,8 +32,8 @@ import re
 import uuid
 from dataclasses import dataclass, replace
 
-from miniapp.engine.chat_template import ChatTemplate, Message
-from miniapp.engine.constraints import ConstraintError, OutputConstraint
+from miniapp.engine.modelfile.template import ChatTemplate, Message
+from miniapp.engine.tokens.constraints import ConstraintError, OutputConstraint
 
 from .errors import bad_request
 from .protocol import ChatCompletionRequest, ToolChoiceFunction

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..cache import Cache
+from ..kv.cache import Cache
 from ..models import CachePolicy, DecoderModel
 from ..models.static_step import Runner, StaticDecodeStep, static_step_unsupported
 

@@ -38,16 +38,16 @@ from typing import Protocol
 
 import torch
 
-from ..cache import Cache, common_prefix, keep_first, reusable_length
-from ..constraints import TokenGuide
 from ..errors import MiniappError
-from ..events import SpeculationStats
-from ..kv_types import KVSetting, bytes_per_token
+from ..kv.cache import Cache, common_prefix, keep_first, reusable_length
+from ..kv.types import KVSetting, bytes_per_token
 from ..models import CachePolicy, DecoderModel
-from ..sampling import SamplingParams
 from ..speculative import SpeculativeDecoder
-from ..token_stream import TokenStream
-from ..torch_sampler import Sampler, token_logprob
+from ..tokens.constraints import TokenGuide
+from ..tokens.events import SpeculationStats
+from ..tokens.sampler import Sampler, token_logprob
+from ..tokens.sampling import SamplingParams
+from ..tokens.stream import TokenStream
 from .runner import ModelRunner
 
 DEFAULT_SLOTS = 4

@@ -126,9 +126,9 @@ class AsrBenchmark:
     def answer_latency(self, runtime) -> dict:
         """Each sentence streamed, then sent to a chat: the time from the end of the audio to
         the first answer token, on the stream's clock."""
-        from ..conversation import Conversation
-        from ..events import TextDelta
-        from ..generation import GenerationRequest
+        from ..chat.conversation import Conversation
+        from ..chat.generation import GenerationRequest
+        from ..tokens.events import TextDelta
 
         totals, finishes, ttfts = [], [], []
         for clip in self.clips:

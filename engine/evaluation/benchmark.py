@@ -16,10 +16,10 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..events import SpeculationStats
 from ..runtimes import open_runtime
 from ..runtimes.base import Runtime
-from ..sampling import GREEDY
+from ..tokens.events import SpeculationStats
+from ..tokens.sampling import GREEDY
 
 
 def _import_backend(backend: str) -> None:

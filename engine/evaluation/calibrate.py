@@ -19,15 +19,15 @@ import torch
 import torch.nn.functional as F
 
 from ...assets import chat_prompts
-from ..chat_template import ChatTemplate, Message
+from ..modelfile.template import ChatTemplate, Message
 from ..models import CachePolicy
 from ..runtimes.torch_runtime import TorchRuntime
-from ..sampling import GREEDY
 from ..speculative.adapter import ExitAdapterModule
 from ..speculative.calibration import ExitSetting
 from ..speculative.controller import MIN_GAIN
 from ..speculative.drafter import Draft
 from ..speculative.early_exit import EarlyExitDrafter
+from ..tokens.sampling import GREEDY
 
 CALIBRATION_PROMPTS = 8  # the first prompts measure; the rest train the adapter
 ANSWER_TOKENS = 96

@@ -29,11 +29,11 @@ import torch.nn.functional as F
 
 from ..models import CachePolicy
 from ..models.decoder import DecoderModel
-from ..quant import dequantize_rows
+from ..ops.quant import dequantize_rows
 from ..runtimes.torch_runtime import TorchRuntime
-from ..sampling import GREEDY, SamplingParams
 from ..speculative.draft_head import DraftHead, HeadWeights
-from ..torch_sampler import Sampler
+from ..tokens.sampler import Sampler
+from ..tokens.sampling import GREEDY, SamplingParams
 
 TEACHER_TOP = 32  # teacher probabilities kept per row
 SAMPLED_SHARE = 3  # every third answer is sampled (temperature below), the rest greedy

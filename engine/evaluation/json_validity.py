@@ -27,20 +27,20 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from importlib.resources import files
 
-from ..chat_template import Message
-from ..constraints import (
+from ..chat.conversation import Conversation
+from ..chat.generation import GenerationRequest, generate
+from ..errors import MiniappError
+from ..modelfile.template import Message
+from ..runtimes.base import Runtime
+from ..tokens.constraints import (
     OutputConstraint,
     TokenGuide,
     _ll_tokenizer,
     closing_reserve,
     token_guide,
 )
-from ..conversation import Conversation
-from ..errors import MiniappError
-from ..events import Finished, FinishReason, TextDelta
-from ..generation import GenerationRequest, generate
-from ..runtimes.base import Runtime
-from ..sampling import SamplingParams
+from ..tokens.events import Finished, FinishReason, TextDelta
+from ..tokens.sampling import SamplingParams
 
 DEFAULT_MAX_TOKENS = 384
 WARMUP_TOKENS = 8  # the first generation pays one-time costs (thread pools, kernels)

@@ -19,12 +19,12 @@ import numpy as np
 import torch
 
 from ..batching import BatchConfig, BatchScheduler
-from ..devices import estimate_footprint
-from ..gguf_file import GGUFFile
-from ..kv_types import KVSetting, default_kv_type, kv_type
+from ..kv.footprint import estimate_footprint
+from ..kv.types import KVSetting, default_kv_type, kv_type
+from ..modelfile.gguf_file import GGUFFile
 from ..models import CachePolicy, build_model
 from ..runtimes.base import default_threads
-from ..sampling import GREEDY
+from ..tokens.sampling import GREEDY
 
 
 @dataclass(frozen=True)

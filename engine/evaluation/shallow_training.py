@@ -30,7 +30,6 @@ from ..errors import MiniappError
 from ..models import CachePolicy
 from ..models.decoder import DecoderModel
 from ..runtimes.torch_runtime import TorchRuntime
-from ..sampling import GREEDY
 from ..speculative.drafter import Draft
 from ..speculative.shallow_head import (
     WINDOW,
@@ -39,6 +38,7 @@ from ..speculative.shallow_head import (
     ShallowExitDrafter,
     block_rope,
 )
+from ..tokens.sampling import GREEDY
 from .head_training import (
     Answer,
     ChainLink,

@@ -4,7 +4,7 @@ The app calls, per chat:    route = choose_route(model_path, backend, mmproj)
 per attached image:         attachment = attach_image(path, route)   (ImageInputError if bad)
 per message:                text = build_user_message(typed, attachments)
 and on the vision path sends `vision_images(attachments)` (as PNG) with the message to the
-conversation (engine/conversation.py), which answers on the vision runtime
+conversation (engine/chat/conversation.py), which answers on the vision runtime
 (engine/runtimes/llamacpp_vision.py).
 """
 

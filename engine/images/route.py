@@ -13,7 +13,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from ..errors import ModelFileError
-from ..gguf_file import GGUFFile
+from ..modelfile.gguf_file import GGUFFile
 
 PROJECTOR_ARCHITECTURE = "clip"  # llama.cpp's name for every multimodal projector file
 VISION_BACKEND = "llamacpp"

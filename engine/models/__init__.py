@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..errors import UnsupportedModelError
-from ..gguf_file import GGUFFile
-from ..model_checks import check_model_file
-from ..quant import SUPPORTED_TYPES
+from ..modelfile.checks import check_model_file
+from ..modelfile.gguf_file import GGUFFile
+from ..ops.quant import SUPPORTED_TYPES
 from . import gemma3, llama, phi3, qwen
 from .config import DecoderConfig, check_config
 from .decoder import DecoderModel

@@ -7,8 +7,8 @@ import math
 from dataclasses import dataclass
 
 from ..errors import ModelFileError, UnsupportedModelError
-from ..gguf_file import GGUFFile
-from ..model_checks import describe_value
+from ..modelfile.checks import describe_value
+from ..modelfile.gguf_file import GGUFFile
 
 
 @dataclass(frozen=True)

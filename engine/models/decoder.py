@@ -18,10 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from ...native.decode_layer import LayerShape, NativeDecodeLayer, SequenceRows
-from ..cache import Cache, Slots
-from ..kernels import cpu_attention_kernel, cpu_int4_kernel, cpu_row_ops, fused_layers_enabled
-from ..kv_codec import TILE_ROWS
-from ..layers import (
+from ..kv.cache import Cache, Slots
+from ..kv.codec import TILE_ROWS
+from ..ops.layers import (
     GgmlLinear,
     Int4Linear,
     Linear,
@@ -32,6 +31,12 @@ from ..layers import (
     apply_rope,
     linear_from_raw,
     rms_normalize,
+)
+from ..platform.kernels import (
+    cpu_attention_kernel,
+    cpu_int4_kernel,
+    cpu_row_ops,
+    fused_layers_enabled,
 )
 from .config import DecoderConfig, RopeConfig
 from .exact_rows import RowMasks, Segments, row_tables

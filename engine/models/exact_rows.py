@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import torch
 
-from ..cache import Cache
-from ..layers import Rope, RopeTables
+from ..kv.cache import Cache
+from ..ops.layers import Rope, RopeTables
 from .placement import CPU
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 
-from ..gguf_file import GGUFFile
+from ..modelfile.gguf_file import GGUFFile
 from .config import DecoderConfig, MetadataReader, RopeConfig
 
 DEFAULT_PATTERN = 6  # every 6th layer is global

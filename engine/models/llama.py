@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..gguf_file import GGUFFile
+from ..modelfile.gguf_file import GGUFFile
 from .config import DecoderConfig, MetadataReader
 
 

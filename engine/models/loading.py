@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import ModelFileError, UnsupportedModelError
-from ..gguf_file import GGUFFile, TensorInfo
-from ..layers import (
+from ..modelfile.gguf_file import GGUFFile, TensorInfo
+from ..ops.layers import (
     CPU_INT4,
     BlockEmbedding,
     Linear,
@@ -16,7 +16,7 @@ from ..layers import (
     WeightTarget,
     linear_from_raw,
 )
-from ..quant import all_finite, dequantize_rows
+from ..ops.quant import all_finite, dequantize_rows
 from .config import DecoderConfig
 from .decoder import Attention, Block, DecoderModel, FeedForward
 from .placement import CPU_PLACEMENT, Placement

@@ -7,7 +7,7 @@ factors chosen by context length) are not supported yet.
 
 from __future__ import annotations
 
-from ..gguf_file import GGUFFile
+from ..modelfile.gguf_file import GGUFFile
 from .config import DecoderConfig, MetadataReader
 
 

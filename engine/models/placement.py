@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import Cache, KVCache, RotatingKVCache
-from ..kv_types import F32, KVSetting
-from ..layers import CPU_INT4, Rope, WeightTarget
+from ..kv.cache import Cache, KVCache, RotatingKVCache
+from ..kv.types import F32, KVSetting
+from ..ops.layers import CPU_INT4, Rope, WeightTarget
 from .config import DecoderConfig
 
 CPU = torch.device("cpu")

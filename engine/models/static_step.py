@@ -27,15 +27,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import Cache, StaticCache
-from ..kv_codec import TILE_ROWS, KVCodec
-from ..kv_types import F32
-from ..layers import Rope, RopeTables, apply_rope
+from ..kv.cache import Cache, StaticCache
+from ..kv.codec import TILE_ROWS, KVCodec
+from ..kv.types import F32
+from ..ops.layers import Rope, RopeTables, apply_rope
+from ..platform.graphs import Runner, eager_runner
 from .decoder import DecoderModel
 from .exact_rows import Segments
 from .placement import CPU
 
-WARMUP_STEPS = 2  # eager runs on a side stream before capture, as torch's graph docs advise
 MIN_SPAN = 256  # the smallest prefix of the cache attention reads
 
 
@@ -49,7 +49,7 @@ def span_bucket(needed: int, full: int) -> int:
 
 
 class _TileRows:
-    """For q4 keys in tiles (engine/key_tiles.py), which fp32 rows a step uses, as one int64
+    """For q4 keys in tiles (engine/kv/key_tiles.py), which fp32 rows a step uses, as one int64
     device buffer filled from the host: the row of `KeyTiles.recent` its key goes to, then
     the ring rows of its own tile (the one its query reads exactly), then where those rows
     sit in `recent`."""
@@ -147,43 +147,6 @@ def static_step_unsupported(model: DecoderModel, caches: list[Cache]) -> str | N
     if not all(isinstance(cache, StaticCache) for cache in caches):
         return "a kind of cache without fixed-shape steps"
     return None
-
-
-Runner = Callable[[Callable[[], None]], Callable[[], None]]
-
-
-def eager_runner(body: Callable[[], None]) -> Callable[[], None]:
-    """Runs the static step as ordinary code (CPU, simulated GPUs)."""
-    return body
-
-
-class CudaGraphRunner:
-    """Captures the static step into a CUDA graph on first use (after warm-up runs on a side
-    stream), then replays it. ROCm builds of torch capture HIP graphs the same way."""
-
-    def __init__(self, body: Callable[[], None]):
-        self.body = body
-        self.graph: torch.cuda.CUDAGraph | None = None
-
-    def __call__(self) -> None:
-        if self.graph is None:
-            self._capture()
-        self.graph.replay()
-
-    def _capture(self) -> None:
-        # Warm-up and capture both run the step on the inputs already in place: writes land
-        # in the same cache slot the replay then overwrites with the same values.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_STEPS):
-                self.body()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: CUDA work on other threads (a GUI, speech) does not spoil the capture.
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            self.body()
-        self.graph = graph
 
 
 class StaticDecodeStep:

@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import MiniappError
-from ..kv_types import kv_type
-from ..spec_modes import SpecMode
+from ..kv.types import kv_type
+from ..tokens.spec_modes import SpecMode
 from .base import DEFAULT_CTX, DEFAULT_PARALLEL, DEFAULT_SINKS, Runtime, VisionRuntime
 
 LOCAL_BACKENDS = ("torch", "llamacpp")

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ..compute_thread import ComputeThread
-from ..devices import DevicePlan
 from ..errors import MiniappError
-from ..events import GenerationStats, SpeculationStats
-from ..sampling import SamplingParams
-from ..token_stream import TokenStream
-from ..tokenizer import Tokenizer
+from ..platform.compute_thread import ComputeThread
+from ..platform.devices import DevicePlan
+from ..tokens.events import GenerationStats, SpeculationStats
+from ..tokens.sampling import SamplingParams
+from ..tokens.stream import TokenStream
+from ..tokens.tokenizer import Tokenizer
 
 DEFAULT_CTX = 4096
 DEFAULT_SINKS = 4  # StreamingLLM's number of attention-sink tokens (the torch engine's cache)

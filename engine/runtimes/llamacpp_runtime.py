@@ -8,16 +8,16 @@ from pathlib import Path
 
 import numpy as np
 
-from ..cache import common_prefix
-from ..constraints import TokenGuide, token_guide
-from ..devices import DeviceProbe
-from ..gguf_file import GGUFFile
-from ..kv_types import KVSetting
-from ..llamacpp_lib import Llama, OpenedModel, open_model
-from ..model_checks import check_model_file
-from ..sampling import SamplingParams, TokenLogprob
-from ..token_stream import GeneratedTokens, TokenStream
-from ..tokenizer import Tokenizer
+from ..kv.cache import common_prefix
+from ..kv.types import KVSetting
+from ..llamacpp.library import Llama, OpenedModel, open_model
+from ..modelfile.checks import check_model_file
+from ..modelfile.gguf_file import GGUFFile
+from ..platform.devices import DeviceProbe
+from ..tokens.constraints import TokenGuide, token_guide
+from ..tokens.sampling import SamplingParams, TokenLogprob
+from ..tokens.stream import GeneratedTokens, TokenStream
+from ..tokens.tokenizer import Tokenizer
 from .base import (
     DEFAULT_CTX,
     LOGIT_BLOCK,

@@ -1,7 +1,7 @@
 """llama.cpp with a vision projector (mmproj GGUF): prompts with pictures, through llama.cpp's
 multimodal path (MTMD) and llama-cpp-python's MTMDChatHandler.
 
-The conversation (engine/conversation.py) renders the chat with the model's own template,
+The conversation (engine/chat/conversation.py) renders the chat with the model's own template,
 llama.cpp's media marker where each picture goes; MTMD cuts that text at the markers into
 chunks (text tokens, and one chunk per picture) and we feed them to the model in order,
 encoding each picture with the projector. So `--show-prompt` shows exactly what ran.
@@ -30,12 +30,12 @@ import numpy as np
 from llama_cpp import mtmd_cpp
 from llama_cpp.llama_chat_format import MTMDChatHandler
 
-from ..cache import common_prefix
-from ..devices import DeviceProbe
 from ..errors import MiniappError, ModelFileError
-from ..gguf_file import GGUFFile
 from ..images.route import projector_problem
-from ..llamacpp_lib import Llama, OpenedModel, llama_cpp, llama_supports_gpu_offload, open_model
+from ..kv.cache import common_prefix
+from ..llamacpp.library import Llama, OpenedModel, llama_cpp, llama_supports_gpu_offload, open_model
+from ..modelfile.gguf_file import GGUFFile
+from ..platform.devices import DeviceProbe
 from .base import DEFAULT_CTX, Prefill, VisionRuntime
 from .llamacpp_runtime import BATCH, LlamaCppRuntime
 

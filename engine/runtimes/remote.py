@@ -26,10 +26,10 @@ from pathlib import Path
 
 import openai
 
-from ..chat_template import Message
-from ..constraints import ConstraintKind, OutputConstraint
 from ..errors import MiniappError
-from ..events import (
+from ..modelfile.template import Message
+from ..tokens.constraints import ConstraintKind, OutputConstraint
+from ..tokens.events import (
     Finished,
     FinishReason,
     GenerationEvent,
@@ -37,7 +37,7 @@ from ..events import (
     ReasoningDelta,
     TextDelta,
 )
-from ..generation import GenerationRequest
+from ..tokens.sampling import GenerationRequest
 from .base import MessageRuntime, RuntimeInfo
 
 REMOTE_BACKEND = "openai"

@@ -11,27 +11,25 @@ import torch
 
 from ..batching import DEFAULT_QUEUE, UNLIMITED, BatchConfig, BatchScheduler
 from ..batching.runner import ModelRunner
-from ..cache import Cache
-from ..compute_thread import ComputeThread
-from ..devices import (
+from ..errors import MiniappError
+from ..kv.cache import Cache
+from ..kv.footprint import estimate_footprint
+from ..kv.types import KVSetting, bytes_per_token, default_kv_type, kv_type
+from ..modelfile.gguf_file import GGUFFile
+from ..models import CachePolicy, DecoderModel, Placement, build_model, check_supported
+from ..models.placement import CPU
+from ..models.static_step import StaticDecodeStep
+from ..platform.compute_thread import ComputeThread
+from ..platform.devices import (
     DevicePlan,
     DeviceProbe,
     Fallback,
     GpuPathUnavailable,
     decode_step_path,
     default_probe,
-    estimate_footprint,
     plan_device,
 )
-from ..errors import MiniappError
-from ..events import SpeculationStats
-from ..gguf_file import GGUFFile
-from ..kv_types import KVSetting, bytes_per_token, default_kv_type, kv_type
-from ..memory import available_memory_bytes, limit_heap_fragmentation
-from ..models import CachePolicy, DecoderModel, Placement, build_model, check_supported
-from ..models.placement import CPU
-from ..models.static_step import StaticDecodeStep
-from ..sampling import SamplingParams
+from ..platform.memory import available_memory_bytes, limit_heap_fragmentation
 from ..speculative import (
     DraftController,
     EarlyExitDrafter,
@@ -47,9 +45,11 @@ from ..speculative.calibration import (
 )
 from ..speculative.draft_head import HEAD_ACCEPTANCE_MEMORY, DraftHead, HeadDrafter
 from ..speculative.shallow_head import ShallowBlock, ShallowExitDrafter
-from ..token_stream import TokenStream
-from ..tokenizer import Tokenizer
-from ..torch_sampler import Sampler, sampler_for
+from ..tokens.events import SpeculationStats
+from ..tokens.sampler import Sampler, sampler_for
+from ..tokens.sampling import SamplingParams
+from ..tokens.stream import TokenStream
+from ..tokens.tokenizer import Tokenizer
 from .base import (
     DEFAULT_CTX,
     DEFAULT_SINKS,

@@ -1,6 +1,6 @@
 """Speculative decoding: prompt lookup and early-exit self-drafting, verified losslessly."""
 
-from ..spec_modes import SpecMode
+from ..tokens.spec_modes import SpecMode
 from .controller import DraftController
 from .drafter import Draft, Drafter, build_drafters
 from .early_exit import EarlyExitDrafter

@@ -26,14 +26,14 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from ..layers import Int4Linear, Linear, RMSNorm, _Int4Packer, pack_gated
-from ..quant import KERNEL_GROUP, PLAIN, AffineCodes, Int4Groups, to_int4
+from ..ops.layers import Int4Linear, Linear, RMSNorm, _Int4Packer, pack_gated
+from ..ops.quant import KERNEL_GROUP, PLAIN, AffineCodes, Int4Groups, to_int4
 from .drafter import Draft, VerifiedFromTokens
 
 if TYPE_CHECKING:
-    from ..cache import Cache
+    from ..kv.cache import Cache
     from ..models.decoder import DecoderModel
-    from ..torch_sampler import Sampler
+    from ..tokens.sampler import Sampler
     from .controller import DraftController
 
 HEAD_FORMAT = 1  # bumped when the stored tensors change meaning
@@ -157,7 +157,7 @@ def _int4_groups(weight: torch.Tensor) -> Int4Groups:
 
 
 def _library():
-    from ..kernels import cpu_int4_kernel
+    from ..platform.kernels import cpu_int4_kernel
 
     return cpu_int4_kernel().library
 

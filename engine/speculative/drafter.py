@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from ..spec_modes import SpecMode
+from ..tokens.spec_modes import SpecMode
 
 if TYPE_CHECKING:
-    from ..cache import Cache
+    from ..kv.cache import Cache
     from ..models.decoder import DecoderModel
-    from ..torch_sampler import Sampler
+    from ..tokens.sampler import Sampler
     from .controller import DraftController
     from .draft_head import DraftHead
     from .early_exit import EarlyExitDrafter

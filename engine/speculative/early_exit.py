@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from ..cache import Cache
+from ..kv.cache import Cache
 from ..models.decoder import DecoderModel
-from ..torch_sampler import Sampler
+from ..tokens.sampler import Sampler
 from .drafter import Draft, Verified
 
 if TYPE_CHECKING:

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING
 from .drafter import Draft, VerifiedFromTokens
 
 if TYPE_CHECKING:
-    from ..cache import Cache
+    from ..kv.cache import Cache
     from ..models.decoder import DecoderModel
-    from ..torch_sampler import Sampler
+    from ..tokens.sampler import Sampler
     from .controller import DraftController
 
 

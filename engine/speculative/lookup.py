@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING
 from .drafter import Draft, VerifiedFromTokens
 
 if TYPE_CHECKING:
-    from ..cache import Cache
+    from ..kv.cache import Cache
     from ..models.decoder import DecoderModel
-    from ..torch_sampler import Sampler
+    from ..tokens.sampler import Sampler
     from .controller import DraftController
 
 MAX_NGRAM = 4  # longest suffix matched; longer matches are tried first

@@ -28,16 +28,16 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from ..layers import RMSNorm, Rope, apply_rope
+from ..ops.layers import RMSNorm, Rope, apply_rope
 from .draft_head import GatedDraft, gated_int4_linear, int4_linear, read_tensors, store_tensors
 from .drafter import Draft, Verified
 from .early_exit import EarlyExitDrafter
 
 if TYPE_CHECKING:
-    from ..cache import Cache
-    from ..layers import Linear
+    from ..kv.cache import Cache
     from ..models.decoder import DecoderModel
-    from ..torch_sampler import Sampler
+    from ..ops.layers import Linear
+    from ..tokens.sampler import Sampler
 
 SHALLOW_FORMAT = 1  # bumped when the stored tensors change meaning
 HEAD_DIM = 64  # the block's attention heads: dim // HEAD_DIM of them

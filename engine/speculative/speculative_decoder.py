@@ -14,10 +14,10 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from ..cache import Cache
-from ..events import SpeculationStats
+from ..kv.cache import Cache
 from ..models.decoder import DecoderModel
-from ..torch_sampler import Sampler
+from ..tokens.events import SpeculationStats
+from ..tokens.sampler import Sampler
 from .acceptance import Verdict, accept_greedy, accept_sampled
 from .controller import DraftController
 from .drafter import Draft, Drafter

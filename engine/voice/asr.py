@@ -182,7 +182,7 @@ class WhisperASR:
 def load_asr(model: str | None = None, threads: int | None = None) -> WhisperASR:
     """The bundled tiny.en (model None), another bundled speech model by name, or a
     faster-whisper model folder."""
-    from ..model_store import asr_alignment_lag, resolve_asr_model
+    from ..modelfile.store import asr_alignment_lag, resolve_asr_model
 
     path = resolve_asr_model(model)
     return WhisperASR(path, threads=threads, alignment_lag_s=asr_alignment_lag(path))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..chat_template import Message
+from ..modelfile.template import Message
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import jinja2.meta
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from .errors import MiniappError
+from ..errors import MiniappError
 
 RENDER_SECONDS = 2.0  # a real template renders a long chat in milliseconds
 MAX_RENDERED_CHARS = 32 * 1024 * 1024  # the prompt, and any string or list built on the way

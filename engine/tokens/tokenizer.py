@@ -10,9 +10,9 @@ import codecs
 import ctypes
 from pathlib import Path
 
-from .errors import ModelFileError
-from .llamacpp_lib import Llama, llama_cpp
-from .vocab_probe import check_vocabulary_apart
+from ..errors import ModelFileError
+from ..llamacpp.library import Llama, llama_cpp
+from ..llamacpp.vocab_probe import check_vocabulary_apart
 
 
 class Tokenizer:

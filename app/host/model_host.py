@@ -12,9 +12,9 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
 
-from miniapp.engine.compute_thread import ComputeThread
 from miniapp.engine.errors import MiniappError
-from miniapp.engine.model_store import resolve_model
+from miniapp.engine.modelfile.store import resolve_model
+from miniapp.engine.platform.compute_thread import ComputeThread
 from miniapp.engine.runtimes import (
     REMOTE_BACKEND,
     Runtime,

@@ -4,22 +4,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
-from .errors import ContextFullError
-from .events import Finished, FinishReason, GenerationEvent, GenerationStats, TextDelta
-from .runtimes.base import Runtime
-from .sampling import SamplingParams, TokenLogprob
-from .token_stream import TokenStream
-from .tokenizer import IncrementalDecoder
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    max_tokens: int = 512
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop: tuple[str, ...] = ()
-    ignore_end_of_turn: bool = False  # benchmarks generate a fixed number of tokens
+from ..errors import ContextFullError
+from ..runtimes.base import Runtime
+from ..tokens.events import Finished, FinishReason, GenerationEvent, GenerationStats, TextDelta
+from ..tokens.sampling import GenerationRequest, TokenLogprob
+from ..tokens.stream import TokenStream
+from ..tokens.tokenizer import IncrementalDecoder
 
 
 class StopMatcher:

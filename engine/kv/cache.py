@@ -20,12 +20,12 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from ..native.attention import TiledKeys
-from .errors import ContextFullError
+from ...native.attention import TiledKeys
+from ..errors import ContextFullError
+from ..ops.layers import Rope, apply_rope
+from .codec import TILE_ROWS, KVCodec
 from .key_tiles import KeyTiles
-from .kv_codec import TILE_ROWS, KVCodec
-from .kv_types import F32, KVSetting
-from .layers import Rope, apply_rope
+from .types import F32, KVSetting
 
 
 @dataclass(frozen=True)

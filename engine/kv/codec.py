@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .kv_types import BLOCK, F32, KVType
+from .types import BLOCK, F32, KVType
 
 F16_MAX = 65504.0
 
@@ -192,7 +192,7 @@ class KVCodec:
         self.native = None
         self.matrix = None  # the rotation as one product, off the CPU
         if kind.blocked and device.type == "cpu":
-            from .kernels import cpu_kv_codec  # lazily: it loads the native library
+            from ..platform.kernels import cpu_kv_codec  # lazily: it loads the native library
 
             self.native = cpu_kv_codec()
         elif self.rotated:

@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from ..native.attention import TiledKeys
-from .kv_codec import TILE_ROWS, decode_tiles, encode_tiles
+from ...native.attention import TiledKeys
+from .codec import TILE_ROWS, decode_tiles, encode_tiles
 
 
 class KeyTiles:
@@ -34,7 +34,7 @@ class KeyTiles:
         self._own_one = torch.zeros(1, dtype=torch.int32)  # a decode step's own tile
         self.native = None
         if device.type == "cpu":
-            from .kernels import cpu_kv_codec  # lazily: it loads the native library
+            from ..platform.kernels import cpu_kv_codec  # lazily: it loads the native library
 
             self.native = cpu_kv_codec()
 

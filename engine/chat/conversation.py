@@ -21,12 +21,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
-from .cache import common_prefix
-from .chat_template import ChatTemplate, Message
-from .errors import ContextFullError, MiniappError
-from .events import Finished, GenerationEvent, GenerationStats, TextDelta
+from ..errors import ContextFullError, MiniappError
+from ..kv.cache import common_prefix
+from ..modelfile.template import ChatTemplate, Message
+from ..runtimes.base import MessageRuntime, Prefill, Runtime, VisionRuntime
+from ..tokens.events import Finished, GenerationEvent, GenerationStats, TextDelta
 from .generation import GenerationRequest, generate
-from .runtimes.base import MessageRuntime, Prefill, Runtime, VisionRuntime
 
 
 class Conversation:

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 from gguf.constants import GGMLQuantizationType
 
-from ..native import ggml, int4
-from ..native.attention import NativeAttention, NativeKVCodec
-from ..native.row_ops import NativeRowOps
+from ...native import ggml, int4
+from ...native.attention import NativeAttention, NativeKVCodec
+from ...native.row_ops import NativeRowOps
 from .cpu_features import cpu_features
 
 TORCH_OP = "torch _weight_int4pack_mm_for_cpu"

@@ -18,14 +18,14 @@ import platformdirs
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
-from miniapp.engine.devices import DEVICE_CHOICES
+from miniapp.engine.chat.generation import GenerationRequest
 from miniapp.engine.errors import MiniappError
-from miniapp.engine.generation import GenerationRequest
-from miniapp.engine.kv_types import DEFAULT_KV_TYPE, KV_TYPE_NAMES, kv_type
-from miniapp.engine.model_store import DEFAULT_MODEL
+from miniapp.engine.kv.types import DEFAULT_KV_TYPE, KV_TYPE_NAMES, kv_type
+from miniapp.engine.modelfile.store import DEFAULT_MODEL
+from miniapp.engine.platform.devices import DEVICE_CHOICES
 from miniapp.engine.runtimes import BACKENDS, DEFAULT_CTX, DEFAULT_PARALLEL, DEFAULT_SINKS
-from miniapp.engine.sampling import SamplingParams
-from miniapp.engine.spec_modes import SPEC_MODES, SpecMode
+from miniapp.engine.tokens.sampling import SamplingParams
+from miniapp.engine.tokens.spec_modes import SPEC_MODES, SpecMode
 
 CONFIG_ENV = "MINIAPP_CONFIG"  # a config file elsewhere (tests, several profiles)
 ENV_PREFIX = "MINIAPP_"
@@ -132,7 +132,7 @@ def read_file(path: Path | None = None) -> dict[str, Any]:
 
 def write_file(values: dict[str, Any], path: Path | None = None) -> Path:
     """Only the values set in the file are written (defaults stay defaults)."""
-    from .gui.history import write_atomically
+    from .files import write_atomically
 
     path = path or config_path()
     lines = ["# miniapp settings: `miniapp config set NAME VALUE` edits this file"]

@@ -34,18 +34,18 @@ import llama_cpp.llama
 import llama_cpp.llama_chat_format
 import llama_cpp.llama_cpp as llama_cpp_api
 
-from .cpu_features import CpuFeatures, cpu_features
-from .devices import (
+from ..errors import ModelFileError
+from ..kv.footprint import estimate_footprint
+from ..modelfile.gguf_file import GGUFFile
+from ..platform.cpu_features import CpuFeatures, cpu_features
+from ..platform.devices import (
     DeviceProbe,
     Fallback,
     OffloadPlan,
     default_probe,
-    estimate_footprint,
     load_with_fewer_layers,
     plan_llamacpp_offload,
 )
-from .errors import ModelFileError
-from .gguf_file import GGUFFile
 
 log = logging.getLogger("miniapp.llamacpp")
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from .errors import ModelFileError
+from ..errors import ModelFileError
 
 GGUF_MAGIC = b"GGUF"
 LARGE_ARRAY_ITEMS = 4096

@@ -19,8 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .errors import DeviceUnavailableError, MiniappError
-from .kv_types import F32, KVSetting, bytes_per_token
+from ..errors import DeviceUnavailableError, MiniappError
 
 DEVICE_CHOICES = ("auto", "cuda", "rocm", "cpu")
 SIMULATE_ENV = "MINIAPP_SIMULATE_GPU"
@@ -242,7 +241,7 @@ class TorchProbe:
     def step_runner(self, plan: DevicePlan) -> tuple[Callable | None, str]:
         import torch
 
-        from .models.static_step import CudaGraphRunner
+        from .graphs import CudaGraphRunner
 
         if not (plan.on_gpu and torch.cuda.is_available()):
             return None, "eager steps: no GPU"
@@ -354,7 +353,7 @@ class SimulatedProbe:
 
     def step_runner(self, plan: DevicePlan) -> tuple[Callable | None, str]:
         """The fixed-shape step a real GPU would capture, run as ordinary code on the CPU."""
-        from .models.static_step import eager_runner
+        from .graphs import eager_runner
 
         return eager_runner, "fixed-shape steps, run eagerly (simulated GPU: no graph)"
 
@@ -368,25 +367,6 @@ class SimulatedProbe:
 def default_probe() -> DeviceProbe:
     spec = os.environ.get(SIMULATE_ENV)
     return SimulatedProbe(spec) if spec else TorchProbe()
-
-
-def estimate_footprint(gguf, ctx: int, kv: KVSetting = F32) -> ModelFootprint:
-    """From the GGUF's tensor table and metadata alone (nothing loaded). The KV estimate is
-    for every layer caching ctx positions as `kv` stores them; sliding-window layers need
-    less."""
-    int4_bytes = sum(info.nbytes for info in gguf.tensors.values())
-    bf16_bytes = sum(2 * info.n_elements for info in gguf.tensors.values())
-
-    def largest(value) -> int:  # a per-layer list (some architectures) counts its largest
-        return int(max(value, default=1)) if isinstance(value, list) else int(value)
-
-    n_layers = int(gguf.arch_value("block_count", 1))
-    n_heads = largest(gguf.arch_value("attention.head_count", 1))
-    kv_heads = largest(gguf.arch_value("attention.head_count_kv", n_heads))
-    dim = int(gguf.arch_value("embedding_length", 0))
-    head_dim = int(gguf.arch_value("attention.key_length", dim // max(n_heads, 1)))
-    kv_bytes = bytes_per_token(kv, n_layers, kv_heads, head_dim) * ctx
-    return ModelFootprint(int4_bytes, bf16_bytes, kv_bytes, n_layers)
 
 
 # ------------------------------------------------------------------------------ llama.cpp

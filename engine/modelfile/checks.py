@@ -14,9 +14,9 @@ import re
 
 import numpy as np
 
-from .chat_template import ChatTemplate
-from .errors import MiniappError, ModelFileError
+from ..errors import MiniappError, ModelFileError
 from .gguf_file import ArrayInfo, GGUFFile
+from .template import ChatTemplate
 
 # GGUF's type ids (gguf's GGUFValueType) of the arrays llama.cpp reads as raw memory.
 _INT32, _FLOAT32, _STRING = 5, 6, 8

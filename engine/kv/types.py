@@ -24,7 +24,7 @@ perplexity on SmolLM2, +9% on Gemma 3). q4 *keys* are therefore stored as KIVI d
 channel over tiles of 32 tokens: a 4-bit code per value, an f16 scale and minimum per channel
 and tile (the same 5 bits a value; layout in native/int4_gemm.cpp, "q4 tiles"). Only
 complete tiles are quantized: the newest tile, which queries attend to the most, stays fp32
-(engine/key_tiles.py), and so do a ring's sinks. That costs +0.7% (SmolLM2) and +0.9%
+(engine/kv/key_tiles.py), and so do a ring's sinks. That costs +0.7% (SmolLM2) and +0.9%
 (Gemma 3) at ctx 2048 (docs/BENCHMARKS.md). q4 values stay rows as above.
 
 Codes are computed from the f16-rounded scale (and minimum), so decoding is exact fp32
@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import MiniappError
+from ..errors import MiniappError
 
 BLOCK = 32  # values per quantization block, along the head dimension
 

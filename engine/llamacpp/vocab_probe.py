@@ -2,7 +2,7 @@
 
 llama.cpp's tokenizer ends the whole process on some malformed vocabularies: a C++ exception
 escapes its C API (a byte with no token, a byte token that does not spell a byte), and
-`terminate` aborts. Our own checks (engine/model_checks.py) refuse the cases we know; this
+`terminate` aborts. Our own checks (engine/modelfile/checks.py) refuse the cases we know; this
 catches the rest. A child process loads the vocabulary, turns every token into text and
 tokenizes a text holding every byte value; if it dies, the file is refused in one line and
 the app goes on. A load that merely fails is left to the caller's own load, which reports it.
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import platformdirs
 
-from .errors import ModelFileError
-from .llamacpp_lib import Llama, llama_cpp
+from ..errors import ModelFileError
+from .library import Llama, llama_cpp
 
 CACHE_DIR_ENV = "MINIAPP_CACHE_DIR"  # the same folder the calibration files use
 PROBE_SECONDS = 60.0

@@ -17,9 +17,14 @@ import torch
 import torch.nn.functional as F
 from gguf.constants import GGMLQuantizationType
 
-from ..native import ggml as native_ggml
-from ..native import int4 as native_int4
-from .kernels import cpu_int4_kernel, cpu_row_ops, ggml_direct_types, ggml_interleave_enabled
+from ...native import ggml as native_ggml
+from ...native import int4 as native_int4
+from ..platform.kernels import (
+    cpu_int4_kernel,
+    cpu_row_ops,
+    ggml_direct_types,
+    ggml_interleave_enabled,
+)
 from .quant import (
     FLOAT_TYPES,
     PLAIN,

@@ -1,0 +1,1 @@
+"""What every interface shares: the model host, settings, the remote endpoint."""

@@ -1,0 +1,2 @@
+"""Conversations and their generation: turns, the context they fill, stop sequences and the
+events an interface reads."""
