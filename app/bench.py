@@ -110,9 +110,14 @@ def _bench_model(model: Path, args: argparse.Namespace) -> dict:
     spec = args.spec or "auto"
     # With speculation on, plain decoding runs beside it: the speed-up is measured, and the
     # greedy output must be the same.
-    variants = {"torch": ("torch", "off")} if spec == "off" else {
-        "plain": ("torch", "off"), "spec": ("torch", spec),
-    }  # fmt: skip
+    variants = (
+        {"torch": ("torch", "off")}
+        if spec == "off"
+        else {
+            "plain": ("torch", "off"),
+            "spec": ("torch", spec),
+        }
+    )
     variants["llamacpp"] = ("llamacpp", "off")
     with tempfile.TemporaryDirectory(prefix="miniapp-bench-") as tmp:
         prompts_path = Path(tmp) / "prompts.json"
@@ -165,22 +170,34 @@ def run_models_bench(args: argparse.Namespace) -> int:
         check_supported(GGUFFile(model))
     # In its own process: a gigabyte touched here would count in every worker's peak RSS
     # (a forked child starts with its parent's).
-    bandwidth = float(subprocess.run(
-        [sys.executable, "-c", f"from miniapp.app.bench import read_bandwidth as r; "
-                               f"print(r({args.threads or 0}))"],
-        capture_output=True, text=True, check=True,
-    ).stdout)  # fmt: skip
+    bandwidth = float(
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                f"from miniapp.app.bench import read_bandwidth as r; print(r({args.threads or 0}))",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
     args.spec = "off"
     rows = []
     for model in models:
         results = _bench_model(model, args)
         ours, theirs = results["torch"], results["llamacpp"]
         file_bytes = step_file_bytes(GGUFFile(model))
-        rows.append({
-            "model": model.name, "torch": ours, "llamacpp": theirs,
-            "file_bytes_per_token": file_bytes, "read_gb_s": bandwidth / 1e9,
-            "floor_tok_s": bandwidth / file_bytes,
-        })  # fmt: skip
+        rows.append(
+            {
+                "model": model.name,
+                "torch": ours,
+                "llamacpp": theirs,
+                "file_bytes_per_token": file_bytes,
+                "read_gb_s": bandwidth / 1e9,
+                "floor_tok_s": bandwidth / file_bytes,
+            }
+        )
     if args.json:
         print(json.dumps({"read_gb_s": bandwidth / 1e9, "models": rows}))
         return 0
@@ -188,8 +205,10 @@ def run_models_bench(args: argparse.Namespace) -> int:
         f"read bandwidth {bandwidth / 1e9:.1f} GB/s ({args.threads or 'all'} threads); tok/s "
         "ours / llama.cpp (ratio); floor = bandwidth / weight bytes a step reads"
     )
-    header = (f"{'model':44}{'decode':>22}{'pairs':>7}{'floor':>7}{'% ours':>8}{'% l.cpp':>8}"
-              f"{'prefill':>20}{'load s':>14}{'RSS MB':>13}{'MB/tok ours/file':>18}")  # fmt: skip
+    header = (
+        f"{'model':44}{'decode':>22}{'pairs':>7}{'floor':>7}{'% ours':>8}{'% l.cpp':>8}"
+        f"{'prefill':>20}{'load s':>14}{'RSS MB':>13}{'MB/tok ours/file':>18}"
+    )
     print(header)
     for row in rows:
         ours, theirs, floor = row["torch"], row["llamacpp"], row["floor_tok_s"]
@@ -205,7 +224,7 @@ def run_models_bench(args: argparse.Namespace) -> int:
             f"{ours['load_s']:>7.2f}/{theirs['load_s']:<6.2f}"
             f"{ours['peak_rss_mb']:>6.0f}/{theirs['peak_rss_mb']:<6.0f}"
             f"{read / 1e6:>9.0f}/{row['file_bytes_per_token'] / 1e6:<8.0f}"
-        )  # fmt: skip
+        )
     return 0
 
 
@@ -218,9 +237,8 @@ def step_file_bytes(gguf: GGUFFile) -> int:
     table, which serves as the output head too where the file has no output.weight."""
     tied = "output.weight" not in gguf.tensors
     return sum(
-        info.nbytes for name, info in gguf.tensors.items()
-        if name != "token_embd.weight" or tied
-    )  # fmt: skip
+        info.nbytes for name, info in gguf.tensors.items() if name != "token_embd.weight" or tied
+    )
 
 
 def read_bandwidth(threads: int | None, gib: int = 1, repeats: int = 7) -> float:
@@ -295,8 +313,10 @@ def _print_table(model: Path, results: dict) -> None:
         )
         for name, (verifications, drafted, accepted) in spec.get("by_drafter", {}).items():
             share = accepted / drafted if drafted else 0.0
-            print(f"  {name}: {verifications} verifications, {accepted}/{drafted} drafts "
-                  f"accepted ({share:.0%})")  # fmt: skip
+            print(
+                f"  {name}: {verifications} verifications, {accepted}/{drafted} drafts "
+                f"accepted ({share:.0%})"
+            )
     for result in (torch_r, llama_r):
         first, last = result["first_quarter"], result["last_quarter"]
         kv = f", KV {result['kv_type']}" if result.get("kv_type") else ""

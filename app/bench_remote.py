@@ -45,8 +45,13 @@ class Side:
 
 def run_remote_bench(args: argparse.Namespace) -> int:
     remote = open_remote(args, ("temperature",))
-    local = open_runtime("torch", resolve_model(args.model), n_ctx=args.ctx or LOCAL_CTX,
-                         threads=args.threads, spec="off")  # fmt: skip
+    local = open_runtime(
+        "torch",
+        resolve_model(args.model),
+        n_ctx=args.ctx or LOCAL_CTX,
+        threads=args.threads,
+        spec="off",
+    )
     request = GenerationRequest(max_tokens=args.tokens, sampling=GREEDY)
     questions = task_questions(args.task or "chat")
     for runtime in (local, remote):  # warm-up: first-call costs are not what is measured
@@ -95,12 +100,14 @@ def _report(pairs: list[tuple[Answer, Answer]], model: str, base_url: str, args)
         # Pair by pair: the same question, one answer after the other.
         "decode_ratio": statistics.median(
             b.stats.decode_tok_s / max(a.stats.decode_tok_s, 1e-9) for a, b in measured
-        ) if measured else None,
+        )
+        if measured
+        else None,
         "ttft_overhead_ms": statistics.median(
             (b.stats.ttft_s - a.stats.ttft_s) * 1000 for a, b in pairs
         ),
         "identical_answers": sum(a.text == b.text for a, b in pairs),
-    }  # fmt: skip
+    }
 
 
 def _table(report: dict) -> str:

@@ -105,8 +105,9 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         extras["kv_type"] = worker["kv_type"]
         extras["kv_bytes_per_token"] = worker["kv_bytes_per_token"]
         if args.http:
-            report["torch-http"] = _measure_api(model, prompts, clients, args, ctx, threads,
-                                                worker["kv_type"])  # fmt: skip
+            report["torch-http"] = _measure_api(
+                model, prompts, clients, args, ctx, threads, worker["kv_type"]
+            )
     if server_binary is not None:
         report["llama-server"], server_extras = _measure_llama_server(
             server_binary, model, prompts, clients, args, ctx, threads
@@ -123,18 +124,40 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _measure_torch(model: Path, prompts: list[list[int]], clients: list[int],
-                   args: argparse.Namespace, ctx: int, threads: int) -> dict:  # fmt: skip
+def _measure_torch(
+    model: Path,
+    prompts: list[list[int]],
+    clients: list[int],
+    args: argparse.Namespace,
+    ctx: int,
+    threads: int,
+) -> dict:
     """Our engine's figures, from a worker process (its peak RSS is the engine's own)."""
     with tempfile.TemporaryDirectory(prefix="miniapp-bench-serve-") as tmp:
         prompts_path = Path(tmp) / "prompts.json"
         prompts_path.write_text(json.dumps(prompts))
-        command = [sys.executable, "-m", "miniapp.app.bench_serve", "--worker",
-                   "--model", str(model), "--prompts", str(prompts_path),
-                   "--clients", ",".join(map(str, clients)), "--requests", str(args.requests),
-                   "--tokens", str(args.tokens), "--ctx", str(ctx),
-                   "--threads", str(threads),
-                   "--kv-type", args.kv_type or DEFAULT_KV_TYPE]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "miniapp.app.bench_serve",
+            "--worker",
+            "--model",
+            str(model),
+            "--prompts",
+            str(prompts_path),
+            "--clients",
+            ",".join(map(str, clients)),
+            "--requests",
+            str(args.requests),
+            "--tokens",
+            str(args.tokens),
+            "--ctx",
+            str(ctx),
+            "--threads",
+            str(threads),
+            "--kv-type",
+            args.kv_type or DEFAULT_KV_TYPE,
+        ]
         done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         cause = done.stderr.strip().splitlines()[-1:] or [exit_description(done.returncode)]
@@ -142,8 +165,15 @@ def _measure_torch(model: Path, prompts: list[list[int]], clients: list[int],
     return json.loads(done.stdout)
 
 
-def _measure_api(model: Path, prompts: list[list[int]], clients: list[int],
-                 args: argparse.Namespace, ctx: int, threads: int, kv: str) -> dict:  # fmt: skip
+def _measure_api(
+    model: Path,
+    prompts: list[list[int]],
+    clients: list[int],
+    args: argparse.Namespace,
+    ctx: int,
+    threads: int,
+    kv: str,
+) -> dict:
     """Our engine through `miniapp serve` (a process of its own per client count)."""
     from miniapp.engine.evaluation.api_server_bench import ApiServerBench
 
@@ -152,9 +182,15 @@ def _measure_api(model: Path, prompts: list[list[int]], clients: list[int],
     return {str(n): bench.run(n, args.requests).to_dict() for n in clients}
 
 
-def _measure_llama_server(binary: Path, model: Path, prompts: list[list[int]],
-                          clients: list[int], args: argparse.Namespace, ctx: int,
-                          threads: int) -> tuple[dict, dict]:  # fmt: skip
+def _measure_llama_server(
+    binary: Path,
+    model: Path,
+    prompts: list[list[int]],
+    clients: list[int],
+    args: argparse.Namespace,
+    ctx: int,
+    threads: int,
+) -> tuple[dict, dict]:
     """llama-server's figures, one server per client count, and how it was run."""
     from miniapp.engine.evaluation.llama_server_bench import (
         LlamaServerBench,
@@ -171,8 +207,10 @@ def _measure_llama_server(binary: Path, model: Path, prompts: list[list[int]],
         message = f"llama-server stopped ({how}) while {exc.doing}: {exc.last_line}"
         raise MiniappError(message) from None
     command = bench.commands[clients[-1]]
-    extras = {"llama_server_version": llama_server_version(binary),
-              "llama_server_command": " ".join(command)}  # fmt: skip
+    extras = {
+        "llama_server_version": llama_server_version(binary),
+        "llama_server_command": " ".join(command),
+    }
     return results, extras
 
 
@@ -186,13 +224,18 @@ def _client_counts(text: str) -> list[int]:
     return counts
 
 
-ENGINE_TITLES = {"torch": "torch engine", "torch-http": "torch engine through miniapp serve",
-                 "llama-server": "llama-server"}  # fmt: skip
+ENGINE_TITLES = {
+    "torch": "torch engine",
+    "torch-http": "torch engine through miniapp serve",
+    "llama-server": "llama-server",
+}
 
 
 def _print_table(report: dict, args: argparse.Namespace) -> None:
-    print(f"{args.requests} requests per client, {args.tokens} tokens each, "
-          f"{report['threads']} threads, {report['ctx']} tokens of context a client")  # fmt: skip
+    print(
+        f"{args.requests} requests per client, {args.tokens} tokens each, "
+        f"{report['threads']} threads, {report['ctx']} tokens of context a client"
+    )
     for engine, title in ENGINE_TITLES.items():
         if engine in report:
             _print_rows(title, report[engine])
@@ -202,12 +245,13 @@ def _print_table(report: dict, args: argparse.Namespace) -> None:
         _print_http_cost(report["torch"], report["torch-http"], report.get("llama-server"))
     if "kv_bytes_per_token" in report:
         per_token = report["kv_bytes_per_token"]
-        print(f"torch KV cache per sequence ({report['kv_type']}): {per_token / 1024:.1f} KiB a "
-              f"token, {per_token * report['ctx'] / 2**20:.0f} MiB at {report['ctx']} "
-              "tokens")  # fmt: skip
+        print(
+            f"torch KV cache per sequence ({report['kv_type']}): {per_token / 1024:.1f} KiB a "
+            f"token, {per_token * report['ctx'] / 2**20:.0f} MiB at {report['ctx']} "
+            "tokens"
+        )
     if "llama_server_command" in report:
-        print(f"llama-server ({report['llama_server_version']}): "
-              f"{report['llama_server_command']}")  # fmt: skip
+        print(f"llama-server ({report['llama_server_version']}): {report['llama_server_command']}")
     print(f"every greedy answer equals its lone-client answer: {report['identical_output']}")
 
 
@@ -218,10 +262,12 @@ def _print_rows(title: str, rows: dict) -> None:
     for count, r in rows.items():
         ratio = f" ({r['aggregate_tok_s'] / base:.2f}x)" if base else ""
         same = "yes" if r["identical_output"] else "NO"
-        print(f"{count:>7}  {r['aggregate_tok_s']:8.1f}{ratio:9}  "
-              f"{r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f}      "
-              f"{r['itl_p50_s'] * 1000:5.1f} / {r['itl_p99_s'] * 1000:5.1f}     "
-              f"{r['peak_rss_mb']:8.0f}      {same}")  # fmt: skip
+        print(
+            f"{count:>7}  {r['aggregate_tok_s']:8.1f}{ratio:9}  "
+            f"{r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f}      "
+            f"{r['itl_p50_s'] * 1000:5.1f} / {r['itl_p99_s'] * 1000:5.1f}     "
+            f"{r['peak_rss_mb']:8.0f}      {same}"
+        )
 
 
 def _print_comparison(torch_rows: dict, server_rows: dict) -> None:
@@ -230,14 +276,18 @@ def _print_comparison(torch_rows: dict, server_rows: dict) -> None:
     for count, ours in torch_rows.items():
         theirs = server_rows[count]
         ratio = ours["aggregate_tok_s"] / max(theirs["aggregate_tok_s"], 1e-9)
-        print(f"{count:>7}  {ratio:20.2f}x  "
-              f"{ours['itl_p99_s'] * 1000:7.1f} / {theirs['itl_p99_s'] * 1000:.1f}")  # fmt: skip
+        print(
+            f"{count:>7}  {ratio:20.2f}x  "
+            f"{ours['itl_p99_s'] * 1000:7.1f} / {theirs['itl_p99_s'] * 1000:.1f}"
+        )
 
 
 def _print_http_cost(inside: dict, http: dict, server: dict | None) -> None:
     print("miniapp serve vs in-process" + (" (and llama-server's TTFT)" if server else ""))
-    print("clients  aggregate tok/s HTTP / in-process  TTFT p50/p99 (s) HTTP"
-          + ("  llama-server" if server else ""))  # fmt: skip
+    print(
+        "clients  aggregate tok/s HTTP / in-process  TTFT p50/p99 (s) HTTP"
+        + ("  llama-server" if server else "")
+    )
     for count, ours in http.items():
         ratio = ours["aggregate_tok_s"] / max(inside[count]["aggregate_tok_s"], 1e-9)
         line = f"{count:>7}  {ratio:33.3f}x  {ours['ttft_p50_s']:.2f} / {ours['ttft_p99_s']:.2f}"
@@ -262,15 +312,28 @@ def _worker(argv: list[str]) -> int:
     from miniapp.engine.evaluation.serving import ServingBench
 
     try:
-        bench = ServingBench(args.model, json.loads(args.prompts.read_text()), args.tokens,
-                             args.ctx, args.threads, kv=args.kv_type)  # fmt: skip
+        bench = ServingBench(
+            args.model,
+            json.loads(args.prompts.read_text()),
+            args.tokens,
+            args.ctx,
+            args.threads,
+            kv=args.kv_type,
+        )
     except MiniappError as exc:
         print(exc, file=sys.stderr)
         return EXIT_USAGE
     bench.lone_answers()
     results = {str(n): bench.run(n, args.requests).to_dict() for n in _client_counts(args.clients)}
-    print(json.dumps({"results": results, "kv_type": bench.kv_type.name,
-                      "kv_bytes_per_token": bench.kv_bytes_per_token}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "results": results,
+                "kv_type": bench.kv_type.name,
+                "kv_bytes_per_token": bench.kv_bytes_per_token,
+            }
+        )
+    )
     return 0
 
 

@@ -44,10 +44,19 @@ def main() -> int:
     prompts = json.loads(args.prompts.read_text())
     try:
         session = BenchSession(
-            args.backend, args.model, prompts, args.tokens, args.threads, args.ctx,
-            sinks=args.sinks, window=args.window, spec=args.spec,
-            stop_at_end_of_turn=args.stop_at_end_of_turn, device=args.device, kv=args.kv_type,
-        )  # fmt: skip
+            args.backend,
+            args.model,
+            prompts,
+            args.tokens,
+            args.threads,
+            args.ctx,
+            sinks=args.sinks,
+            window=args.window,
+            spec=args.spec,
+            stop_at_end_of_turn=args.stop_at_end_of_turn,
+            device=args.device,
+            kv=args.kv_type,
+        )
     except MiniappError as exc:
         print(exc, file=sys.stderr)
         return EXIT_USAGE

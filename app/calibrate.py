@@ -39,18 +39,26 @@ def run_calibrate(args: argparse.Namespace) -> int:
         raise MiniappError(f"cannot store the calibration: {exc}") from exc
     setting = result.setting
     if args.json:
-        print(json.dumps({
-            "model": str(model_path),
-            "plain_step_ms": result.plain_step_s * 1000,
-            "layers": [
-                {"layer": r.layer, "agreement": r.agreement, "draft_step_ms": r.draft_s * 1000,
-                 "predicted_speedup": {str(k): v for k, v in r.speedup.items()}}
-                for r in result.layers
-            ],
-            "adapter_agreement": result.adapter_agreement,
-            "setting": setting.to_json(),
-            "stored": str(stored),
-        }))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "model": str(model_path),
+                    "plain_step_ms": result.plain_step_s * 1000,
+                    "layers": [
+                        {
+                            "layer": r.layer,
+                            "agreement": r.agreement,
+                            "draft_step_ms": r.draft_s * 1000,
+                            "predicted_speedup": {str(k): v for k, v in r.speedup.items()},
+                        }
+                        for r in result.layers
+                    ],
+                    "adapter_agreement": result.adapter_agreement,
+                    "setting": setting.to_json(),
+                    "stored": str(stored),
+                }
+            )
+        )
         return 0
     print(f"plain decode step: {result.plain_step_s * 1000:.1f} ms")
     print(
@@ -133,8 +141,10 @@ def _train_head(runtime, args: argparse.Namespace) -> int:
             weights, meta = train_drafting_head(runtime, work, plan, bars)
         if not args.measure_head:
             form = f" --head-form shallow --exit-layer {weights.layer}" if shallow else ""
-            meta["command"] = (f"miniapp calibrate --train-head{form} --head-prompts "
-                               f"{plan.prompts} --head-steps {plan.steps}")  # fmt: skip
+            meta["command"] = (
+                f"miniapp calibrate --train-head{form} --head-prompts "
+                f"{plan.prompts} --head-steps {plan.steps}"
+            )
     finally:
         bars.close()
     try:

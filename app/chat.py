@@ -105,8 +105,12 @@ class ChatTurns:
         pictures = pictures_of(attachments)
         message = with_image_labels(text, attachments)
         if pictures and self.images.route.switches_backend and not self.conversation.on_vision:
-            print(f"images: sent to the vision model ({self.images.route.reason}); the rest of "
-                  "this conversation runs on llama.cpp", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"images: sent to the vision model ({self.images.route.reason}); the rest of "
+                "this conversation runs on llama.cpp",
+                file=sys.stderr,
+                flush=True,
+            )
         if self.show_prompt:
             print_prompt(self.conversation.preview(message, pictures=len(pictures)))
         return self.conversation.send(message, pictures, should_stop=should_stop)
@@ -131,8 +135,12 @@ def run_chat(args: argparse.Namespace) -> int:
     else:
         # The text model opens on first use: a piped message with pictures for a vision
         # model never loads it.
-        conversation = Conversation(lambda: _open_runtime(args, model_path, interactive),
-                                    args.system, request, vision=images.open_vision)  # fmt: skip
+        conversation = Conversation(
+            lambda: _open_runtime(args, model_path, interactive),
+            args.system,
+            request,
+            vision=images.open_vision,
+        )
     turns = ChatTurns(conversation, images, args.show_prompt)
     if piped is not None:
         _say_spoken(spoken)
@@ -187,10 +195,16 @@ def _open_runtime(args: argparse.Namespace, model_path: Path, interactive: bool)
     if interactive:
         print(f"loading {model_path.name} on {args.backend}...", file=sys.stderr, flush=True)
     runtime = open_runtime(
-        args.backend, model_path, n_ctx=args.ctx, threads=args.threads,
-        sinks=args.sinks, window=args.window, spec=args.spec, device=args.device,
+        args.backend,
+        model_path,
+        n_ctx=args.ctx,
+        threads=args.threads,
+        sinks=args.sinks,
+        window=args.window,
+        spec=args.spec,
+        device=args.device,
         kv=runtime_kv_type(args),
-    )  # fmt: skip
+    )
     info = runtime.info()
     plan = info.device_plan
     if interactive and plan is not None:

@@ -70,8 +70,9 @@ class ChatImages:
         """The vision runtime (a second copy of the model, on llama.cpp with its projector),
         opened when a picture first needs it."""
         assert self.route.mmproj is not None
-        return open_vision_runtime(self.model_path, self.route.mmproj, n_ctx=self.n_ctx,
-                                   threads=self.threads)  # fmt: skip
+        return open_vision_runtime(
+            self.model_path, self.route.mmproj, n_ctx=self.n_ctx, threads=self.threads
+        )
 
     def reset(self) -> None:
         self.pending = []

@@ -70,37 +70,45 @@ def _add_model_args(
     parser.add_argument("--backend", choices=backends, default="torch")
     parser.add_argument("--threads", type=_positive_int, help="CPU threads (default: all)")
     parser.add_argument(
-        "--device", choices=DEVICE_CHOICES, default="auto",
+        "--device",
+        choices=DEVICE_CHOICES,
+        default="auto",
         help="torch engine: auto (a GPU if torch sees one, else the CPU), cuda, rocm or cpu",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--ctx", type=_positive_int, default=ctx_default, help="context size in tokens"
     )
     parser.add_argument(
-        "--window", type=_positive_int,
+        "--window",
+        type=_positive_int,
         help="torch engine: recent tokens kept once the context is full (default: ctx - sinks)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--sinks", type=_non_negative_int,
+        "--sinks",
+        type=_non_negative_int,
         help="torch engine: first tokens always kept as attention sinks (default: 4)",
-    )  # fmt: skip
+    )
 
 
 def _add_kv_type_arg(parser: argparse.ArgumentParser, help_more: str = "") -> None:
     # Left out (None): the torch engine's default, llama.cpp's own f16.
     parser.add_argument(
-        "--kv-type", type=kv_type_name, metavar="TYPE",
+        "--kv-type",
+        type=kv_type_name,
+        metavar="TYPE",
         help=KV_TYPE_HELP + (help_more or "; --backend llamacpp keeps its f16 unless given"),
-    )  # fmt: skip
+    )
 
 
 def _add_spec_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--spec", choices=SPEC_MODES, default="auto",
+        "--spec",
+        choices=SPEC_MODES,
+        default="auto",
         help="speculative decoding (torch engine; output is unchanged): auto picks prompt "
         "lookup when it pays, and the drafting head or early exit where `miniapp calibrate` "
         "found they pay",
-    )  # fmt: skip
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -119,32 +127,40 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     chat.add_argument("--stats", action="store_true", help="print speed after every answer")
     chat.add_argument(
-        "--voice", action="store_true",
+        "--voice",
+        action="store_true",
         help="push-to-talk: Enter on an empty line records until the next Enter",
-    )  # fmt: skip
+    )
     chat.add_argument("--audio", metavar="FILE", help="send this audio file's transcript")
     chat.add_argument(
-        "--image", metavar="PATH", action="append", default=[],
+        "--image",
+        metavar="PATH",
+        action="append",
+        default=[],
         help="attach an image to the first message (repeatable): read by OCR, or shown to a "
         "vision model when the model has a projector",
-    )  # fmt: skip
+    )
     chat.add_argument(
-        "--mmproj", metavar="PATH",
+        "--mmproj",
+        metavar="PATH",
         help="the vision projector (mmproj GGUF) for the model (default: one beside the model)",
-    )  # fmt: skip
+    )
     chat.add_argument(
-        "--show-prompt", action="store_true",
+        "--show-prompt",
+        action="store_true",
         help="print each fully rendered prompt (template, image text, history) to stderr",
-    )  # fmt: skip
+    )
     shape = chat.add_mutually_exclusive_group()
     shape.add_argument(
-        "--json", action="store_true",
+        "--json",
+        action="store_true",
         help="every answer is a JSON object (with piped input: exactly the value is printed)",
-    )  # fmt: skip
+    )
     shape.add_argument(
-        "--json-schema", metavar="FILE",
+        "--json-schema",
+        metavar="FILE",
         help="every answer is JSON valid against this JSON schema (a .json file)",
-    )  # fmt: skip
+    )
 
     evaluate = sub.add_parser("eval", help="evaluate a model")
     eval_sub = evaluate.add_subparsers(dest="eval_command", required=True)
@@ -154,9 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_kv_type_arg(ppl)
     ppl.add_argument("--json", action="store_true", help="print one JSON object")
     ppl.add_argument(
-        "--recompute", action="store_true",
+        "--recompute",
+        action="store_true",
         help="with --window: the baseline that evaluates each window from scratch",
-    )  # fmt: skip
+    )
     ppl.add_argument("--stride", type=_positive_int, help="--recompute step (default window/8)")
 
     compare = eval_sub.add_parser(
@@ -172,15 +189,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="our engine vs llama.cpp, side by side")
     bench.add_argument(
-        "mode", nargs="?", choices=["serve"],
+        "mode",
+        nargs="?",
+        choices=["serve"],
         help="serve: many clients at once on the batching engine (see --clients)",
-    )  # fmt: skip
+    )
     _add_model_args(bench, ctx_default=None, backends=BACKENDS)
     _add_kv_type_arg(bench, " (our engine's; llama.cpp, the yardstick, keeps its f16)")
     bench.add_argument(
-        "--llamacpp-kv-type", type=kv_type_name, metavar="TYPE",
+        "--llamacpp-kv-type",
+        type=kv_type_name,
+        metavar="TYPE",
         help="llama.cpp's KV cache in the same run (default: its own f16)",
-    )  # fmt: skip
+    )
     bench.set_defaults(backend=None)
     add_remote_flags(bench)
     prompt = bench.add_mutually_exclusive_group()
@@ -190,32 +211,48 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeat", type=_positive_int, default=5, help="runs; medians reported")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.add_argument(
-        "--models", metavar="LIST",
+        "--models",
+        metavar="LIST",
         help="the table for several models in one run (plain decoding), each beside its "
-             "bandwidth floor: comma-separated names or paths, or 'installed'",
-    )  # fmt: skip
+        "bandwidth floor: comma-separated names or paths, or 'installed'",
+    )
     bench.add_argument(
-        "--task", choices=TASKS,
+        "--task",
+        choices=TASKS,
         help="a chat prompt instead of raw text: summarize or quote one of the sample texts "
         "(about 500 tokens), or open chat questions; answers stop at end of turn",
-    )  # fmt: skip
+    )
     _add_spec_arg(bench)
     bench.set_defaults(spec=None)
-    bench.add_argument("--http", action="store_true",
-                       help="bench serve: also measure our engine through `miniapp serve`'s "
-                       "HTTP API (the same prompts, as streamed completions)")  # fmt: skip
-    bench.add_argument("--clients", default="1,2,4,8",
-                       help="bench serve: client counts to measure, e.g. 1,2,4,8")  # fmt: skip
-    bench.add_argument("--requests", type=_positive_int, default=4,
-                       help="bench serve: requests each client sends, back to back")  # fmt: skip
+    bench.add_argument(
+        "--http",
+        action="store_true",
+        help="bench serve: also measure our engine through `miniapp serve`'s "
+        "HTTP API (the same prompts, as streamed completions)",
+    )
+    bench.add_argument(
+        "--clients", default="1,2,4,8", help="bench serve: client counts to measure, e.g. 1,2,4,8"
+    )
+    bench.add_argument(
+        "--requests",
+        type=_positive_int,
+        default=4,
+        help="bench serve: requests each client sends, back to back",
+    )
 
     doctor = sub.add_parser("doctor", help="devices, kernels and the path a model would take")
     doctor.add_argument("--model", help="GGUF path or bundled model name")
     doctor.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
-    doctor.add_argument("--ctx", type=_positive_int, default=DEFAULT_CTX,
-                        help="context for the estimate")  # fmt: skip
-    doctor.add_argument("--kv-type", type=kv_type_name, default=DEFAULT_KV_TYPE, metavar="TYPE",
-                        help=KV_TYPE_HELP + ", for the KV cache estimate")  # fmt: skip
+    doctor.add_argument(
+        "--ctx", type=_positive_int, default=DEFAULT_CTX, help="context for the estimate"
+    )
+    doctor.add_argument(
+        "--kv-type",
+        type=kv_type_name,
+        default=DEFAULT_KV_TYPE,
+        metavar="TYPE",
+        help=KV_TYPE_HELP + ", for the KV cache estimate",
+    )
     doctor.add_argument("--json", action="store_true", help="print one JSON object")
 
     calibrate = sub.add_parser(
@@ -228,41 +265,53 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
     calibrate.add_argument(
         "--layers", type=_layer_list, help="exit layers to try, comma-separated (default: a sweep)"
-    )  # fmt: skip
+    )
     calibrate.add_argument(
-        "--train-adapter", action="store_true",
+        "--train-adapter",
+        action="store_true",
         help="also train an exit adapter by self-distillation (a few minutes on a CPU)",
-    )  # fmt: skip
+    )
     head = calibrate.add_mutually_exclusive_group()
     head.add_argument(
-        "--train-head", action="store_true",
+        "--train-head",
+        action="store_true",
         help="train the drafting head on the model's own answers instead (resumable; about "
         "26 minutes on 2 cores for the default model)",
-    )  # fmt: skip
+    )
     head.add_argument(
-        "--measure-head", action="store_true",
+        "--measure-head",
+        action="store_true",
         help="measure the trained drafting head again on this machine and engine (a few "
         "minutes): its acceptance, costs and the policy --spec auto uses",
-    )  # fmt: skip
+    )
     calibrate.add_argument(
-        "--head-form", choices=("last", "shallow"), default="last",
+        "--head-form",
+        choices=("last", "shallow"),
+        default="last",
         help="--train-head/--measure-head: the head on the last layer's state (EAGLE-style, "
         "default) or a block on a shallow exit (Kangaroo-style); --spec auto takes the one "
         "measured faster",
-    )  # fmt: skip
-    calibrate.add_argument("--exit-layer", type=_positive_int,
-                           help="--head-form shallow: the exit layer (default: a tenth of the "
-                           "depth)")  # fmt: skip
-    calibrate.add_argument("--head-prompts", type=_positive_int, default=900,
-                           help="training answers the head learns from")  # fmt: skip
-    calibrate.add_argument("--head-steps", type=_positive_int, default=3000,
-                           help="training steps for the head")  # fmt: skip
+    )
+    calibrate.add_argument(
+        "--exit-layer",
+        type=_positive_int,
+        help="--head-form shallow: the exit layer (default: a tenth of the depth)",
+    )
+    calibrate.add_argument(
+        "--head-prompts",
+        type=_positive_int,
+        default=900,
+        help="training answers the head learns from",
+    )
+    calibrate.add_argument(
+        "--head-steps", type=_positive_int, default=3000, help="training steps for the head"
+    )
     calibrate.add_argument(
         "--prompts", type=_positive_int, default=8, help="built-in prompts measured (max 8)"
-    )  # fmt: skip
+    )
     calibrate.add_argument(
         "--answer-tokens", type=_positive_int, default=96, help="greedy answer length per prompt"
-    )  # fmt: skip
+    )
     calibrate.add_argument("--json", action="store_true", help="print one JSON object")
 
     _add_transcribe_parser(sub)
@@ -280,10 +329,12 @@ def _add_models_parser(sub) -> None:
         "list", help="bundled models and the models folder, or a server's (--base-url)"
     )
     listing.add_argument("--json", action="store_true", help="print JSON")
-    listing.add_argument("--base-url", metavar="URL",
-                         help="list an OpenAI-compatible server's models instead")  # fmt: skip
-    listing.add_argument("--api-key", help="that server's key (default: OPENAI_API_KEY or "
-                         "MINIAPP_API_KEY)")  # fmt: skip
+    listing.add_argument(
+        "--base-url", metavar="URL", help="list an OpenAI-compatible server's models instead"
+    )
+    listing.add_argument(
+        "--api-key", help="that server's key (default: OPENAI_API_KEY or MINIAPP_API_KEY)"
+    )
     pull = models_sub.add_parser(
         "pull", help="download one GGUF (and its projector) from Hugging Face"
     )
@@ -371,9 +422,10 @@ def _add_config_parser(sub) -> None:
 
 def _add_asr_model_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--asr-model", metavar="PATH",
+        "--asr-model",
+        metavar="PATH",
         help="a faster-whisper model folder (default: the bundled whisper tiny.en)",
-    )  # fmt: skip
+    )
 
 
 def _add_asr_eval_parser(eval_sub) -> None:
@@ -384,20 +436,24 @@ def _add_asr_eval_parser(eval_sub) -> None:
     modes.add_argument("--stream", action="store_true", help="only the streaming path")
     modes.add_argument("--offline", action="store_true", help="only offline recognition")
     asr.add_argument(
-        "--set", choices=("clean", "hard", "wide"), default="clean",
+        "--set",
+        choices=("clean", "hard", "wide"),
+        default="clean",
         help="sentence set (wide: voices, speeds, pauses and noise never tuned on; scored per "
         "condition, offline and streamed)",
-    )  # fmt: skip
+    )
     asr.add_argument("--sentences", type=_positive_int, help="use only the first N sentences")
     _add_asr_model_arg(asr)
     asr.add_argument(
-        "--asr-threads", type=_positive_int,
+        "--asr-threads",
+        type=_positive_int,
         help="CPU threads for recognition (default: --threads, else up to 4)",
-    )  # fmt: skip
+    )
     asr.add_argument(
-        "--no-answer", action="store_true",
+        "--no-answer",
+        action="store_true",
         help="skip end of speech -> first answer token (which loads the chat model)",
-    )  # fmt: skip
+    )
     _add_model_args(asr, ctx_default=2048)
     _add_kv_type_arg(asr)
     asr.add_argument("--json", action="store_true", help="print one JSON object")
@@ -414,15 +470,19 @@ def _add_json_eval_parser(eval_sub) -> None:
     )
     json_eval.add_argument("--backend", choices=LOCAL_BACKENDS, default="torch")
     json_eval.add_argument(
-        "--spec", choices=SPEC_MODES, default="auto",
+        "--spec",
+        choices=SPEC_MODES,
+        default="auto",
         help="speculative decoding for both the constrained and the free answers",
-    )  # fmt: skip
+    )
     json_eval.add_argument("--threads", type=_positive_int, help="CPU threads (default: all)")
     json_eval.add_argument("--limit", type=_positive_int, help="only the first K schemas")
     json_eval.add_argument(
-        "--max-tokens", type=_positive_int, default=DEFAULT_MAX_TOKENS,
+        "--max-tokens",
+        type=_positive_int,
+        default=DEFAULT_MAX_TOKENS,
         help=f"longest answer, with and without the schema (default {DEFAULT_MAX_TOKENS})",
-    )  # fmt: skip
+    )
     json_eval.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -430,26 +490,31 @@ def _add_transcribe_parser(sub) -> None:
     transcribe = sub.add_parser("transcribe", help="speech to text, every word with its times")
     transcribe.add_argument("file", help="an audio file (anything FFmpeg reads)")
     transcribe.add_argument(
-        "--stream", action="store_true",
+        "--stream",
+        action="store_true",
         help="feed the file in real-time-sized chunks through the streaming path",
-    )  # fmt: skip
+    )
     formats = transcribe.add_mutually_exclusive_group()
     for name in ("json", "srt", "vtt"):
         formats.add_argument(
-            f"--{name}", dest="format", action="store_const", const=name,
+            f"--{name}",
+            dest="format",
+            action="store_const",
+            const=name,
             help=f"print the words as {name.upper()}",
-        )  # fmt: skip
+        )
     _add_asr_model_arg(transcribe)
     transcribe.add_argument("--threads", type=_positive_int, help="CPU threads for recognition")
     transcribe.add_argument(
-        "--chunk", type=_positive_float,
-        help="--stream: seconds of audio per streaming step (default: the streaming "
-        "policy's, 0.3)",
-    )  # fmt: skip
+        "--chunk",
+        type=_positive_float,
+        help="--stream: seconds of audio per streaming step (default: the streaming policy's, 0.3)",
+    )
     transcribe.add_argument(
-        "--no-refine", action="store_true",
+        "--no-refine",
+        action="store_true",
         help="keep Whisper's own word edges instead of snapping them to the speech",
-    )  # fmt: skip
+    )
 
 
 def _positive_float(text: str) -> float:

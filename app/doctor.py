@@ -69,11 +69,17 @@ def run_doctor(args: argparse.Namespace) -> int:
 
 def _kv_cache_report(gguf: GGUFFile, kind, ctx: int, bytes_at_ctx: int) -> dict:
     """The KV cache of the chosen type, and a token's bytes in each type (every layer)."""
-    per_type = {name: estimate_footprint(gguf, 1, kv_type(name)).kv_bytes
-                for name in KV_SETTING_NAMES}  # fmt: skip
+    per_type = {
+        name: estimate_footprint(gguf, 1, kv_type(name)).kv_bytes for name in KV_SETTING_NAMES
+    }
     per_token = estimate_footprint(gguf, 1, kind).kv_bytes
-    return {"type": kind.name, "bytes_per_token": per_token, "ctx": ctx,
-            "bytes_at_ctx": bytes_at_ctx, "per_type": per_type}  # fmt: skip
+    return {
+        "type": kind.name,
+        "bytes_per_token": per_token,
+        "ctx": ctx,
+        "bytes_at_ctx": bytes_at_ctx,
+        "per_type": per_type,
+    }
 
 
 def _size(nbytes: float) -> str:
@@ -150,8 +156,10 @@ def _print_report(report: dict) -> None:
     )
     f32 = kv["per_type"]["f32"]
     versus = f" (f32: {f32 / KIB:.1f} KiB a token)" if kv["type"] != "f32" else ""
-    print(f"KV cache: {kv['type']}, {kv['bytes_per_token'] / KIB:.1f} KiB a token, "
-          f"{_size(kv['bytes_at_ctx'])} at {kv['ctx']} tokens{versus}")  # fmt: skip
+    print(
+        f"KV cache: {kv['type']}, {kv['bytes_per_token'] / KIB:.1f} KiB a token, "
+        f"{_size(kv['bytes_at_ctx'])} at {kv['ctx']} tokens{versus}"
+    )
     layers = f", {plan['gpu_layers']} layers on the GPU" if plan["device"] != "cpu" else ""
     print(
         f"chosen path: {plan['device']} with {plan['weights']} weights{layers} - {plan['reason']}"
@@ -164,9 +172,14 @@ def _print_report(report: dict) -> None:
         f"llama.cpp {llama['version']}: GPU offload {'yes' if llama['gpu_offload'] else 'no'}; "
         f"n_gpu_layers {llama['n_gpu_layers']} ({llama['reason']})"
     )
-    built = [name for name in ("AVX2", "AVX512", "AVX512_BF16", "AMX_INT8") if
-             llama["build"].get(name) == "1"]  # fmt: skip
-    print(f"llama.cpp built with {', '.join(built) or 'none of AVX2, AVX512, AMX'}; "
-          f"weights on the CPU: {llama['cpu_weights']['summary']}")  # fmt: skip
+    built = [
+        name
+        for name in ("AVX2", "AVX512", "AVX512_BF16", "AMX_INT8")
+        if llama["build"].get(name) == "1"
+    ]
+    print(
+        f"llama.cpp built with {', '.join(built) or 'none of AVX2, AVX512, AMX'}; "
+        f"weights on the CPU: {llama['cpu_weights']['summary']}"
+    )
     audio = report["audio_inputs"]
     print(f"audio inputs: {', '.join(audio['devices']) if audio['devices'] else audio['error']}")

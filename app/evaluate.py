@@ -76,8 +76,15 @@ def _open(args: argparse.Namespace, model, **options) -> Runtime:
 def run_compare(args: argparse.Namespace) -> int:
     text = read_text(args.file)
     model = resolve_model(args.model)
-    ours = open_runtime("torch", model, n_ctx=args.ctx, threads=args.threads, spec="off",
-                        device=args.device, kv=args.kv_type)  # fmt: skip
+    ours = open_runtime(
+        "torch",
+        model,
+        n_ctx=args.ctx,
+        threads=args.threads,
+        spec="off",
+        device=args.device,
+        kv=args.kv_type,
+    )
     # The oracle keeps llama.cpp's own KV cache (f16) whatever --kv-type says.
     oracle = open_runtime("llamacpp", model, n_ctx=args.ctx, threads=args.threads, logits_all=True)
     result = agreement(ours, oracle, text, args.ctx)
@@ -108,8 +115,12 @@ def run_asr(args: argparse.Namespace) -> int:
     else:
         modes = ("stream",) if args.stream and not wide else ("offline", "stream")
     bench = AsrBenchmark(asr, load_clips(args.set, args.sentences))
-    result = {"set": args.set, "sentences": bench.count, "clips": len(bench.clips),
-              "asr_threads": asr.threads}  # fmt: skip
+    result = {
+        "set": args.set,
+        "sentences": bench.count,
+        "clips": len(bench.clips),
+        "asr_threads": asr.threads,
+    }
     for mode in modes:
         result[mode] = bench.run(mode, raw=not wide)
     if "stream" in modes and not (args.no_answer or wide):
@@ -123,9 +134,11 @@ def run_asr(args: argparse.Namespace) -> int:
 
 
 def _asr_table(result: dict) -> str:
-    lines = [f"{result['sentences']} {result['set']} sentences ({result['clips']} clips), ASR on "
-             f"{result['asr_threads']} threads (WER and MAE over all words; latencies from a "
-             "word's true end)"]  # fmt: skip
+    lines = [
+        f"{result['sentences']} {result['set']} sentences ({result['clips']} clips), ASR on "
+        f"{result['asr_threads']} threads (WER and MAE over all words; latencies from a "
+        "word's true end)"
+    ]
     for mode in ("offline", "stream"):
         if mode in result:
             lines.append(f"{mode:8} " + _asr_line(result[mode], mode))
@@ -179,16 +192,21 @@ def run_json(args: argparse.Namespace) -> int:
     report = evaluate_json_schemas(runtime, cases, args.max_tokens)
     load = {"before": load_before, "after": os.getloadavg()[0]}
     if args.json:
-        print(json.dumps({"model": model.name, "threads": args.threads, "load_1m": load,
-                          **report.to_dict()}))  # fmt: skip
+        print(
+            json.dumps(
+                {"model": model.name, "threads": args.threads, "load_1m": load, **report.to_dict()}
+            )
+        )
     else:
         print(_json_eval_table(model.name, args.threads, load, report))
     return 0
 
 
 def _json_eval_table(model: str, threads: int | None, load: dict, r) -> str:
-    drafts = (f", drafts accepted {r.accepted}/{r.drafted} constrained, "
-              f"{r.free_accepted}/{r.free_drafted} free")  # fmt: skip
+    drafts = (
+        f", drafts accepted {r.accepted}/{r.drafted} constrained, "
+        f"{r.free_accepted}/{r.free_drafted} free"
+    )
     spec = f"spec {r.spec}" + (drafts if r.drafted or r.free_drafted else "")
     lines = [
         f"{model}, {r.backend} ({spec}), {threads or 'all'} threads, "
@@ -211,7 +229,10 @@ def _json_eval_table(model: str, threads: int | None, load: dict, r) -> str:
         f"  ratio {r.ratio:.2f}  (median of per-prompt ratios {r.paired_ratio_median:.2f})",
     ]
     for s in r.failures:
-        why = [] if s.finished else [f"ended by {s.constrained.reason} after "
-                                     f"{s.constrained.generated_tokens} tokens"]  # fmt: skip
+        why = (
+            []
+            if s.finished
+            else [f"ended by {s.constrained.reason} after {s.constrained.generated_tokens} tokens"]
+        )
         lines.append(f"  FAILED {s.name}: " + "; ".join(why + [s.problem or "valid"]))
     return "\n".join(lines)

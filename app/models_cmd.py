@@ -51,8 +51,9 @@ def list_models() -> list[ModelEntry]:
     for name, model in BUNDLED.items():
         path = folder / model.filename
         if not path.exists():
-            entries.append(ModelEntry(name, str(path), model.size / 1e6, "?", "?", None, True,
-                                      False))  # fmt: skip
+            entries.append(
+                ModelEntry(name, str(path), model.size / 1e6, "?", "?", None, True, False)
+            )
     for path in sorted(folder.glob("*.gguf")) if folder.is_dir() else []:
         if "mmproj" in path.name.lower():
             continue
@@ -67,14 +68,25 @@ def _speech_models(folder: Path) -> list[ModelEntry]:
     for name, bundle in BUNDLED_FOLDERS.items():
         if not (folder / bundle.folder).is_dir():
             size = sum(f.size for f in bundle.files) / 1e6
-            entries.append(ModelEntry(name, str(folder / bundle.folder), size, SPEECH, "-",
-                                      None, True, False))  # fmt: skip
+            entries.append(
+                ModelEntry(name, str(folder / bundle.folder), size, SPEECH, "-", None, True, False)
+            )
     bundled = {bundle.folder for bundle in BUNDLED_FOLDERS.values()}
     for path in sorted(folder.iterdir()) if folder.is_dir() else []:
         if path.is_dir() and all((path / f).is_file() for f in ASR_REQUIRED_FILES):
             size = sum(f.stat().st_size for f in path.iterdir() if f.is_file()) / 1e6
-            entries.append(ModelEntry(path.name, str(path), size, SPEECH, "CTranslate2", None,
-                                      path.name in bundled, True))  # fmt: skip
+            entries.append(
+                ModelEntry(
+                    path.name,
+                    str(path),
+                    size,
+                    SPEECH,
+                    "CTranslate2",
+                    None,
+                    path.name in bundled,
+                    True,
+                )
+            )
     return entries
 
 
@@ -83,10 +95,19 @@ def _describe(path: Path, name: str, bundled: bool) -> ModelEntry:
     try:
         gguf = GGUFFile(path)
     except ModelFileError as exc:
-        return ModelEntry(name, str(path), size, f"unreadable: {exc.reason}", "", None, bundled,
-                          True)  # fmt: skip
-    return ModelEntry(name, str(path), size, gguf.architecture, _quant_types(gguf),
-                      _projector_beside(path), bundled, True)  # fmt: skip
+        return ModelEntry(
+            name, str(path), size, f"unreadable: {exc.reason}", "", None, bundled, True
+        )
+    return ModelEntry(
+        name,
+        str(path),
+        size,
+        gguf.architecture,
+        _quant_types(gguf),
+        _projector_beside(path),
+        bundled,
+        True,
+    )
 
 
 def _quant_types(gguf: GGUFFile) -> str:
@@ -114,8 +135,9 @@ def _list(args: argparse.Namespace) -> int:
     rows = [("NAME", "SIZE", "ARCH", "QUANT", "PROJECTOR")]
     for e in entries:
         name = e.name + (" (bundled)" if e.bundled else "") + ("" if e.installed else " [missing]")
-        rows.append((name, f"{e.size_mb:.0f} MB", e.architecture, e.quant_types,
-                     e.projector or "-"))  # fmt: skip
+        rows.append(
+            (name, f"{e.size_mb:.0f} MB", e.architecture, e.quant_types, e.projector or "-")
+        )
     _print_rows(rows)
     return 0
 
@@ -184,9 +206,19 @@ def _info(args: argparse.Namespace) -> int:
     template, note = sanitised_template(gguf)
     if args.json:
         metadata = {key: _short(value) for key, value in gguf.metadata.items()}
-        print(json.dumps({"path": str(path), "metadata": metadata, "quant_types":
-                          _quant_types(gguf), "chat_template": template,
-                          "chat_template_note": note}, indent=1, default=str))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "path": str(path),
+                    "metadata": metadata,
+                    "quant_types": _quant_types(gguf),
+                    "chat_template": template,
+                    "chat_template_note": note,
+                },
+                indent=1,
+                default=str,
+            )
+        )
         return 0
     print(f"{path} ({path.stat().st_size / 1e6:.0f} MB)")
     print(f"tensors: {len(gguf.tensors)}, types {_quant_types(gguf)}")

@@ -112,8 +112,9 @@ class VoiceInput:
         if not args.voice:
             return None
         if not interactive:
-            print("miniapp: --voice needs a terminal; reading the message from stdin",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                "miniapp: --voice needs a terminal; reading the message from stdin", file=sys.stderr
+            )
             return None
         try:
             device = check_input_device()

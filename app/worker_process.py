@@ -47,9 +47,13 @@ class WorkerProcess:
         command = [sys.executable, "-m", "miniapp.app.bench_worker", "--backend", backend]
         self._stderr = tempfile.TemporaryFile(mode="w+")
         self._process = subprocess.Popen(
-            [*command, *arguments], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=self._stderr, text=True, env={**os.environ, **(env or {})},
-        )  # fmt: skip
+            [*command, *arguments],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
 
     def wait_ready(self) -> None:
         self._read("ready")
@@ -100,6 +104,14 @@ class WorkerProcess:
 def worker_arguments(model: Path, prompts: Path, tokens: int, ctx: int, spec: str) -> list[str]:
     """The arguments every worker takes (see bench_worker.py for the rest)."""
     return [
-        "--model", str(model), "--prompts", str(prompts), "--tokens", str(tokens),
-        "--ctx", str(ctx), "--spec", spec,
-    ]  # fmt: skip
+        "--model",
+        str(model),
+        "--prompts",
+        str(prompts),
+        "--tokens",
+        str(tokens),
+        "--ctx",
+        str(ctx),
+        "--spec",
+        spec,
+    ]

@@ -61,15 +61,58 @@ class NativeAttention:
     def __init__(self, library: Library):
         function = library.cdll.miniapp_attend_rows
         i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-        function.argtypes = [ptr, ptr, ptr, i32, i32, i64, i64, ptr, ptr, i64, i64, i64, i64,
-                             i64, ctypes.c_float, ptr, i64, i64, ptr, i64, ptr, ptr,
-                             i32]  # fmt: skip
+        function.argtypes = [
+            ptr,
+            ptr,
+            ptr,
+            i32,
+            i32,
+            i64,
+            i64,
+            ptr,
+            ptr,
+            i64,
+            i64,
+            i64,
+            i64,
+            i64,
+            ctypes.c_float,
+            ptr,
+            i64,
+            i64,
+            ptr,
+            i64,
+            ptr,
+            ptr,
+            i32,
+        ]
         function.restype = i32
         self._attend = function
         sequences = library.cdll.miniapp_attend_sequences
-        sequences.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64,
-                              i64, ctypes.c_float, ptr, ptr, ptr, ptr, ptr, ptr, ptr,
-                              i32]  # fmt: skip
+        sequences.argtypes = [
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            i64,
+            i64,
+            i64,
+            i64,
+            ctypes.c_float,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            i32,
+        ]
         sequences.restype = i32
         self._attend_sequences = sequences
 
@@ -126,11 +169,30 @@ class NativeAttention:
                 lengths = lengths.to(torch.int32)
             lengths_ptr = lengths.contiguous().data_ptr()
         status = self._attend(
-            queries.data_ptr(), keys.data_ptr(), values.data_ptr(), key_type, value_type,
-            _head_bytes(keys), _head_bytes(values), lengths_ptr, mask_ptr, tokens, rows, n_heads,
-            kv_heads, head_dim, scale, lead_ptr, lead_rows, lead_stride, recent_ptr,
-            recent_stride, own_ptr, out.data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
+            queries.data_ptr(),
+            keys.data_ptr(),
+            values.data_ptr(),
+            key_type,
+            value_type,
+            _head_bytes(keys),
+            _head_bytes(values),
+            lengths_ptr,
+            mask_ptr,
+            tokens,
+            rows,
+            n_heads,
+            kv_heads,
+            head_dim,
+            scale,
+            lead_ptr,
+            lead_rows,
+            lead_stride,
+            recent_ptr,
+            recent_stride,
+            own_ptr,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
         if status:
             raise ValueError(f"native attention refused queries {tuple(queries.shape)}")
         return out
@@ -190,12 +252,24 @@ class NativeAttention:
         pointers = ctypes.c_void_p * max(rows, 1)
         int64s, int32s = ctypes.c_int64 * max(rows, 1), ctypes.c_int32 * max(rows, 1)
         status = self._attend_sequences(
-            queries.data_ptr(), pointers(*key_ptrs), pointers(*value_ptrs),
-            int32s(*(c[0] for c in codes)), int32s(*(c[1] for c in codes)),
-            int64s(*key_strides), int64s(*value_strides), int64s(*counts),
-            pointers(*mask_ptrs), rows, n_heads, kv_heads, head_dim, scale, *tile_args.arguments(),
-            out.data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
+            queries.data_ptr(),
+            pointers(*key_ptrs),
+            pointers(*value_ptrs),
+            int32s(*(c[0] for c in codes)),
+            int32s(*(c[1] for c in codes)),
+            int64s(*key_strides),
+            int64s(*value_strides),
+            int64s(*counts),
+            pointers(*mask_ptrs),
+            rows,
+            n_heads,
+            kv_heads,
+            head_dim,
+            scale,
+            *tile_args.arguments(),
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
         if status:
             raise ValueError(f"native attention refused queries {tuple(queries.shape)}")
         return out
@@ -224,9 +298,14 @@ class _TileArrays:
             return (None,) * 6
         n = max(self.rows, 1)
         pointers, int64s = ctypes.c_void_p * n, ctypes.c_int64 * n
-        return (pointers(*self.leads), int64s(*self.lead_rows), int64s(*self.lead_strides),
-                pointers(*self.recents), int64s(*self.recent_strides),
-                (ctypes.c_int32 * n)(*self.own))  # fmt: skip
+        return (
+            pointers(*self.leads),
+            int64s(*self.lead_rows),
+            int64s(*self.lead_strides),
+            pointers(*self.recents),
+            int64s(*self.recent_strides),
+            (ctypes.c_int32 * n)(*self.own),
+        )
 
 
 def _reach(rows: int, keys: int, lengths, mask) -> torch.Tensor:
@@ -286,8 +365,9 @@ class NativeKVCodec:
         if x.stride(3) != 1:
             x = x.contiguous()
         out = torch.empty((1, heads, tokens, width), dtype=dtype)
-        status = self._encode(kind, x.data_ptr(), heads, tokens, x.stride(1), x.stride(2),
-                              head_dim, out.data_ptr())  # fmt: skip
+        status = self._encode(
+            kind, x.data_ptr(), heads, tokens, x.stride(1), x.stride(2), head_dim, out.data_ptr()
+        )
         if status:
             raise ValueError(f"native KV codec refused type {kind} with head_dim {head_dim}")
         return out
@@ -302,8 +382,16 @@ class NativeKVCodec:
             stored = stored.contiguous()
         if out is None:
             out = torch.empty((1, heads, tokens, head_dim), dtype=torch.float32)
-        status = self._decode(kind, stored.data_ptr(), heads, tokens, _head_bytes(stored[0]),
-                              head_dim, out.data_ptr(), torch.get_num_threads())  # fmt: skip
+        status = self._decode(
+            kind,
+            stored.data_ptr(),
+            heads,
+            tokens,
+            _head_bytes(stored[0]),
+            head_dim,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
         if status:
             raise ValueError(f"native KV codec refused type {kind} with head_dim {head_dim}")
         return out
@@ -317,9 +405,16 @@ class NativeKVCodec:
             x = x.contiguous()
         if tokens % TILE_ROWS or out.shape[:3] != x.shape[:3] or not _rows_packed(out[0]):
             raise ValueError("q4 tiles take whole tiles of rows into contiguous rows")
-        status = self._encode_tiles(x.data_ptr(), heads, tokens // TILE_ROWS, x.stride(1),
-                                    x.stride(2), head_dim, out.data_ptr(),
-                                    _head_bytes(out[0]))  # fmt: skip
+        status = self._encode_tiles(
+            x.data_ptr(),
+            heads,
+            tokens // TILE_ROWS,
+            x.stride(1),
+            x.stride(2),
+            head_dim,
+            out.data_ptr(),
+            _head_bytes(out[0]),
+        )
         if status:
             raise ValueError(f"native KV codec refused q4 tiles with head_dim {head_dim}")
 
@@ -330,8 +425,14 @@ class NativeKVCodec:
         if tokens % TILE_ROWS or not _rows_packed(stored[0]):
             raise ValueError("q4 tiles decode whole tiles of contiguous rows")
         out = torch.empty((1, heads, tokens, head_dim), dtype=torch.float32)
-        status = self._decode_tiles(stored.data_ptr(), heads, tokens // TILE_ROWS,
-                                    _head_bytes(stored[0]), head_dim, out.data_ptr())  # fmt: skip
+        status = self._decode_tiles(
+            stored.data_ptr(),
+            heads,
+            tokens // TILE_ROWS,
+            _head_bytes(stored[0]),
+            head_dim,
+            out.data_ptr(),
+        )
         if status:
             raise ValueError(f"native KV codec refused q4 tiles with head_dim {head_dim}")
         return out

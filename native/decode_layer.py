@@ -22,22 +22,48 @@ _i64, _f32, _i32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int32, ctypes.
 
 class _Weights(ctypes.Structure):
     _fields_ = [
-        ("qkv", _ptr), ("out", _ptr), ("gate_up", _ptr), ("down", _ptr),
-        ("attn_norm", _ptr), ("ffn_norm", _ptr), ("eps", _f32), ("scale", _f32),
-        ("dim", _i64), ("n_heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
-        ("rotary_dim", _i64), ("ffn_dim", _i64), ("interleaved", _i32),
-    ]  # fmt: skip
+        ("qkv", _ptr),
+        ("out", _ptr),
+        ("gate_up", _ptr),
+        ("down", _ptr),
+        ("attn_norm", _ptr),
+        ("ffn_norm", _ptr),
+        ("eps", _f32),
+        ("scale", _f32),
+        ("dim", _i64),
+        ("n_heads", _i64),
+        ("kv_heads", _i64),
+        ("head_dim", _i64),
+        ("rotary_dim", _i64),
+        ("ffn_dim", _i64),
+        ("interleaved", _i32),
+    ]
 
 
 class _Step(ctypes.Structure):
     _fields_ = [
-        ("cos", _ptr), ("signed_sin", _ptr), ("key_slot", _ptr), ("value_slot", _ptr),
-        ("keys", _ptr), ("values", _ptr), ("key_head_stride", _i64),
-        ("value_head_stride", _i64), ("n_keys", _i64), ("mask", _ptr), ("key_type", _i32),
-        ("value_type", _i32), ("lead", _ptr), ("lead_rows", _i64), ("lead_head_stride", _i64),
-        ("recent", _ptr), ("recent_head_stride", _i64), ("own_tile", _i64), ("rows", _i64),
-        ("key_slot_row_stride", _i64), ("value_slot_row_stride", _i64),
-    ]  # fmt: skip
+        ("cos", _ptr),
+        ("signed_sin", _ptr),
+        ("key_slot", _ptr),
+        ("value_slot", _ptr),
+        ("keys", _ptr),
+        ("values", _ptr),
+        ("key_head_stride", _i64),
+        ("value_head_stride", _i64),
+        ("n_keys", _i64),
+        ("mask", _ptr),
+        ("key_type", _i32),
+        ("value_type", _i32),
+        ("lead", _ptr),
+        ("lead_rows", _i64),
+        ("lead_head_stride", _i64),
+        ("recent", _ptr),
+        ("recent_head_stride", _i64),
+        ("own_tile", _i64),
+        ("rows", _i64),
+        ("key_slot_row_stride", _i64),
+        ("value_slot_row_stride", _i64),
+    ]
 
 
 @dataclass(frozen=True)
@@ -76,11 +102,22 @@ class NativeDecodeLayer:
         # Kept alive with the structure that points at them.
         self._held = (qkv, out, gate_up, down, attn_norm, ffn_norm)
         self._weights = _Weights(
-            qkv._address, out._address, gate_up._address, down._address,
-            attn_norm.data_ptr(), ffn_norm.data_ptr(), shape.eps, shape.scale,
-            shape.dim, shape.n_heads, shape.kv_heads, shape.head_dim, shape.rotary_dim,
-            gate_up.shape.outputs, int(shape.interleaved),
-        )  # fmt: skip
+            qkv._address,
+            out._address,
+            gate_up._address,
+            down._address,
+            attn_norm.data_ptr(),
+            ffn_norm.data_ptr(),
+            shape.eps,
+            shape.scale,
+            shape.dim,
+            shape.n_heads,
+            shape.kv_heads,
+            shape.head_dim,
+            shape.rotary_dim,
+            gate_up.shape.outputs,
+            int(shape.interleaved),
+        )
         self._step = _Step()
         self._function = library.cdll.miniapp_decode_layer
         self._function.argtypes = [_ptr, _ptr, _ptr, ctypes.c_int]
@@ -113,8 +150,9 @@ class NativeDecodeLayer:
         completes)."""
         _fill(self._step, x.shape[0], slots, stored, mask, kv_types, tiled)
         self._step.cos, self._step.signed_sin = cos.data_ptr(), signed_sin.data_ptr()
-        status = self._function(self._weights_address, self._step_address, x.data_ptr(),
-                                torch.get_num_threads())  # fmt: skip
+        status = self._function(
+            self._weights_address, self._step_address, x.data_ptr(), torch.get_num_threads()
+        )
         if status:
             raise ValueError("the native decode layer refused its step")
         return x

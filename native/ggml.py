@@ -221,9 +221,13 @@ def _interleave(
     """The native interleaving of src's rows into dst (which has room for them); returns the
     result's type id, or -1 where the library refused."""
     return library.cdll.miniapp_ggml_interleave(
-        int(ggml_type), ctypes.c_void_p(src.data_ptr()), ctypes.c_int64(len(src)),
-        ctypes.c_int64(k), ctypes.c_void_p(dst.data_ptr()), threads or torch.get_num_threads(),
-    )  # fmt: skip
+        int(ggml_type),
+        ctypes.c_void_p(src.data_ptr()),
+        ctypes.c_int64(len(src)),
+        ctypes.c_int64(k),
+        ctypes.c_void_p(dst.data_ptr()),
+        threads or torch.get_num_threads(),
+    )
 
 
 def group_byte_order(library: Library, ggml_type: int) -> torch.Tensor | None:

@@ -154,9 +154,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 
 def rope(
-    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, rotary_dim: int,
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    rotary_dim: int,
     interleaved: bool,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """What `miniapp_rope` computes, from first principles in float64: x [rows, heads,
     head_dim] with each pair of dimensions (2i, 2i + 1) if `interleaved`, else (i, i +
     rotary_dim / 2), turned by position * inv_freq[i]; dimensions past rotary_dim kept."""

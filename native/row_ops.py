@@ -45,8 +45,18 @@ class NativeRowOps:
                 raise ValueError(f"cannot add {tuple(add.shape)} to {tuple(x.shape)}")
             add_ptr, ld_add = add.data_ptr(), add.stride(0)
         weight_ptr = None if weight is None else weight.data_ptr()
-        status = self._norm(x.data_ptr(), x.stride(0), add_ptr or None, ld_add, weight_ptr,
-                            rows, dim, eps, out.data_ptr(), dim)  # fmt: skip
+        status = self._norm(
+            x.data_ptr(),
+            x.stride(0),
+            add_ptr or None,
+            ld_add,
+            weight_ptr,
+            rows,
+            dim,
+            eps,
+            out.data_ptr(),
+            dim,
+        )
         if status:
             raise ValueError(f"native RMS norm refused x {tuple(x.shape)}")
         return out
@@ -70,8 +80,17 @@ class NativeRowOps:
                 raise ValueError("RoPE tables must be fp32 and contiguous")
             if table.numel() != rows * head_dim:
                 raise ValueError(f"RoPE tables of {table.numel()} values for {rows} rows")
-        status = self._rope(x.data_ptr(), x.stride(0), rows, heads, head_dim, rotary_dim,
-                            int(interleaved), cos.data_ptr(), signed_sin.data_ptr())  # fmt: skip
+        status = self._rope(
+            x.data_ptr(),
+            x.stride(0),
+            rows,
+            heads,
+            head_dim,
+            rotary_dim,
+            int(interleaved),
+            cos.data_ptr(),
+            signed_sin.data_ptr(),
+        )
         if status:
             raise ValueError(f"native RoPE refused x {tuple(x.shape)}")
         return x

@@ -65,9 +65,12 @@ def main(argv: list[str] | None = None) -> int:
                 for r in range(rows):
                     seen = tokens - rows + r + 1
                     F.scaled_dot_product_attention(
-                        q[:, :, r : r + 1], keys[layer][:, :, :seen], values[layer][:, :, :seen],
-                        enable_gqa=True, scale=HEAD_DIM**-0.5,
-                    )  # fmt: skip
+                        q[:, :, r : r + 1],
+                        keys[layer][:, :, :seen],
+                        values[layer][:, :, :seen],
+                        enable_gqa=True,
+                        scale=HEAD_DIM**-0.5,
+                    )
 
             def native_rows(layer, q=by_row, lengths=lengths, k=stored_keys, v=stored_values):
                 native(q, k[layer], v[layer], HEAD_DIM**-0.5, lengths=lengths, kv_type=codes)

@@ -144,8 +144,16 @@ def bench_kernels(model: Path) -> list[dict]:
                 for fn_list in fns.values():  # warm-up: thread pools, first-touch pages
                     fn_list[0](x)
                 us = time_calls(fns, x, calls)
-                rows.append(dict(weight=label, shape=_shape(one["torch"], gated), bytes=size,
-                                 regime=regime, m=m, **us))  # fmt: skip
+                rows.append(
+                    dict(
+                        weight=label,
+                        shape=_shape(one["torch"], gated),
+                        bytes=size,
+                        regime=regime,
+                        m=m,
+                        **us,
+                    )
+                )
                 print(_kernel_line(rows[-1]), file=sys.stderr, flush=True)
             del linears, fns
     return rows

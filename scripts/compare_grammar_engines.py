@@ -57,8 +57,9 @@ def xgrammar_engine(tokenizer: Tokenizer):
 
     vocab = [tokenizer.token_bytes(t, special=True) for t in range(tokenizer.n_vocab)]
     started = time.perf_counter()
-    info = xgrammar.TokenizerInfo(vocab, vocab_type=xgrammar.VocabType.RAW,
-                                  stop_token_ids=sorted(tokenizer.eog_ids))  # fmt: skip
+    info = xgrammar.TokenizerInfo(
+        vocab, vocab_type=xgrammar.VocabType.RAW, stop_token_ids=sorted(tokenizer.eog_ids)
+    )
     compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
     return xgrammar, info, compiler, time.perf_counter() - started
 
@@ -87,8 +88,9 @@ def main() -> None:
             guide.allowed_after(path[:n])
             figures["llguidance"]["mask"].append(time.perf_counter() - started)
         started = time.perf_counter()
-        compiled = compiler.compile_json_schema(json.dumps(entry["schema"]), any_whitespace=True,
-                                                strict_mode=True)  # fmt: skip
+        compiled = compiler.compile_json_schema(
+            json.dumps(entry["schema"]), any_whitespace=True, strict_mode=True
+        )
         figures["xgrammar"]["compile"].append(time.perf_counter() - started)
         matcher = xgr.GrammarMatcher(compiled)
         bitmask = xgr.allocate_token_bitmask(1, info.vocab_size)

@@ -42,10 +42,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3, help="decode runs per mode (median)")
     parser.add_argument("--threads", type=int, help="CPU threads (default: all)")
     parser.add_argument("--json", help="also write the results here")
-    parser.add_argument("--path", action="append", dest="paths",
-                        help="only this GPU path (repeatable), e.g. 'gpu int4'")  # fmt: skip
-    parser.add_argument("--profile", type=int, default=0, metavar="N",
-                        help="also profile N decode steps on the first GPU path")  # fmt: skip
+    parser.add_argument(
+        "--path",
+        action="append",
+        dest="paths",
+        help="only this GPU path (repeatable), e.g. 'gpu int4'",
+    )
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also profile N decode steps on the first GPU path",
+    )
     args = parser.parse_args(argv)
 
     import torch
@@ -107,8 +116,9 @@ def _model(arg: str | None, tmp: Path) -> tuple[Path, str]:
     sys.path.insert(0, str(REPO / "tests"))
     from tiny_gguf import TinyModel, write_tiny_model
 
-    shapes = TinyModel(n_layers=30, dim=576, n_heads=9, n_kv_heads=3, head_dim=64,
-                       ffn_dim=1536, context=2048)  # fmt: skip
+    shapes = TinyModel(
+        n_layers=30, dim=576, n_heads=9, n_kv_heads=3, head_dim=64, ffn_dim=1536, context=2048
+    )
     path = write_tiny_model(tmp / "smollm2-shaped-random.gguf", shapes)
     return path, "random weights in SmolLM2-135M's shapes (Q4_1)"
 
@@ -116,8 +126,9 @@ def _model(arg: str | None, tmp: Path) -> tuple[Path, str]:
 def _open(model: Path, threads: int | None, device: str = "auto", probe=None, kv=None):
     from miniapp.engine.runtimes.torch_runtime import TorchRuntime
 
-    return TorchRuntime(model, n_ctx=2048, threads=threads, spec="auto", device=device,
-                        probe=probe, kv=kv)  # fmt: skip
+    return TorchRuntime(
+        model, n_ctx=2048, threads=threads, spec="auto", device=device, probe=probe, kv=kv
+    )
 
 
 def _gpu_paths(probe, model: Path, kv_type):
@@ -182,8 +193,13 @@ def _measure(name: str, runtime, reference, text: str, args) -> dict:
     from miniapp.engine.evaluation.perplexity import agreement, perplexity
 
     plan = runtime.device_plan
-    row = {"path": name, "device": plan.device, "weights": plan.weights,
-           "gpu_layers": plan.gpu_layers, "reason": plan.reason}  # fmt: skip
+    row = {
+        "path": name,
+        "device": plan.device,
+        "weights": plan.weights,
+        "gpu_layers": plan.gpu_layers,
+        "reason": plan.reason,
+    }
     timer = _PhaseTimer(name)
     if reference is not None:
         agree = agreement(runtime, reference, text, AGREEMENT_CTX)
@@ -228,8 +244,9 @@ class _PhaseTimer:
 def _quote_prompt(runtime, text: str) -> list[int]:
     from miniapp.engine.modelfile.template import ChatTemplate, Message
 
-    template = ChatTemplate.for_model(runtime.chat_template, runtime.tokenizer,
-                                      runtime.architecture)  # fmt: skip
+    template = ChatTemplate.for_model(
+        runtime.chat_template, runtime.tokenizer, runtime.architecture
+    )
     chars = 1500
     while True:
         rendered = template.render([Message("user", f"{text[:chars]}\n\n{QUOTE_ASK}")])
@@ -295,19 +312,25 @@ def _profile(runtime, prompt: list[int], n_steps: int) -> str:
 
 
 def _environment(torch, probe, model: Path, model_note: str) -> str:
-    lines = [f"torch {torch.__version__}, CUDA {torch.version.cuda}, HIP {torch.version.hip}",
-             f"model: {model_note}"]  # fmt: skip
+    lines = [
+        f"torch {torch.__version__}, CUDA {torch.version.cuda}, HIP {torch.version.hip}",
+        f"model: {model_note}",
+    ]
     for gpu in probe.gpus():
         kernel = probe.check_int4(gpu)
         state = "OK" if kernel.ok else "missing"
-        lines.append(f"{gpu.label}: {gpu.name}, {gpu.total_bytes / 2**30:.0f} GiB, "
-                     f"int4 kernel {state} ({kernel.reason})")  # fmt: skip
+        lines.append(
+            f"{gpu.label}: {gpu.name}, {gpu.total_bytes / 2**30:.0f} GiB, "
+            f"int4 kernel {state} ({kernel.reason})"
+        )
     return "\n".join(lines)
 
 
 def _table(rows: list[dict]) -> str:
-    head = ("| path | device, weights, GPU layers | top-1 vs CPU | KL vs CPU | PPL | decode tok/s"
-            " | eager-step tok/s | spec tok/s | spec/plain | spec identical |")  # fmt: skip
+    head = (
+        "| path | device, weights, GPU layers | top-1 vs CPU | KL vs CPU | PPL | decode tok/s"
+        " | eager-step tok/s | spec tok/s | spec/plain | spec identical |"
+    )
     lines = [head, "|" + "---|" * 10]
     for r in rows:
         if "error" in r:
@@ -319,8 +342,18 @@ def _table(rows: list[dict]) -> str:
         plain, spec = r["tok_s_spec_off"], r["tok_s_spec_auto"]
         eager = f"{r['tok_s_eager_steps']:.1f}" if "tok_s_eager_steps" in r else "-"
         ratio = spec / plain if plain else 0.0
-        cells = [r["path"], where, top1, kl, f"{r['ppl']:.4f}", f"{plain:.1f}", eager,
-                 f"{spec:.1f}", f"{ratio:.2f}x", str(r["spec_identical"])]  # fmt: skip
+        cells = [
+            r["path"],
+            where,
+            top1,
+            kl,
+            f"{r['ppl']:.4f}",
+            f"{plain:.1f}",
+            eager,
+            f"{spec:.1f}",
+            f"{ratio:.2f}x",
+            str(r["spec_identical"]),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     notes = [f"- {r['path']}: {r['decode_step']}" for r in rows if r.get("decode_step")]
     return "\n".join(lines + ["", "Decode steps:", *notes])

@@ -142,8 +142,9 @@ def write(shape: Shape, out: Path, tokenizer: Path, seed: int = 0) -> None:
         else:
             per_block, size = GGML_QUANT_SIZES[qtype]
             row_bytes = dims[1] // per_block * size
-            writer.add_tensor_info(name, (dims[0], row_bytes), np.dtype(np.uint8),
-                                   dims[0] * row_bytes, raw_dtype=qtype)  # fmt: skip
+            writer.add_tensor_info(
+                name, (dims[0], row_bytes), np.dtype(np.uint8), dims[0] * row_bytes, raw_dtype=qtype
+            )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()

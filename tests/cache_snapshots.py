@@ -27,8 +27,11 @@ def snapshot(cache: KVCache | RotatingKVCache) -> Snapshot:
         tensors = {"keys": cache.keys[:, :, :n].clone(), "values": cache.values[:, :, :n].clone()}
         return Snapshot(tensors, {"offset": n})
     fields = {name: copy.copy(getattr(cache, name)) for name in _ROTATING_FIELDS}
-    tensors = {"keys": cache.keys.clone(), "values": cache.values.clone(),
-               "ring_pos": cache.ring_pos.clone()}  # fmt: skip
+    tensors = {
+        "keys": cache.keys.clone(),
+        "values": cache.values.clone(),
+        "ring_pos": cache.ring_pos.clone(),
+    }
     return Snapshot(tensors, fields)
 
 

@@ -14,11 +14,33 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Calibrations and hashes go to a fresh folder: the user's own never change test results.
 os.environ["MINIAPP_CACHE_DIR"] = tempfile.mkdtemp(prefix="miniapp-test-cache-")
 # Likewise settings: a developer's config file or MINIAPP_* settings never reach the tests.
-os.environ["MINIAPP_CONFIG"] = os.path.join(tempfile.mkdtemp(prefix="miniapp-test-config-"),
-                                            "config.toml")  # fmt: skip
-_SETTINGS = ("MODEL", "BACKEND", "DEVICE", "THREADS", "CTX", "WINDOW", "SINKS", "SPEC",
-             "MAX_TOKENS", "TEMPERATURE", "TOP_K", "TOP_P", "MIN_P", "REPEAT_PENALTY", "SEED",
-             "SYSTEM", "ASR_MODEL", "HOST", "PORT", "KV_TYPE", "PARALLEL", "API_KEY")  # fmt: skip
+os.environ["MINIAPP_CONFIG"] = os.path.join(
+    tempfile.mkdtemp(prefix="miniapp-test-config-"), "config.toml"
+)
+_SETTINGS = (
+    "MODEL",
+    "BACKEND",
+    "DEVICE",
+    "THREADS",
+    "CTX",
+    "WINDOW",
+    "SINKS",
+    "SPEC",
+    "MAX_TOKENS",
+    "TEMPERATURE",
+    "TOP_K",
+    "TOP_P",
+    "MIN_P",
+    "REPEAT_PENALTY",
+    "SEED",
+    "SYSTEM",
+    "ASR_MODEL",
+    "HOST",
+    "PORT",
+    "KV_TYPE",
+    "PARALLEL",
+    "API_KEY",
+)
 for _name in _SETTINGS:
     os.environ.pop("MINIAPP_" + _name, None)
 # The suite runs the CPU path on every machine, a GPU machine too: GPU paths are tested

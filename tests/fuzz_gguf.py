@@ -64,22 +64,57 @@ def write_seeds(folder: Path) -> list[Path]:
 # Words libFuzzer splices into inputs: key names and values the readers compare against in
 # C++ or in ways its comparison tracing does not see.
 DICTIONARY = [
-    "general.architecture", "general.alignment", "tokenizer.ggml.model", "tokenizer.ggml.pre",
-    "tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
-    "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
-    "tokenizer.ggml.add_bos_token", "tokenizer.chat_template", "llama", "gpt2", "t5", "bert",
-    "rwkv", "plamo2", "no_vocab", "qwen2", "qwen3", "phi3", "gemma3", "smollm", "<0x0A>",
-    "<s>", "</s>", "<|im_start|>", "{{", "}}", "{%", "%}", "range(", "__class__",
-    "rope.scaling.type", "linear", "yarn", "attention.head_count_kv", "block_count",
-    "rope_freqs.weight", "output.weight", "token_embd.weight",
-]  # fmt: skip
+    "general.architecture",
+    "general.alignment",
+    "tokenizer.ggml.model",
+    "tokenizer.ggml.pre",
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.scores",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.merges",
+    "tokenizer.ggml.bos_token_id",
+    "tokenizer.ggml.eos_token_id",
+    "tokenizer.ggml.add_bos_token",
+    "tokenizer.chat_template",
+    "llama",
+    "gpt2",
+    "t5",
+    "bert",
+    "rwkv",
+    "plamo2",
+    "no_vocab",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "gemma3",
+    "smollm",
+    "<0x0A>",
+    "<s>",
+    "</s>",
+    "<|im_start|>",
+    "{{",
+    "}}",
+    "{%",
+    "%}",
+    "range(",
+    "__class__",
+    "rope.scaling.type",
+    "linear",
+    "yarn",
+    "attention.head_count_kv",
+    "block_count",
+    "rope_freqs.weight",
+    "output.weight",
+    "token_embd.weight",
+]
 
 
 def write_dictionary(path: Path) -> Path:
     lines = []
     for word in DICTIONARY:
-        escaped = "".join(c if c.isalnum() or c in "._<>|{}%()/ " else f"\\x{ord(c):02x}"
-                          for c in word)  # fmt: skip
+        escaped = "".join(
+            c if c.isalnum() or c in "._<>|{}%()/ " else f"\\x{ord(c):02x}" for c in word
+        )
         lines.append(f'"{escaped}"')
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -108,10 +143,16 @@ def main() -> None:
                 raise AssertionError(f"a bad file's error is more than one line: {exc}") from exc
 
     libfuzzer = [
-        sys.argv[0], str(args.corpus), f"-max_total_time={int(args.minutes * 60)}",
-        "-timeout=20", "-rss_limit_mb=3072", "-max_len=400000", "-print_final_stats=1",
-        f"-artifact_prefix={args.crashes}/", f"-dict={dictionary}",
-    ]  # fmt: skip
+        sys.argv[0],
+        str(args.corpus),
+        f"-max_total_time={int(args.minutes * 60)}",
+        "-timeout=20",
+        "-rss_limit_mb=3072",
+        "-max_len=400000",
+        "-print_final_stats=1",
+        f"-artifact_prefix={args.crashes}/",
+        f"-dict={dictionary}",
+    ]
     started = time.monotonic()
     atheris.Setup(libfuzzer, one_input)
     print(f"fuzzing the GGUF path for {args.minutes:g} minutes", flush=True)

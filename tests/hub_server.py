@@ -50,10 +50,16 @@ class FakeHub:
             if name in repo.wrong_hash:
                 digest = "0" * 64
             lfs = {"size": len(data), "sha256": digest, "pointerSize": 134}
-            siblings.append({"rfilename": name, "size": len(data), "blobId": digest[:40],
-                             "lfs": lfs})  # fmt: skip
-        return {"id": repo_id, "modelId": repo_id, "sha": COMMIT, "siblings": siblings,
-                "private": False}  # fmt: skip
+            siblings.append(
+                {"rfilename": name, "size": len(data), "blobId": digest[:40], "lfs": lfs}
+            )
+        return {
+            "id": repo_id,
+            "modelId": repo_id,
+            "sha": COMMIT,
+            "siblings": siblings,
+            "private": False,
+        }
 
     def _handler(self):
         hub = self
@@ -80,8 +86,12 @@ class FakeHub:
 
             def _listing(self, repo_id: str, body: bool) -> None:
                 if repo_id not in hub.repos:
-                    self._reply(404, b'{"error":"Repository not found"}',
-                                {"X-Error-Code": "RepoNotFound"}, body)  # fmt: skip
+                    self._reply(
+                        404,
+                        b'{"error":"Repository not found"}',
+                        {"X-Error-Code": "RepoNotFound"},
+                        body,
+                    )
                     return
                 data = json.dumps(hub.listing(repo_id)).encode()
                 self._reply(200, data, {"Content-Type": "application/json"}, body)
@@ -93,8 +103,7 @@ class FakeHub:
                     return
                 data = repo.files[name]
                 etag = hashlib.sha256(data).hexdigest()
-                headers = {"X-Repo-Commit": COMMIT, "ETag": f'"{etag}"',
-                           "Accept-Ranges": "bytes"}  # fmt: skip
+                headers = {"X-Repo-Commit": COMMIT, "ETag": f'"{etag}"', "Accept-Ranges": "bytes"}
                 start = 0
                 wanted = self.headers.get("Range")
                 if wanted and wanted.startswith("bytes="):

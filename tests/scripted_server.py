@@ -27,8 +27,13 @@ def chunk(
     if reasoning is not None:
         delta["reasoning_content"] = reasoning
     choice = {"index": 0, "delta": delta, "finish_reason": finish}
-    body = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": MODEL,
-            "choices": [choice] if choices else []}  # fmt: skip
+    body = {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": MODEL,
+        "choices": [choice] if choices else [],
+    }
     if usage is not None:
         body["usage"] = usage
     return body
@@ -38,8 +43,13 @@ class ScriptedServer:
     """Answers GET /v1/models and POST /v1/chat/completions with `script`: the chunks to
     stream, then [DONE] unless `drop` (cut the connection instead, mid-stream)."""
 
-    def __init__(self, script: list[dict], drop: bool = False, usage: dict | None = None,
-                 vision: bool | None = None):  # fmt: skip
+    def __init__(
+        self,
+        script: list[dict],
+        drop: bool = False,
+        usage: dict | None = None,
+        vision: bool | None = None,
+    ):
         """`vision`: what its /props says of the model's pictures (None: no /props, as on
         most servers)."""
         self.script, self.drop, self.usage, self.vision = script, drop, usage, vision

@@ -40,12 +40,22 @@ from test_serve import running_server, wait_ready  # noqa: E402
 CLIENTS = 8
 BODY_LIMIT_MB = 1
 SERVER_FLAGS = ("--parallel", "4", "--queue", "8", "--max-body-mb", str(BODY_LIMIT_MB))
-WORDS = ("the quick brown fox jumps over a lazy dog while seven small birds sing about "
-         "rivers mountains and the long road home").split()  # fmt: skip
+WORDS = (
+    "the quick brown fox jumps over a lazy dog while seven small birds sing about "
+    "rivers mountains and the long road home"
+).split()
 # Each kind of request and how often a client picks it.
-MIX = {"chat": 30, "chat_stream": 25, "abandoned_stream": 10, "completion": 6,
-       "malformed_json": 8, "oversized": 4, "unknown_field": 6, "unknown_model": 6,
-       "bad_audio": 5}  # fmt: skip
+MIX = {
+    "chat": 30,
+    "chat_stream": 25,
+    "abandoned_stream": 10,
+    "completion": 6,
+    "malformed_json": 8,
+    "oversized": 4,
+    "unknown_field": 6,
+    "unknown_model": 6,
+    "bad_audio": 5,
+}
 CLIENT_ERRORS = {"malformed_json": {400, 422}, "oversized": {413}, "bad_audio": {400}}
 
 
@@ -91,17 +101,23 @@ class SoakFigures:
         lines = [
             f"{self.seconds:.0f} s, {CLIENTS} clients, {sum(self.statuses.values())} requests "
             f"({answered} answered 200), {sum(t for _, t in self.tokens)} tokens generated",
-            "statuses: " + ", ".join(f"{kind} {status}: {n}"
-                                     for (kind, status), n in sorted(self.statuses.items())),
-            "peak RSS by quarter (MB): " + ", ".join(
-                f"{max(self.quarter(self.rss, q), default=0) / 2**20:.0f}" for q in range(4)),
+            "statuses: "
+            + ", ".join(
+                f"{kind} {status}: {n}" for (kind, status), n in sorted(self.statuses.items())
+            ),
+            "peak RSS by quarter (MB): "
+            + ", ".join(
+                f"{max(self.quarter(self.rss, q), default=0) / 2**20:.0f}" for q in range(4)
+            ),
             f"RSS growth, last quarter over second: {self.rss_growth():+.1%}",
-            "tokens/s by quarter: " + ", ".join(
-                f"{sum(self.quarter(self.tokens, q)) / (self.seconds / 4):.1f}" for q in range(4)),
+            "tokens/s by quarter: "
+            + ", ".join(
+                f"{sum(self.quarter(self.tokens, q)) / (self.seconds / 4):.1f}" for q in range(4)
+            ),
             f"throughput, last quarter over first: {self.throughput_ratio():.2f}x",
             f"left running/waiting: {self.left_running:g}/{self.left_waiting:g}",
             f"invalid answers: {len(self.invalid)}",
-        ]  # fmt: skip
+        ]
         return "\n".join(lines)
 
 
@@ -111,8 +127,9 @@ class _Client:
         self.model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
         self.figures, self.lock = figures, lock
         self.last_code = ""  # the error code of the last 503
-        self.http = httpx.Client(base_url=base, timeout=120,
-                                 event_hooks={"response": [self._note_refusal]})  # fmt: skip
+        self.http = httpx.Client(
+            base_url=base, timeout=120, event_hooks={"response": [self._note_refusal]}
+        )
 
     def run(self, until: float) -> None:
         kinds, weights = zip(*MIX.items(), strict=True)
@@ -150,9 +167,13 @@ class _Client:
         return [{"role": "user", "content": f"Say something about this: {text}"}]
 
     def chat_body(self, **extra) -> dict:
-        body = {"model": self.model, "messages": self.messages(),
-                "max_tokens": self.random.randint(4, 48), "temperature": 0.8,
-                "seed": self.random.randint(0, 1 << 30)}  # fmt: skip
+        body = {
+            "model": self.model,
+            "messages": self.messages(),
+            "max_tokens": self.random.randint(4, 48),
+            "temperature": 0.8,
+            "seed": self.random.randint(0, 1 << 30),
+        }
         return {**body, **extra}
 
     def check_answer(self, kind: str, body: dict, answer: dict) -> None:
@@ -178,8 +199,11 @@ class _Client:
         return response.status_code
 
     def completion(self) -> int:
-        body = {"model": self.model, "prompt": self.messages()[0]["content"],
-                "max_tokens": self.random.randint(4, 32)}  # fmt: skip
+        body = {
+            "model": self.model,
+            "prompt": self.messages()[0]["content"],
+            "max_tokens": self.random.randint(4, 32),
+        }
         response = self.http.post("/v1/completions", json=body)
         if response.status_code == 200:
             self.check_answer("completion", body, response.json())
@@ -196,14 +220,16 @@ class _Client:
             self.invalid("chat_stream: no [DONE] at the end")
             return 200
         events = [json.loads(chunk) for chunk in chunks[:-1]]
-        finals = [e["choices"][0] for e in events
-                  if e["choices"] and e["choices"][0].get("finish_reason")]  # fmt: skip
+        finals = [
+            e["choices"][0] for e in events if e["choices"] and e["choices"][0].get("finish_reason")
+        ]
         usage = events[-1].get("usage") if events else None
         if len(finals) != 1 or usage is None:
             self.invalid(f"chat_stream: {len(finals)} finish reasons, usage {usage}")
             return 200
-        text = "".join(e["choices"][0]["delta"].get("content") or ""
-                       for e in events if e["choices"])  # fmt: skip
+        text = "".join(
+            e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"]
+        )
         choice = {"message": {"content": text}, "finish_reason": finals[0]["finish_reason"]}
         answer = {"choices": [choice], "usage": usage}
         self.check_answer("chat_stream", body, answer)
@@ -218,8 +244,9 @@ class _Client:
 
     def malformed_json(self) -> int:
         broken = b'{"model": "soak", "messages": [{"role": "user", "content": "hi"'
-        response = self.http.post("/v1/chat/completions", content=broken,
-                                  headers={"Content-Type": "application/json"})  # fmt: skip
+        response = self.http.post(
+            "/v1/chat/completions", content=broken, headers={"Content-Type": "application/json"}
+        )
         return self.expect("malformed_json", response)
 
     def oversized(self) -> int:
@@ -237,8 +264,11 @@ class _Client:
 
     def bad_audio(self) -> int:
         noise = bytes(self.random.getrandbits(8) for _ in range(4000))
-        response = self.http.post("/v1/audio/transcriptions", data={"model": "whisper-1"},
-                                  files={"file": ("speech.wav", noise, "audio/wav")})  # fmt: skip
+        response = self.http.post(
+            "/v1/audio/transcriptions",
+            data={"model": "whisper-1"},
+            files={"file": ("speech.wav", noise, "audio/wav")},
+        )
         return self.expect("bad_audio", response)
 
     def expect(self, kind: str, response: httpx.Response) -> int:

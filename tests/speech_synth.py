@@ -65,9 +65,21 @@ def long_recording(path: Path, speech: SyntheticSpeech, silence_s: float, tmp: P
     spoken = wav(tmp / "speech.wav", speech)
     silence = tmp / "silence.flac"
     subprocess.run(
-        ["sox", "-n", "-r", str(SAMPLE_RATE), "-c", "1", "-b", "16", str(silence),
-         "trim", "0", str(silence_s)],
+        [
+            "sox",
+            "-n",
+            "-r",
+            str(SAMPLE_RATE),
+            "-c",
+            "1",
+            "-b",
+            "16",
+            str(silence),
+            "trim",
+            "0",
+            str(silence_s),
+        ],
         check=True,
-    )  # fmt: skip
+    )
     subprocess.run(["sox", str(spoken), str(silence), str(spoken), str(path)], check=True)
     return path

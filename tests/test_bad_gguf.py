@@ -39,8 +39,12 @@ def _tensor_fields(path: Path, index: int) -> dict[str, int]:
     at = tensor.field.offset + 8 + len(tensor.name.encode()) + 4
     dims = at
     after_dims = at + 8 * len(tensor.shape)
-    return {"dims": dims, "type": after_dims, "offset": after_dims + 4,
-            "relative": int(tensor.field.parts[-1][0])}  # fmt: skip
+    return {
+        "dims": dims,
+        "type": after_dims,
+        "offset": after_dims + 4,
+        "relative": int(tensor.field.parts[-1][0]),
+    }
 
 
 def _model(tmp: Path, metadata: dict | None = None) -> Path:
@@ -95,9 +99,11 @@ def _infinite_norm(tmp: Path) -> Path:
 
 
 def _tokens(tokens: list[str], types: list[int]) -> dict:
-    return {"tokenizer.ggml.tokens": (tokens, V.ARRAY, V.STRING),
-            "tokenizer.ggml.scores": ([0.0] * len(tokens), V.ARRAY, V.FLOAT32),
-            "tokenizer.ggml.token_type": (types, V.ARRAY, V.INT32)}  # fmt: skip
+    return {
+        "tokenizer.ggml.tokens": (tokens, V.ARRAY, V.STRING),
+        "tokenizer.ggml.scores": ([0.0] * len(tokens), V.ARRAY, V.FLOAT32),
+        "tokenizer.ggml.token_type": (types, V.ARRAY, V.INT32),
+    }
 
 
 def _without_byte_0x73() -> dict:
@@ -119,46 +125,65 @@ BAD_FILES: dict[str, tuple[Callable[[Path], Path], str]] = {
     "cut in the metadata": (_cut(0.1), "corrupt or truncated GGUF (it ends at byte"),
     "cut in the tensor data": (_cut(0.9), "truncated GGUF (tensor"),
     "bad magic": (lambda tmp: _edit(_model(tmp), 0, b"GGML"), "not a GGUF file (bad magic"),
-    "bad version": (lambda tmp: _edit(_model(tmp), 4, struct.pack("<I", 7)),
-                    ": GGUF version 7 is not supported (2 and 3 are)"),
-    "absurd key count": (lambda tmp: _edit(_model(tmp), 16, struct.pack("<Q", 1 << 60)),
-                         "1152921504606846976 keys and 20 tensors, more than"),
-    "absurd tensor count": (lambda tmp: _edit(_model(tmp), 8, struct.pack("<Q", 1 << 60)),
-                            "1152921504606846976 tensors, more than it holds"),
+    "bad version": (
+        lambda tmp: _edit(_model(tmp), 4, struct.pack("<I", 7)),
+        ": GGUF version 7 is not supported (2 and 3 are)",
+    ),
+    "absurd key count": (
+        lambda tmp: _edit(_model(tmp), 16, struct.pack("<Q", 1 << 60)),
+        "1152921504606846976 keys and 20 tensors, more than",
+    ),
+    "absurd tensor count": (
+        lambda tmp: _edit(_model(tmp), 8, struct.pack("<Q", 1 << 60)),
+        "1152921504606846976 tensors, more than it holds",
+    ),
     "a tensor of a terabyte": (_terabyte_tensor, "claims 1.1 TB from byte"),
     "overlapping tensors": (_overlapping, "overlap"),
     "a tensor outside the file": (_outside, "past the end of the file"),
     "a misaligned tensor": (_misaligned, "is not aligned to 32 bytes"),
     "a count of the wrong type": (
         lambda tmp: _model(tmp, {"llama.block_count": ("two", V.STRING)}),
-        "metadata llama.block_count is str 'two', not a whole number"),
+        "metadata llama.block_count is str 'two', not a whole number",
+    ),
     "a NaN epsilon": (
         lambda tmp: _model(tmp, {"llama.attention.layer_norm_rms_epsilon": (math.nan, V.FLOAT32)}),
-        "layer_norm_rms_epsilon is float nan, not a finite number"),
-    "no attention heads": (lambda tmp: _model(tmp, {"llama.attention.head_count": (0, V.UINT32)}),
-                           "llama.attention.head_count is 0, not a positive count"),
+        "layer_norm_rms_epsilon is float nan, not a finite number",
+    ),
+    "no attention heads": (
+        lambda tmp: _model(tmp, {"llama.attention.head_count": (0, V.UINT32)}),
+        "llama.attention.head_count is 0, not a positive count",
+    ),
     "a width the tensors do not have": (
         lambda tmp: _model(tmp, {"llama.embedding_length": (128, V.UINT32)}),
-        "has shape [64, 64], but the metadata gives [64, 128]"),
+        "has shape [64, 64], but the metadata gives [64, 128]",
+    ),
     "a NaN scale": (_nan_scale, "tensor blk.0.attn_q.weight holds NaN or infinite values"),
     "an infinite norm weight": (_infinite_norm, "blk.0.ffn_norm.weight holds NaN or infinite"),
     "more tokens than embeddings": (
         lambda tmp: _model(tmp, _tokens(VOCAB + extra, TOKEN_TYPES + [1] * len(extra))),
-        "the vocabulary has 300 tokens but the embedding table token_embd.weight has 259 rows"),
+        "the vocabulary has 300 tokens but the embedding table token_embd.weight has 259 rows",
+    ),
     "scores that do not match the tokens": (
         lambda tmp: _model(tmp, {"tokenizer.ggml.scores": ([0.0] * 10, V.ARRAY, V.FLOAT32)}),
-        "tokenizer.ggml.scores has 10 entries for 259 tokens"),
+        "tokenizer.ggml.scores has 10 entries for 259 tokens",
+    ),
     "token types of the wrong type": (
         lambda tmp: _model(tmp, {"tokenizer.ggml.token_type": (["x"] * 259, V.ARRAY, V.STRING)}),
-        "tokenizer.ggml.token_type is not a list of 32-bit integers"),
-    "a byte without a token": (lambda tmp: _model(tmp, _without_byte_0x73()),
-                               "no token for byte 0x73"),
-    "a byte token that spells no byte": (lambda tmp: _model(tmp, _misspelt_byte_token()),
-                                         "token 118 is typed as a byte but reads b'<0xS3>'"),
+        "tokenizer.ggml.token_type is not a list of 32-bit integers",
+    ),
+    "a byte without a token": (
+        lambda tmp: _model(tmp, _without_byte_0x73()),
+        "no token for byte 0x73",
+    ),
+    "a byte token that spells no byte": (
+        lambda tmp: _model(tmp, _misspelt_byte_token()),
+        "token 118 is typed as a byte but reads b'<0xS3>'",
+    ),
     "a template that does not parse": (
         lambda tmp: _model(tmp, {"tokenizer.chat_template": ("{% for m in %}hi", V.STRING)}),
-        "chat template does not parse"),
-}  # fmt: skip
+        "chat template does not parse",
+    ),
+}
 
 
 @pytest.fixture(scope="module")
@@ -181,13 +206,19 @@ def test_a_bad_file_is_refused_in_one_line_before_the_first_token(warm, tmp_path
 
 
 TORCH_CLI_CASES = [
-    "cut in the tensor data", "a tensor of a terabyte", "a count of the wrong type",
-    "a NaN scale", "more tokens than embeddings", "a template that does not parse",
-]  # fmt: skip
-LLAMACPP_CLI_CASES = [
-    "overlapping tensors", "a count of the wrong type", "a byte token that spells no byte",
+    "cut in the tensor data",
+    "a tensor of a terabyte",
+    "a count of the wrong type",
+    "a NaN scale",
+    "more tokens than embeddings",
     "a template that does not parse",
-]  # fmt: skip
+]
+LLAMACPP_CLI_CASES = [
+    "overlapping tensors",
+    "a count of the wrong type",
+    "a byte token that spells no byte",
+    "a template that does not parse",
+]
 
 
 @pytest.mark.parametrize(

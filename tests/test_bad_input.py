@@ -15,8 +15,9 @@ KV_CHOICES = "choose from " + ", ".join(KV_TYPE_NAMES)
 
 
 def _run(exe: str, *args: str, stdin: str = "hi\n", env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([exe, *args], input=stdin, capture_output=True, text=True, timeout=120,
-                          env=env)  # fmt: skip
+    return subprocess.run(
+        [exe, *args], input=stdin, capture_output=True, text=True, timeout=120, env=env
+    )
 
 
 def _assert_one_line_error(done: subprocess.CompletedProcess, *fragments: str) -> str:
@@ -86,10 +87,14 @@ def test_text_too_short_for_ctx(miniapp_exe, tmp_path):
 
 @pytest.mark.parametrize(
     "command",
-    [["chat", "--kv-type", "q9"], ["eval", "ppl", "__TEXT__", "--kv-type", "nonsense"],
-     ["bench", "--kv-type", "q9"], ["doctor", "--kv-type", "int3"]],
+    [
+        ["chat", "--kv-type", "q9"],
+        ["eval", "ppl", "__TEXT__", "--kv-type", "nonsense"],
+        ["bench", "--kv-type", "q9"],
+        ["doctor", "--kv-type", "int3"],
+    ],
     ids=["chat", "eval-ppl", "bench", "doctor"],
-)  # fmt: skip
+)
 def test_a_bad_kv_type_is_one_line_naming_the_choices(miniapp_exe, tmp_path, command):
     """Checked as the flags are parsed: the engine's line, not argparse's usage block."""
     text = tmp_path / "text.txt"

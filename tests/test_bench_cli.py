@@ -21,10 +21,25 @@ def test_bench_json_reports_both_backends_beside_the_bandwidth_floor(miniapp_exe
     """`bench --models`: the side-by-side run for each model listed, with the bytes a decode
     step reads (ours and the file's) and the floor they set at the measured bandwidth."""
     done = subprocess.run(
-        [miniapp_exe, "bench", "--models", "smollm2-135m-instruct", "--prompt-tokens", "32",
-         "--tokens", "8", "--repeat", "1", "--threads", "2", "--json"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            miniapp_exe,
+            "bench",
+            "--models",
+            "smollm2-135m-instruct",
+            "--prompt-tokens",
+            "32",
+            "--tokens",
+            "8",
+            "--repeat",
+            "1",
+            "--threads",
+            "2",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["read_gb_s"] > 0.5
@@ -77,10 +92,25 @@ def test_a_worker_that_crashes_is_one_line_and_exit_2(miniapp_exe):
     """llama.cpp's worker dies by SIGSEGV (sent to it, as a native crash would raise it): the
     parent names the backend, the signal and what it was doing, and exits 2."""
     bench = subprocess.Popen(
-        [miniapp_exe, "bench", "--prompt-tokens", "32", "--tokens", "64", "--repeat", "200",
-         "--threads", "1", "--spec", "off", "--json"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            miniapp_exe,
+            "bench",
+            "--prompt-tokens",
+            "32",
+            "--tokens",
+            "64",
+            "--repeat",
+            "200",
+            "--threads",
+            "1",
+            "--spec",
+            "off",
+            "--json",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         worker = None
@@ -112,10 +142,29 @@ def test_exit_descriptions():
 
 def test_bench_serve_reports_each_client_count_as_json(miniapp_exe):
     done = subprocess.run(
-        [miniapp_exe, "bench", "serve", "--clients", "2,1", "--requests", "1", "--tokens", "4",
-         "--threads", "2", "--ctx", "1024", "--backend", "torch", "--http", "--json"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            miniapp_exe,
+            "bench",
+            "serve",
+            "--clients",
+            "2,1",
+            "--requests",
+            "1",
+            "--tokens",
+            "4",
+            "--threads",
+            "2",
+            "--ctx",
+            "1024",
+            "--backend",
+            "torch",
+            "--http",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert list(report["torch"]) == ["1", "2"] and report["identical_output"] is True
@@ -135,8 +184,12 @@ def test_bench_serve_reports_each_client_count_as_json(miniapp_exe):
 
 
 def test_bench_serve_refuses_bad_client_counts(miniapp_exe):
-    done = subprocess.run([miniapp_exe, "bench", "serve", "--clients", "two"],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [miniapp_exe, "bench", "serve", "--clients", "two"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         "miniapp: error: --clients 'two': give client counts like 1,2,4,8"
@@ -147,9 +200,11 @@ def test_bench_serve_without_llama_server_is_one_line_and_exit_2(miniapp_exe, tm
     missing = tmp_path / "llama-server"
     done = subprocess.run(
         [miniapp_exe, "bench", "serve", "--clients", "1", "--requests", "1", "--tokens", "4"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
         env={**os.environ, "MINIAPP_LLAMA_SERVER": str(missing), "PATH": str(tmp_path)},
-    )  # fmt: skip
+    )
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines() == [
         f"miniapp: error: llama-server not found at MINIAPP_LLAMA_SERVER={missing}: point it "
@@ -172,6 +227,9 @@ def test_llama_server_is_looked_for_in_the_environment_the_build_then_path(tmp_p
     assert find_llama_server(path, built) == on_path
     assert find_llama_server(path, executable(built)) == built
     assert find_llama_server({**path, "MINIAPP_LLAMA_SERVER": str(configured)}, built) == configured
-    with pytest.raises(MiniappError, match=r"^llama-server not found: run `make llama-server` "
-                       r"\(or set MINIAPP_LLAMA_SERVER\), or pass --backend torch$"):  # fmt: skip
+    with pytest.raises(
+        MiniappError,
+        match=r"^llama-server not found: run `make llama-server` "
+        r"\(or set MINIAPP_LLAMA_SERVER\), or pass --backend torch$",
+    ):
         find_llama_server({"PATH": str(tmp_path / "empty")}, tmp_path / "absent")

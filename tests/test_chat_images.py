@@ -56,8 +56,11 @@ def text_model(tmp_path_factory):
 def _chat(exe, *args, stdin: str):
     return subprocess.run(
         [exe, "chat", "--temperature", "0", *map(str, args)],
-        input=stdin, capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
 
 
 def _shown_prompt(output: str) -> str:
@@ -66,9 +69,14 @@ def _shown_prompt(output: str) -> str:
 
 def test_ocr_text_and_label_reach_the_prompt(miniapp_exe, files):
     done = _chat(
-        miniapp_exe, "--image", files / "receipt.png", "--show-prompt", "--max-tokens", 16,
+        miniapp_exe,
+        "--image",
+        files / "receipt.png",
+        "--show-prompt",
+        "--max-tokens",
+        16,
         stdin="What is the total?\n",
-    )  # fmt: skip
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() and PROMPT_START not in done.stdout
     notice = done.stderr.splitlines()[0]
@@ -112,9 +120,12 @@ def _ask(child, text: str) -> str:
 
 def _spawn(exe, *args):
     child = pexpect.spawn(
-        exe, ["chat", "--temperature", "0", "--show-prompt", *map(str, args)],
-        encoding="utf-8", timeout=120, dimensions=(40, 200),
-    )  # fmt: skip
+        exe,
+        ["chat", "--temperature", "0", "--show-prompt", *map(str, args)],
+        encoding="utf-8",
+        timeout=120,
+        dimensions=(40, 200),
+    )
     child.expect_exact(PROMPT)
     return child
 
@@ -148,9 +159,16 @@ def test_image_command_in_an_interactive_chat(miniapp_exe, files):
 
 def test_piped_image_goes_to_the_vision_model(miniapp_exe, files, vision_model):
     done = _chat(
-        miniapp_exe, "--model", vision_model, "--image", files / "pic.png", "--show-prompt",
-        "--max-tokens", 4, stdin="What is it?\n",
-    )  # fmt: skip
+        miniapp_exe,
+        "--model",
+        vision_model,
+        "--image",
+        files / "pic.png",
+        "--show-prompt",
+        "--max-tokens",
+        4,
+        stdin="What is it?\n",
+    )
     assert done.returncode == 0, done.stderr
     lines = done.stderr.splitlines()
     assert lines[0] == (

@@ -36,9 +36,12 @@ def test_empty_pipe_is_an_error(miniapp_exe):
 
 def _spawn_chat(miniapp_exe, max_tokens: int):
     child = pexpect.spawn(
-        miniapp_exe, ["chat", "--temperature", "0", "--max-tokens", str(max_tokens)],
-        encoding="utf-8", timeout=120, dimensions=(40, 200),
-    )  # fmt: skip
+        miniapp_exe,
+        ["chat", "--temperature", "0", "--max-tokens", str(max_tokens)],
+        encoding="utf-8",
+        timeout=120,
+        dimensions=(40, 200),
+    )
     child.expect_exact(PROMPT)
     return child
 
@@ -112,18 +115,23 @@ def test_ctrl_c_stops_the_answer_not_the_app(long_chat):
 
 LOCATION = {
     "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 30},
-                   "country": {"type": "string", "maxLength": 30}},
+    "properties": {
+        "city": {"type": "string", "maxLength": 30},
+        "country": {"type": "string", "maxLength": 30},
+    },
     "required": ["city", "country"],
     "additionalProperties": False,
-}  # fmt: skip
+}
 
 
 def _piped_chat(miniapp_exe, *flags: str, asked: str = "Where is the Eiffel Tower?\n"):
     return subprocess.run(
         [miniapp_exe, "chat", "--temperature", "0", *flags],
-        input=asked, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        input=asked,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_json_schema_prints_exactly_the_value_for_scripts(miniapp_exe, tmp_path):

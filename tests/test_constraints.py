@@ -123,8 +123,10 @@ def test_batched_sequences_each_follow_their_own_constraint(default_model, plain
     the answer it gets alone."""
     together = TorchRuntime(default_model, n_ctx=1024, threads=2, spec="auto", parallel=2)
     schema, question = ASKED["person"]
-    jobs = [(_chat(plain, question), OutputConstraint.json_schema(schema)),
-            (_chat(plain, "Name three fruits."), None)]  # fmt: skip
+    jobs = [
+        (_chat(plain, question), OutputConstraint.json_schema(schema)),
+        (_chat(plain, "Name three fruits."), None),
+    ]
     alone = [_answer(plain, prompt, c, max_tokens=60)[0] for prompt, c in jobs]
     results: dict[int, str] = {}
 
@@ -182,8 +184,9 @@ def test_the_grammar_drafter_proposes_what_the_schema_forces(plain):
     tokenizer = plain.tokenizer
     prompt = _chat(plain, "A person?")
     constraint = OutputConstraint.json_schema(PERSON)
-    sampler = sampler_for(SamplingParams(temperature=0, constraint=constraint), tokenizer,
-                          len(prompt))  # fmt: skip
+    sampler = sampler_for(
+        SamplingParams(temperature=0, constraint=constraint), tokenizer, len(prompt)
+    )
     opening = tokenizer.encode('{"', add_bos=False)
     history = [*prompt, *opening]
     drafter = GrammarDrafter(plain.model)
@@ -217,8 +220,12 @@ def test_an_answer_near_its_budget_closes_its_value_instead_of_being_cut(
     assert finished.stats.generated_tokens <= max_tokens
     jsonschema.validate(json.loads(text), schema)
     assert len(json.loads(text)["fruits"]) >= 2  # the model answered before it was steered
-    again, _ = _answer(speculative, _chat(speculative, "List every fruit you know, as JSON."),
-                       constraint, max_tokens=max_tokens)  # fmt: skip
+    again, _ = _answer(
+        speculative,
+        _chat(speculative, "List every fruit you know, as JSON."),
+        constraint,
+        max_tokens=max_tokens,
+    )
     assert again == text
 
 
@@ -226,8 +233,9 @@ def test_text_that_a_constraint_allows_is_not_cut_short_near_the_budget(plain):
     """Steering is for JSON values (and tagged calls): an answer in text, which a grammar
     may allow to end anywhere, runs to its budget as a free answer would."""
     prompt = _chat(plain, "Describe the sea in a long paragraph.")
-    text, finished = _answer(plain, prompt, OutputConstraint("regex", "[A-Za-z ,.]+"),
-                             max_tokens=16)  # fmt: skip
+    text, finished = _answer(
+        plain, prompt, OutputConstraint("regex", "[A-Za-z ,.]+"), max_tokens=16
+    )
     assert finished.reason is FinishReason.MAX_TOKENS, text
     assert finished.stats.generated_tokens == 16
 
@@ -257,8 +265,9 @@ def test_the_greedy_check_picks_what_the_whole_mask_picks(plain):
     constraint = OutputConstraint.json_schema(schema)
     text, _ = _answer(plain, prompt, constraint)
     answer = plain.tokenizer.encode(text, add_bos=False)
-    sampler = sampler_for(SamplingParams(temperature=0, constraint=constraint),
-                          plain.tokenizer, len(prompt))  # fmt: skip
+    sampler = sampler_for(
+        SamplingParams(temperature=0, constraint=constraint), plain.tokenizer, len(prompt)
+    )
     masked = token_guide(constraint, plain.tokenizer, len(prompt))
     generator = torch.Generator().manual_seed(0)
     checked = 0

@@ -45,8 +45,12 @@ def test_cpuinfo_names_the_instruction_sets_of_the_first_processor():
     xeon = parse_cpuinfo(SAPPHIRE_RAPIDS)
     assert xeon.model == "Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz"
     assert (xeon.avx2, xeon.avx512, xeon.avx512_bf16, xeon.avx512_vnni, xeon.amx) == (
-        True, True, True, True, True,
-    )  # fmt: skip
+        True,
+        True,
+        True,
+        True,
+        True,
+    )
     epyc = parse_cpuinfo(ZEN3)
     assert (epyc.avx2, epyc.avx512, epyc.amx) == (True, False, False)
     assert epyc.describe() == "AMD EPYC 7B13 64-Core Processor: AVX2"
@@ -198,9 +202,12 @@ def test_loading_leaves_the_process_output_where_it_was(tmp_path):
 
 def _doctor_json(miniapp_exe, **env) -> dict:
     done = subprocess.run(
-        [miniapp_exe, "doctor", "--json"], capture_output=True, text=True, timeout=120,
+        [miniapp_exe, "doctor", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={**os.environ, **env},
-    )  # fmt: skip
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
@@ -240,9 +247,12 @@ def test_doctor_on_simulated_cpus(miniapp_exe, preset, native_int4, amx):
 
 def test_doctor_prints_the_cpu_line(miniapp_exe):
     done = subprocess.run(
-        [miniapp_exe, "doctor"], capture_output=True, text=True, timeout=120,
+        [miniapp_exe, "doctor"],
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={**os.environ, "MINIAPP_SIMULATE_CPU": "intel-amx"},
-    )  # fmt: skip
+    )
     assert done.returncode == 0, done.stderr
     assert "(simulated): AVX2, AVX-512, AVX-512 BF16, AVX-512 VNNI, AMX" in done.stdout
     assert "weights on the CPU: CPU_REPACK - this llama.cpp build has no AMX path" in done.stdout
@@ -275,9 +285,16 @@ print(json.dumps({
 
 # Q4_K_M's mix: its weights are read from the file's blocks by the GGML kernel.
 LLAMA_Q4_K_M = dataclasses.replace(
-    LLAMA, dim=256, ffn_dim=256, head_dim=64, n_kv_heads=4, weight_type=Q.Q4_K,
-    value_type=Q.Q6_K, down_type=Q.Q6_K, embed_type=Q.Q6_K,
-)  # fmt: skip
+    LLAMA,
+    dim=256,
+    ffn_dim=256,
+    head_dim=64,
+    n_kv_heads=4,
+    weight_type=Q.Q4_K,
+    value_type=Q.Q6_K,
+    down_type=Q.Q6_K,
+    embed_type=Q.Q6_K,
+)
 
 
 @pytest.mark.parametrize(
@@ -292,8 +309,11 @@ def test_an_avx2_only_machine_runs_the_avx2_paths_and_matches_llama_cpp(tmp_path
     env = {**os.environ, "MINIAPP_SIMULATE_CPU": "avx2-only", "ATEN_CPU_CAPABILITY": "avx2"}
     done = subprocess.run(
         [sys.executable, "-c", _AVX2_CHECK, str(model), json.dumps(TOKENS)],
-        capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout)
     assert result["native"] == "avx2" and result["aten"] == "AVX2"

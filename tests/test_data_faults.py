@@ -134,8 +134,12 @@ def test_corrupt_and_newer_files_are_named_and_never_written_over(tmp_path):
     corrupt = tmp_path / ("a" * 32 + ".json")
     corrupt.write_text('{"id": "truncated')
     newer = tmp_path / ("b" * 32 + ".json")
-    newer_data = {**json.loads(good.to_json()), "id": "b" * 32,
-                  "version": HISTORY_VERSION + 1, "branches": []}  # fmt: skip
+    newer_data = {
+        **json.loads(good.to_json()),
+        "id": "b" * 32,
+        "version": HISTORY_VERSION + 1,
+        "branches": [],
+    }
     newer.write_text(json.dumps(newer_data))
     before = {path: path.read_bytes() for path in (corrupt, newer)}
 
@@ -157,8 +161,15 @@ def _config_cli(miniapp_exe: str, config: Path, *args: str, limit: int | None = 
             resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
 
     env = {**os.environ, "MINIAPP_CONFIG": str(config)}
-    return subprocess.run([miniapp_exe, *args], input="hi\n", capture_output=True, text=True,
-                          env=env, timeout=120, preexec_fn=limited)  # fmt: skip
+    return subprocess.run(
+        [miniapp_exe, *args],
+        input="hi\n",
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        preexec_fn=limited,
+    )
 
 
 def test_a_settings_file_with_wrong_types_is_one_line_and_nothing_is_lost(miniapp_exe, tmp_path):

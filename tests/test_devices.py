@@ -135,8 +135,10 @@ def test_doctor_reports_the_kv_cache_of_the_chosen_type(miniapp_exe):
     text = _doctor(miniapp_exe, "--ctx", "4096")  # the default type, in words
     assert text.returncode == 0, text.stderr
     per_token = per_type[DEFAULT_KV_TYPE]
-    assert (f"KV cache: {DEFAULT_KV_TYPE}, {per_token / 1024:.1f} KiB a token, "
-            f"{per_token * 4096 / 2**20:.1f} MiB at 4096 tokens") in text.stdout  # fmt: skip
+    assert (
+        f"KV cache: {DEFAULT_KV_TYPE}, {per_token / 1024:.1f} KiB a token, "
+        f"{per_token * 4096 / 2**20:.1f} MiB at 4096 tokens"
+    ) in text.stdout
     if DEFAULT_KV_TYPE != "f32":
         assert f"(f32: {per_type['f32'] / 1024:.1f} KiB a token)" in text.stdout
 
@@ -246,8 +248,9 @@ def test_a_gpu_without_the_int4_kernel_runs_dequantized_bf16_weights(
     from miniapp.engine.ops.layers import DenseLinear
     from miniapp.engine.runtimes.torch_runtime import TorchRuntime
 
-    runtime = TorchRuntime(default_model, n_ctx=512, spec="off",
-                           probe=SimulatedProbe("cuda:V100:32:7.0"))  # fmt: skip
+    runtime = TorchRuntime(
+        default_model, n_ctx=512, spec="off", probe=SimulatedProbe("cuda:V100:32:7.0")
+    )
     assert (runtime.device_plan.weights, runtime.device_plan.gpu_layers) == ("bf16", 30)
     wqkv = runtime.model.layers[0].attention.wqkv
     assert isinstance(wqkv, DenseLinear) and wqkv.weight.dtype is torch.bfloat16
@@ -266,8 +269,9 @@ def _split_runtime(default_model, spec: str):
 
     # 0.6 GiB free leaves ~107 MB after the margin: most, not all, of the 122 MB model and
     # its fp32 cache (a q8 cache is small enough for all of it to fit).
-    runtime = TorchRuntime(default_model, n_ctx=512, spec=spec, kv="f32",
-                           probe=SimulatedProbe("cuda:Small:0.6:8.6"))  # fmt: skip
+    runtime = TorchRuntime(
+        default_model, n_ctx=512, spec=spec, kv="f32", probe=SimulatedProbe("cuda:Small:0.6:8.6")
+    )
     plan = runtime.device_plan
     assert plan.weights == "int4" and 0 < plan.gpu_layers < 30
     assert runtime.model.placement.gpu_layers == plan.gpu_layers
@@ -297,8 +301,9 @@ def test_a_split_model_keeps_dense_gpu_layers_and_packed_cpu_layers(default_mode
     from miniapp.engine.ops.layers import DenseLinear, GgmlLinear, Int4Linear
     from miniapp.engine.runtimes.torch_runtime import TorchRuntime
 
-    runtime = TorchRuntime(default_model, n_ctx=512, spec="off",
-                           probe=SimulatedProbe("cuda:Small:0.7:7.5"))  # fmt: skip
+    runtime = TorchRuntime(
+        default_model, n_ctx=512, spec="off", probe=SimulatedProbe("cuda:Small:0.7:7.5")
+    )
     split = runtime.device_plan.gpu_layers
     assert runtime.device_plan.weights == "bf16" and 0 < split < 30
     layers = runtime.model.layers
@@ -330,8 +335,12 @@ def test_chat_keeps_answering_through_an_out_of_memory(miniapp_exe):
         env = {**os.environ, "MINIAPP_SIMULATE_GPU": simulate}
         return subprocess.run(
             [miniapp_exe, "chat", "--temperature", "0", "--max-tokens", "24", "--spec", "off"],
-            input="Name three colours.", capture_output=True, text=True, timeout=120, env=env,
-        )  # fmt: skip
+            input="Name three colours.",
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
 
     on_cpu, interrupted = chat(), chat("cuda:Sim:24:8.9:oom-pass=4")
     assert interrupted.returncode == 0, interrupted.stderr
@@ -343,8 +352,11 @@ def test_chat_keeps_answering_through_an_out_of_memory(miniapp_exe):
 def test_device_flag_is_for_the_torch_engine(miniapp_exe):
     done = subprocess.run(
         [miniapp_exe, "chat", "--backend", "llamacpp", "--device", "cpu"],
-        input="hi", capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        input="hi",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and "--device applies to the torch backend" in done.stderr
 
 
@@ -371,8 +383,11 @@ def test_llamacpp_load_retries_with_fewer_layers_then_the_cpu():
 
     model, used, fallbacks = load_with_fewer_layers(load, OffloadPlan(ALL_LAYERS, "fits"), 32)
     assert tried == [ALL_LAYERS, 16, 8, 4] and used == 4 and model == "model with 4 layers"
-    assert [f.step for f in fallbacks] == ["all layers on the GPU", "16 layers on the GPU",
-                                           "8 layers on the GPU"]  # fmt: skip
+    assert [f.step for f in fallbacks] == [
+        "all layers on the GPU",
+        "16 layers on the GPU",
+        "8 layers on the GPU",
+    ]
 
     def never(layers):
         tried.append(layers)
@@ -388,8 +403,9 @@ def test_doctor_json_reports_llamacpp_offload(miniapp_exe):
     report = json.loads(_doctor(miniapp_exe, "--json").stdout)
     llama = report["llama_cpp"]
     assert llama["n_gpu_layers"] == 0  # no GPU (simulated), or a build without offload
-    assert llama["reason"] == ("no GPU visible" if llama["gpu_offload"]
-                               else "this llama.cpp build has no GPU offload")  # fmt: skip
+    assert llama["reason"] == (
+        "no GPU visible" if llama["gpu_offload"] else "this llama.cpp build has no GPU offload"
+    )
 
 
 def test_runtimes_say_what_they_are(torch_runtime, llamacpp_runtime):

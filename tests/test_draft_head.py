@@ -242,16 +242,31 @@ def test_spec_head_without_a_trained_head_is_one_line(miniapp_exe, tmp_path):
     path = write_tiny_model(tmp_path / "untrained.gguf", TinyModel())
     done = subprocess.run(
         [miniapp_exe, "chat", "--model", str(path), "--spec", "head", "--threads", "1"],
-        input="hi\n", capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        input="hi\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "no drafting head trained for untrained.gguf" in lines[0]
 
 
 def test_calibrate_trains_stores_and_resumes(miniapp_exe, tiny):
-    command = [miniapp_exe, "calibrate", "--train-head", "--model", str(tiny.model_path),
-               "--head-prompts", "3", "--head-steps", "30", "--threads", "1", "--json"]  # fmt: skip
+    command = [
+        miniapp_exe,
+        "calibrate",
+        "--train-head",
+        "--model",
+        str(tiny.model_path),
+        "--head-prompts",
+        "3",
+        "--head-steps",
+        "30",
+        "--threads",
+        "1",
+        "--json",
+    ]
     work = head_path(tiny.model_path).with_suffix(".work")
     # A corpus shard already collected (an interrupted run) is used, not collected again.
     ht._save(work / "answers-00000.pt", _answers(tiny, count=3, length=20, seed=11))
@@ -268,8 +283,16 @@ def test_calibrate_trains_stores_and_resumes(miniapp_exe, tiny):
     # Measured again without training: the training's record is kept, the costs are new,
     # and the work of a training run interrupted since is left for its rerun.
     ht._save(work / "answers-00000.pt", _answers(tiny, count=1, length=5, seed=12))
-    measure = [miniapp_exe, "calibrate", "--measure-head", "--model", str(tiny.model_path),
-               "--threads", "1", "--json"]  # fmt: skip
+    measure = [
+        miniapp_exe,
+        "calibrate",
+        "--measure-head",
+        "--model",
+        str(tiny.model_path),
+        "--threads",
+        "1",
+        "--json",
+    ]
     done = subprocess.run(measure, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     again = json.loads(done.stdout)

@@ -12,8 +12,12 @@ from miniapp.engine.evaluation.json_validity import schema_cases
 
 
 def test_eval_json_reports_consistent_counts_and_costs(miniapp_exe):
-    done = subprocess.run([miniapp_exe, "eval", "json", "--limit", "3", "--json"],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [miniapp_exe, "eval", "json", "--limit", "3", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     cases = schema_cases(3)
@@ -29,8 +33,9 @@ def test_eval_json_reports_consistent_counts_and_costs(miniapp_exe):
         assert 0 < answer["generated_tokens"] <= report["max_tokens"] == 384
         # The reported verdict is the jsonschema package's own, on the text shown.
         try:
-            jsonschema.validate(json.loads(answer["text"]), case.schema,
-                                cls=jsonschema.Draft202012Validator)  # fmt: skip
+            jsonschema.validate(
+                json.loads(answer["text"]), case.schema, cls=jsonschema.Draft202012Validator
+            )
             valid = True
         except (ValueError, jsonschema.ValidationError):
             valid = False
@@ -59,7 +64,11 @@ def test_eval_json_reports_consistent_counts_and_costs(miniapp_exe):
 
 def test_eval_json_with_a_bad_model_is_one_line_and_exit_2(miniapp_exe, tmp_path):
     missing = tmp_path / "missing.gguf"
-    done = subprocess.run([miniapp_exe, "eval", "json", "--model", str(missing)],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [miniapp_exe, "eval", "json", "--model", str(missing)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [f"miniapp: error: {missing}: file not found"]

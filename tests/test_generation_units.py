@@ -78,8 +78,11 @@ def test_a_template_says_whether_it_takes_tools_and_writes_tool_call_tags(defaul
     assert tags.takes_tools and tags.tags_tool_calls
     # A tool's traffic reaches the template in OpenAI's shape.
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}
-    shown = ChatTemplate("{% for m in messages %}{{ m.role }}:{{ (m.tool_calls or []) | tojson }}"
-                         "{{ m.tool_call_id }}|{% endfor %}")  # fmt: skip
-    text = shown.render([Message("assistant", "", tool_calls=(call,)),
-                         Message("tool", "42", tool_call_id="c1")])  # fmt: skip
+    shown = ChatTemplate(
+        "{% for m in messages %}{{ m.role }}:{{ (m.tool_calls or []) | tojson }}"
+        "{{ m.tool_call_id }}|{% endfor %}"
+    )
+    text = shown.render(
+        [Message("assistant", "", tool_calls=(call,)), Message("tool", "42", tool_call_id="c1")]
+    )
     assert text == f"assistant:{json.dumps([call])}|tool:[]c1|"

@@ -84,8 +84,11 @@ def test_one_value_is_the_value_the_full_reader_gives(tmp_path, spec):
     metadata = GGUFFile(path).metadata
     architecture = read_scalar(path, "general.architecture")
     assert architecture == metadata["general.architecture"] == spec.architecture
-    for key in (f"{architecture}.context_length", f"{architecture}.block_count",
-                f"{architecture}.attention.layer_norm_rms_epsilon"):  # fmt: skip
+    for key in (
+        f"{architecture}.context_length",
+        f"{architecture}.block_count",
+        f"{architecture}.attention.layer_norm_rms_epsilon",
+    ):
         assert read_scalar(path, key) == pytest.approx(metadata[key])
     assert read_scalar(path, "no.such.key") is None
 

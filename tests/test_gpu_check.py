@@ -20,10 +20,26 @@ def test_gpu_check_measures_every_path_and_prints_its_table(tmp_path):
     out = tmp_path / "check.json"
     env = {**os.environ, "MINIAPP_SIMULATE_GPU": "cuda:Sim:24:8.9"}
     done = subprocess.run(
-        [str(SCRIPT), "--model", str(model), "--tokens", "12", "--runs", "1", "--threads", "2",
-         "--json", str(out), "--profile", "4"],
-        capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
+        [
+            str(SCRIPT),
+            "--model",
+            str(model),
+            "--tokens",
+            "12",
+            "--runs",
+            "1",
+            "--threads",
+            "2",
+            "--json",
+            str(out),
+            "--profile",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     rows = {row["path"]: row for row in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"cpu", "gpu int4", "gpu int4, q4 kv", "gpu bf16", "gpu split"}

@@ -17,8 +17,12 @@ from image_fixtures import encode, text_image
 from speech_synth import CLEAN_SENTENCES, require_tools, synthesize, wav
 
 CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update"]  # fmt: skip
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+]
 STARTUP_S = 120
 ANSWER_S = 120
 MESSAGE = "Name three colours."
@@ -52,11 +56,26 @@ class GuiServer:
         env = {**os.environ, "MINIAPP_DATA_DIR": str(self.data_dir), "MINIAPP_MAX_UPLOAD": "2mb"}
         env.pop("DISPLAY", None)
         self.process = subprocess.Popen(
-            [self.exe, "gui", "--port", str(port), "--no-browser", "--threads", "2",
-             "--temperature", "0", "--max-tokens", str(MAX_TOKENS), *self.extra_args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            [
+                self.exe,
+                "gui",
+                "--port",
+                str(port),
+                "--no-browser",
+                "--threads",
+                "2",
+                "--temperature",
+                "0",
+                "--max-tokens",
+                str(MAX_TOKENS),
+                *self.extra_args,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
             preexec_fn=self._limits,
-        )  # fmt: skip
+        )
         deadline = time.monotonic() + STARTUP_S
         for line in self.process.stdout:
             if line.startswith("miniapp GUI: "):
@@ -155,8 +174,11 @@ def _words(text: str) -> list[str]:
 def _terminal_answer(exe: str, text: str, max_tokens: int) -> str:
     done = subprocess.run(
         [exe, "chat", "--threads", "2", "--temperature", "0", "--max-tokens", str(max_tokens)],
-        input=text, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        input=text,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
 
@@ -402,8 +424,9 @@ def test_two_sessions_stream_their_answers_at_the_same_time(browser, miniapp_exe
             opened.close()
         # Each again in a session of its own with nothing beside it (its prompt's caches
         # are taken over from the pool: the same rows, bit for bit).
-        for text, tokens, words in zip((STORY, MESSAGE), (STORY_TOKENS, MAX_TOKENS), together,
-                                       strict=True):  # fmt: skip
+        for text, tokens, words in zip(
+            (STORY, MESSAGE), (STORY_TOKENS, MAX_TOKENS), together, strict=True
+        ):
             (alone,) = _open_pages(browser, batching, 1)
             _set_max_tokens(alone, tokens)
             _send(alone, text)
@@ -443,11 +466,15 @@ def test_the_microphone_streams_a_live_transcript_with_word_times(browser, serve
     speech = synthesize(sentence, seed=2)
     pause = np.zeros(2 * 16_000, dtype=np.float32)  # between the loops of the fake device
     played = wav(tmp_path / "microphone.wav", np.concatenate([speech.audio, pause]))
-    fake_microphone = ["--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
-                       f"--use-file-for-fake-audio-capture={played}"]  # fmt: skip
+    fake_microphone = [
+        "--use-fake-ui-for-media-stream",
+        "--use-fake-device-for-media-stream",
+        f"--use-file-for-fake-audio-capture={played}",
+    ]
     # A second Chromium from the same Playwright: the capture device is a launch option.
-    listening = browser.browser_type.launch(executable_path=CHROMIUM,
-                                            args=CHROMIUM_ARGS + fake_microphone)  # fmt: skip
+    listening = browser.browser_type.launch(
+        executable_path=CHROMIUM, args=CHROMIUM_ARGS + fake_microphone
+    )
     try:
         page = listening.new_context(permissions=["microphone"]).new_page()
         page.goto(server.url)

@@ -44,10 +44,15 @@ def _picture(tmp_path):
 
 
 def test_pictures_reach_the_vision_model_on_the_llamacpp_backend(vision_model, tmp_path):
-    settings = ChatSettings(model=str(vision_model), backend="llamacpp", ctx=512, threads=2,
-                            max_tokens=6, temperature=0.0)  # fmt: skip
-    user = prepare_user_message("What does it say?", [_picture(tmp_path)], settings,
-                                Transcriber())  # fmt: skip
+    settings = ChatSettings(
+        model=str(vision_model),
+        backend="llamacpp",
+        ctx=512,
+        threads=2,
+        max_tokens=6,
+        temperature=0.0,
+    )
+    user = prepare_user_message("What does it say?", [_picture(tmp_path)], settings, Transcriber())
     assert "shown to the vision model" in user.notes[0]
     assert user.images and all(p.startswith(str(tmp_path / "data")) for p in user.images)
     conversation = SavedChat.new()
@@ -61,8 +66,14 @@ def test_a_follow_up_still_sees_the_picture_and_reuses_the_context(vision_model,
     from miniapp.app.gui.history import SavedMessage
     from miniapp.engine.runtimes.llamacpp_vision import MARKER
 
-    settings = ChatSettings(model=str(vision_model), backend="llamacpp", ctx=512, threads=2,
-                            max_tokens=6, temperature=0.0)  # fmt: skip
+    settings = ChatSettings(
+        model=str(vision_model),
+        backend="llamacpp",
+        ctx=512,
+        threads=2,
+        max_tokens=6,
+        temperature=0.0,
+    )
     host = ModelHost()
     conversation = SavedChat.new()
     conversation.messages.append(

@@ -67,8 +67,11 @@ while True:
 def test_a_kill_mid_write_never_leaves_a_torn_conversation(tmp_path):
     chat_id = "a" * 32
     for _ in range(5):
-        writer = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), chat_id],
-                                  stdout=subprocess.PIPE, text=True)  # fmt: skip
+        writer = subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(tmp_path), chat_id],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert writer.stdout.readline().strip() == "ready"
         time.sleep(0.3)
         writer.send_signal(signal.SIGKILL)

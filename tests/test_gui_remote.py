@@ -60,10 +60,23 @@ def test_the_gui_streams_a_servers_answer(browser, remote_gui, api, miniapp_exe,
         assert len(lengths - {0}) >= 2, "the answer arrived in one piece, not streamed"
         answer = page.locator("#chatbot .bot").last.inner_text().strip()
         terminal = subprocess.run(
-            [miniapp_exe, "chat", "--backend", "openai", "--base-url", api, "--temperature", "0",
-             "--max-tokens", str(MAX_TOKENS)],
-            input=MESSAGE, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            [
+                miniapp_exe,
+                "chat",
+                "--backend",
+                "openai",
+                "--base-url",
+                api,
+                "--temperature",
+                "0",
+                "--max-tokens",
+                str(MAX_TOKENS),
+            ],
+            input=MESSAGE,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert terminal.returncode == 0, terminal.stderr
         assert _words(answer) == _words(terminal.stdout)  # the same server, greedy
     finally:
@@ -72,8 +85,9 @@ def test_the_gui_streams_a_servers_answer(browser, remote_gui, api, miniapp_exe,
 
 
 def test_an_unreachable_server_is_said_in_the_status_line(browser, miniapp_exe, tmp_path):
-    gui = GuiServer(miniapp_exe, tmp_path, "--backend", "openai", "--base-url",
-                    "http://127.0.0.1:9/v1").start()  # fmt: skip
+    gui = GuiServer(
+        miniapp_exe, tmp_path, "--backend", "openai", "--base-url", "http://127.0.0.1:9/v1"
+    ).start()
     try:
         page = _open(browser, gui.url)
         _wait_for_text(page, "#model-status", "cannot reach the server at http://127.0.0.1:9/v1")
@@ -86,8 +100,9 @@ def test_an_unreachable_server_is_said_in_the_status_line(browser, miniapp_exe, 
 
 def test_stop_hangs_up_and_the_server_cancels_the_answer(browser, api, miniapp_exe, tmp_path):
     before = _cancelled(api)
-    gui = GuiServer(miniapp_exe, tmp_path, "--backend", "openai", "--base-url", api,
-                    "--max-tokens", "900").start()  # fmt: skip
+    gui = GuiServer(
+        miniapp_exe, tmp_path, "--backend", "openai", "--base-url", api, "--max-tokens", "900"
+    ).start()
     try:
         page = _open(browser, gui.url)
         _wait_for_text(page, "#model-status", "on openai at")
@@ -110,8 +125,9 @@ def test_stop_hangs_up_and_the_server_cancels_the_answer(browser, api, miniapp_e
 
 def test_an_answer_broken_off_midway_is_said_and_kept(browser, miniapp_exe, tmp_path):
     with ScriptedServer([chunk("The answer "), chunk("begins")], drop=True) as scripted:
-        gui = GuiServer(miniapp_exe, tmp_path, "--backend", "openai", "--base-url",
-                        scripted.root).start()  # fmt: skip
+        gui = GuiServer(
+            miniapp_exe, tmp_path, "--backend", "openai", "--base-url", scripted.root
+        ).start()
         try:
             page = _open(browser, gui.url)
             _wait_for_text(page, "#model-status", "on openai at")
@@ -128,8 +144,12 @@ def test_a_servers_thinking_shows_in_the_figures_and_is_not_kept():
     from miniapp.app.gui.history import SavedChat, SavedMessage
     from miniapp.app.host.model_host import ModelHost
 
-    script = [chunk(reasoning="Colours: "), chunk(reasoning="red, blue."), chunk("Red, blue."),
-              chunk(finish="stop")]  # fmt: skip
+    script = [
+        chunk(reasoning="Colours: "),
+        chunk(reasoning="red, blue."),
+        chunk("Red, blue."),
+        chunk(finish="stop"),
+    ]
     with ScriptedServer(script) as scripted:
         settings = ChatSettings(model="", backend="openai", base_url=scripted.root + "/v1")
         chat = SavedChat.new()

@@ -43,8 +43,13 @@ def test_a_one_shot_chat_says_one_line_and_exits_2(miniapp_exe, tmp_path, kind):
 
 def test_the_terminal_chat_reports_each_turn_and_goes_on(miniapp_exe, tmp_path):
     path = _hostile_model(tmp_path, "endless loop")
-    chat = pexpect.spawn(miniapp_exe, ["chat", "--model", str(path), "--spec", "off"],
-                         encoding="utf-8", timeout=60, dimensions=(40, 200))  # fmt: skip
+    chat = pexpect.spawn(
+        miniapp_exe,
+        ["chat", "--model", str(path), "--spec", "off"],
+        encoding="utf-8",
+        timeout=60,
+        dimensions=(40, 200),
+    )
     try:
         chat.expect_exact(PROMPT)
         for text in ("hello", "hello again"):  # each turn is refused; the chat is still there

@@ -100,8 +100,11 @@ def _reference(queries, stored, recent, lead, own_tiles, values, lengths, scale)
                     row = recent[kv, (tile % 2) * TILE_ROWS + i % TILE_ROWS]
                     scores.append(q.double() @ row.double())
                 else:
-                    scores.append(reference.tiled_key_scores(q, codes[0, kv, i : i + 1],
-                                                             tables[0, kv, tile])[0])  # fmt: skip
+                    scores.append(
+                        reference.tiled_key_scores(q, codes[0, kv, i : i + 1], tables[0, kv, tile])[
+                            0
+                        ]
+                    )
             weights = torch.softmax(torch.stack(scores) * scale, dim=0)
             out[r, h] = weights @ values[kv, : lengths[r]].double()
     return out
@@ -132,11 +135,19 @@ def test_attention_over_tiles_is_the_reference(
     queries = torch.randn(len(lengths), heads, head_dim, generator=torch.Generator().manual_seed(3))
     tiled = TiledKeys(lead, recent, torch.tensor(own, dtype=torch.int32))
     poisoned = torch.full_like(queries, float("nan"))
-    got = NativeAttention(library)(queries, stored[0], values[0], 0.125,
-                                   lengths=torch.tensor(lengths), kv_type=(Q4_TILES, Q4.code),
-                                   out=poisoned, tiled=tiled)  # fmt: skip
-    want = _reference(queries, stored, recent, lead, own, value_codec.decode(values)[0],
-                      lengths, 0.125)  # fmt: skip
+    got = NativeAttention(library)(
+        queries,
+        stored[0],
+        values[0],
+        0.125,
+        lengths=torch.tensor(lengths),
+        kv_type=(Q4_TILES, Q4.code),
+        out=poisoned,
+        tiled=tiled,
+    )
+    want = _reference(
+        queries, stored, recent, lead, own, value_codec.decode(values)[0], lengths, 0.125
+    )
     assert bool(torch.isfinite(got).all())
     assert (got.double() - want).abs().max() < TOLERANCE * want.abs().max()
 
@@ -153,12 +164,25 @@ def test_tiled_rows_are_bit_identical_alone_and_together(library):
     own = torch.tensor([(int(n) - 1 - 4) // TILE_ROWS for n in lengths], dtype=torch.int32)
     assert len(set(own.tolist())) == 2  # the rows cross a tile boundary
     queries = torch.randn(9, 9, head_dim, generator=torch.Generator().manual_seed(7))
-    together = attend(queries, stored[0], values, 0.125, lengths=lengths,
-                      kv_type=(Q4_TILES, F32.code), tiled=TiledKeys(lead, recent, own))  # fmt: skip
+    together = attend(
+        queries,
+        stored[0],
+        values,
+        0.125,
+        lengths=lengths,
+        kv_type=(Q4_TILES, F32.code),
+        tiled=TiledKeys(lead, recent, own),
+    )
     for r in range(9):
-        alone = attend(queries[r : r + 1], stored[0], values, 0.125, lengths=lengths[r : r + 1],
-                       kv_type=(Q4_TILES, F32.code),
-                       tiled=TiledKeys(lead, recent, own[r : r + 1]))  # fmt: skip
+        alone = attend(
+            queries[r : r + 1],
+            stored[0],
+            values,
+            0.125,
+            lengths=lengths[r : r + 1],
+            kv_type=(Q4_TILES, F32.code),
+            tiled=TiledKeys(lead, recent, own[r : r + 1]),
+        )
         assert torch.equal(together[r : r + 1], alone)
 
 
@@ -171,18 +195,30 @@ def test_a_batch_of_sequences_with_tiled_keys_gives_each_row_as_alone(library):
     rows_q8 = KVCodec(Q8, head_dim, CPU).encode(_keys(3, 90, head_dim, seed=13))[0]
     keys = [with_lead[0][0], without[0][0], rows_q8]
     generator = torch.Generator().manual_seed(15)
-    values = [torch.randn(3, k.shape[1] + lead, head_dim, generator=generator)
-              for k, lead in zip(keys, (4, 0, 0), strict=True)]  # fmt: skip
-    tiled = [TiledKeys(with_lead[3], with_lead[2], torch.tensor([10], dtype=torch.int32)),
-             TiledKeys(None, without[2], torch.tensor([3], dtype=torch.int32)), None]  # fmt: skip
+    values = [
+        torch.randn(3, k.shape[1] + lead, head_dim, generator=generator)
+        for k, lead in zip(keys, (4, 0, 0), strict=True)
+    ]
+    tiled = [
+        TiledKeys(with_lead[3], with_lead[2], torch.tensor([10], dtype=torch.int32)),
+        TiledKeys(None, without[2], torch.tensor([3], dtype=torch.int32)),
+        None,
+    ]
     masks = [torch.arange(4 + 327) % 5 != 1, None, None]
     codes = [(Q4_TILES, F32.code), (Q4_TILES, F32.code), (Q8.code, F32.code)]
     queries = torch.randn(3, 9, head_dim, generator=torch.Generator().manual_seed(14))
     batch = attend.sequences(queries, keys, values, 0.125, masks, codes, tiled)
     for r in range(3):
         mask = None if masks[r] is None else masks[r][None]
-        alone = attend(queries[r : r + 1].contiguous(), keys[r], values[r], 0.125, mask=mask,
-                       kv_type=codes[r], tiled=tiled[r])  # fmt: skip
+        alone = attend(
+            queries[r : r + 1].contiguous(),
+            keys[r],
+            values[r],
+            0.125,
+            mask=mask,
+            kv_type=codes[r],
+            tiled=tiled[r],
+        )
         assert torch.equal(batch[r : r + 1], alone)
     assert not torch.equal(batch[0], batch[1])
 
@@ -201,8 +237,11 @@ def test_tiles_are_refused_where_the_kernel_cannot_read_them(library):
 
 def _cache_keys(cache):
     """A cache's keys as its newest token reads them, fp32 [kv_heads, tokens, head_dim]."""
-    fetched, _ = cache._fetched() if isinstance(cache, RotatingKVCache) else (
-        cache.keys[:, :, : cache.offset], None)  # fmt: skip
+    fetched, _ = (
+        cache._fetched()
+        if isinstance(cache, RotatingKVCache)
+        else (cache.keys[:, :, : cache.offset], None)
+    )
     return cache.decode_keys(fetched)[0]
 
 
@@ -306,8 +345,9 @@ def test_a_first_chunk_that_fills_the_sinks_and_starts_the_ring_attends_natively
     tiled = cache.tiled_keys(n)
     assert tiled.own_tiles.tolist() == [-1] * sinks + [0] * (n - sinks)
     queries = torch.randn(n, 4, head_dim, generator=torch.Generator().manual_seed(10))
-    got = NativeAttention(library)(queries, keys[0], values[0], 0.125, mask=mask,
-                                   kv_type=(Q4_TILES, F32.code), tiled=tiled)  # fmt: skip
+    got = NativeAttention(library)(
+        queries, keys[0], values[0], 0.125, mask=mask, kv_type=(Q4_TILES, F32.code), tiled=tiled
+    )
     # Nothing is quantized yet (the ring's tile is the rows' own) and the frame is still 0.
     causal = torch.ones(n, n, dtype=torch.bool).tril()
     want = torch.nn.functional.scaled_dot_product_attention(

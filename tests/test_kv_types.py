@@ -141,14 +141,20 @@ def test_attention_reads_each_type_as_the_reference_over_its_decoded_rows(
     lengths = [tokens, max(tokens - 3, 1), 1, tokens // 2 + 1]
     queries = torch.randn(len(lengths), heads, head_dim, generator=torch.Generator().manual_seed(3))
     poisoned = torch.full_like(queries, float("nan"))
-    got = NativeAttention(library)(queries, keys[0], values[0], 0.125,
-                                   lengths=torch.tensor(lengths),
-                                   kv_type=(kind.key.code, kind.value.code),
-                                   out=poisoned)  # fmt: skip
+    got = NativeAttention(library)(
+        queries,
+        keys[0],
+        values[0],
+        0.125,
+        lengths=torch.tensor(lengths),
+        kv_type=(kind.key.code, kind.value.code),
+        out=poisoned,
+    )
     if kind.key.blocked:  # the kernel dots q8 and q4 keys with the query in 8 bits
         queries = kv_codec.rotate(reference.quantized_query(kv_codec.rotate(queries)))
-    want = reference.attend_rows(queries, key_codec.decode(keys)[0],
-                                 value_codec.decode(values)[0], 0.125, lengths=lengths)  # fmt: skip
+    want = reference.attend_rows(
+        queries, key_codec.decode(keys)[0], value_codec.decode(values)[0], 0.125, lengths=lengths
+    )
     assert (got.double() - want).abs().max() < ATTENTION_TOLERANCE * want.abs().max()
 
 
@@ -162,22 +168,34 @@ def test_rows_are_bit_identical_alone_and_in_a_batch_of_mixed_types(library, kin
     value_codecs = [KVCodec(k.value, head_dim, CPU) for k in settings]
     sizes = (900, 300, 40)
     keys = [c.encode(_rows(3, n, head_dim, seed=n))[0] for c, n in zip(codecs, sizes, strict=True)]
-    values = [c.encode(_rows(3, n, head_dim, seed=n + 1))[0]
-              for c, n in zip(value_codecs, sizes, strict=True)]  # fmt: skip
+    values = [
+        c.encode(_rows(3, n, head_dim, seed=n + 1))[0]
+        for c, n in zip(value_codecs, sizes, strict=True)
+    ]
     queries = torch.randn(3, 9, head_dim, generator=torch.Generator().manual_seed(7))
     masks = [None, torch.arange(300) % 3 != 0, None]
     codes = [(k.kind.code, v.kind.code) for k, v in zip(codecs, value_codecs, strict=True)]
     batch = attend.sequences(queries, keys, values, 0.125, masks, codes)
     for row in range(3):
         mask = None if masks[row] is None else masks[row][None]
-        alone = attend(queries[row : row + 1].contiguous(), keys[row], values[row], 0.125,
-                       mask=mask, kv_type=codes[row])  # fmt: skip
+        alone = attend(
+            queries[row : row + 1].contiguous(),
+            keys[row],
+            values[row],
+            0.125,
+            mask=mask,
+            kv_type=codes[row],
+        )
         assert torch.equal(batch[row : row + 1], alone)
     lengths = torch.arange(890, 899, dtype=torch.int32)
     rows = torch.randn(9, 9, head_dim, generator=torch.Generator().manual_seed(8))
     together = attend(rows, keys[0], values[0], 0.125, lengths=lengths, kv_type=codes[0])
-    one_by_one = [attend(rows[r : r + 1], keys[0], values[0], 0.125, lengths=lengths[r : r + 1],
-                         kv_type=codes[0]) for r in range(9)]  # fmt: skip
+    one_by_one = [
+        attend(
+            rows[r : r + 1], keys[0], values[0], 0.125, lengths=lengths[r : r + 1], kv_type=codes[0]
+        )
+        for r in range(9)
+    ]
     assert torch.equal(together, torch.cat(one_by_one))
 
 
@@ -223,8 +241,16 @@ def _rotated(heads: torch.Tensor, rope: Rope, delta: int) -> torch.Tensor:
 def test_bytes_per_token_of_each_type():
     # SmolLM2: 30 layers, 3 kv heads of 64.
     per_token = {k.name: bytes_per_token(k, 30, 3, 64) for k in KINDS + PAIRS}
-    assert per_token == {"f32": 46080, "f16": 23040, "bf16": 23040, "q8": 12240, "q4": 7200,
-                         "q8/q4": 9720, "q4/f32": 26640, "f16/q8": 17640}  # fmt: skip
+    assert per_token == {
+        "f32": 46080,
+        "f16": 23040,
+        "bf16": 23040,
+        "q8": 12240,
+        "q4": 7200,
+        "q8/q4": 9720,
+        "q4/f32": 26640,
+        "f16/q8": 17640,
+    }
 
 
 def test_a_bad_name_or_an_unfit_head_size_is_one_line():

@@ -45,13 +45,13 @@ def test_greedy_logprobs_name_the_best_token_and_change_nothing_else(torch_runti
         assert sum(math.exp(lp) for _, lp in entry.top) <= 1 + 1e-5
 
 
-def test_a_batched_sequence_reports_the_lone_generations_logprobs(torch_runtime,
-                                                                  batching_runtime):  # fmt: skip
+def test_a_batched_sequence_reports_the_lone_generations_logprobs(torch_runtime, batching_runtime):
     prompt = torch_runtime.tokenizer.encode(PROMPT_TEXT)
     params = replace(GREEDY, logprobs=TOP)
     lone = _answer(torch_runtime, prompt, params)
-    other = batching_runtime.generate_tokens(batching_runtime.tokenizer.encode("Count: one,"),
-                                             GREEDY)  # fmt: skip
+    other = batching_runtime.generate_tokens(
+        batching_runtime.tokenizer.encode("Count: one,"), GREEDY
+    )
     next(other)  # a second sequence shares the steps
     try:
         batched = _answer(batching_runtime, prompt, params)

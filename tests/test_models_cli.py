@@ -30,16 +30,20 @@ def tiny_files(tmp_path_factory) -> dict[str, bytes]:
 
 def _run(exe: str, models: os.PathLike, *args: str, endpoint: str | None = None, **env_extra):
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_ENDPOINT")}
-    env.update(MINIAPP_MODELS_DIR=str(models), HF_HUB_DISABLE_TELEMETRY="1",
-               HF_HOME=str(models.parent / "hf-home"), **env_extra)  # fmt: skip
+    env.update(
+        MINIAPP_MODELS_DIR=str(models),
+        HF_HUB_DISABLE_TELEMETRY="1",
+        HF_HOME=str(models.parent / "hf-home"),
+        **env_extra,
+    )
     if endpoint:
         env["HF_ENDPOINT"] = endpoint
-    return subprocess.run([exe, "models", *args], capture_output=True, text=True, env=env,
-                          timeout=120)  # fmt: skip
+    return subprocess.run(
+        [exe, "models", *args], capture_output=True, text=True, env=env, timeout=120
+    )
 
 
-def test_pull_picks_the_quant_and_the_projector_and_checks_them(miniapp_exe, tmp_path,
-                                                                tiny_files):  # fmt: skip
+def test_pull_picks_the_quant_and_the_projector_and_checks_them(miniapp_exe, tmp_path, tiny_files):
     models = tmp_path / "models"
     with FakeHub({REPO: HubRepo(dict(tiny_files))}) as hub:
         done = _run(miniapp_exe, models, "pull", REPO, endpoint=hub.url)
@@ -81,8 +85,9 @@ def test_pull_resumes_an_interrupted_download(miniapp_exe, tmp_path):
 
 def test_pull_rejects_a_file_whose_hash_does_not_match(miniapp_exe, tmp_path, tiny_files):
     models = tmp_path / "models"
-    repo = HubRepo({"tiny-Q4_K_M.gguf": tiny_files["tiny-Q4_K_M.gguf"]},
-                   wrong_hash={"tiny-Q4_K_M.gguf"})  # fmt: skip
+    repo = HubRepo(
+        {"tiny-Q4_K_M.gguf": tiny_files["tiny-Q4_K_M.gguf"]}, wrong_hash={"tiny-Q4_K_M.gguf"}
+    )
     with FakeHub({REPO: repo}) as hub:
         done = _run(miniapp_exe, models, "pull", REPO, endpoint=hub.url)
     assert done.returncode == 2 and "SHA-256" in done.stderr
@@ -90,11 +95,14 @@ def test_pull_rejects_a_file_whose_hash_does_not_match(miniapp_exe, tmp_path, ti
     assert not (models / "tiny-Q4_K_M.gguf").exists()
 
 
-@pytest.mark.parametrize("spec,message", [
-    ("someone/missing", "no such repository"),
-    (f"{REPO}:Q2_K", "has no Q2_K GGUF (quants there: Q4_K_M, Q8_0)"),
-    ("not a repo", "is not a repository"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("someone/missing", "no such repository"),
+        (f"{REPO}:Q2_K", "has no Q2_K GGUF (quants there: Q4_K_M, Q8_0)"),
+        ("not a repo", "is not a repository"),
+    ],
+)
 def test_pull_errors_are_one_line(miniapp_exe, tmp_path, tiny_files, spec, message):
     with FakeHub({REPO: HubRepo(dict(tiny_files))}) as hub:
         done = _run(miniapp_exe, tmp_path / "models", "pull", spec, endpoint=hub.url)
@@ -105,8 +113,14 @@ def test_pull_errors_are_one_line(miniapp_exe, tmp_path, tiny_files, spec, messa
 def test_pull_says_it_needs_the_network(miniapp_exe, tmp_path):
     offline = _run(miniapp_exe, tmp_path / "models", "pull", REPO, HF_HUB_OFFLINE="1")
     assert offline.returncode == 2 and "needs the network" in offline.stderr
-    unreachable = _run(miniapp_exe, tmp_path / "models", "pull", REPO,
-                       endpoint="http://127.0.0.1:9", HF_HUB_DOWNLOAD_RETRIES="0")  # fmt: skip
+    unreachable = _run(
+        miniapp_exe,
+        tmp_path / "models",
+        "pull",
+        REPO,
+        endpoint="http://127.0.0.1:9",
+        HF_HUB_DOWNLOAD_RETRIES="0",
+    )
     assert unreachable.returncode == 2 and "needs the network" in unreachable.stderr
     assert unreachable.stderr.count("\n") == 1
 
@@ -116,8 +130,9 @@ def test_info_prints_metadata_and_the_sanitised_template(miniapp_exe, default_mo
     assert done.returncode == 0, done.stderr
     assert "general.architecture = llama" in done.stdout
     assert "renders in the sandbox" in done.stdout and "<|im_start|>" in done.stdout
-    as_json = json.loads(_run(miniapp_exe, default_model.parent, "info", default_model.name,
-                              "--json").stdout)  # fmt: skip
+    as_json = json.loads(
+        _run(miniapp_exe, default_model.parent, "info", default_model.name, "--json").stdout
+    )
     assert as_json["metadata"]["llama.block_count"] == 30
 
 

@@ -114,16 +114,23 @@ def test_rows_of_different_sequences_in_one_call(attend):
     """A batch's decode steps: each row over its own cache (different lengths, storages,
     masks), bit-identical to a call of its own, and matching the reference."""
     heads, kv_heads, head_dim = 9, 3, 64
-    sources = [_cache(kv_heads, n, head_dim, seed=s, capacity=n + 3 * s)
-               for s, n in enumerate([5, 300, 37, 1024])]  # fmt: skip
+    sources = [
+        _cache(kv_heads, n, head_dim, seed=s, capacity=n + 3 * s)
+        for s, n in enumerate([5, 300, 37, 1024])
+    ]
     keys = [k for k, _ in sources]
     values = [v for _, v in sources]
     masks = [None, torch.arange(300) % 3 != 0, None, torch.arange(1024) > 900]
     queries = _queries(4, heads, head_dim)
     got = attend.sequences(queries, keys, values, 0.125, masks)
     for row, (k, v, mask) in enumerate(zip(keys, values, masks, strict=True)):
-        alone = attend(queries[row : row + 1].contiguous(), k, v, 0.125,
-                       mask=None if mask is None else mask[None])  # fmt: skip
+        alone = attend(
+            queries[row : row + 1].contiguous(),
+            k,
+            v,
+            0.125,
+            mask=None if mask is None else mask[None],
+        )
         assert torch.equal(got[row : row + 1], alone)
     want = reference.attend_sequences(queries, keys, values, 0.125, masks)
     torch.testing.assert_close(got.double(), want, rtol=0, atol=TOLERANCE * 10)

@@ -32,8 +32,9 @@ def random_blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> torch.Tensor
     """Random codes with finite, moderate fp16 scales (uint8 [rows, row_bytes])."""
     generator = torch.Generator().manual_seed(seed)
     per_block, size = GGML_QUANT_SIZES[qtype]
-    blocks = torch.randint(0, 256, (rows, cols // per_block, size), generator=generator,
-                           dtype=torch.uint8)  # fmt: skip
+    blocks = torch.randint(
+        0, 256, (rows, cols // per_block, size), generator=generator, dtype=torch.uint8
+    )
     for at in _FLOAT_FIELDS[qtype]:
         scale = torch.rand(rows, cols // per_block, generator=generator) * 0.02 + 0.001
         blocks[..., at : at + 2] = scale.half().view(torch.uint8).view(rows, -1, 2)
@@ -107,8 +108,10 @@ def test_bf16_input_is_read_as_its_values(library):
 def test_stacked_parts_of_mixed_types_with_a_bias(library):
     """Q|K|V of a Q4_K_M file: Q and K in Q4_K, V in Q6_K, one bias over all rows."""
     cols = 256
-    parts = [(random_blocks(t, r, cols, seed=r), t) for t, r in ((Q.Q4_K, 32), (Q.Q4_K, 16),
-                                                                   (Q.Q6_K, 16))]  # fmt: skip
+    parts = [
+        (random_blocks(t, r, cols, seed=r), t)
+        for t, r in ((Q.Q4_K, 32), (Q.Q4_K, 16), (Q.Q6_K, 16))
+    ]
     bias = torch.randn(64)
     x = torch.randn(5, cols)
     y = PackedGgml(library, parts, cols, bias=bias)(x)
@@ -143,14 +146,22 @@ def test_the_weight_is_read_in_place(library):
     [
         (lambda lib: PackedGgml(lib, [(random_blocks(Q.Q4_K, 4, 256), Q.Q4_K)], 512), "match"),
         (lambda lib: PackedGgml(lib, [(random_blocks(Q.Q4_K, 4, 256), Q.Q4_K)], 128), "read"),
-        (lambda lib: PackedGgml(lib, [(torch.zeros(4, 64, dtype=torch.uint8), Q.Q2_K)], 256),
-         "read"),
-        (lambda lib: PackedGgml(lib, [(random_blocks(Q.Q8_0, 4, 64), Q.Q8_0)], 64,
-                                bias=torch.zeros(5)), "bias"),
-        (lambda lib: PackedGgml(lib, [(random_blocks(Q.Q8_0, 4, 64), Q.Q8_0)], 64, gated=True),
-         "gated"),
+        (
+            lambda lib: PackedGgml(lib, [(torch.zeros(4, 64, dtype=torch.uint8), Q.Q2_K)], 256),
+            "read",
+        ),
+        (
+            lambda lib: PackedGgml(
+                lib, [(random_blocks(Q.Q8_0, 4, 64), Q.Q8_0)], 64, bias=torch.zeros(5)
+            ),
+            "bias",
+        ),
+        (
+            lambda lib: PackedGgml(lib, [(random_blocks(Q.Q8_0, 4, 64), Q.Q8_0)], 64, gated=True),
+            "gated",
+        ),
     ],
-)  # fmt: skip
+)
 def test_weights_the_kernel_cannot_read_are_refused_by_name(library, make, message):
     with pytest.raises(ValueError, match=message):
         make(library)
@@ -198,8 +209,10 @@ def test_an_interleaved_row_is_the_same_bits_alone_and_in_a_batch(library, qtype
 def test_interleaved_and_plain_parts_stack_with_a_bias(library):
     """Q|K|V with V of 12 rows: Q and K interleave, V (not whole groups) stays as it is."""
     cols = 256
-    parts = [(random_blocks(t, r, cols, seed=r), t) for t, r in ((Q.Q4_K, 32), (Q.Q8_0, 16),
-                                                                   (Q.Q6_K, 12))]  # fmt: skip
+    parts = [
+        (random_blocks(t, r, cols, seed=r), t)
+        for t, r in ((Q.Q4_K, 32), (Q.Q8_0, 16), (Q.Q6_K, 12))
+    ]
     bias = torch.randn(60)
     x = torch.randn(7, cols)
     weight = PackedGgml(library, parts, cols, bias=bias, interleave=True)

@@ -40,9 +40,16 @@ def _together(runtime: TorchRuntime, prompts: list[list[int]], n: int) -> list[l
 
 @pytest.mark.parametrize(
     ("kv", "spec"),
-    [("f32", "off"), ("f16", "off"), ("bf16", "off"), ("q8", "off"), ("q4", "off"),
-     ("q8/q4", "off"), ("q8", "lookup")],
-)  # fmt: skip
+    [
+        ("f32", "off"),
+        ("f16", "off"),
+        ("bf16", "off"),
+        ("q8", "off"),
+        ("q4", "off"),
+        ("q8/q4", "off"),
+        ("q8", "lookup"),
+    ],
+)
 def test_a_greedy_answer_is_the_same_alone_and_beside_other_requests(default_model, kv, spec):
     alone = TorchRuntime(default_model, n_ctx=512, threads=2, spec=spec, kv=kv)
     prompts = [prompt_tokens(alone, question) for question in QUESTIONS]

@@ -15,21 +15,28 @@ BUILT = REPO / "dist" / "miniapp" / "miniapp"
 @pytest.mark.package
 def test_the_built_app_reports_its_version_and_chats():
     assert BUILT.exists(), "build it first: make package"
-    version = subprocess.run([str(BUILT), "--version"], capture_output=True, text=True,
-                             timeout=120)  # fmt: skip
+    version = subprocess.run([str(BUILT), "--version"], capture_output=True, text=True, timeout=120)
     assert version.returncode == 0 and version.stdout.startswith("miniapp ")
     chat = subprocess.run(
         [str(BUILT), "chat", "--temperature", "0", "--max-tokens", "16", "--threads", "2"],
-        input="Name three colours.", capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        input="Name three colours.",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert chat.returncode == 0, chat.stderr[-2000:]
     assert len(chat.stdout.split()) >= 3
 
 
 @pytest.mark.package
 def test_the_built_app_gives_one_line_errors():
-    done = subprocess.run([str(BUILT), "chat", "--model", "/nonexistent.gguf"], input="hi",
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [str(BUILT), "chat", "--model", "/nonexistent.gguf"],
+        input="hi",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and done.stderr.count("\n") == 1
 
 
@@ -40,8 +47,9 @@ def test_the_built_app_serves_the_gui(tmp_path):
 
     env = {**os.environ, "MINIAPP_DATA_DIR": str(tmp_path)}
     command = [str(BUILT), "gui", "--no-browser", "--port", "7871"]
-    server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    server = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         line = server.stdout.readline()
         assert line.startswith("miniapp GUI: "), line

@@ -236,9 +236,15 @@ def test_every_quant_type_is_covered():
 )
 @pytest.mark.parametrize(
     "value, finite",
-    [(float("inf"), False), (float("-inf"), False), (float("nan"), False), (65504.0, True),
-     (-65504.0, True), (6e-8, True)],
-)  # fmt: skip
+    [
+        (float("inf"), False),
+        (float("-inf"), False),
+        (float("nan"), False),
+        (65504.0, True),
+        (-65504.0, True),
+        (6e-8, True),
+    ],
+)
 def test_a_non_finite_block_scale_is_found_in_any_of_its_fields(qtype, at, value, finite):
     raw = random_raw(qtype, 6, 512, scale=0.5)
     size = GGML_QUANT_SIZES[qtype][1]

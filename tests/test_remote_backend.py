@@ -40,8 +40,11 @@ def server(miniapp_exe):
 def remote_chat(exe: str, base: str, *flags: str, text: str = QUESTION, timeout: float = 120):
     return subprocess.run(
         [exe, "chat", "--backend", "openai", "--base-url", base + "/v1", *flags],
-        input=text + "\n", capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
+        input=text + "\n",
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _words(text: str) -> list[str]:
@@ -63,30 +66,53 @@ def test_a_piped_chat_on_the_server_answers_as_the_local_engine(miniapp_exe, ser
     flags = ("--temperature", "0", "--max-tokens", "24", "--system", "Answer briefly.")
     remote = remote_chat(miniapp_exe, server, *flags, "--stats")
     assert remote.returncode == 0, remote.stderr
-    local = subprocess.run([miniapp_exe, "chat", "--backend", "torch", "--ctx", "1024",
-                            "--spec", "off", *flags], input=QUESTION + "\n",
-                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    local = subprocess.run(
+        [miniapp_exe, "chat", "--backend", "torch", "--ctx", "1024", "--spec", "off", *flags],
+        input=QUESTION + "\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert local.returncode == 0, local.stderr
     # Greedy on the same engine and model: the messages reached the server intact.
     assert remote.stdout.strip() and remote.stdout == local.stdout
-    stats = re.search(r"openai: prompt (\d+) tok .* generated (\d+) tok at ([\d.]+) tok/s",
-                      remote.stderr)  # fmt: skip
+    stats = re.search(
+        r"openai: prompt (\d+) tok .* generated (\d+) tok at ([\d.]+) tok/s", remote.stderr
+    )
     assert stats, remote.stderr
     assert int(stats[1]) > 10 and 0 < int(stats[2]) <= 24 and float(stats[3]) > 0
 
 
 def test_the_models_list_is_the_servers(miniapp_exe, server):
-    done = subprocess.run([miniapp_exe, "models", "list", "--base-url", server],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [miniapp_exe, "models", "list", "--base-url", server],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     assert f"server: {server}/v1" in done.stdout
     assert re.search(rf"^{MODEL}\s+1024\s+miniapp", done.stdout, re.M), done.stdout
 
 
 def _spawn(exe: str, base: str, *flags: str) -> pexpect.spawn:
-    child = pexpect.spawn(exe, ["chat", "--backend", "openai", "--base-url", base, "--stats",
-                                "--temperature", "0", *flags],
-                          encoding="utf-8", timeout=120, dimensions=(40, 200))  # fmt: skip
+    child = pexpect.spawn(
+        exe,
+        [
+            "chat",
+            "--backend",
+            "openai",
+            "--base-url",
+            base,
+            "--stats",
+            "--temperature",
+            "0",
+            *flags,
+        ],
+        encoding="utf-8",
+        timeout=120,
+        dimensions=(40, 200),
+    )
     child.expect_exact(PROMPT)
     return child
 
@@ -119,8 +145,9 @@ def test_a_multi_turn_terminal_chat_sends_the_history(miniapp_exe, server):
 
 def _cancelled(base: str) -> float:
     text = httpx.get(base + "/metrics").text
-    found = re.search(r'^miniapp_requests_finished_total\{finish_reason="cancelled"\} (\S+)',
-                      text, re.M)  # fmt: skip
+    found = re.search(
+        r'^miniapp_requests_finished_total\{finish_reason="cancelled"\} (\S+)', text, re.M
+    )
     return float(found[1])
 
 
@@ -185,8 +212,14 @@ def test_local_only_options_are_refused_in_one_line(miniapp_exe, server):
     line = one_error_line(remote_chat(miniapp_exe, server, *asked))
     assert "local backends only" in line
     assert all(flag in line for flag in ("--window", "--spec lookup", "--device cpu", "--kv-type"))
-    line = one_error_line(subprocess.run([miniapp_exe, "chat", "--backend", "openai"],
-                                         input="hi\n", capture_output=True, text=True))  # fmt: skip
+    line = one_error_line(
+        subprocess.run(
+            [miniapp_exe, "chat", "--backend", "openai"],
+            input="hi\n",
+            capture_output=True,
+            text=True,
+        )
+    )
     assert "needs --base-url" in line
 
 
@@ -205,18 +238,28 @@ def test_a_stream_cut_off_midway_is_one_line_and_the_text_so_far_is_printed(mini
 def test_what_other_servers_send_is_read_and_only_set_fields_are_sent(miniapp_exe):
     script = [
         chunk(choices=False),  # a keep-alive with no choices
-        chunk(reasoning="The user wants "), chunk(reasoning="a greeting."),
-        chunk(content=""), chunk("Hello"), chunk(", world"),
+        chunk(reasoning="The user wants "),
+        chunk(reasoning="a greeting."),
+        chunk(content=""),
+        chunk("Hello"),
+        chunk(", world"),
         # A call the server's model streams unasked: not part of the text, and no failure.
-        chunk(tool_call={"index": 0, "id": "call_1", "type": "function",
-                         "function": {"name": "lookup", "arguments": ""}}),
+        chunk(
+            tool_call={
+                "index": 0,
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "lookup", "arguments": ""},
+            }
+        ),
         chunk(tool_call={"index": 0, "function": {"arguments": "{}"}}),
         chunk(finish="tool_calls"),
-    ]  # fmt: skip
+    ]
     usage = {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15}
     with ScriptedServer(script, usage=usage) as scripted:
-        done = remote_chat(miniapp_exe, scripted.root, "--stats", "--max-tokens", "30",
-                           "--top-k", "5")  # fmt: skip
+        done = remote_chat(
+            miniapp_exe, scripted.root, "--stats", "--max-tokens", "30", "--top-k", "5"
+        )
         assert done.returncode == 0, done.stderr
         assert done.stdout == "Hello, world\n"  # the thinking is not part of the answer
         assert "(thinking) The user wants a greeting." in done.stderr
@@ -254,9 +297,25 @@ def llama_cpp_server(model_path, log_path):
     verbose log goes to a file (a pipe nobody reads would fill and stop it)."""
     port = _free_port()
     log = open(log_path, "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(model_path),
-                             "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "1024",
-                             "--model_alias", MODEL], stdout=log, stderr=log)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "llama_cpp.server",
+            "--model",
+            str(model_path),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--n_ctx",
+            "1024",
+            "--model_alias",
+            MODEL,
+        ],
+        stdout=log,
+        stderr=log,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -278,16 +337,17 @@ def llama_cpp_server(model_path, log_path):
 
 def test_a_piped_chat_on_llama_cpps_own_server(miniapp_exe, default_model, tmp_path):
     with llama_cpp_server(default_model, tmp_path / "server.log") as base:
-        done = remote_chat(miniapp_exe, base, "--temperature", "0", "--max-tokens", "24",
-                           "--stats")  # fmt: skip
+        done = remote_chat(miniapp_exe, base, "--temperature", "0", "--max-tokens", "24", "--stats")
         # The same request straight from the official client: greedy on the same server, so
         # the same answer. (Its wording differs between CPUs: on one it never says "Paris"
         # within 24 tokens.)
         client = openai.OpenAI(base_url=base + "/v1", api_key="none")
         direct = client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": QUESTION}], temperature=0,
+            model=MODEL,
+            messages=[{"role": "user", "content": QUESTION}],
+            temperature=0,
             max_tokens=24,
-        )  # fmt: skip
+        )
     assert done.returncode == 0, done.stderr
     answer = direct.choices[0].message.content.strip()
     assert answer and done.stdout.strip() == answer, (done.stdout, answer)
@@ -300,10 +360,25 @@ def test_a_piped_chat_on_llama_cpps_own_server(miniapp_exe, default_model, tmp_p
 
 def test_bench_compares_the_server_with_the_engine_in_process(miniapp_exe, server):
     done = subprocess.run(
-        [miniapp_exe, "bench", "--backend", "openai", "--base-url", server, "--tokens", "12",
-         "--repeat", "1", "--threads", "2", "--json"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            miniapp_exe,
+            "bench",
+            "--backend",
+            "openai",
+            "--base-url",
+            server,
+            "--tokens",
+            "12",
+            "--repeat",
+            "1",
+            "--threads",
+            "2",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["remote_model"] == MODEL and report["answers"] == 8
@@ -353,10 +428,21 @@ def test_voice_is_transcribed_here_and_its_text_goes_to_the_server(miniapp_exe, 
     path = wav(tmp_path / "question.wav", synthesize(sentence, seed=6))
     with ScriptedServer([chunk("Heard."), chunk(finish="stop")]) as scripted:
         done = subprocess.run(
-            [miniapp_exe, "chat", "--backend", "openai", "--base-url", scripted.root,
-             "--audio", str(path)],
-            capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
+            [
+                miniapp_exe,
+                "chat",
+                "--backend",
+                "openai",
+                "--base-url",
+                scripted.root,
+                "--audio",
+                str(path),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            stdin=subprocess.DEVNULL,
+        )
         sent = scripted.requests[0]
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("you said: ") and done.stdout.endswith("Heard.\n")

@@ -27,8 +27,11 @@ def running_server(miniapp_exe: str, *flags: str) -> Iterator[tuple[subprocess.P
     """A `miniapp serve` process on a free loopback port; yields it and its base URL."""
     proc = subprocess.Popen(
         [miniapp_exe, "serve", "--port", "0", "--ctx", "1024", "--spec", "off", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy(),
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=os.environ.copy(),
+    )
     try:
         line = read_line(proc, START_TIMEOUT_S)
         assert line.startswith("miniapp serve: http://127.0.0.1:"), line + proc.stdout.read()
@@ -73,8 +76,18 @@ def server(miniapp_exe):
 @pytest.fixture(scope="module")
 def guarded(miniapp_exe):
     """Two slots, one waiting place, a key and a 1 MB body limit."""
-    flags = ("--parallel", "2", "--queue", "1", "--api-key", KEY, "--max-body-mb", "1",
-             "--cors-origin", "http://editor.example")  # fmt: skip
+    flags = (
+        "--parallel",
+        "2",
+        "--queue",
+        "1",
+        "--api-key",
+        KEY,
+        "--max-body-mb",
+        "1",
+        "--cors-origin",
+        "http://editor.example",
+    )
     with running_server(miniapp_exe, *flags) as (_, base):
         wait_ready(base)
         yield base
@@ -94,10 +107,23 @@ def test_the_terminal_and_the_server_give_the_same_greedy_answers(miniapp_exe, c
     for question in SAME_ANSWER_QUESTIONS:
         served = chat(client, question, temperature=0, max_tokens=48)
         local = subprocess.run(
-            [miniapp_exe, "chat", "--ctx", "1024", "--spec", "off", "--temperature", "0",
-             "--max-tokens", "48"],
-            input=question + "\n", capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            [
+                miniapp_exe,
+                "chat",
+                "--ctx",
+                "1024",
+                "--spec",
+                "off",
+                "--temperature",
+                "0",
+                "--max-tokens",
+                "48",
+            ],
+            input=question + "\n",
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert local.returncode == 0, local.stderr
         assert local.stdout.strip() == served.choices[0].message.content.strip()
 
@@ -132,8 +158,16 @@ def test_plain_and_streamed_chat_give_the_same_greedy_answer(client):
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     assert 0 < usage.completion_tokens <= 24
 
-    chunks = list(chat(client, "Name three colours.", temperature=0, max_tokens=24, stream=True,
-                       stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        chat(
+            client,
+            "Name three colours.",
+            temperature=0,
+            max_tokens=24,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert len({c.id for c in chunks}) == 1
     assert chunks[0].choices[0].delta.role == "assistant"
     *body, last_choice, usage_chunk = chunks
@@ -152,17 +186,28 @@ def test_max_tokens_ends_with_length_and_stop_strings_cut_the_answer(client):
     assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 3
     brief = chat(client, "Say hello in five words.", temperature=0, max_tokens=40)
     assert brief.choices[0].finish_reason == "stop" and brief.usage.completion_tokens < 40
-    forced = chat(client, "Say hello in five words.", temperature=0, max_tokens=40,
-                  extra_body={"ignore_eos": True})  # fmt: skip
+    forced = chat(
+        client,
+        "Say hello in five words.",
+        temperature=0,
+        max_tokens=40,
+        extra_body={"ignore_eos": True},
+    )
     assert forced.choices[0].finish_reason == "length" and forced.usage.completion_tokens == 40
-    limited = chat(client, "Tell me a long story about a dragon.", temperature=0,
-                   max_completion_tokens=40)  # fmt: skip
+    limited = chat(
+        client, "Tell me a long story about a dragon.", temperature=0, max_completion_tokens=40
+    )
     full = limited.choices[0].message.content
     words = full.split()
     assert len(words) > 6, full
     stop = " " + words[5]
-    cut = chat(client, "Tell me a long story about a dragon.", temperature=0, max_tokens=40,
-               stop=[stop, "never-appears"])  # fmt: skip
+    cut = chat(
+        client,
+        "Tell me a long story about a dragon.",
+        temperature=0,
+        max_tokens=40,
+        stop=[stop, "never-appears"],
+    )
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].message.content == full[: full.index(stop)]
 
@@ -181,21 +226,34 @@ def test_a_seed_reproduces_a_sampled_answer_and_n_gives_that_many(client):
 
 
 def test_logprobs_join_to_the_answer_plain_and_streamed(client):
-    plain = chat(client, "Name a fruit.", temperature=0, max_tokens=12, logprobs=True,
-                 top_logprobs=2)  # fmt: skip
+    plain = chat(
+        client, "Name a fruit.", temperature=0, max_tokens=12, logprobs=True, top_logprobs=2
+    )
     choice = plain.choices[0]
     content = choice.logprobs.content
     assert "".join(t.token for t in content) == choice.message.content
     assert all(t.logprob <= 0 and len(t.top_logprobs) == 2 for t in content)
     assert all(t.top_logprobs[0].token == t.token for t in content)  # greedy: the best one
     assert all(bytes(t.bytes).decode() == t.token for t in content)
-    chunks = chat(client, "Name a fruit.", temperature=0, max_tokens=12, logprobs=True,
-                  top_logprobs=2, stream=True)  # fmt: skip
-    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs
-                for t in c.choices[0].logprobs.content]  # fmt: skip
+    chunks = chat(
+        client,
+        "Name a fruit.",
+        temperature=0,
+        max_tokens=12,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
+    )
+    streamed = [
+        t
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.content
+    ]
     assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
-    text = client.completions.create(model=MODEL, prompt="One, two,", max_tokens=5,
-                                     temperature=0, logprobs=2)  # fmt: skip
+    text = client.completions.create(
+        model=MODEL, prompt="One, two,", max_tokens=5, temperature=0, logprobs=2
+    )
     lp = text.choices[0].logprobs
     assert "".join(lp.tokens) == text.choices[0].text and len(lp.top_logprobs[0]) == 2
     assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
@@ -203,27 +261,36 @@ def test_logprobs_join_to_the_answer_plain_and_streamed(client):
 
 
 def test_completions_plain_streamed_and_several_prompts(client):
-    plain = client.completions.create(model=MODEL, prompt="The capital of France is",
-                                      max_tokens=6, temperature=0)  # fmt: skip
+    plain = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0
+    )
     assert plain.object == "text_completion" and plain.choices[0].text
-    streamed = client.completions.create(model=MODEL, prompt="The capital of France is",
-                                         max_tokens=6, temperature=0, stream=True)  # fmt: skip
+    streamed = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0, stream=True
+    )
     pieces = list(streamed)
     assert "".join(p.choices[0].text for p in pieces) == plain.choices[0].text
     assert pieces[-1].choices[0].finish_reason == plain.choices[0].finish_reason
-    both = client.completions.create(model=MODEL, prompt=["One, two,", "The capital of France is"],
-                                     max_tokens=6, temperature=0, n=2)  # fmt: skip
+    both = client.completions.create(
+        model=MODEL,
+        prompt=["One, two,", "The capital of France is"],
+        max_tokens=6,
+        temperature=0,
+        n=2,
+    )
     assert [c.index for c in both.choices] == [0, 1, 2, 3]
     assert both.choices[2].text == both.choices[3].text == plain.choices[0].text
-    echoed = client.completions.create(model=MODEL, prompt="One, two,", max_tokens=6,
-                                       temperature=0, echo=True)  # fmt: skip
+    echoed = client.completions.create(
+        model=MODEL, prompt="One, two,", max_tokens=6, temperature=0, echo=True
+    )
     assert echoed.choices[0].text == "One, two," + both.choices[0].text
 
 
 def test_eight_clients_at_once_each_get_the_answer_they_get_alone(client):
     prompts = [f"Give one fact about the number {n}." for n in range(8)]
-    alone = [chat(client, p, temperature=0, max_tokens=20).choices[0].message.content
-             for p in prompts]  # fmt: skip
+    alone = [
+        chat(client, p, temperature=0, max_tokens=20).choices[0].message.content for p in prompts
+    ]
     together: dict[int, str] = {}
 
     def ask(i: int) -> None:
@@ -242,8 +309,9 @@ def test_eight_clients_at_once_each_get_the_answer_they_get_alone(client):
 def test_unsupported_and_bad_requests_are_400s_naming_the_field(client):
     with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs: true"):
         chat(client, "hi", top_logprobs=2)
-    with pytest.raises(openai.BadRequestError, match="Unrecognized request argument supplied: "
-                                                     "tools_extra"):  # fmt: skip
+    with pytest.raises(
+        openai.BadRequestError, match="Unrecognized request argument supplied: tools_extra"
+    ):
         chat(client, "hi", extra_body={"tools_extra": 1})
     with pytest.raises(openai.BadRequestError, match="temperature"):
         chat(client, "hi", temperature=5)
@@ -265,9 +333,14 @@ def test_the_models_list_names_the_loaded_model_with_its_context(client):
 
 
 def test_the_event_stream_framing_and_done(server):
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
-            "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 4,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", server + "/v1/chat/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
@@ -314,13 +387,17 @@ def test_a_key_guards_the_api_but_not_health(guarded):
 
 
 def test_cors_answers_only_the_origins_named(guarded, server):
-    preflight = {"origin": "http://editor.example", "access-control-request-method": "POST",
-                 "access-control-request-headers": "authorization, content-type"}  # fmt: skip
+    preflight = {
+        "origin": "http://editor.example",
+        "access-control-request-method": "POST",
+        "access-control-request-headers": "authorization, content-type",
+    }
     allowed = httpx.options(guarded + "/v1/chat/completions", headers=preflight)
     assert allowed.status_code == 200
     assert allowed.headers["access-control-allow-origin"] == "http://editor.example"
-    other = httpx.options(guarded + "/v1/chat/completions",
-                          headers=preflight | {"origin": "http://elsewhere.example"})  # fmt: skip
+    other = httpx.options(
+        guarded + "/v1/chat/completions", headers=preflight | {"origin": "http://elsewhere.example"}
+    )
     assert "access-control-allow-origin" not in other.headers
     plain = httpx.get(server + "/v1/models", headers={"origin": "http://editor.example"})
     assert "access-control-allow-origin" not in plain.headers  # off unless named
@@ -338,8 +415,11 @@ def test_a_body_over_the_limit_is_413(guarded):
             yield b"y" * 65536
         yield b'"}]}'
 
-    streamed = httpx.post(guarded + "/v1/chat/completions", content=chunked(),
-                          headers=headers | {"content-type": "application/json"})  # fmt: skip
+    streamed = httpx.post(
+        guarded + "/v1/chat/completions",
+        content=chunked(),
+        headers=headers | {"content-type": "application/json"},
+    )
     assert streamed.status_code == 413
 
 
@@ -387,23 +467,42 @@ def test_health_is_503_while_the_model_loads_and_answers_slide_past_the_context(
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
         # The torch engine's sliding window: an answer asked for more than the context holds
         # goes on past it, as in the terminal.
-        long = chat(client, "Count from one to a thousand.", temperature=0, max_tokens=200,
-                    extra_body={"ignore_eos": True})  # fmt: skip
+        long = chat(
+            client,
+            "Count from one to a thousand.",
+            temperature=0,
+            max_tokens=200,
+            extra_body={"ignore_eos": True},
+        )
         assert long.usage.prompt_tokens + long.usage.completion_tokens > 128
         assert long.usage.completion_tokens == 200 and long.choices[0].finish_reason == "length"
 
 
 def test_binding_beyond_loopback_needs_a_key(miniapp_exe):
-    done = subprocess.run([miniapp_exe, "serve", "--host", "0.0.0.0", "--port", "0"],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [miniapp_exe, "serve", "--host", "0.0.0.0", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2
     assert done.stderr.strip().endswith("or bind 127.0.0.1") and "--api-key" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
 
 
 def test_the_gui_serves_the_api_beside_it_on_the_same_model(miniapp_exe):
-    command = [miniapp_exe, "gui", "--no-browser", "--port", str(_free_port()), "--ctx", "1024",
-               "--api", "--api-port", "0"]  # fmt: skip
+    command = [
+        miniapp_exe,
+        "gui",
+        "--no-browser",
+        "--port",
+        str(_free_port()),
+        "--ctx",
+        "1024",
+        "--api",
+        "--api-port",
+        "0",
+    ]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lines = [read_line(proc, START_TIMEOUT_S) for _ in range(2)]

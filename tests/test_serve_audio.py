@@ -20,8 +20,18 @@ from miniapp.engine.voice.metrics import normalized_words, word_error_rate
 # test_voice.py's tolerances: each word's edges, and their mean error.
 WORD_EDGE_TOLERANCE_S = 0.1
 BOUNDARY_MAE_TARGET_S = 0.080
-SEGMENT_FIELDS = {"id", "seek", "start", "end", "text", "tokens", "temperature", "avg_logprob",
-                  "compression_ratio", "no_speech_prob"}  # fmt: skip
+SEGMENT_FIELDS = {
+    "id",
+    "seek",
+    "start",
+    "end",
+    "text",
+    "tokens",
+    "temperature",
+    "avg_logprob",
+    "compression_ratio",
+    "no_speech_prob",
+}
 SRT_CUE = re.compile(r"(\d+)\n(\d\d):(\d\d):(\d\d),(\d{3}) --> (\d\d):(\d\d):(\d\d),(\d{3})\n(.+)")
 VTT_CUE = re.compile(r"(\d\d):(\d\d):(\d\d)\.(\d{3}) --> (\d\d):(\d\d):(\d\d)\.(\d{3})\n(.+)")
 
@@ -88,8 +98,9 @@ def test_json_and_plain_text(client, sentence):
     assert result.usage.type == "duration" and result.usage.seconds == np.ceil(speech.duration)
     # Two at once: the server runs them one after the other, each gets its own transcript.
     with ThreadPoolExecutor(2) as pool:
-        plain = list(pool.map(lambda _: transcribe(client, sentence, response_format="text"),
-                              range(2)))  # fmt: skip
+        plain = list(
+            pool.map(lambda _: transcribe(client, sentence, response_format="text"), range(2))
+        )
     for text in plain:
         assert isinstance(text, str) and text.endswith("\n") and not text.startswith("{")
         assert text.strip() == result.text
@@ -100,8 +111,12 @@ def test_json_and_plain_text(client, sentence):
 
 def test_verbose_json_words_on_the_true_boundaries_and_segments(client, sentence):
     speech, _ = sentence
-    both = transcribe(client, sentence, response_format="verbose_json",
-                      timestamp_granularities=["word", "segment"])  # fmt: skip
+    both = transcribe(
+        client,
+        sentence,
+        response_format="verbose_json",
+        timestamp_granularities=["word", "segment"],
+    )
     assert both.task == "transcribe" and both.language == "english"
     assert abs(both.duration - speech.duration) < 0.01
     assert word_error_rate(speech.text, both.text) == 0, both.text
@@ -117,8 +132,9 @@ def test_verbose_json_words_on_the_true_boundaries_and_segments(client, sentence
 
     by_default = transcribe(client, sentence, response_format="verbose_json")
     assert by_default.segments and by_default.words is None
-    words_only = transcribe(client, sentence, response_format="verbose_json",
-                            timestamp_granularities=["word"])  # fmt: skip
+    words_only = transcribe(
+        client, sentence, response_format="verbose_json", timestamp_granularities=["word"]
+    )
     assert words_only.words and words_only.segments is None
 
 
@@ -169,8 +185,9 @@ def test_stream_sends_committed_words_as_openai_events(server, client, sentence)
 
     events = list(transcribe(client, sentence, stream=True))
     assert [type(e).__name__ for e in events[-2:]] == [
-        "TranscriptionTextDeltaEvent", "TranscriptionTextDoneEvent",
-    ]  # fmt: skip
+        "TranscriptionTextDeltaEvent",
+        "TranscriptionTextDoneEvent",
+    ]
     assert "".join(e.delta for e in events[:-1]) == events[-1].text == done["text"]
 
 
@@ -182,15 +199,22 @@ def test_a_stream_can_ask_for_partial_text(server, client, sentence):
     url = base + "/v1/audio/transcriptions"
     with httpx.stream("POST", url, files=files, data=fields, timeout=60) as response:
         assert response.status_code == 200
-        events = [json.loads(line.removeprefix("data: ")) for line in response.iter_lines()
-                  if line and line != "data: [DONE]"]  # fmt: skip
+        events = [
+            json.loads(line.removeprefix("data: "))
+            for line in response.iter_lines()
+            if line and line != "data: [DONE]"
+        ]
     kinds = [e["type"] for e in events]
     assert kinds[-1] == "transcript.text.done" and "transcript.text.partial" in kinds
     # A word shows as partial text before it is committed: the first partial comes before
     # the first delta, and every committed word was shown in some partial first.
     assert kinds.index("transcript.text.partial") < kinds.index("transcript.text.delta")
-    partial_words = {normalized_words(w["word"])[0] for e in events
-                     if e["type"] == "transcript.text.partial" for w in e["words"]}  # fmt: skip
+    partial_words = {
+        normalized_words(w["word"])[0]
+        for e in events
+        if e["type"] == "transcript.text.partial"
+        for w in e["words"]
+    }
     committed = normalized_words(events[-1]["text"])
     assert sum(w in partial_words for w in committed) >= 0.8 * len(committed), partial_words
     deltas = [e["delta"] for e in events if e["type"] == "transcript.text.delta"]
@@ -202,8 +226,10 @@ def test_a_stream_can_ask_for_partial_text(server, client, sentence):
     assert streamed[-1].type == "transcript.text.done"
     assert any(e.type == "transcript.text.partial" for e in streamed)
     # Partial text is a streaming feature; OpenAI's own include (logprobs) is not done here.
-    for extra, param in (({"include[]": "partials"}, "include[]"),
-                         ({"include[]": "logprobs", "stream": "true"}, "include[]")):  # fmt: skip
+    for extra, param in (
+        ({"include[]": "partials"}, "include[]"),
+        ({"include[]": "logprobs", "stream": "true"}, "include[]"),
+    ):
         response = post(base, {"file": ("sentence.wav", audio)}, model="whisper-1", **extra)
         assert response.status_code == 400 and response.json()["error"]["param"] == param
 
@@ -239,9 +265,11 @@ def test_unknown_model_is_404_and_unsupported_options_are_400(server, client, se
         ({"temperature": "0.4"}, "temperature"),
         ({"language": "fr"}, "language"),
         ({"response_format": "srt", "stream": "true"}, "response_format"),
-        ({"response_format": "json", "timestamp_granularities[]": "word"},
-         "timestamp_granularities[]"),
+        (
+            {"response_format": "json", "timestamp_granularities[]": "word"},
+            "timestamp_granularities[]",
+        ),
         ({"chunking_strategy": "auto"}, "chunking_strategy"),
-    ):  # fmt: skip
+    ):
         response = post(base, files, model="whisper-1", **fields)
         assert response.status_code == 400 and response.json()["error"]["param"] == param

@@ -44,8 +44,9 @@ def client(ocr_server):
 
 def test_an_image_is_read_by_ocr_into_the_prompt(client, default_model):
     png = encode(text_image(["OPEN 9 TO 5"]), "PNG")
-    answer = client.chat.completions.create(model=MODEL, messages=with_image(data_uri(png)),
-                                            max_tokens=4, temperature=0)  # fmt: skip
+    answer = client.chat.completions.create(
+        model=MODEL, messages=with_image(data_uri(png)), max_tokens=4, temperature=0
+    )
     assert answer.choices[0].message.content is not None
     # The prompt the server evaluated is the chat's own: OCR's labelled line, then the text.
     route = choose_route(default_model, "torch")
@@ -99,15 +100,18 @@ def test_a_model_with_a_projector_is_shown_the_picture(miniapp_exe, tmp_path):
         wait_ready(base)
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
         png = encode(Image.new("RGB", (96, 80), "blue"), "PNG")
-        seen = client.chat.completions.create(model="tiny.gguf", max_tokens=4, temperature=0,
-                                              messages=with_image(data_uri(png)))  # fmt: skip
+        seen = client.chat.completions.create(
+            model="tiny.gguf", max_tokens=4, temperature=0, messages=with_image(data_uri(png))
+        )
         question = [{"role": "user", "content": QUESTION}]
-        plain = client.chat.completions.create(model="tiny.gguf", max_tokens=4, temperature=0,
-                                               messages=question)  # fmt: skip
+        plain = client.chat.completions.create(
+            model="tiny.gguf", max_tokens=4, temperature=0, messages=question
+        )
         assert seen.choices[0].finish_reason in ("stop", "length")
         # The picture's embeddings take positions in the evaluated prompt; OCR text would not
         # (a plain blue square has none).
         assert seen.usage.prompt_tokens > plain.usage.prompt_tokens + 8
         with pytest.raises(openai.BadRequestError, match="logprobs are not reported"):
-            client.chat.completions.create(model="tiny.gguf", max_tokens=2, logprobs=True,
-                                           messages=with_image(data_uri(png)))  # fmt: skip
+            client.chat.completions.create(
+                model="tiny.gguf", max_tokens=2, logprobs=True, messages=with_image(data_uri(png))
+            )

@@ -59,20 +59,33 @@ def answer_figures(client) -> list[tuple[object, str]]:
     for response in (
         chat(client, "Name three colours.", max_tokens=8),
         chat(client, "Say OK.", max_tokens=24),
-        client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6,
-                                  temperature=0),
-    ):  # fmt: skip
+        client.completions.create(
+            model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0
+        ),
+    ):
         answers.append((response.usage, response.choices[0].finish_reason))
     streamed = [
-        chat(client, "Tell me a story about a dragon.", max_tokens=5, stream=True,
-             stream_options={"include_usage": True}),
-        client.completions.create(model=MODEL, prompt="One, two,", max_tokens=4, temperature=0,
-                                  stream=True, stream_options={"include_usage": True}),
-    ]  # fmt: skip
+        chat(
+            client,
+            "Tell me a story about a dragon.",
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True},
+        ),
+        client.completions.create(
+            model=MODEL,
+            prompt="One, two,",
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        ),
+    ]
     for stream in streamed:
         chunks = list(stream)
-        [reason] = [c.choices[0].finish_reason for c in chunks if c.choices
-                    and c.choices[0].finish_reason]  # fmt: skip
+        [reason] = [
+            c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+        ]
         answers.append((chunks[-1].usage, reason))
     return answers
 
@@ -109,8 +122,13 @@ def test_token_counters_and_latency_histograms_match_the_answers(server, client)
 
 def test_a_streaming_answer_is_running_and_one_whose_client_leaves_ends_cancelled(server):
     essay = [{"role": "user", "content": "Write a very long essay on rivers."}]
-    long_answer = {"model": MODEL, "messages": essay, "max_tokens": 400, "temperature": 0,
-                   "stream": True}  # fmt: skip
+    long_answer = {
+        "model": MODEL,
+        "messages": essay,
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+    }
     before = scrape(server)
     with httpx.Client(timeout=60, headers=AUTH) as http:
         with http.stream("POST", server + "/v1/chat/completions", json=long_answer) as stream:
@@ -127,8 +145,9 @@ def test_a_streaming_answer_is_running_and_one_whose_client_leaves_ends_cancelle
     deadline = time.monotonic() + 20
     while True:
         after = scrape(server)
-        cancelled = grown(before, after, "miniapp_requests_finished_total",
-                          finish_reason="cancelled")  # fmt: skip
+        cancelled = grown(
+            before, after, "miniapp_requests_finished_total", finish_reason="cancelled"
+        )
         if cancelled == 1 and after[("miniapp_requests_running", ())] == 0:
             break
         assert time.monotonic() < deadline, "the answer was never cancelled"

@@ -122,8 +122,7 @@ def tagging_client(miniapp_exe, tagging_template) -> openai.OpenAI:
 @pytest.fixture(params=["documented", "own"], ids=["documented-format", "models-own-format"])
 def tool_client(request) -> openai.OpenAI:
     """A server whose model gets the documented tool format, or its template's own."""
-    return request.getfixturevalue("client" if request.param == "documented" else
-                                   "tagging_client")  # fmt: skip
+    return request.getfixturevalue("client" if request.param == "documented" else "tagging_client")
 
 
 def _ask(client, messages, **options):
@@ -136,8 +135,10 @@ def _parameters(tool: dict) -> dict:
 
 
 def test_a_json_schema_response_format_validates_on_chat_and_completions(client):
-    schema_format = {"type": "json_schema",
-                     "json_schema": {"name": "place", "schema": PLACE, "strict": True}}  # fmt: skip
+    schema_format = {
+        "type": "json_schema",
+        "json_schema": {"name": "place", "schema": PLACE, "strict": True},
+    }
     asked = [{"role": "user", "content": "Tell me about Paris as JSON."}]
     answer = _ask(client, asked, response_format=schema_format)
     assert answer.choices[0].finish_reason == "stop"
@@ -147,24 +148,30 @@ def test_a_json_schema_response_format_validates_on_chat_and_completions(client)
     assert text == answer.choices[0].message.content
     prompt = "<|im_start|>user\nTell me about Rome as JSON.<|im_end|>\n<|im_start|>assistant\n"
     completion = client.completions.create(
-        model=MODEL, prompt=prompt, temperature=0, max_tokens=160,
+        model=MODEL,
+        prompt=prompt,
+        temperature=0,
+        max_tokens=160,
         extra_body={"response_format": schema_format},
-    )  # fmt: skip
+    )
     jsonschema.validate(json.loads(completion.choices[0].text), PLACE)
     fruit = "Return a JSON object with the name and colour of a fruit."
-    anything = _ask(client, [{"role": "user", "content": fruit}],
-                    response_format={"type": "json_object"})  # fmt: skip
+    anything = _ask(
+        client, [{"role": "user", "content": fruit}], response_format={"type": "json_object"}
+    )
     assert isinstance(json.loads(anything.choices[0].message.content), dict)
 
 
 @pytest.mark.parametrize(
     ("response_format", "named"),
     [
-        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strng"}}},
-         "strng"),
+        (
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strng"}}},
+            "strng",
+        ),
         ({"type": "json_schema"}, "json_schema is required"),
     ],
-)  # fmt: skip
+)
 def test_an_invalid_schema_is_a_400_naming_the_problem(client, response_format, named):
     with pytest.raises(openai.BadRequestError) as raised:
         _ask(client, ASK_WEATHER, response_format=response_format)
@@ -174,8 +181,13 @@ def test_an_invalid_schema_is_a_400_naming_the_problem(client, response_format, 
 
 
 def test_tool_choice_required_gives_one_valid_call_and_none_gives_none(tool_client):
-    answer = _ask(tool_client, ASK_WEATHER, tools=[WEATHER, TIME], tool_choice="required",
-                  parallel_tool_calls=False)  # fmt: skip
+    answer = _ask(
+        tool_client,
+        ASK_WEATHER,
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        parallel_tool_calls=False,
+    )
     choice = answer.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls
@@ -223,8 +235,13 @@ def test_a_tool_result_goes_back_into_the_chat(tool_client):
 
     def answer_given(result: dict):
         tool_message = {"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)}
-        return _ask(tool_client, [*asked_and_called, tool_message], tools=[WEATHER],
-                    tool_choice="none", max_tokens=40)  # fmt: skip
+        return _ask(
+            tool_client,
+            [*asked_and_called, tool_message],
+            tools=[WEATHER],
+            tool_choice="none",
+            max_tokens=40,
+        )
 
     sunny = answer_given({"temperature": 18, "sky": "sunny", "wind_kmh": 5})
     stormy = answer_given({"temperature": -7, "sky": "snow storm", "wind_kmh": 90})
@@ -239,8 +256,12 @@ def test_a_tool_result_goes_back_into_the_chat(tool_client):
 
 def test_auto_answers_in_text_or_a_valid_call(tool_client):
     for question in ("What is the weather in Paris? Use the tool.", "Say hello."):
-        answer = _ask(tool_client, [{"role": "user", "content": question}], tools=[WEATHER],
-                      tool_choice="auto")  # fmt: skip
+        answer = _ask(
+            tool_client,
+            [{"role": "user", "content": question}],
+            tools=[WEATHER],
+            tool_choice="auto",
+        )
         message = answer.choices[0].message
         if message.tool_calls:
             assert answer.choices[0].finish_reason == "tool_calls"
@@ -253,9 +274,11 @@ def test_auto_answers_in_text_or_a_valid_call(tool_client):
 
 def test_bad_tool_requests_are_400s(client):
     unknown = {"type": "function", "function": {"name": "nope"}}
-    for options, param in [({"tools": [WEATHER], "tool_choice": unknown}, "tool_choice"),
-                           ({"tool_choice": "required"}, "tool_choice"),
-                           ({"tools": [WEATHER, WEATHER]}, "tools")]:  # fmt: skip
+    for options, param in [
+        ({"tools": [WEATHER], "tool_choice": unknown}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [WEATHER, WEATHER]}, "tools"),
+    ]:
         with pytest.raises(openai.BadRequestError) as raised:
             _ask(client, ASK_WEATHER, **options)
         assert raised.value.body["param"] == param, raised.value.body
@@ -299,13 +322,28 @@ def test_the_models_own_template_renders_the_tools_and_the_tool_traffic(
     call = first.choices[0].message.tool_calls[0]
     result = json.dumps({"temperature": 18, "sky": "sunny"})
     called = {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]}
-    reply = _ask(tagging_client, [*ASK_WEATHER, called,
-                                  {"role": "tool", "tool_call_id": call.id, "content": result}],
-                 tools=[WEATHER], tool_choice="none", max_tokens=8)  # fmt: skip
+    reply = _ask(
+        tagging_client,
+        [*ASK_WEATHER, called, {"role": "tool", "tool_call_id": call.id, "content": result}],
+        tools=[WEATHER],
+        tool_choice="none",
+        max_tokens=8,
+    )
     arguments = json.loads(call.function.arguments)
-    traffic = [Message("assistant", "", tool_calls=({"id": call.id, "type": "function",
-               "function": {"name": "get_weather", "arguments": arguments}},)),
-               Message("tool", result, tool_call_id=call.id)]  # fmt: skip
+    traffic = [
+        Message(
+            "assistant",
+            "",
+            tool_calls=(
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": arguments},
+                },
+            ),
+        ),
+        Message("tool", result, tool_call_id=call.id),
+    ]
     rendered = template.render([*asked, *traffic])
     assert "<tool_response>" in rendered and '"arguments": {' in rendered
     assert reply.usage.prompt_tokens == tokens([*asked, *traffic])
@@ -316,8 +354,12 @@ def test_a_bad_chat_template_file_is_one_line_and_exit_2(miniapp_exe, tmp_path, 
     path = tmp_path / "template.jinja"
     if text is not None:
         path.write_text(text)
-    done = subprocess.run([miniapp_exe, "serve", "--port", "0", "--chat-template-file",
-                           str(path)], capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [miniapp_exe, "serve", "--port", "0", "--chat-template-file", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2, done.stderr
     line = done.stderr.strip()
     assert says in line and "\n" not in line

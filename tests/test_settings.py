@@ -30,7 +30,10 @@ def test_each_layer_overrides_the_one_below():
     settings, sources = resolve({"ctx": 512}, file, environ)
     assert (settings.temperature, settings.max_tokens, settings.ctx) == (0.5, 200, 512)
     assert (sources["temperature"], sources["max_tokens"], sources["ctx"]) == (
-        "file", "environment", "flag")  # fmt: skip
+        "file",
+        "environment",
+        "flag",
+    )
     assert sources["top_p"] == "default" and settings.top_p == 0.95
 
 
@@ -108,11 +111,15 @@ def test_the_kv_type_flag_and_what_each_backend_gets(monkeypatch):
 
 
 def _miniapp(exe, config, *args, env_extra=None, stdin=None):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MINIAPP_") or
-           k in ("MINIAPP_MODELS_DIR", "MINIAPP_CACHE_DIR")}  # fmt: skip
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("MINIAPP_") or k in ("MINIAPP_MODELS_DIR", "MINIAPP_CACHE_DIR")
+    }
     env.update(MINIAPP_CONFIG=str(config), **(env_extra or {}))
-    return subprocess.run([exe, *args], input=stdin, capture_output=True, text=True, env=env,
-                          timeout=180)  # fmt: skip
+    return subprocess.run(
+        [exe, *args], input=stdin, capture_output=True, text=True, env=env, timeout=180
+    )
 
 
 def _generated(done) -> int:
@@ -126,13 +133,22 @@ def test_chat_follows_flag_then_environment_then_file(miniapp_exe, tmp_path):
     base = ("chat", "--stats", "--threads", "2")
     question = "Write a long story about a dragon."
     from_file = _miniapp(miniapp_exe, config, *base, stdin=question)
-    from_env = _miniapp(miniapp_exe, config, *base, stdin=question,
-                        env_extra={"MINIAPP_MAX_TOKENS": "5"})  # fmt: skip
-    from_flag = _miniapp(miniapp_exe, config, *base, "--max-tokens", "7", stdin=question,
-                         env_extra={"MINIAPP_MAX_TOKENS": "5"})  # fmt: skip
+    from_env = _miniapp(
+        miniapp_exe, config, *base, stdin=question, env_extra={"MINIAPP_MAX_TOKENS": "5"}
+    )
+    from_flag = _miniapp(
+        miniapp_exe,
+        config,
+        *base,
+        "--max-tokens",
+        "7",
+        stdin=question,
+        env_extra={"MINIAPP_MAX_TOKENS": "5"},
+    )
     assert [_generated(d) for d in (from_file, from_env, from_flag)] == [3, 5, 7]
-    shown = _miniapp(miniapp_exe, config, "config", "show",
-                     env_extra={"MINIAPP_TOP_P": "0.5"}).stdout  # fmt: skip
+    shown = _miniapp(
+        miniapp_exe, config, "config", "show", env_extra={"MINIAPP_TOP_P": "0.5"}
+    ).stdout
     assert re.search(r"max_tokens\s+3\s+\(file\)", shown)
     assert re.search(r"top_p\s+0.5\s+\(environment\)", shown)
     assert _miniapp(miniapp_exe, config, "config", "path").stdout.strip() == str(config)

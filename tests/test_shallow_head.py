@@ -86,13 +86,17 @@ def test_training_teaches_the_block_the_models_distribution_on_unseen_text(tiny,
 
     def loss(weights: BlockWeights) -> float:
         with torch.no_grad():
-            return sum(float(st._sequence_loss(model, weights, rope, head, 0.0, target, s))
-                       for s in held)  # fmt: skip
+            return sum(
+                float(st._sequence_loss(model, weights, rope, head, 0.0, target, s)) for s in held
+            )
 
     before = loss(_scrambled(trained.vocab))
     config = st.BlockTraining(steps=150, learning_rate=3e-3, weight_decay=0.0)
-    after = loss(st.train_block(model, train, trained.vocab, EXIT, config, window=8,
-                                weights=_scrambled(trained.vocab)))  # fmt: skip
+    after = loss(
+        st.train_block(
+            model, train, trained.vocab, EXIT, config, window=8, weights=_scrambled(trained.vocab)
+        )
+    )
     assert after < 0.5 * before, (before, after)
 
 
@@ -150,9 +154,10 @@ def test_greedy_output_with_the_shallow_block_is_identical_to_plain(tiny, traine
 @pytest.mark.parametrize("threshold", [0.0, 0.3])
 def test_sampling_with_the_shallow_block_keeps_the_distribution(tiny, trained, threshold):
     check_sampling_keeps_plain_distribution(
-        tiny, lambda: _force_shallow(tiny, trained, threshold=threshold, drafts=2),
+        tiny,
+        lambda: _force_shallow(tiny, trained, threshold=threshold, drafts=2),
         gated=threshold > 0,
-    )  # fmt: skip
+    )
 
 
 def test_the_runtime_takes_the_faster_form_for_its_own_file(tiny, trained, tmp_path):
@@ -162,8 +167,12 @@ def test_the_runtime_takes_the_faster_form_for_its_own_file(tiny, trained, tmp_p
     path = write_tiny_model(tmp_path / "own.gguf", TinyModel(n_layers=4, ffn_dim=128))
     runtime = TorchRuntime(path, n_ctx=64, threads=1, spec="off")
     vocab = trained.vocab
-    head = ht.train_head(runtime.model, answers_for_head(runtime, count=2, length=8), vocab,
-                         ht.TrainingConfig(steps=2))  # fmt: skip
+    head = ht.train_head(
+        runtime.model,
+        answers_for_head(runtime, count=2, length=8),
+        vocab,
+        ht.TrainingConfig(steps=2),
+    )
     own = {"sha256": file_hash(path), "pays": True, "threshold": 0.0, "acceptance": 0.5}
     head.save(head_path(path), {**own, "predicted_speedup": 1.2})
     trained.save(shallow_path(path), {**own, "predicted_speedup": 1.3})
@@ -191,9 +200,24 @@ def test_the_runtime_takes_the_faster_form_for_its_own_file(tiny, trained, tmp_p
 
 
 def test_calibrate_trains_and_stores_the_shallow_form(miniapp_exe, tiny):
-    command = [miniapp_exe, "calibrate", "--train-head", "--head-form", "shallow",
-               "--exit-layer", str(EXIT), "--model", str(tiny.model_path), "--head-prompts", "3",
-               "--head-steps", "20", "--threads", "1", "--json"]  # fmt: skip
+    command = [
+        miniapp_exe,
+        "calibrate",
+        "--train-head",
+        "--head-form",
+        "shallow",
+        "--exit-layer",
+        str(EXIT),
+        "--model",
+        str(tiny.model_path),
+        "--head-prompts",
+        "3",
+        "--head-steps",
+        "20",
+        "--threads",
+        "1",
+        "--json",
+    ]
     work = head_path(tiny.model_path).with_suffix(".work")
     ht._save(work / "answers-00000.pt", _answers(tiny, count=3, length=20, seed=11))
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)

@@ -15,8 +15,17 @@ def test_a_minute_of_mixed_requests_leaves_the_server_as_it_was(miniapp_exe):
     assert not figures.invalid, figures.invalid[:5]
     assert figures.left_running == 0 and figures.left_waiting == 0
     kinds = {kind for kind, status in figures.statuses}
-    assert kinds == {"chat", "chat_stream", "abandoned_stream", "completion", "malformed_json",
-                     "oversized", "unknown_field", "unknown_model", "bad_audio"}  # fmt: skip
+    assert kinds == {
+        "chat",
+        "chat_stream",
+        "abandoned_stream",
+        "completion",
+        "malformed_json",
+        "oversized",
+        "unknown_field",
+        "unknown_model",
+        "bad_audio",
+    }
     # A minute is too short for the soak's 5% and 0.9x (one request more or less moves a
     # quarter by more): here they only catch a leak or a slowdown that is plain at once.
     assert figures.rss_growth() <= 0.15, figures.summary()

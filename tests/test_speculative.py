@@ -67,9 +67,13 @@ def test_greedy_output_is_token_identical_to_plain_decoding(smol, mode, layer, d
 
 @pytest.mark.parametrize(
     ("mode", "layer", "kv"),
-    [("early-exit", 8, DEFAULT_KV_TYPE), ("lookup", None, DEFAULT_KV_TYPE), ("lookup", None, "f32"),
-     ("early-exit", 8, "q4")],
-)  # fmt: skip
+    [
+        ("early-exit", 8, DEFAULT_KV_TYPE),
+        ("lookup", None, DEFAULT_KV_TYPE),
+        ("lookup", None, "f32"),
+        ("early-exit", 8, "q4"),
+    ],
+)
 def test_greedy_identical_while_the_rotating_cache_wraps(default_model, mode, layer, kv):
     # ctx 96: 4 sinks + a 92-token window in a ring of 156; 220 generated tokens wrap it.
     runtime = TorchRuntime(default_model, n_ctx=96, threads=2, spec="off", kv=kv)
@@ -245,9 +249,12 @@ def test_accept_sampled_follows_the_target_distribution():
     for _ in range(20000):
         draft = int(torch.multinomial(q, 1, generator=generator))
         verdict = accept_sampled(
-            [draft], [q], lambda j: p, lambda: float(torch.rand((), generator=generator)),
+            [draft],
+            [q],
+            lambda j: p,
+            lambda: float(torch.rand((), generator=generator)),
             lambda probs: int(torch.multinomial(probs, 1, generator=generator)),
-        )  # fmt: skip
+        )
         counts[draft if verdict.accepted else verdict.next_token] += 1
     freq = torch.tensor([counts[i] / 20000 for i in range(4)])
     assert torch.allclose(freq, p, atol=0.015), freq
@@ -350,10 +357,23 @@ def test_exit_adapter_training_brings_the_exit_closer_to_the_full_model(tiny):
 
 def test_calibrate_stores_a_setting_the_runtime_uses(miniapp_exe, default_model):
     done = subprocess.run(
-        [miniapp_exe, "calibrate", "--layers", "6,20", "--prompts", "1", "--answer-tokens", "12",
-         "--threads", "2", "--json"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            miniapp_exe,
+            "calibrate",
+            "--layers",
+            "6,20",
+            "--prompts",
+            "1",
+            "--answer-tokens",
+            "12",
+            "--threads",
+            "2",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert [row["layer"] for row in report["layers"]] == [6, 20]
@@ -377,10 +397,22 @@ def test_calibrate_rejects_a_layer_the_model_lacks(miniapp_exe):
 
 def test_chat_reports_acceptance_in_its_stats(miniapp_exe):
     done = subprocess.run(
-        [miniapp_exe, "chat", "--spec", "lookup", "--stats", "--temperature", "0",
-         "--max-tokens", "40"],
-        input="List the days of the week twice.", capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            miniapp_exe,
+            "chat",
+            "--spec",
+            "lookup",
+            "--stats",
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "40",
+        ],
+        input="List the days of the week twice.",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert "speculative (lookup)" in done.stderr and "drafts accepted" in done.stderr
 
@@ -388,18 +420,36 @@ def test_chat_reports_acceptance_in_its_stats(miniapp_exe):
 def test_spec_modes_other_than_auto_need_the_torch_backend(miniapp_exe):
     done = subprocess.run(
         [miniapp_exe, "chat", "--backend", "llamacpp", "--spec", "lookup"],
-        input="hi", capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        input="hi",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2
     assert "torch backend only" in done.stderr and done.stderr.count("\n") == 1
 
 
 def test_bench_reports_plain_and_spec_with_identical_output(miniapp_exe):
     done = subprocess.run(
-        [miniapp_exe, "bench", "--task", "quote", "--spec", "lookup", "--tokens", "24",
-         "--repeat", "1", "--threads", "2", "--json"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            miniapp_exe,
+            "bench",
+            "--task",
+            "quote",
+            "--spec",
+            "lookup",
+            "--tokens",
+            "24",
+            "--repeat",
+            "1",
+            "--threads",
+            "2",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     for name in ("plain", "spec"):

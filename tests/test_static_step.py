@@ -117,8 +117,10 @@ def test_static_steps_give_the_ordinary_steps_logits(model_for, kind):
     assert any(c.wrapped for c in eager_caches) and any(c.wrapped for c in static_caches)
     for eager, static in zip(eager_caches, static_caches, strict=True):
         assert (eager.offset, eager.ring_head, eager.frame) == (
-            static.offset, static.ring_head, static.frame
-        )  # fmt: skip
+            static.offset,
+            static.ring_head,
+            static.frame,
+        )
 
 
 @pytest.mark.parametrize("kind", [F32, Q4], ids=["f32", "q4-where-it-fits"])
@@ -402,5 +404,13 @@ def test_the_cuda_graph_runner_warms_up_captures_once_and_replays(monkeypatch):
     runner()
     runner()
     warm = ["body"] * graphs.WARMUP_STEPS
-    assert events == ["wait", "side stream", *warm, "wait", "capture (thread_local)", "body",
-                      "replay", "replay"]  # fmt: skip
+    assert events == [
+        "wait",
+        "side stream",
+        *warm,
+        "wait",
+        "capture (thread_local)",
+        "body",
+        "replay",
+        "replay",
+    ]

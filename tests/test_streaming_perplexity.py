@@ -36,8 +36,10 @@ def test_eval_ppl_json_reports_its_settings(miniapp_exe, tmp_path):
     text.write_text(sample_texts()[2])
     done = subprocess.run(
         [miniapp_exe, "eval", "ppl", str(text), "--window", "64", "--sinks", "2", "--json"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["mode"] == "streaming" and report["window"] == 64 and report["sinks"] == 2
@@ -56,8 +58,9 @@ def test_quantized_rings_that_wrap_20_times_stay_within_their_bounds_of_f32(defa
     text = "\n\n".join(sample_texts())[:12_500]  # ~2700 tokens
     results, rings = {}, {}
     for kind in ("f32", "q8", "q4"):
-        runtime = TorchRuntime(default_model, n_ctx=4 + RING_WINDOW, sinks=4, window=RING_WINDOW,
-                               kv=kind)  # fmt: skip
+        runtime = TorchRuntime(
+            default_model, n_ctx=4 + RING_WINDOW, sinks=4, window=RING_WINDOW, kv=kind
+        )
         results[kind] = streaming_perplexity(runtime, text, 4, RING_WINDOW)
         rings[kind] = runtime.model.make_caches(runtime.policy)[0].ring_capacity
     for kind, bound in (("q8", 0.005), ("q4", 0.02)):

@@ -53,17 +53,22 @@ def test_escapes_out_of_the_sandbox_are_refused(escape):
     "source, cause",
     [
         # Loops that build nothing: stopped by the clock.
-        ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
-         "ran longer than"),
-        ("{% for i in range(100000) %}{% for j in range(100000) %}{{ messages[0] and '' }}"
-         "{% endfor %}{% endfor %}", "ran longer than"),
+        (
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+            "ran longer than",
+        ),
+        (
+            "{% for i in range(100000) %}{% for j in range(100000) %}{{ messages[0] and '' }}"
+            "{% endfor %}{% endfor %}",
+            "ran longer than",
+        ),
         # Output or values too large: refused before they are built.
         ("{{ 'x' * 1000000000 }}", "built more than"),
         ("{% set a = ['x'] * 1000000000 %}{{ a | length }}", "built more than"),
         ("{{ 10 ** 100000000 }}", "to the power"),
         ("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}", "built more than"),
     ],
-)  # fmt: skip
+)
 def test_a_render_that_runs_too_long_or_builds_too_much_is_stopped(source, cause):
     message = _refusal(source)
     assert message.startswith("the model's chat template was stopped:"), message

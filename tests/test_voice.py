@@ -163,9 +163,11 @@ def test_a_word_at_the_very_end_of_the_audio_heard_waits_for_more(asr):
 def test_a_hypothesis_is_split_where_the_committed_words_end():
     committed = [Word("a", 5.1, 5.3), Word("film", 5.3, 5.7)]  # "film"'s end was late
     hypothesis = [
-        Word("a", 5.1, 5.3), Word("film", 5.3, 5.5), Word("about", 5.5, 5.75),
+        Word("a", 5.1, 5.3),
+        Word("film", 5.3, 5.5),
+        Word("about", 5.5, 5.75),
         Word("volcanoes", 5.8, 6.3),
-    ]  # fmt: skip
+    ]
     # Split by time, "about" (which ends within 0.1 s of the committed end) was lost.
     assert [w.word for w in after_committed(hypothesis, committed)] == ["about", "volcanoes"]
     # A committed word heard differently now still marks the seam.
@@ -177,8 +179,12 @@ def test_a_hypothesis_is_split_where_the_committed_words_end():
     assert after_committed(heard, [Word("to", 5.2, 5.4)]) == heard[2:]
     assert after_committed(hypothesis, []) == hypothesis
     # The last committed word heard again as two words: the second one is not new.
-    again = [hypothesis[0], Word("fill", 5.3, 5.45), Word("him", 5.45, 5.65),
-             Word("three", 5.75, 6.0)]  # fmt: skip
+    again = [
+        hypothesis[0],
+        Word("fill", 5.3, 5.45),
+        Word("him", 5.45, 5.65),
+        Word("three", 5.75, 6.0),
+    ]
     assert after_committed(again, committed) == again[3:]
     # After the last committed word itself, a word is new even where it ends before the
     # committed end (stretched while "film" was last in its hypothesis); it starts there.

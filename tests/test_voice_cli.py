@@ -104,8 +104,11 @@ def _transcribe_measured(exe, path) -> tuple[str, float]:
     )
     done = subprocess.run(
         [sys.executable, "-c", code, exe, "transcribe", str(path), "--json"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     return result["out"], result["peak_kib"] / 1024
@@ -135,9 +138,12 @@ def test_chat_voice_without_a_microphone_goes_on_by_text(miniapp_exe):
     # This machine has no microphone; the env var makes sure of it on any machine.
     env = {**os.environ, "MINIAPP_AUDIO_INPUT": "none"}
     child = pexpect.spawn(
-        miniapp_exe, ["chat", "--voice", "--temperature", "0", "--max-tokens", "12"],
-        encoding="utf-8", timeout=120, env=env,
-    )  # fmt: skip
+        miniapp_exe,
+        ["chat", "--voice", "--temperature", "0", "--max-tokens", "12"],
+        encoding="utf-8",
+        timeout=120,
+        env=env,
+    )
     try:
         child.expect_exact(PROMPT)
         assert "no audio input device" in child.before

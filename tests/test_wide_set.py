@@ -30,8 +30,18 @@ def asr():
 
 def test_numbers_are_compared_as_words():
     assert normalized_words("At 12:30, 42 bags and 3.5 kg.") == [
-        "at", "twelve", "thirty", "forty", "two", "bags", "and", "three", "point", "five", "kg",
-    ]  # fmt: skip
+        "at",
+        "twelve",
+        "thirty",
+        "forty",
+        "two",
+        "bags",
+        "and",
+        "three",
+        "point",
+        "five",
+        "kg",
+    ]
     assert (
         word_error_rate("We need 24 chairs, 6 tables.", "we need twenty-four chairs six tables")
         == 0
@@ -73,8 +83,11 @@ def test_the_set_covers_its_conditions():
     assert any(ch.isdigit() for t in WIDE_SENTENCES for ch in t)
     clips = wide_set(limit=5)
     assert {c.condition for c in clips} == {
-        "clean connected", "clean paused", "snr20 connected", "snr10 connected",
-    }  # fmt: skip
+        "clean connected",
+        "clean paused",
+        "snr20 connected",
+        "snr10 connected",
+    }
     assert len({c.voice for c in clips}) == 4 and len({c.wpm for c in clips}) == 3
     paused = next(c for c in clips if c.pauses == "paused" and len(c.words) > 6)
     gaps = [b.start - a.end for a, b in zip(paused.words, paused.words[1:], strict=False)]
@@ -122,22 +135,46 @@ def test_the_truth_agrees_with_the_recogniser(asr):
 def test_eval_asr_wide_reports_every_condition(miniapp_exe):
     require_tools()
     done = subprocess.run(
-        [miniapp_exe, "eval", "asr", "--set", "wide", "--sentences", "2", "--stream",
-         "--threads", "2", "--json"],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )  # fmt: skip
+        [
+            miniapp_exe,
+            "eval",
+            "asr",
+            "--set",
+            "wide",
+            "--sentences",
+            "2",
+            "--stream",
+            "--threads",
+            "2",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert result["clips"] == 8
     for mode in ("offline", "stream"):
         groups = result[mode]["groups"]
-        assert set(groups) == {"clean connected", "clean paused", "snr20 connected",
-                               "snr10 connected"}  # fmt: skip
+        assert set(groups) == {
+            "clean connected",
+            "clean paused",
+            "snr20 connected",
+            "snr10 connected",
+        }
         for scores in groups.values():
             assert 0 <= scores["wer"] <= 1 and scores["words"] == 4 + 8
     stream = result["stream"]
-    for key in ("median_commit_latency_s", "p90_commit_latency_s", "median_partial_latency_s",
-                "median_audio_wait_s", "median_decode_s", "median_shown_to_commit_s"):  # fmt: skip
+    for key in (
+        "median_commit_latency_s",
+        "p90_commit_latency_s",
+        "median_partial_latency_s",
+        "median_audio_wait_s",
+        "median_decode_s",
+        "median_shown_to_commit_s",
+    ):
         assert stream[key] is not None and stream[key] > 0, key
     assert stream["median_partial_latency_s"] <= stream["median_commit_latency_s"]
 

@@ -76,10 +76,18 @@ QWEN2 = TinyModel(architecture="qwen2", qkv_bias=True, tied_output=False)
 QWEN3 = TinyModel(architecture="qwen3", qk_norm=True, head_dim=32)
 PHI3 = TinyModel(architecture="phi3", fused_qkv=True, fused_gate_up=True, tied_output=False)
 GEMMA3 = TinyModel(
-    architecture="gemma3", n_layers=4, head_dim=32, qk_norm=True, post_norms=True,
-    sliding_window=8, sliding_window_pattern=2, local_rope_base=20000.0,
-    rope_base=1000000.0, norm_eps=1e-6, final_logit_softcap=30.0,
-)  # fmt: skip
+    architecture="gemma3",
+    n_layers=4,
+    head_dim=32,
+    qk_norm=True,
+    post_norms=True,
+    sliding_window=8,
+    sliding_window_pattern=2,
+    local_rope_base=20000.0,
+    rope_base=1000000.0,
+    norm_eps=1e-6,
+    final_logit_softcap=30.0,
+)
 
 
 def quantize_k(values: np.ndarray, qtype: Q) -> np.ndarray:

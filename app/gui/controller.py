@@ -62,11 +62,28 @@ class ChatSettings:
     @property
     def load_spec(self) -> LoadSpec:
         if self.backend == REMOTE_BACKEND:
-            return LoadSpec(self.model, self.backend, "auto", "auto", self.ctx,
-                            base_url=self.base_url, api_key=self.api_key)  # fmt: skip
+            return LoadSpec(
+                self.model,
+                self.backend,
+                "auto",
+                "auto",
+                self.ctx,
+                base_url=self.base_url,
+                api_key=self.api_key,
+            )
         parallel = self.parallel if self.backend == "torch" else 1  # llama.cpp: one at a time
-        return LoadSpec(self.model, self.backend, self.device, self.spec, self.ctx,
-                        self.window, self.sinks, self.threads, parallel, self.kv_type)  # fmt: skip
+        return LoadSpec(
+            self.model,
+            self.backend,
+            self.device,
+            self.spec,
+            self.ctx,
+            self.window,
+            self.sinks,
+            self.threads,
+            parallel,
+            self.kv_type,
+        )
 
     def request(self) -> GenerationRequest:
         sampling = SamplingParams(temperature=self.temperature, top_p=self.top_p)
@@ -169,10 +186,13 @@ def _conversation(
 ) -> Conversation:
     """The saved chat before its last message, as the model will see it (with the earlier
     messages' pictures when it sees `pictures`)."""
-    history = [Message(m.role, m.content, _saved_pictures(m) if pictures else ())
-               for m in saved.messages[:-1]]  # fmt: skip
-    return Conversation(runtime, settings.system_prompt or None, settings.request(),
-                        vision=vision, history=history)  # fmt: skip
+    history = [
+        Message(m.role, m.content, _saved_pictures(m) if pictures else ())
+        for m in saved.messages[:-1]
+    ]
+    return Conversation(
+        runtime, settings.system_prompt or None, settings.request(), vision=vision, history=history
+    )
 
 
 def _answer_updates(
@@ -215,8 +235,9 @@ def _vision_opener(host: ModelHost, settings: ChatSettings, pictures: bool):
     has gone since) leave their messages as text."""
     from miniapp.engine.images import choose_route
 
-    route = choose_route(resolve_model(settings.model), settings.backend,
-                         allow_backend_switch=False)  # fmt: skip
+    route = choose_route(
+        resolve_model(settings.model), settings.backend, allow_backend_switch=False
+    )
     if route.mmproj is None:
         if pictures:
             raise MiniappError(f"this message has pictures for a vision model, but {route.reason}")
@@ -319,8 +340,9 @@ def prepare_user_message(
         raise MiniappError("nothing to send: type a message or attach a file")
     if shown is not None and spoken_parts:
         shown = " ".join([*spoken_parts, shown]).strip()
-    return SavedMessage("user", text, shown=shown, notes=notes, words=words or None,
-                        images=pictures)  # fmt: skip
+    return SavedMessage(
+        "user", text, shown=shown, notes=notes, words=words or None, images=pictures
+    )
 
 
 def image_route(settings: ChatSettings, runtime: Runtime | MessageRuntime | None = None):
@@ -331,8 +353,7 @@ def image_route(settings: ChatSettings, runtime: Runtime | MessageRuntime | None
 
     if settings.backend == REMOTE_BACKEND:
         return remote_route(isinstance(runtime, MessageRuntime) and runtime.accepts_images)
-    return choose_route(resolve_model(settings.model), settings.backend,
-                        allow_backend_switch=False)  # fmt: skip
+    return choose_route(resolve_model(settings.model), settings.backend, allow_backend_switch=False)
 
 
 def _with_images(text: str, images: list[Path], route) -> tuple[str, list[str]]:

@@ -145,8 +145,9 @@ class ChatStore:
         except OSError as exc:
             raise HistoryError(f"cannot read {path} ({_reason(exc)})") from None
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise HistoryError(f"{path} is not a readable saved chat ({exc}); it is left "
-                               "as it is") from None  # fmt: skip
+            raise HistoryError(
+                f"{path} is not a readable saved chat ({exc}); it is left as it is"
+            ) from None
 
     def delete(self, conversation_id: str) -> None:
         self._unsaved.pop(conversation_id, None)

@@ -28,17 +28,32 @@ def settings_from_args(args: argparse.Namespace):
         open_remote_checks(args)  # local-only options are one line, before the page starts
         endpoint = endpoint_from_args(args)
         return ChatSettings(
-            model=args.remote_model or "", backend=args.backend, ctx=args.ctx or defaults.ctx,
-            system_prompt=args.system or "", temperature=args.temperature, top_p=args.top_p,
-            max_tokens=args.max_tokens, base_url=endpoint.base_url, api_key=endpoint.api_key,
-        )  # fmt: skip
+            model=args.remote_model or "",
+            backend=args.backend,
+            ctx=args.ctx or defaults.ctx,
+            system_prompt=args.system or "",
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_tokens=args.max_tokens,
+            base_url=endpoint.base_url,
+            api_key=endpoint.api_key,
+        )
     return ChatSettings(
-        model=args.model or defaults.model, backend=args.backend, device=args.device,
-        spec=args.spec, ctx=args.ctx or defaults.ctx, window=args.window, sinks=args.sinks,
-        threads=args.threads, parallel=args.parallel, kv_type=runtime_kv_type(args),
+        model=args.model or defaults.model,
+        backend=args.backend,
+        device=args.device,
+        spec=args.spec,
+        ctx=args.ctx or defaults.ctx,
+        window=args.window,
+        sinks=args.sinks,
+        threads=args.threads,
+        parallel=args.parallel,
+        kv_type=runtime_kv_type(args),
         system_prompt=args.system or "",
-        temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
-    )  # fmt: skip
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_tokens=args.max_tokens,
+    )
 
 
 def run_gui(args: argparse.Namespace) -> int:
@@ -55,18 +70,26 @@ def run_gui(args: argparse.Namespace) -> int:
 
         check_local_backend(args.backend)
         check_exposure(args.host, args.api_key)  # before anything loads
-    context = GuiContext(ModelHost(), ChatStore(),
-                         Transcriber(args.asr_model, args.threads), settings)  # fmt: skip
+    context = GuiContext(
+        ModelHost(), ChatStore(), Transcriber(args.asr_model, args.threads), settings
+    )
     context.host.request(settings.load_spec)  # loads while the page comes up
     api = _start_api(context.host, settings.load_spec, args) if args.api else None
     demo = build_ui(context)
     demo.queue(default_concurrency_limit=1)
     theme = gr.themes.Default(font=["system-ui", "sans-serif"], font_mono=["monospace"])
     demo.launch(
-        server_name=args.host, server_port=args.port, share=False, inbrowser=_has_display(args),
-        max_file_size=os.environ.get(MAX_UPLOAD_ENV, MAX_UPLOAD), prevent_thread_lock=True,
-        quiet=True, theme=theme, footer_links=[], favicon_path=_icon(),
-    )  # fmt: skip
+        server_name=args.host,
+        server_port=args.port,
+        share=False,
+        inbrowser=_has_display(args),
+        max_file_size=os.environ.get(MAX_UPLOAD_ENV, MAX_UPLOAD),
+        prevent_thread_lock=True,
+        quiet=True,
+        theme=theme,
+        footer_links=[],
+        favicon_path=_icon(),
+    )
     print(f"miniapp GUI: {demo.local_url}", flush=True)
     try:
         # The main thread computes the answers the browser sessions ask for (OpenMP is

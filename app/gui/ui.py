@@ -75,16 +75,34 @@ def settings_from(values: list, launched: ChatSettings) -> ChatSettings:
     """Settings from the panel's widgets (ValueError, one line, for a value out of range);
     what the panel does not show (threads, answers at once, KV cache type) stays as
     `launched`."""
-    (model, custom, backend, device, spec, ctx, window, sinks, system, temperature, top_p,
-     max_tokens) = values  # fmt: skip
+    (
+        model,
+        custom,
+        backend,
+        device,
+        spec,
+        ctx,
+        window,
+        sinks,
+        system,
+        temperature,
+        top_p,
+        max_tokens,
+    ) = values
     return replace(
         launched,
         model=(custom or "").strip() or model or "",
-        backend=backend, device=device, spec=spec, ctx=_count("context", ctx, 64),
-        window=_optional_count("window", window, 1), sinks=_optional_count("sinks", sinks, 0),
-        system_prompt=system or "", temperature=float(temperature), top_p=float(top_p),
+        backend=backend,
+        device=device,
+        spec=spec,
+        ctx=_count("context", ctx, 64),
+        window=_optional_count("window", window, 1),
+        sinks=_optional_count("sinks", sinks, 0),
+        system_prompt=system or "",
+        temperature=float(temperature),
+        top_p=float(top_p),
         max_tokens=_count("max tokens", max_tokens, 1),
-    )  # fmt: skip
+    )
 
 
 def _blank(value: int | None) -> str:
@@ -116,8 +134,9 @@ def build_ui(ctx: GuiContext) -> gr.Blocks:
         with gr.Row():
             with gr.Column(scale=1, min_width=220):
                 new_chat = gr.Button("New chat", variant="primary", elem_id="new-chat")
-                saved = gr.Dropdown(label="Saved chats", choices=history_choices(ctx.store),
-                                    elem_id="saved-chats")  # fmt: skip
+                saved = gr.Dropdown(
+                    label="Saved chats", choices=history_choices(ctx.store), elem_id="saved-chats"
+                )
                 with gr.Row():
                     open_saved = gr.Button("Open", size="sm", elem_id="open-chat")
                     delete_saved = gr.Button("Delete", size="sm", elem_id="delete-chat")
@@ -129,9 +148,12 @@ def build_ui(ctx: GuiContext) -> gr.Blocks:
                 chatbot = gr.Chatbot(label="miniapp", height=520, elem_id="chatbot")
                 box = gr.MultimodalTextbox(
                     placeholder="Message, or attach images and audio files…",
-                    file_types=UPLOAD_TYPES, file_count="multiple", sources=["upload"],
-                    elem_id="message-box", show_label=False,
-                )  # fmt: skip
+                    file_types=UPLOAD_TYPES,
+                    file_count="multiple",
+                    sources=["upload"],
+                    elem_id="message-box",
+                    show_label=False,
+                )
                 with gr.Row():
                     stop = gr.Button("Stop", elem_id="stop")
                     regenerate = gr.Button("Regenerate", elem_id="regenerate")
@@ -145,31 +167,64 @@ def build_ui(ctx: GuiContext) -> gr.Blocks:
                 # closed accordion) in 0.1 s chunks instead of 0.5 s, five times the requests,
                 # and a busy server loses chunks (it keeps only a stream's newest).
                 with gr.Accordion("Speak", open=True):
-                    microphone = gr.Audio(sources=["microphone"], streaming=True,
-                                          type="numpy", label="Microphone")  # fmt: skip
+                    microphone = gr.Audio(
+                        sources=["microphone"], streaming=True, type="numpy", label="Microphone"
+                    )
                     transcript = gr.Markdown("", elem_id="live-transcript")
             with gr.Column(scale=1, min_width=260):
                 status = gr.Markdown(ctx.host.status.message, elem_id="model-status")
                 with gr.Accordion("Settings", open=True):
-                    model = gr.Dropdown(label="Model", choices=model_choices(d),
-                                        value=d.model or None, elem_id="model")  # fmt: skip
+                    model = gr.Dropdown(
+                        label="Model",
+                        choices=model_choices(d),
+                        value=d.model or None,
+                        elem_id="model",
+                    )
                     custom = gr.Textbox(label="…or a GGUF path", elem_id="model-path")
                     backend = gr.Radio(list(BACKENDS), value=d.backend, label="Backend")
                     device = gr.Dropdown(list(DEVICE_CHOICES), value=d.device, label="Device")
                     spec = gr.Dropdown(list(SPEC_MODES), value=d.spec, label="Speculative")
-                    system = gr.Textbox(label="System prompt", value=d.system_prompt, lines=2,
-                                        elem_id="system-prompt")  # fmt: skip
-                    temperature = gr.Slider(0, 2, value=d.temperature, step=0.05,
-                                            label="Temperature", elem_id="temperature")  # fmt: skip
+                    system = gr.Textbox(
+                        label="System prompt",
+                        value=d.system_prompt,
+                        lines=2,
+                        elem_id="system-prompt",
+                    )
+                    temperature = gr.Slider(
+                        0,
+                        2,
+                        value=d.temperature,
+                        step=0.05,
+                        label="Temperature",
+                        elem_id="temperature",
+                    )
                     top_p = gr.Slider(0.05, 1, value=d.top_p, step=0.05, label="Top-p")
-                    max_tokens = gr.Number(value=d.max_tokens, precision=0, minimum=1,
-                                           label="Max tokens", elem_id="max-tokens")  # fmt: skip
+                    max_tokens = gr.Number(
+                        value=d.max_tokens,
+                        precision=0,
+                        minimum=1,
+                        label="Max tokens",
+                        elem_id="max-tokens",
+                    )
                     ctx_size = gr.Number(value=d.ctx, precision=0, minimum=64, label="Context")
                     window = gr.Textbox(value=_blank(d.window), label="Window (blank: auto)")
-                    sinks = gr.Textbox(value=_blank(d.sinks),
-                                       label=f"Sinks (blank: {DEFAULT_SINKS})")  # fmt: skip
-        settings_inputs = [model, custom, backend, device, spec, ctx_size, window, sinks, system,
-                           temperature, top_p, max_tokens]  # fmt: skip
+                    sinks = gr.Textbox(
+                        value=_blank(d.sinks), label=f"Sinks (blank: {DEFAULT_SINKS})"
+                    )
+        settings_inputs = [
+            model,
+            custom,
+            backend,
+            device,
+            spec,
+            ctx_size,
+            window,
+            sinks,
+            system,
+            temperature,
+            top_p,
+            max_tokens,
+        ]
         _wire(ctx, locals())
     return demo
 
@@ -188,8 +243,9 @@ def _wire(ctx: GuiContext, w: dict) -> None:
         conversation = _conversation(ctx, conversation_id, settings)
         files = [Path(f) for f in (message or {}).get("files", [])]
         try:
-            user = prepare_user_message((message or {}).get("text", ""), files, settings,
-                                        ctx.transcriber, ctx.host.runtime)  # fmt: skip
+            user = prepare_user_message(
+                (message or {}).get("text", ""), files, settings, ctx.transcriber, ctx.host.runtime
+            )
         except MiniappError as exc:
             yield *_view(ctx, conversation, notice=f"⚠️ {exc}"), gr.update()
             return
@@ -277,11 +333,20 @@ def _wire(ctx: GuiContext, w: dict) -> None:
     # As many answers at once as the engine batches; Gradio queues the rest (and shows the
     # position). Settings changed in the page keep this limit: it is the launch's.
     answers_at_once = ctx.defaults.load_spec.parallel
-    box.submit(send, [box, cid, *settings_inputs], [*answer_outputs, box],
-               concurrency_id=GENERATION_QUEUE, concurrency_limit=answers_at_once)  # fmt: skip
-    w["regenerate"].click(regenerate, [cid, *settings_inputs], answer_outputs,
-                          concurrency_id=GENERATION_QUEUE,
-                          concurrency_limit=answers_at_once)  # fmt: skip
+    box.submit(
+        send,
+        [box, cid, *settings_inputs],
+        [*answer_outputs, box],
+        concurrency_id=GENERATION_QUEUE,
+        concurrency_limit=answers_at_once,
+    )
+    w["regenerate"].click(
+        regenerate,
+        [cid, *settings_inputs],
+        answer_outputs,
+        concurrency_id=GENERATION_QUEUE,
+        concurrency_limit=answers_at_once,
+    )
     w["edit_last"].click(edit_last, cid, [w["chatbot"], box, w["figures"]])
     w["stop"].click(stop_answer, cid, None, queue=False)
     w["attach_photo"].click(_attach_photo, [w["camera"], box], box)
@@ -290,8 +355,16 @@ def _wire(ctx: GuiContext, w: dict) -> None:
     w["delete_saved"].click(delete_chat, [w["saved"], cid], [w["saved"], w["chatbot"], cid])
     w["export_md"].click(lambda s, c: export(s, c, "md"), [w["saved"], cid], w["exported"])
     w["export_json"].click(lambda s, c: export(s, c, "json"), [w["saved"], cid], w["exported"])
-    for widget in (w["model"], w["custom"], w["backend"], w["device"], w["spec"], w["ctx_size"],
-                   w["window"], w["sinks"]):  # fmt: skip
+    for widget in (
+        w["model"],
+        w["custom"],
+        w["backend"],
+        w["device"],
+        w["spec"],
+        w["ctx_size"],
+        w["window"],
+        w["sinks"],
+    ):
         widget.change(settings_changed, settings_inputs, w["status"])
     # The list built with the page is the server's at start-up: each visit reads it afresh.
     w["demo"].load(_on_page_load(ctx), None, [w["saved"], w["notice"]])
@@ -319,8 +392,15 @@ def _wire_microphone(ctx: GuiContext, w: dict) -> None:
     # Start, chunks and the end share one queue, so they run in order; every chunk is kept
     # ("multiple"): dropping one would cut words out of the audio.
     mic.start_recording(start, None, w["transcript"], concurrency_id="microphone")
-    mic.stream(chunk, mic, w["transcript"], stream_every=0.5, trigger_mode="multiple",
-               concurrency_limit=1, concurrency_id="microphone")  # fmt: skip
+    mic.stream(
+        chunk,
+        mic,
+        w["transcript"],
+        stream_every=0.5,
+        trigger_mode="multiple",
+        concurrency_limit=1,
+        concurrency_id="microphone",
+    )
     mic.stop_recording(finish, None, [w["transcript"], w["box"]], concurrency_id="microphone")
 
 

@@ -118,8 +118,9 @@ class ModelHost:
             if wanted == self._wanted:
                 return
             self._wanted, self._started = wanted, time.monotonic()
-            self._status = ModelStatus(LoadState.LOADING,
-                                       f"loading {wanted.label} on {wanted.backend}")  # fmt: skip
+            self._status = ModelStatus(
+                LoadState.LOADING, f"loading {wanted.label} on {wanted.backend}"
+            )
         threading.Thread(target=self._load, args=(wanted,), daemon=True).start()
 
     def _load(self, wanted: LoadSpec) -> None:
@@ -131,8 +132,9 @@ class ModelHost:
                 if self._wanted == wanted:
                     self._wanted = None
                     kept = " (the previous model stays loaded)" if self._runtime else ""
-                    self._status = ModelStatus(LoadState.FAILED, f"model failed to load: "
-                                                                 f"{exc}{kept}")  # fmt: skip
+                    self._status = ModelStatus(
+                        LoadState.FAILED, f"model failed to load: {exc}{kept}"
+                    )
                 self._changed.notify_all()
             return
         with self.generation_lock, self._changed:
@@ -153,12 +155,18 @@ class ModelHost:
             # The GUI's panel sets these two; the rest are the server's own defaults.
             return RemoteRuntime(endpoint, wanted.model or None, ("temperature", "top_p"))
         return self._opener(
-            wanted.backend, resolve_model(wanted.model), n_ctx=wanted.ctx,
-            threads=wanted.threads, sinks=wanted.sinks, window=wanted.window,
-            spec=wanted.spec, device=wanted.device, parallel=wanted.parallel,
-            kv=wanted.kv_type, **({} if wanted.max_queue is None
-                                  else {"max_queue": wanted.max_queue}),
-        )  # fmt: skip
+            wanted.backend,
+            resolve_model(wanted.model),
+            n_ctx=wanted.ctx,
+            threads=wanted.threads,
+            sinks=wanted.sinks,
+            window=wanted.window,
+            spec=wanted.spec,
+            device=wanted.device,
+            parallel=wanted.parallel,
+            kv=wanted.kv_type,
+            **({} if wanted.max_queue is None else {"max_queue": wanted.max_queue}),
+        )
 
     def wait_for(self, wanted: LoadSpec, timeout: float = LOAD_WAIT_S) -> Runtime:
         """The runtime for this model, loading it first if needed."""

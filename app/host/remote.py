@@ -21,13 +21,21 @@ KEY_ENVIRONMENT = ("OPENAI_API_KEY", "MINIAPP_API_KEY")
 def add_remote_flags(parser: argparse.ArgumentParser, settings: bool = False) -> None:
     """--base-url and --remote-model (unless the settings model makes them), and --api-key."""
     if not settings:
-        parser.add_argument("--base-url", metavar="URL",
-                            help="an OpenAI-compatible server's address, e.g. "
-                            "http://host:8000/v1 (vLLM, llama-server, miniapp serve)")  # fmt: skip
-        parser.add_argument("--remote-model", metavar="NAME", help="--backend openai: the "
-                            "server's model (default: its first)")  # fmt: skip
-    parser.add_argument("--api-key", help="--backend openai: the server's key (default: "
-                        "OPENAI_API_KEY or MINIAPP_API_KEY)")  # fmt: skip
+        parser.add_argument(
+            "--base-url",
+            metavar="URL",
+            help="an OpenAI-compatible server's address, e.g. "
+            "http://host:8000/v1 (vLLM, llama-server, miniapp serve)",
+        )
+        parser.add_argument(
+            "--remote-model",
+            metavar="NAME",
+            help="--backend openai: the server's model (default: its first)",
+        )
+    parser.add_argument(
+        "--api-key",
+        help="--backend openai: the server's key (default: OPENAI_API_KEY or MINIAPP_API_KEY)",
+    )
 
 
 def endpoint_from_args(args: argparse.Namespace):
@@ -35,10 +43,10 @@ def endpoint_from_args(args: argparse.Namespace):
     from miniapp.engine.runtimes.remote import RemoteEndpoint
 
     if not getattr(args, "base_url", None):
-        raise MiniappError("--backend openai needs --base-url URL, the server's address "
-                           "(e.g. http://host:8000/v1)")  # fmt: skip
-    key = args.api_key or next((os.environ[n] for n in KEY_ENVIRONMENT if os.environ.get(n)),
-                               None)  # fmt: skip
+        raise MiniappError(
+            "--backend openai needs --base-url URL, the server's address (e.g. http://host:8000/v1)"
+        )
+    key = args.api_key or next((os.environ[n] for n in KEY_ENVIRONMENT if os.environ.get(n)), None)
     return RemoteEndpoint(api_base(args.base_url), key)
 
 
@@ -62,9 +70,13 @@ def open_remote(args: argparse.Namespace, sampling: tuple[str, ...]):
 
 def open_remote_checks(args: argparse.Namespace) -> None:
     """Refuse, in one line, the options only a local backend has."""
-    check_remote_options(getattr(args, "spec", "auto") or "auto", getattr(args, "device", "auto"),
-                         getattr(args, "window", None), getattr(args, "sinks", None),
-                         runtime_kv_type(args))  # fmt: skip
+    check_remote_options(
+        getattr(args, "spec", "auto") or "auto",
+        getattr(args, "device", "auto"),
+        getattr(args, "window", None),
+        getattr(args, "sinks", None),
+        runtime_kv_type(args),
+    )
     if getattr(args, "mmproj", None):
         raise MiniappError("--mmproj: local backends only; the server has its own projector")
 

@@ -57,40 +57,58 @@ class Settings(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     model: str = _field(DEFAULT_MODEL, "GGUF path or bundled model name")
-    backend: Backend = _field(BACKENDS[0], "our engine, llama.cpp, or openai: a server's model "
-                              "(--base-url)")  # fmt: skip
-    base_url: str | None = _field(None, "--backend openai: the server's address, e.g. "
-                                  "http://host:8000/v1", ("chat", "gui"))  # fmt: skip
-    remote_model: str | None = _field(None, "--backend openai: the server's model (default: "
-                                      "its first)", ("chat", "gui"))  # fmt: skip
+    backend: Backend = _field(
+        BACKENDS[0], "our engine, llama.cpp, or openai: a server's model (--base-url)"
+    )
+    base_url: str | None = _field(
+        None, "--backend openai: the server's address, e.g. http://host:8000/v1", ("chat", "gui")
+    )
+    remote_model: str | None = _field(
+        None, "--backend openai: the server's model (default: its first)", ("chat", "gui")
+    )
     device: Device = _field("auto", "torch engine: auto (a GPU if torch sees one), cuda, rocm, cpu")
     threads: int | None = _field(None, "CPU threads (default: all)", gt=0)
     ctx: int = _field(DEFAULT_CTX, "context size in tokens", gt=0)
-    window: int | None = _field(None, "torch engine: recent tokens kept once the context is "
-                                "full (default: ctx - sinks)", gt=0)  # fmt: skip
-    sinks: int | None = _field(None, "torch engine: first tokens kept as attention sinks "
-                               f"(default: {DEFAULT_SINKS})", ge=0)  # fmt: skip
-    spec: Spec = _field(SpecMode.AUTO.value, "speculative decoding (torch engine; output "
-                        "unchanged)")  # fmt: skip
-    kv_type: str = _field(DEFAULT_KV_TYPE, KV_TYPE_HELP + " (llama.cpp keeps its f16 unless "
-                          "this is set)")  # fmt: skip
-    parallel: int = _field(DEFAULT_PARALLEL, "torch engine: answers generated at once, "
-                           "batched (more wait in a queue)", ("gui", "serve"), gt=0)  # fmt: skip
+    window: int | None = _field(
+        None,
+        "torch engine: recent tokens kept once the context is full (default: ctx - sinks)",
+        gt=0,
+    )
+    sinks: int | None = _field(
+        None, f"torch engine: first tokens kept as attention sinks (default: {DEFAULT_SINKS})", ge=0
+    )
+    spec: Spec = _field(
+        SpecMode.AUTO.value, "speculative decoding (torch engine; output unchanged)"
+    )
+    kv_type: str = _field(
+        DEFAULT_KV_TYPE, KV_TYPE_HELP + " (llama.cpp keeps its f16 unless this is set)"
+    )
+    parallel: int = _field(
+        DEFAULT_PARALLEL,
+        "torch engine: answers generated at once, batched (more wait in a queue)",
+        ("gui", "serve"),
+        gt=0,
+    )
     # The server's requests say their own limit (unset: what the context has left).
-    max_tokens: int = _field(_REQUEST.max_tokens, "most tokens in one answer", ("chat", "gui"),
-                             gt=0)  # fmt: skip
+    max_tokens: int = _field(
+        _REQUEST.max_tokens, "most tokens in one answer", ("chat", "gui"), gt=0
+    )
     temperature: float = _field(_SAMPLING.temperature, "0 = greedy", ge=0)
-    top_k: int = _field(_SAMPLING.top_k, "sample from the k most likely tokens (0 = all)",
-                        ("chat", "serve"), ge=0)  # fmt: skip
+    top_k: int = _field(
+        _SAMPLING.top_k, "sample from the k most likely tokens (0 = all)", ("chat", "serve"), ge=0
+    )
     top_p: float = _field(_SAMPLING.top_p, "nucleus sampling", gt=0, le=1)
-    min_p: float = _field(_SAMPLING.min_p, "drop tokens below this share of the best",
-                          ("chat", "serve"), ge=0)  # fmt: skip
-    repeat_penalty: float = _field(_SAMPLING.repeat_penalty, "llama.cpp's repetition penalty",
-                                   ("chat", "serve"), gt=0)  # fmt: skip
+    min_p: float = _field(
+        _SAMPLING.min_p, "drop tokens below this share of the best", ("chat", "serve"), ge=0
+    )
+    repeat_penalty: float = _field(
+        _SAMPLING.repeat_penalty, "llama.cpp's repetition penalty", ("chat", "serve"), gt=0
+    )
     seed: int | None = _field(None, "sampling seed", ("chat", "serve"))
     system: str | None = _field(None, "system prompt", ("chat", "gui"))
-    asr_model: str | None = _field(None, "a faster-whisper model folder (default: the bundled "
-                                   "tiny.en)")  # fmt: skip
+    asr_model: str | None = _field(
+        None, "a faster-whisper model folder (default: the bundled tiny.en)"
+    )
     host: str = _field(DEFAULT_HOST, "GUI: address to bind (default: loopback)", ("gui",))
     port: int = _field(DEFAULT_PORT, "GUI: port", ("gui",), gt=0, lt=65536)
 
@@ -104,8 +122,11 @@ class Settings(BaseModel):
 
     @classmethod
     def fields_for(cls, command: str) -> list[str]:
-        return [name for name, info in cls.model_fields.items()
-                if command in info.json_schema_extra["commands"]]  # fmt: skip
+        return [
+            name
+            for name, info in cls.model_fields.items()
+            if command in info.json_schema_extra["commands"]
+        ]
 
 
 # ------------------------------------------------------------------ the file
@@ -157,13 +178,19 @@ def _toml_value(value: Any) -> str:
 # ------------------------------------------------------------------ resolving
 
 
-def resolve(flags: dict[str, Any] | None = None, file: dict[str, Any] | None = None,
-            environ: dict[str, str] | None = None) -> tuple[Settings, dict[str, str]]:  # fmt: skip
+def resolve(
+    flags: dict[str, Any] | None = None,
+    file: dict[str, Any] | None = None,
+    environ: dict[str, str] | None = None,
+) -> tuple[Settings, dict[str, str]]:
     """The settings and, per name, where its value came from."""
     environ = os.environ if environ is None else environ
     given = {k: v for k, v in (flags or {}).items() if k in Settings.model_fields}
-    layers = [("file", read_file() if file is None else file),
-              ("environment", _from_env(environ)), ("flag", given)]  # fmt: skip
+    layers = [
+        ("file", read_file() if file is None else file),
+        ("environment", _from_env(environ)),
+        ("flag", given),
+    ]
     values: dict[str, Any] = {}
     sources = dict.fromkeys(Settings.model_fields, "default")
     for source, layer in layers:

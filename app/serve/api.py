@@ -60,9 +60,11 @@ def create_app(served: ServedModel, options: ServeOptions) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, limit=options.body_limit)
     if options.cors_origins:  # added last, so outermost: a 401 or 413 carries its headers too
         app.add_middleware(
-            CORSMiddleware, allow_origins=list(options.cors_origins),
-            allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"],
-        )  # fmt: skip
+            CORSMiddleware,
+            allow_origins=list(options.cors_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],
+        )
     _add_error_handlers(app)
     images = ServedImages(served)
     app.include_router(audio_router(served, options))
@@ -73,8 +75,9 @@ def create_app(served: ServedModel, options: ServeOptions) -> FastAPI:
     async def health() -> JSONResponse:
         status = served.host.status
         if served.host.runtime is None or status.state is LoadState.LOADING:
-            return error_response(503, status.message, kind="unavailable_error",
-                                  code="model_loading")  # fmt: skip
+            return error_response(
+                503, status.message, kind="unavailable_error", code="model_loading"
+            )
         return JSONResponse({"status": "ok"})
 
     warm_listing()
@@ -96,18 +99,19 @@ def create_app(served: ServedModel, options: ServeOptions) -> FastAPI:
         constraint = tools.constraint() if tools else _output_constraint(body)
         messages = messages_for(tools, template, await images.messages(body.messages))
         if any(m.pictures for m in messages):
-            pictured = _jobs_with_pictures(served, images, body, messages, options.defaults,
-                                           constraint)  # fmt: skip
-            answer = Answer("chatcmpl", served.model_id, body, None, runtime.tokenizer,
-                            tools=tools)  # fmt: skip
+            pictured = _jobs_with_pictures(
+                served, images, body, messages, options.defaults, constraint
+            )
+            answer = Answer("chatcmpl", served.model_id, body, None, runtime.tokenizer, tools=tools)
             return await _respond(served, runtime, pictured, answer, request, metrics)
         prompt = served.chat_prompt(runtime, messages, tools.template_tools() if tools else None)
         check_fits(runtime, prompt, "messages")
         limit = token_limit(runtime, prompt, body.token_limit())
         base = _generation_request(body, options.defaults, limit, constraint)
         jobs = [Job(i, prompt, seeded(base, i)) for i in range(body.n)]
-        answer = Answer("chatcmpl", served.model_id, body, len(prompt), runtime.tokenizer,
-                        tools=tools)  # fmt: skip
+        answer = Answer(
+            "chatcmpl", served.model_id, body, len(prompt), runtime.tokenizer, tools=tools
+        )
         return await _respond(served, runtime, jobs, answer, request, metrics)
 
     @app.post("/v1/completions")
@@ -127,8 +131,9 @@ def create_app(served: ServedModel, options: ServeOptions) -> FastAPI:
                 index = p * body.n + j
                 jobs.append(Job(index, prompt, seeded(base, j)))
                 if body.echo:
-                    echoes[index] = given if isinstance(given, str) else \
-                        runtime.tokenizer.decode(list(given))  # fmt: skip
+                    echoes[index] = (
+                        given if isinstance(given, str) else runtime.tokenizer.decode(list(given))
+                    )
         answer = Answer("cmpl", served.model_id, body, prompt_tokens, runtime.tokenizer, echoes)
         return await _respond(served, runtime, jobs, answer, request, metrics)
 
@@ -152,14 +157,37 @@ def _output_constraint(body: Sampling) -> OutputConstraint | None:
         raise bad_request(str(exc), body.constraint_field(), code="invalid_schema") from None
 
 
-def _generation_request(body: Sampling, defaults: SamplingParams, max_tokens: int,
-                        constraint: OutputConstraint | None = None):  # fmt: skip
-    fields = {name: getattr(body, name) for name in ("temperature", "top_p", "seed", "top_k",
-              "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty")}  # fmt: skip
-    sampling = replace(defaults, **{k: v for k, v in fields.items() if v is not None},
-                       logprobs=body.logprob_count(), constraint=constraint)  # fmt: skip
-    return GenerationRequest(max_tokens=max_tokens, sampling=sampling, stop=body.stops(),
-                             ignore_end_of_turn=body.ignore_eos)  # fmt: skip
+def _generation_request(
+    body: Sampling,
+    defaults: SamplingParams,
+    max_tokens: int,
+    constraint: OutputConstraint | None = None,
+):
+    fields = {
+        name: getattr(body, name)
+        for name in (
+            "temperature",
+            "top_p",
+            "seed",
+            "top_k",
+            "min_p",
+            "repeat_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        )
+    }
+    sampling = replace(
+        defaults,
+        **{k: v for k, v in fields.items() if v is not None},
+        logprobs=body.logprob_count(),
+        constraint=constraint,
+    )
+    return GenerationRequest(
+        max_tokens=max_tokens,
+        sampling=sampling,
+        stop=body.stops(),
+        ignore_end_of_turn=body.ignore_eos,
+    )
 
 
 # ------------------------------------------------------------------ responses
@@ -184,9 +212,14 @@ class Answer:
 
     def envelope(self, choices: list[dict], chunk: bool) -> dict:
         kind = "chat.completion" if self.chat else "text_completion"
-        return {"id": self.id, "object": kind + (".chunk" if chunk and self.chat else ""),
-                "created": self.created, "model": self.model,
-                "system_fingerprint": FINGERPRINT, "choices": choices}  # fmt: skip
+        return {
+            "id": self.id,
+            "object": kind + (".chunk" if chunk and self.chat else ""),
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": FINGERPRINT,
+            "choices": choices,
+        }
 
     def usage(self, finished: dict[int, Finished]) -> dict:
         completion = sum(f.stats.generated_tokens for f in finished.values())
@@ -194,34 +227,59 @@ class Answer:
         prompt = self.prompt_tokens
         if prompt is None:
             prompt = max((f.stats.prompt_tokens for f in finished.values()), default=0)
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
 
-    def choice(self, index: int, text: str, finished: Finished,
-               logprobs: Sequence[TokenLogprob]) -> dict:  # fmt: skip
+    def choice(
+        self, index: int, text: str, finished: Finished, logprobs: Sequence[TokenLogprob]
+    ) -> dict:
         reason = finish_reason(finished)
         echo = (self.echoes or {}).get(index, "")
         shown = self._logprobs(logprobs, len(echo))
         calls = self.tools.calls_in(text) if self.tools else None
         if calls:
-            message = {"role": "assistant", "content": None,
-                       "tool_calls": [call.as_openai() for call in calls]}  # fmt: skip
-            return {"index": index, "message": message, "logprobs": None,
-                    "finish_reason": "tool_calls"}  # fmt: skip
+            message = {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [call.as_openai() for call in calls],
+            }
+            return {
+                "index": index,
+                "message": message,
+                "logprobs": None,
+                "finish_reason": "tool_calls",
+            }
         if self.chat:
-            return {"index": index, "message": {"role": "assistant", "content": text},
-                    "logprobs": shown, "finish_reason": reason}  # fmt: skip
+            return {
+                "index": index,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": shown,
+                "finish_reason": reason,
+            }
         return {"index": index, "text": echo + text, "logprobs": shown, "finish_reason": reason}
 
     def call_delta(self, index: int, part: dict) -> dict:
         """A streamed piece of a tool call (see tools.CallStream)."""
-        return {"index": index, "delta": {"tool_calls": [part]}, "logprobs": None,
-                "finish_reason": None}  # fmt: skip
+        return {
+            "index": index,
+            "delta": {"tool_calls": [part]},
+            "logprobs": None,
+            "finish_reason": None,
+        }
 
-    def delta(self, index: int, text: str | None = None, role: bool = False,
-              reason: str | None = None, logprobs: Sequence[TokenLogprob] = (),
-              offset: int = 0) -> dict:  # fmt: skip
+    def delta(
+        self,
+        index: int,
+        text: str | None = None,
+        role: bool = False,
+        reason: str | None = None,
+        logprobs: Sequence[TokenLogprob] = (),
+        offset: int = 0,
+    ) -> dict:
         shown = self._logprobs(logprobs, offset) if logprobs else None
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else {}
@@ -239,23 +297,38 @@ class Answer:
 
 
 def _jobs_with_pictures(
-    served: ServedModel, images: ServedImages, body: ChatCompletionRequest,
-    messages: list[Message], defaults: SamplingParams, constraint: OutputConstraint | None,
-) -> list[Job]:  # fmt: skip
+    served: ServedModel,
+    images: ServedImages,
+    body: ChatCompletionRequest,
+    messages: list[Message],
+    defaults: SamplingParams,
+    constraint: OutputConstraint | None,
+) -> list[Job]:
     """A chat with pictures goes to the model's vision projector: its answers take turns on
     the vision runtime, which evaluates the pictures (OCR'd images never come here)."""
     if body.logprob_count() is not None:
-        raise bad_request("logprobs are not reported for answers about pictures (the vision "
-                          "model's path)", "logprobs", code="unsupported_parameter")  # fmt: skip
+        raise bad_request(
+            "logprobs are not reported for answers about pictures (the vision model's path)",
+            "logprobs",
+            code="unsupported_parameter",
+        )
     limit = body.token_limit() or served.runtime().n_ctx
     base = _generation_request(body, defaults, limit, constraint)
     requests = [seeded(base, i) for i in range(body.n)]
-    return [Job(i, [], r, produce=vision_producer(served, images.route, messages, r))
-            for i, r in enumerate(requests)]  # fmt: skip
+    return [
+        Job(i, [], r, produce=vision_producer(served, images.route, messages, r))
+        for i, r in enumerate(requests)
+    ]
 
 
-async def _respond(served: ServedModel, runtime, jobs: list[Job], answer: Answer,
-                   request: Request, metrics: ServeMetrics):  # fmt: skip
+async def _respond(
+    served: ServedModel,
+    runtime,
+    jobs: list[Job],
+    answer: Answer,
+    request: Request,
+    metrics: ServeMetrics,
+):
     relay = Relay(served.host, runtime, jobs, metrics.observer(len(jobs))).start()
     try:
         await relay.accepted()
@@ -263,8 +336,11 @@ async def _respond(served: ServedModel, runtime, jobs: list[Job], answer: Answer
         relay.close()
         raise
     if answer.body.stream:
-        return StreamingResponse(_stream(relay, answer), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})  # fmt: skip
+        return StreamingResponse(
+            _stream(relay, answer),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
     return await _complete(relay, answer, request)
 
 
@@ -278,8 +354,9 @@ async def _complete(relay: Relay, answer: Answer, request: Request) -> JSONRespo
             logprobs[index].extend(event.logprobs)
         elif isinstance(event, Finished):
             finished[index] = event
-    choices = [answer.choice(i, "".join(texts[i]), finished[i], logprobs[i])
-               for i in sorted(finished)]  # fmt: skip
+    choices = [
+        answer.choice(i, "".join(texts[i]), finished[i], logprobs[i]) for i in sorted(finished)
+    ]
     body = answer.envelope(choices, chunk=False)
     body["usage"] = answer.usage(finished)
     return JSONResponse(body)
@@ -327,8 +404,9 @@ async def _stream(relay: Relay, answer: Answer) -> AsyncIterator[str]:
                     calls[index] = answer.tools.call_stream()
             if index in calls:
                 for part in calls[index].feed(text):
-                    yield _sse(answer.envelope([answer.call_delta(index, part)], True)
-                               | usage_field)  # fmt: skip
+                    yield _sse(
+                        answer.envelope([answer.call_delta(index, part)], True) | usage_field
+                    )
                 continue
             delta = answer.delta(index, text, logprobs=event.logprobs, offset=offsets[index])
             offsets[index] += len(text)
@@ -377,8 +455,9 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def crashed(_request: Request, exc: Exception) -> JSONResponse:
         log.exception("request failed")
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}",
-                              kind="server_error")  # fmt: skip
+        return error_response(
+            500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error"
+        )
 
 
 def _validation_error(exc: RequestValidationError) -> ApiError:
@@ -388,16 +467,21 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
     field = ".".join(location) or None
     kind = error.get("type", "")
     if kind == "json_invalid":
-        return bad_request("We could not parse the JSON body of your request: "
-                           f"{error.get('ctx', {}).get('error', 'invalid JSON')}",
-                           code="invalid_json")  # fmt: skip
+        return bad_request(
+            "We could not parse the JSON body of your request: "
+            f"{error.get('ctx', {}).get('error', 'invalid JSON')}",
+            code="invalid_json",
+        )
     if kind == "extra_forbidden":
-        return bad_request(f"Unrecognized request argument supplied: {field}", field,
-                           code="unknown_parameter")  # fmt: skip
+        return bad_request(
+            f"Unrecognized request argument supplied: {field}", field, code="unknown_parameter"
+        )
     if kind == "missing":
-        return bad_request(f"Missing required parameter: '{field}'", field,
-                           code="missing_required_parameter")  # fmt: skip
+        return bad_request(
+            f"Missing required parameter: '{field}'", field, code="missing_required_parameter"
+        )
     if kind == "model_attributes_type" or not field:
         return bad_request("the request body must be a JSON object", code="invalid_type")
-    return bad_request(f"Invalid value for '{field}': {error.get('msg')}", field,
-                       code="invalid_value")  # fmt: skip
+    return bad_request(
+        f"Invalid value for '{field}': {error.get('msg')}", field, code="invalid_value"
+    )

@@ -56,13 +56,31 @@ LANGUAGE_NAME = "english"  # verbose_json names the language, as OpenAI does (as
 FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
 STREAM_FORMATS = ("json", "text")  # a stream is events of text, whatever the format
 GRANULARITIES = ("word", "segment")
-FIELDS = frozenset({"file", "model", "language", "prompt", "temperature", "response_format",
-                    "timestamp_granularities", "stream", "include"})  # fmt: skip
+FIELDS = frozenset(
+    {
+        "file",
+        "model",
+        "language",
+        "prompt",
+        "temperature",
+        "response_format",
+        "timestamp_granularities",
+        "stream",
+        "include",
+    }
+)
 # What `include[]` may ask for: OpenAI's is "logprobs" (not done here); "partials" is ours.
 INCLUDES = ("partials",)
 # OpenAI's fields that this server does not do: a request that sets one gets a 400 naming it.
-NOT_SUPPORTED = frozenset({"chunking_strategy", "keywords", "known_speaker_names",
-                           "known_speaker_references", "languages"})  # fmt: skip
+NOT_SUPPORTED = frozenset(
+    {
+        "chunking_strategy",
+        "keywords",
+        "known_speaker_names",
+        "known_speaker_references",
+        "languages",
+    }
+)
 DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
 
 
@@ -83,8 +101,11 @@ def audio_router(served, options) -> APIRouter:
         if isinstance(first, ApiError):
             raise first
         if asked.stream:
-            return StreamingResponse(_events(first, job), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})  # fmt: skip
+            return StreamingResponse(
+                _events(first, job),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
         return _response(asked, first)
 
     return router
@@ -118,15 +139,19 @@ async def _form(request: Request) -> AsyncIterator[FormData]:
     """The multipart form, its uploads closed afterwards. A body over the size limit stays a
     413 (the middleware's); an unreadable one is a 400."""
     if not request.headers.get("content-type", "").lower().startswith("multipart/form-data"):
-        raise bad_request("send the audio as multipart/form-data, with the fields 'file' and "
-                          "'model'", "file", code="invalid_content_type")  # fmt: skip
+        raise bad_request(
+            "send the audio as multipart/form-data, with the fields 'file' and 'model'",
+            "file",
+            code="invalid_content_type",
+        )
     try:
         form = await request.form()
     except StarletteHTTPException as exc:
         if exc.status_code != 400:
             raise
-        raise bad_request(f"the multipart body could not be read: {exc.detail}",
-                          code="invalid_multipart") from None  # fmt: skip
+        raise bad_request(
+            f"the multipart body could not be read: {exc.detail}", code="invalid_multipart"
+        ) from None
     try:
         yield form
     finally:
@@ -146,16 +171,23 @@ def parse_request(form: FormData) -> tuple[TranscriptionRequest, UploadFile]:
         raise _invalid("response_format", response_format, FORMATS)
     stream = _flag(form, "stream")
     if stream and response_format not in STREAM_FORMATS:
-        raise bad_request(f"stream=true sends transcript.text events: response_format must be "
-                          f"json or text, not '{response_format}'", "response_format",
-                          code="unsupported_value")  # fmt: skip
+        raise bad_request(
+            f"stream=true sends transcript.text events: response_format must be "
+            f"json or text, not '{response_format}'",
+            "response_format",
+            code="unsupported_value",
+        )
     _check_language(_text(form, "language"))
     _check_temperature(_text(form, "temperature"))
     asked = TranscriptionRequest(
-        model, upload.filename or "file", response_format,
-        _granularities(form, response_format), stream, _text(form, "prompt") or "",
+        model,
+        upload.filename or "file",
+        response_format,
+        _granularities(form, response_format),
+        stream,
+        _text(form, "prompt") or "",
         "partials" in _includes(form, stream),
-    )  # fmt: skip
+    )
     return asked, upload
 
 
@@ -163,19 +195,20 @@ def _refuse_other_fields(form: FormData) -> None:
     for key in form.keys():
         name = key.split("[", 1)[0]  # arrays come as `name[]`, objects as `name[key]`
         if name in NOT_SUPPORTED:
-            raise bad_request(f"'{name}' is not supported by this server", key,
-                              code="unsupported_parameter")  # fmt: skip
+            raise bad_request(
+                f"'{name}' is not supported by this server", key, code="unsupported_parameter"
+            )
         if name not in FIELDS:
-            raise bad_request(f"Unrecognized request argument supplied: {key}", key,
-                              code="unknown_parameter")  # fmt: skip
+            raise bad_request(
+                f"Unrecognized request argument supplied: {key}", key, code="unknown_parameter"
+            )
 
 
 def _text(form: FormData, name: str) -> str | None:
     """A text field's value; None when absent or empty."""
     value = form.get(name)
     if isinstance(value, UploadFile):
-        raise bad_request(f"'{name}' must be a text field, not a file", name,
-                          code="invalid_type")  # fmt: skip
+        raise bad_request(f"'{name}' must be a text field, not a file", name, code="invalid_type")
     return value or None
 
 
@@ -184,8 +217,11 @@ def _upload(form: FormData) -> UploadFile:
     if value is None or value == "":
         raise _missing("file")
     if not isinstance(value, UploadFile):
-        raise bad_request("'file' must be an uploaded file (the audio), not a text field",
-                          "file", code="invalid_type")  # fmt: skip
+        raise bad_request(
+            "'file' must be an uploaded file (the audio), not a text field",
+            "file",
+            code="invalid_type",
+        )
     return value
 
 
@@ -203,8 +239,11 @@ def _granularities(form: FormData, response_format: str) -> frozenset[str]:
         if value not in GRANULARITIES:
             raise _invalid(key, str(value), GRANULARITIES)
     if values and response_format != "verbose_json":
-        raise bad_request(f"'{key}' needs response_format verbose_json (it is "
-                          f"'{response_format}')", key, code="invalid_value")  # fmt: skip
+        raise bad_request(
+            f"'{key}' needs response_format verbose_json (it is '{response_format}')",
+            key,
+            code="invalid_value",
+        )
     return frozenset(values)
 
 
@@ -215,16 +254,22 @@ def _includes(form: FormData, stream: bool) -> frozenset[str]:
         if value not in INCLUDES:
             raise _invalid(key, str(value), INCLUDES)
     if values and not stream:
-        raise bad_request(f"'{key}=partials' needs stream=true (partial text is only sent "
-                          "while streaming)", key, code="invalid_value")  # fmt: skip
+        raise bad_request(
+            f"'{key}=partials' needs stream=true (partial text is only sent while streaming)",
+            key,
+            code="invalid_value",
+        )
     return frozenset(values)
 
 
 def _check_language(language: str | None) -> None:
     if language is not None and language.lower() != LANGUAGE:
-        raise bad_request(f"language '{language}' is not supported: this server's recogniser "
-                          f"transcribes English only ('{LANGUAGE}')", "language",
-                          code="unsupported_value")  # fmt: skip
+        raise bad_request(
+            f"language '{language}' is not supported: this server's recogniser "
+            f"transcribes English only ('{LANGUAGE}')",
+            "language",
+            code="unsupported_value",
+        )
 
 
 def _check_temperature(given: str | None) -> None:
@@ -235,24 +280,37 @@ def _check_temperature(given: str | None) -> None:
     try:
         temperature = float(given)
     except ValueError:
-        raise bad_request(f"Invalid value for 'temperature': '{given}' is not a number",
-                          "temperature", code="invalid_value") from None  # fmt: skip
+        raise bad_request(
+            f"Invalid value for 'temperature': '{given}' is not a number",
+            "temperature",
+            code="invalid_value",
+        ) from None
     if not 0 <= temperature <= 1:
-        raise bad_request("Invalid value for 'temperature': it must be between 0 and 1",
-                          "temperature", code="invalid_value")  # fmt: skip
+        raise bad_request(
+            "Invalid value for 'temperature': it must be between 0 and 1",
+            "temperature",
+            code="invalid_value",
+        )
     if temperature != 0:
-        raise bad_request("temperature must be 0 here: this server's recogniser decodes "
-                          "without sampling", "temperature", code="unsupported_value")  # fmt: skip
+        raise bad_request(
+            "temperature must be 0 here: this server's recogniser decodes without sampling",
+            "temperature",
+            code="unsupported_value",
+        )
 
 
 def _missing(name: str) -> ApiError:
-    return bad_request(f"Missing required parameter: '{name}'", name,
-                       code="missing_required_parameter")  # fmt: skip
+    return bad_request(
+        f"Missing required parameter: '{name}'", name, code="missing_required_parameter"
+    )
 
 
 def _invalid(name: str, value: str, choices: tuple[str, ...]) -> ApiError:
-    return bad_request(f"Invalid value for '{name}': '{value}' (expected one of "
-                       f"{', '.join(choices)})", name, code="invalid_value")  # fmt: skip
+    return bad_request(
+        f"Invalid value for '{name}': '{value}' (expected one of {', '.join(choices)})",
+        name,
+        code="invalid_value",
+    )
 
 
 async def _saved(upload: UploadFile, name: str) -> Path:
@@ -342,16 +400,19 @@ class Recognizer:
 
     def check_model(self, name: str) -> None:
         if name not in self.names:
-            raise ApiError(404, f"The model '{name}' does not exist (this server transcribes "
-                           f"with '{OPENAI_MODEL}', its {self.name} recogniser)",
-                           code="model_not_found", param="model")  # fmt: skip
+            raise ApiError(
+                404,
+                f"The model '{name}' does not exist (this server transcribes "
+                f"with '{OPENAI_MODEL}', its {self.name} recogniser)",
+                code="model_not_found",
+                param="model",
+            )
 
     def submit(self, asked: TranscriptionRequest, path: Path) -> Job:
         job = Job(asked, path)
         if self._worker is None:
             # A daemon thread: a server that stops does not wait for the jobs still queued.
-            self._worker = threading.Thread(target=self._work, name="transcription",
-                                            daemon=True)  # fmt: skip
+            self._worker = threading.Thread(target=self._work, name="transcription", daemon=True)
             self._worker.start()
         self._jobs.put(job)
         return job
@@ -368,8 +429,11 @@ class Recognizer:
                 job.send(exc)
             except Exception as exc:
                 log.exception("transcription failed")
-                job.send(ApiError(500, f"internal error: {type(exc).__name__}: {exc}",
-                                  kind="server_error"))  # fmt: skip
+                job.send(
+                    ApiError(
+                        500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error"
+                    )
+                )
             finally:
                 job.path.unlink(missing_ok=True)
                 job.send(_END)
@@ -388,8 +452,12 @@ class Recognizer:
             try:
                 self._asr = load_asr(self.asr_model, self.threads)
             except MiniappError as exc:
-                raise ApiError(500, f"the speech model could not be loaded: {exc}",
-                               kind="server_error", code="model_load_failed") from None  # fmt: skip
+                raise ApiError(
+                    500,
+                    f"the speech model could not be loaded: {exc}",
+                    kind="server_error",
+                    code="model_load_failed",
+                ) from None
         return self._asr
 
 
@@ -509,8 +577,12 @@ def _response(asked: TranscriptionRequest, transcript: Transcript) -> Response:
 
 
 def _verbose(asked: TranscriptionRequest, transcript: Transcript) -> dict:
-    body = {"task": "transcribe", "language": LANGUAGE_NAME,
-            "duration": round(transcript.duration, 3), "text": transcript.text}  # fmt: skip
+    body = {
+        "task": "transcribe",
+        "language": LANGUAGE_NAME,
+        "duration": round(transcript.duration, 3),
+        "text": transcript.text,
+    }
     if transcript.segments is not None:
         body["segments"] = transcript.segments
     if asked.wants_words:
@@ -536,15 +608,21 @@ def _segments(words: list[Word], windows: list[_Window], asr: WhisperASR) -> lis
     for index, cue in enumerate(cues(words)):
         window = windows[max(0, bisect.bisect_right(starts, cue.start + 1e-6) - 1)]
         decode = window.decode
-        segments.append({
-            "id": index, "seek": round(window.offset * FRAMES_PER_SECOND),
-            "start": round(cue.start, 3), "end": round(cue.end, 3),
-            # Whisper's segment texts start with a space, so that joined they read right.
-            "text": " " + cue.text, "tokens": asr.text_tokens(cue.text), "temperature": 0.0,
-            "avg_logprob": float(decode.avg_log_prob),
-            "compression_ratio": float(decode.compression_ratio),
-            "no_speech_prob": float(decode.no_speech_prob),
-        })  # fmt: skip
+        segments.append(
+            {
+                "id": index,
+                "seek": round(window.offset * FRAMES_PER_SECOND),
+                "start": round(cue.start, 3),
+                "end": round(cue.end, 3),
+                # Whisper's segment texts start with a space, so that joined they read right.
+                "text": " " + cue.text,
+                "tokens": asr.text_tokens(cue.text),
+                "temperature": 0.0,
+                "avg_logprob": float(decode.avg_log_prob),
+                "compression_ratio": float(decode.compression_ratio),
+                "no_speech_prob": float(decode.no_speech_prob),
+            }
+        )
     return segments
 
 
@@ -562,8 +640,13 @@ async def _events(first: object, job: Job) -> AsyncIterator[str]:
                 failed = True
                 yield _sse(item.body())
             elif isinstance(item, PartialText):
-                yield _sse({"type": "transcript.text.partial", "text": item.text,
-                            "words": [_word(w) for w in item.words]})  # fmt: skip
+                yield _sse(
+                    {
+                        "type": "transcript.text.partial",
+                        "text": item.text,
+                        "words": [_word(w) for w in item.words],
+                    }
+                )
             else:
                 yield _sse(_delta(item, words))
                 words += item

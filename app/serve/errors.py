@@ -25,23 +25,35 @@ class ApiError(Exception):
         self.code, self.param, self.headers = code, param, headers
 
     def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, kind=self.kind, code=self.code,
-                              param=self.param, headers=self.headers)  # fmt: skip
+        return error_response(
+            self.status,
+            self.message,
+            kind=self.kind,
+            code=self.code,
+            param=self.param,
+            headers=self.headers,
+        )
 
     def body(self) -> dict:
         return error_body(self.message, self.kind, self.code, self.param)
 
 
-def error_body(message: str, kind: str = INVALID_REQUEST, code: str | None = None,
-               param: str | None = None) -> dict:  # fmt: skip
+def error_body(
+    message: str, kind: str = INVALID_REQUEST, code: str | None = None, param: str | None = None
+) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def error_response(status: int, message: str, *, kind: str = INVALID_REQUEST,
-                   code: str | None = None, param: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:  # fmt: skip
-    return JSONResponse(error_body(message, kind, code, param), status_code=status,
-                        headers=headers)  # fmt: skip
+def error_response(
+    status: int,
+    message: str,
+    *,
+    kind: str = INVALID_REQUEST,
+    code: str | None = None,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    return JSONResponse(error_body(message, kind, code, param), status_code=status, headers=headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:

@@ -27,8 +27,9 @@ from .errors import bad_request
 from .protocol import ChatMessage
 from .tools import tool_message
 
-DATA_URI = re.compile(r"data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,",
-                      re.IGNORECASE)  # fmt: skip
+DATA_URI = re.compile(
+    r"data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,", re.IGNORECASE
+)
 
 
 class ServedImages:
@@ -75,11 +76,14 @@ class ServedImages:
     def _attach(self, images: list[bytes], number: int):
         with self._ocr_lock:
             try:
-                return [attach_image(data, self.route, name=f"image {i + 1}")
-                        for i, data in enumerate(images)]  # fmt: skip
+                return [
+                    attach_image(data, self.route, name=f"image {i + 1}")
+                    for i, data in enumerate(images)
+                ]
             except MiniappError as exc:  # an unreadable or oversized image: one line
-                raise bad_request(str(exc), f"messages.{number}.content",
-                                  code="invalid_image") from None  # fmt: skip
+                raise bad_request(
+                    str(exc), f"messages.{number}.content", code="invalid_image"
+                ) from None
 
 
 def decode_data_uri(url: str, param: str) -> bytes:
@@ -87,17 +91,21 @@ def decode_data_uri(url: str, param: str) -> bytes:
     match = DATA_URI.match(url)
     if match is None:
         where = "an http(s) URL" if url.startswith(("http://", "https://")) else "not a data URI"
-        raise bad_request(f"image_url is {where}: this server runs offline and fetches nothing; "
-                          "send the image as data:image/...;base64,...", param,
-                          code="invalid_image_url")  # fmt: skip
+        raise bad_request(
+            f"image_url is {where}: this server runs offline and fetches nothing; "
+            "send the image as data:image/...;base64,...",
+            param,
+            code="invalid_image_url",
+        )
     kind = (match.group("type") or "").lower()
     if kind and not kind.startswith("image/"):
         raise bad_request(f"image_url carries {kind}, not an image", param, code="invalid_image")
     try:
         return base64.b64decode("".join(url[match.end() :].split()), validate=True)
     except (binascii.Error, ValueError):
-        raise bad_request("image_url's base64 data does not decode", param,
-                          code="invalid_image") from None  # fmt: skip
+        raise bad_request(
+            "image_url's base64 data does not decode", param, code="invalid_image"
+        ) from None
 
 
 def vision_producer(served, route: ImageRoute, messages: list[Message], request):

@@ -18,8 +18,9 @@ def chat_logprobs(entries: Sequence[TokenLogprob], tokenizer) -> dict:
         text, raw = _token(tokenizer, token)
         return {"token": text, "logprob": logprob, "bytes": raw}
 
-    content = [one(e.token, e.logprob) | {"top_logprobs": [one(t, lp) for t, lp in e.top]}
-               for e in entries]  # fmt: skip
+    content = [
+        one(e.token, e.logprob) | {"top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries
+    ]
     return {"content": content, "refusal": None}
 
 
@@ -31,6 +32,9 @@ def completion_logprobs(entries: Sequence[TokenLogprob], tokenizer, offset: int)
         text = _token(tokenizer, entry.token)[0]
         tokens.append(text)
         offset += len(text)
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{_token(tokenizer, t)[0]: lp for t, lp in e.top} for e in entries],
-            "text_offset": offsets}  # fmt: skip
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{_token(tokenizer, t)[0]: lp for t, lp in e.top} for e in entries],
+        "text_offset": offsets,
+    }

@@ -36,8 +36,22 @@ from .service import RelayObserver, ServedModel, finish_reason
 # of seconds after a long prompt queued behind a full batch; tokens follow each other a few ms
 # apart (speculative bursts) to a few hundred ms (a full batch of a larger model).
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
-INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25,
-                       0.5, 1.0, 2.5)  # fmt: skip
+INTER_TOKEN_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 FINISH_REASONS = ("stop", "length", "cancelled")
 
@@ -117,19 +131,24 @@ class ServeMetrics:
 
     def _define_gauges(self) -> None:
         figures = {
-            "miniapp_requests_running": ("Answers generating (or evaluating their prompt)",
-                                         self._running),
-            "miniapp_requests_waiting": ("Answers waiting for a slot or their turn",
-                                         self._waiting),
-            "miniapp_kv_cache_reserved_bytes": ("KV memory reserved by running answers and "
-                                                "kept prefixes (batching engine)",
-                                                self._kv_reserved),
-            "miniapp_kv_cache_budget_bytes": ("KV memory the batching engine may reserve "
-                                              "(0: no bound, or no batching engine)",
-                                              self._kv_budget),
-            "miniapp_kv_cache_usage_ratio": ("KV memory reserved / budget (0 without a budget)",
-                                             self._kv_usage),
-        }  # fmt: skip
+            "miniapp_requests_running": (
+                "Answers generating (or evaluating their prompt)",
+                self._running,
+            ),
+            "miniapp_requests_waiting": ("Answers waiting for a slot or their turn", self._waiting),
+            "miniapp_kv_cache_reserved_bytes": (
+                "KV memory reserved by running answers and kept prefixes (batching engine)",
+                self._kv_reserved,
+            ),
+            "miniapp_kv_cache_budget_bytes": (
+                "KV memory the batching engine may reserve (0: no bound, or no batching engine)",
+                self._kv_budget,
+            ),
+            "miniapp_kv_cache_usage_ratio": (
+                "KV memory reserved / budget (0 without a budget)",
+                self._kv_usage,
+            ),
+        }
         for name, (text, read) in figures.items():
             Gauge(name, text, registry=self.registry).set_function(read)
 

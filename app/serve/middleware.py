@@ -28,8 +28,11 @@ class ApiKeyMiddleware:
         scheme, _, token = given.partition(" ")
         if scheme.lower() == "bearer" and hmac.compare_digest(token.strip(), self.api_key):
             return await self.app(scope, receive, send)
-        message = ("Incorrect API key provided." if given else
-                   "You didn't provide an API key: send Authorization: Bearer KEY.")  # fmt: skip
+        message = (
+            "Incorrect API key provided."
+            if given
+            else "You didn't provide an API key: send Authorization: Bearer KEY."
+        )
         response = error_response(401, message, code="invalid_api_key")
         await response(scope, receive, send)
 

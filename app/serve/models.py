@@ -28,13 +28,22 @@ def model_listing(served) -> list[dict]:
 
 def warm_listing() -> None:
     """Read every listed file's context length now, in a background thread."""
-    threading.Thread(target=lambda: [_trained_context(p) for _, p in installed_models()],
-                     name="models-listing", daemon=True).start()  # fmt: skip
+    threading.Thread(
+        target=lambda: [_trained_context(p) for _, p in installed_models()],
+        name="models-listing",
+        daemon=True,
+    ).start()
 
 
 def _entry(name: str, context: int | None, loaded: bool, path: Path | None) -> dict:
-    return {"id": name, "object": "model", "created": _created(path), "owned_by": "miniapp",
-            "context_length": context, "loaded": loaded}  # fmt: skip
+    return {
+        "id": name,
+        "object": "model",
+        "created": _created(path),
+        "owned_by": "miniapp",
+        "context_length": context,
+        "loaded": loaded,
+    }
 
 
 def _created(path: Path | None) -> int:

@@ -110,8 +110,7 @@ class FunctionSpec(_Body):
 
     def spec(self) -> dict:
         parameters = self.parameters or {"type": "object", "properties": {}}
-        return {"name": self.name, "description": self.description or "",
-                "parameters": parameters}  # fmt: skip
+        return {"name": self.name, "description": self.description or "", "parameters": parameters}
 
 
 class Tool(_Body):
@@ -157,13 +156,22 @@ class Sampling(_Body):
 
     def output_constraint(self) -> OutputConstraint | None:
         """What the answer must match (checked: ConstraintError if it does not compile)."""
-        asked = {name: value for name, value in (
-            ("response_format", self._format_constraint()),
-            ("grammar", self.grammar and OutputConstraint(ConstraintKind.GBNF, self.grammar)),
-            ("guided_regex", self.guided_regex and OutputConstraint("regex", self.guided_regex)),
-            ("guided_choice", self.guided_choice is not None
-             and OutputConstraint.choices(self.guided_choice)),
-        ) if value}  # fmt: skip
+        asked = {
+            name: value
+            for name, value in (
+                ("response_format", self._format_constraint()),
+                ("grammar", self.grammar and OutputConstraint(ConstraintKind.GBNF, self.grammar)),
+                (
+                    "guided_regex",
+                    self.guided_regex and OutputConstraint("regex", self.guided_regex),
+                ),
+                (
+                    "guided_choice",
+                    self.guided_choice is not None and OutputConstraint.choices(self.guided_choice),
+                ),
+            )
+            if value
+        }
         if len(asked) > 1:
             raise ConstraintError(f"only one constraint at a time: {', '.join(asked)}")
         for constraint in asked.values():

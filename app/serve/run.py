@@ -66,23 +66,31 @@ def check_local_backend(backend: str) -> None:
     """The API serves a model that runs here; passing another server's answers through is
     that server's job."""
     if backend == REMOTE_BACKEND:
-        raise MiniappError("the API serves a local model (--backend torch or llamacpp); point "
-                           "clients at the --backend openai server itself")  # fmt: skip
+        raise MiniappError(
+            "the API serves a local model (--backend torch or llamacpp); point "
+            "clients at the --backend openai server itself"
+        )
 
 
-def start_api(host: ModelHost, spec: LoadSpec, args: argparse.Namespace, address: str,
-              port: int):  # fmt: skip
+def start_api(host: ModelHost, spec: LoadSpec, args: argparse.Namespace, address: str, port: int):
     """The API on uvicorn in a background thread, over `host` (the server's own, or the
     GUI's); prints its URL once it listens. Returns the uvicorn server."""
     served = ServedModel(host, spec, chat_template_source(args.chat_template_file))
-    options = ServeOptions(api_key=args.api_key, cors_origins=tuple(args.cors_origin),
-                           body_limit=int(args.max_body_mb * 1024 * 1024),
-                           defaults=_sampling_defaults(args), asr_model=args.asr_model,
-                           threads=args.threads)  # fmt: skip
+    options = ServeOptions(
+        api_key=args.api_key,
+        cors_origins=tuple(args.cors_origin),
+        body_limit=int(args.max_body_mb * 1024 * 1024),
+        defaults=_sampling_defaults(args),
+        asr_model=args.asr_model,
+        threads=args.threads,
+    )
     server = _start_uvicorn(create_app(served, options), address, port)
     bound = server.servers[0].sockets[0].getsockname()[1]
-    print(f"miniapp serve: http://{_url_host(address)}:{bound}/v1 ({served.model_id}, "
-          f"{spec.backend}; /health says when the model is ready)", flush=True)  # fmt: skip
+    print(
+        f"miniapp serve: http://{_url_host(address)}:{bound}/v1 ({served.model_id}, "
+        f"{spec.backend}; /health says when the model is ready)",
+        flush=True,
+    )
     return server
 
 
@@ -93,24 +101,38 @@ def chat_template_source(path: str | None) -> str | None:
     try:
         source = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise MiniappError(f"{path}: cannot read the chat template ({exc.__class__.__name__})"
-                           ) from None  # fmt: skip
+        raise MiniappError(
+            f"{path}: cannot read the chat template ({exc.__class__.__name__})"
+        ) from None
     ChatTemplate(source)  # TemplateError, one line, if it does not parse
     return source
 
 
 def load_spec(args: argparse.Namespace) -> LoadSpec:
     parallel = args.parallel if args.backend == "torch" else 1  # llama.cpp: one at a time
-    return LoadSpec(args.model, args.backend, args.device, args.spec,
-                    args.ctx, args.window, args.sinks, args.threads, parallel,
-                    runtime_kv_type(args), args.queue)  # fmt: skip
+    return LoadSpec(
+        args.model,
+        args.backend,
+        args.device,
+        args.spec,
+        args.ctx,
+        args.window,
+        args.sinks,
+        args.threads,
+        parallel,
+        runtime_kv_type(args),
+        args.queue,
+    )
 
 
 def _sampling_defaults(args: argparse.Namespace) -> SamplingParams:
     """The settings' sampling, for what a request leaves unset (as llama-server does); the
     GUI's settings have no top_k, min_p, repeat penalty or seed: the engine's defaults."""
-    given = {name: getattr(args, name) for name in ("temperature", "top_k", "top_p", "min_p",
-             "repeat_penalty", "seed") if hasattr(args, name)}  # fmt: skip
+    given = {
+        name: getattr(args, name)
+        for name in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed")
+        if hasattr(args, name)
+    }
     return SamplingParams(**given)
 
 
@@ -118,8 +140,10 @@ def check_exposure(host: str, api_key: str | None) -> None:
     """Loopback is the default; any other address lets other machines in, so it needs a key."""
     if _is_loopback(host) or api_key:
         return
-    raise MiniappError(f"--host {host} lets other machines reach the API: give --api-key KEY "
-                       "(or MINIAPP_API_KEY) too, or bind 127.0.0.1")  # fmt: skip
+    raise MiniappError(
+        f"--host {host} lets other machines reach the API: give --api-key KEY "
+        "(or MINIAPP_API_KEY) too, or bind 127.0.0.1"
+    )
 
 
 def _is_loopback(host: str) -> bool:
@@ -138,15 +162,22 @@ def _url_host(host: str) -> str:
 def _start_uvicorn(app, host: str, port: int):
     import uvicorn
 
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=2)  # fmt: skip
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=2,
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
-            raise MiniappError(f"could not listen on {host}:{port} (in use, or not an "
-                               "address of this machine)")  # fmt: skip
+            raise MiniappError(
+                f"could not listen on {host}:{port} (in use, or not an address of this machine)"
+            )
         time.sleep(0.02)
     return server

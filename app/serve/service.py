@@ -74,18 +74,26 @@ class ServedModel:
 
     def check_model(self, name: str) -> None:
         if name not in self.aliases:
-            raise ApiError(404, f"The model '{name}' does not exist or is not loaded (this "
-                           f"server runs '{self.model_id}')", code="model_not_found",
-                           param="model")  # fmt: skip
+            raise ApiError(
+                404,
+                f"The model '{name}' does not exist or is not loaded (this "
+                f"server runs '{self.model_id}')",
+                code="model_not_found",
+                param="model",
+            )
 
     def runtime(self) -> Runtime:
         """The loaded runtime; 503 while it loads (or if it failed to)."""
         status = self.host.status
         runtime = self.host.runtime
         if runtime is None or status.state is LoadState.LOADING:
-            raise ApiError(503, f"the model is not ready: {status.message}",
-                           kind="server_error", code="model_loading",
-                           headers={"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
+            raise ApiError(
+                503,
+                f"the model is not ready: {status.message}",
+                kind="server_error",
+                code="model_loading",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
         return runtime
 
     def template(self, runtime: Runtime) -> ChatTemplate:
@@ -97,13 +105,15 @@ class ServedModel:
             self._templates = {id(runtime): template}
         return template
 
-    def chat_prompt(self, runtime: Runtime, messages: list[Message],
-                    tools: list[dict] | None = None) -> list[int]:  # fmt: skip
+    def chat_prompt(
+        self, runtime: Runtime, messages: list[Message], tools: list[dict] | None = None
+    ) -> list[int]:
         try:
             rendered = self.template(runtime).render(messages, tools=tools)
         except MiniappError as exc:
-            raise bad_request(f"the chat template refused these messages: {exc}",
-                              "messages") from None  # fmt: skip
+            raise bad_request(
+                f"the chat template refused these messages: {exc}", "messages"
+            ) from None
         return runtime.tokenizer.encode_chat(rendered)
 
     def text_prompt(self, runtime: Runtime, prompt: str | list[int]) -> list[int]:
@@ -124,8 +134,10 @@ def check_fits(runtime: Runtime, prompt: list[int], param: str) -> None:
     if len(prompt) >= runtime.n_ctx:
         raise bad_request(
             f"This model's maximum context length is {runtime.n_ctx} tokens. However, your "
-            f"{param} resulted in {len(prompt)} tokens.", param, code="context_length_exceeded"
-        )  # fmt: skip
+            f"{param} resulted in {len(prompt)} tokens.",
+            param,
+            code="context_length_exceeded",
+        )
 
 
 def token_limit(runtime: Runtime, prompt: list[int], asked: int | None) -> int:
@@ -173,8 +185,13 @@ class Relay:
     _DONE = object()
     _OPENED = object()  # a job's generation was accepted (it runs, or waits for a slot)
 
-    def __init__(self, host: ModelHost, runtime: Runtime, jobs: list[Job],
-                 observer: RelayObserver | None = None):  # fmt: skip
+    def __init__(
+        self,
+        host: ModelHost,
+        runtime: Runtime,
+        jobs: list[Job],
+        observer: RelayObserver | None = None,
+    ):
         self.host, self.runtime, self.jobs = host, runtime, jobs
         self.observer = observer or RelayObserver()
         self._loop = asyncio.get_running_loop()
@@ -258,8 +275,9 @@ class Relay:
                     events = job.produce(self._cancel.is_set)
                 else:
                     runtime = _ObservedRuntime(self.runtime, self.observer, job.index)
-                    events = generate(runtime, job.prompt, job.request, self._cancel.is_set,
-                                      on_tokens=opened)  # fmt: skip
+                    events = generate(
+                        runtime, job.prompt, job.request, self._cancel.is_set, on_tokens=opened
+                    )
                 for event in relay(events):
                     if isinstance(event, Finished):
                         self.observer.finished(job.index, event)
@@ -330,11 +348,21 @@ def api_error_for(exc: BaseException) -> ApiError | BaseException:
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, QueueFullError):
-        return ApiError(503, str(exc), kind="server_error", code="queue_full",
-                        headers={"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
+        return ApiError(
+            503,
+            str(exc),
+            kind="server_error",
+            code="queue_full",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
     if isinstance(exc, ModelLoadError):
-        return ApiError(503, str(exc), kind="server_error", code="model_loading",
-                        headers={"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
+        return ApiError(
+            503,
+            str(exc),
+            kind="server_error",
+            code="model_loading",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
     if isinstance(exc, ContextFullError):
         return bad_request(str(exc), code="context_length_exceeded")
     if isinstance(exc, MiniappError):

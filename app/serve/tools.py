@@ -55,8 +55,11 @@ class ToolCall:
     arguments: str  # a JSON string, as OpenAI sends it
 
     def as_openai(self, index: int | None = None) -> dict:
-        call = {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}  # fmt: skip
+        call = {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
         return call if index is None else {"index": index, **call}
 
 
@@ -101,8 +104,9 @@ class ToolPlan:
         if isinstance(choice, ToolChoiceFunction):
             chosen = choice.function.name
             if chosen not in names:
-                raise bad_request(f"tool_choice names '{chosen}', which is not in tools",
-                                  "tool_choice")  # fmt: skip
+                raise bad_request(
+                    f"tool_choice names '{chosen}', which is not in tools", "tool_choice"
+                )
         else:
             chosen = choice or "auto"
         return cls(functions, chosen, body.parallel_tool_calls is not False)
@@ -110,16 +114,25 @@ class ToolPlan:
     def call_schema(self) -> dict:
         """One valid call of a function the choice allows."""
         allowed = [f for f in self.functions if self.choice in ("auto", "required", f["name"])]
-        calls = [{"type": "object",
-                  "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
-                  "required": ["name", "arguments"], "additionalProperties": False}
-                 for f in allowed]  # fmt: skip
+        calls = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for f in allowed
+        ]
         return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
     def calls_schema(self) -> dict:
         """The documented format's answer: an array of calls."""
-        return {"type": "array", "minItems": 1, "items": self.call_schema(),
-                "maxItems": MAX_PARALLEL_CALLS if self.parallel else 1}  # fmt: skip
+        return {
+            "type": "array",
+            "minItems": 1,
+            "items": self.call_schema(),
+            "maxItems": MAX_PARALLEL_CALLS if self.parallel else 1,
+        }
 
     def constraint(self) -> OutputConstraint:
         if self.tagged or self.choice == "auto":
@@ -129,8 +142,9 @@ class ToolPlan:
         try:
             constraint.grammar()
         except ConstraintError as exc:
-            raise bad_request(f"a tool's parameters are not a usable JSON schema: {exc}",
-                              "tools") from None  # fmt: skip
+            raise bad_request(
+                f"a tool's parameters are not a usable JSON schema: {exc}", "tools"
+            ) from None
         return constraint
 
     def _grammar(self) -> str:
@@ -138,8 +152,10 @@ class ToolPlan:
         if self.tagged:
             more = f'("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}' if self.parallel else ""
             schema = json.dumps(self.call_schema())
-            rules = [f"calls: call {more}",
-                     f'call: "{TAG_OPEN}\\n" %json {schema} "\\n{TAG_CLOSE}"']  # fmt: skip
+            rules = [
+                f"calls: call {more}",
+                f'call: "{TAG_OPEN}\\n" %json {schema} "\\n{TAG_CLOSE}"',
+            ]
         else:
             rules = [f"calls: %json {json.dumps(self.calls_schema())}"]
         if self.choice != "auto":
@@ -164,9 +180,10 @@ class ToolPlan:
         calls = _tagged_calls(text) if self.tagged else _array_calls(text)
         if calls is None:
             return None
-        return [ToolCall(_call_id(), call["name"],
-                         json.dumps(call["arguments"], ensure_ascii=False))
-                for call in calls]  # fmt: skip
+        return [
+            ToolCall(_call_id(), call["name"], json.dumps(call["arguments"], ensure_ascii=False))
+            for call in calls
+        ]
 
     def call_stream(self) -> CallStream:
         return CallStream(tagged=self.tagged)
@@ -304,8 +321,14 @@ class CallStream:
             if k == len(self.ids):
                 self.ids.append(_call_id())
                 self.sent.append(0)
-                parts.append({"index": k, "id": self.ids[k], "type": "function",
-                              "function": {"name": call.name, "arguments": ""}})  # fmt: skip
+                parts.append(
+                    {
+                        "index": k,
+                        "id": self.ids[k],
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": ""},
+                    }
+                )
             if len(call.arguments) > self.sent[k]:
                 piece = call.arguments[self.sent[k] :]
                 self.sent[k] = len(call.arguments)
@@ -324,15 +347,20 @@ def _call_id() -> str:
 def tool_message(role: str, content: str, tool_calls, tool_call_id) -> Message:
     """A request's tool traffic as a Message: an assistant's calls (arguments as objects, as
     templates expect them), or a tool's result with the id of the call it answers."""
-    calls = tuple({"id": c.id, "type": "function",
-                   "function": {"name": c.function.name,
-                                "arguments": _arguments(c.function.arguments)}}
-                  for c in tool_calls or ())  # fmt: skip
+    calls = tuple(
+        {
+            "id": c.id,
+            "type": "function",
+            "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)},
+        }
+        for c in tool_calls or ()
+    )
     return Message(role, content, tool_calls=calls, tool_call_id=tool_call_id)
 
 
-def messages_for(plan: ToolPlan | None, template: ChatTemplate,
-                 messages: list[Message]) -> list[Message]:  # fmt: skip
+def messages_for(
+    plan: ToolPlan | None, template: ChatTemplate, messages: list[Message]
+) -> list[Message]:
     """The conversation as the template gets it: as it is where the template renders tool
     traffic (the model's own format), else with tool traffic as text and the tools, if the
     request has any, described in the system message (the documented format)."""
@@ -350,8 +378,10 @@ def tool_traffic_as_text(messages: list[Message]) -> list[Message]:
 
 def _as_text(message: Message) -> Message:
     if message.role == "assistant" and message.tool_calls:
-        calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
-                 for c in message.tool_calls]  # fmt: skip
+        calls = [
+            {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+            for c in message.tool_calls
+        ]
         return Message("assistant", json.dumps(calls, ensure_ascii=False))
     if message.role == "tool":
         return Message("user", f"Result of call {message.tool_call_id}: {message.content}")

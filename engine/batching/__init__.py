@@ -9,5 +9,11 @@ from .scheduler import (
     SequenceStream,
 )
 
-__all__ = ["DEFAULT_QUEUE", "UNLIMITED", "BatchConfig", "BatchScheduler", "QueueFullError",
-           "SequenceStream"]  # fmt: skip
+__all__ = [
+    "DEFAULT_QUEUE",
+    "UNLIMITED",
+    "BatchConfig",
+    "BatchScheduler",
+    "QueueFullError",
+    "SequenceStream",
+]

@@ -253,9 +253,15 @@ class BatchScheduler:
         if not prompt:
             raise ValueError("empty prompt")
         stream = SequenceStream(self)
-        sequence = _Sequence(stream, list(prompt), Sampler(params, guide), max(1, max_new),
-                             frozenset(stop_ids), history=list(prompt),
-                             drafts=params.logprobs is None)  # fmt: skip
+        sequence = _Sequence(
+            stream,
+            list(prompt),
+            Sampler(params, guide),
+            max(1, max_new),
+            frozenset(stop_ids),
+            history=list(prompt),
+            drafts=params.logprobs is None,
+        )
         if params.logprobs is not None:
             stream.logprobs = []
         with self._lock:
@@ -536,8 +542,7 @@ class BatchScheduler:
         if sequence.prefilling or not sequence.drafts:
             return None
         if sequence.decoder is None:
-            sequence.decoder = self.decoder_factory(sequence.caches, sequence.fed,
-                                                    sequence.sampler)  # fmt: skip
+            sequence.decoder = self.decoder_factory(sequence.caches, sequence.fed, sequence.sampler)
             if sequence.decoder is None:
                 sequence.drafts = False
                 return None

@@ -163,8 +163,9 @@ class Conversation:
         message = _user_message(text, (b"",) * pictures)
         if isinstance(runtime, MessageRuntime):  # the server renders it: show the messages
             chat = self._with_system([*self.messages, message])
-            return "\n".join(f"[{m.role}] {m.content}" + " [picture]" * len(m.pictures)
-                             for m in chat)  # fmt: skip
+            return "\n".join(
+                f"[{m.role}] {m.content}" + " [picture]" * len(m.pictures) for m in chat
+            )
         return self._render(runtime, [*self.messages, message])
 
     def prompt_tokens(self, messages: Sequence[Message]) -> list[int]:

@@ -33,22 +33,49 @@ class ApiServer(ServerProcess):
         self.url = f"http://{HOST}:{port}"
         # Two slots at least: one is the engine without its scheduler, another code path
         # (the in-process bench's lone client runs on a one-slot scheduler).
-        super().__init__([
-            sys.executable, "-m", "miniapp.app", "serve", "--model", str(model),
-            "--host", HOST, "--port", str(port), "--parallel", str(max(slots, 2)),
-            "--queue", str(slots * 2), "--ctx", str(ctx), "--threads", str(threads),
-            "--kv-type", kv_type, "--spec", "off",
-        ])  # fmt: skip
+        super().__init__(
+            [
+                sys.executable,
+                "-m",
+                "miniapp.app",
+                "serve",
+                "--model",
+                str(model),
+                "--host",
+                HOST,
+                "--port",
+                str(port),
+                "--parallel",
+                str(max(slots, 2)),
+                "--queue",
+                str(slots * 2),
+                "--ctx",
+                str(ctx),
+                "--threads",
+                str(threads),
+                "--kv-type",
+                kv_type,
+                "--spec",
+                "off",
+            ]
+        )
 
 
-def stream_answer(client: httpx.Client, url: str, model: str, prompt: list[int],
-                  tokens: int) -> Iterator[str]:  # fmt: skip
+def stream_answer(
+    client: httpx.Client, url: str, model: str, prompt: list[int], tokens: int
+) -> Iterator[str]:
     """One streamed completion of exactly `tokens` tokens: yields each event's text as it
     arrives, then an empty piece for each token that came in an event with others (the
     usage chunk's count says how many), so that one item stands for one token."""
-    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
-            "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     pieces, count = 0, 0
     with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         if response.status_code != 200:
@@ -70,8 +97,15 @@ def stream_answer(client: httpx.Client, url: str, model: str, prompt: list[int],
 class ApiServerBench:
     """`miniapp serve` with N slots for N clients, as LlamaServerBench runs llama-server."""
 
-    def __init__(self, model: Path, prompts: list[list[int]], tokens: int, ctx: int,
-                 threads: int, kv_type: str):  # fmt: skip
+    def __init__(
+        self,
+        model: Path,
+        prompts: list[list[int]],
+        tokens: int,
+        ctx: int,
+        threads: int,
+        kv_type: str,
+    ):
         self.model, self.prompts, self.tokens = model, prompts, tokens
         self.ctx, self.threads, self.kv_type = ctx, threads, kv_type
         self._lone: dict[int, list[str]] = {}
@@ -91,7 +125,7 @@ class ApiServerBench:
                 lambda i: self._answer(server, client, self.prompts[i]),
             )
             peak_rss_mb = server.peak_rss_mb()
-        return summarize(clients, done, wall, self._lone, peak_rss_mb)  # fmt: skip
+        return summarize(clients, done, wall, self._lone, peak_rss_mb)
 
     def _server(self, slots: int) -> ApiServer:
         return ApiServer(self.model, slots, self.ctx, self.threads, self.kv_type)
@@ -102,5 +136,6 @@ class ApiServerBench:
 
 def _client() -> httpx.Client:
     # One connection a client at most; no proxy for 127.0.0.1.
-    return httpx.Client(timeout=HTTP_TIMEOUT, trust_env=False,
-                        limits=httpx.Limits(max_connections=64))  # fmt: skip
+    return httpx.Client(
+        timeout=HTTP_TIMEOUT, trust_env=False, limits=httpx.Limits(max_connections=64)
+    )

@@ -91,8 +91,7 @@ class _TimedASR:
 
 def load_clips(sentence_set: str, limit: int | None = None) -> list[Clip]:
     if sentence_set == "wide":
-        return [Clip(c.text, c.audio, c.words, c.exact, c.condition)
-                for c in wide_set(limit)]  # fmt: skip
+        return [Clip(c.text, c.audio, c.words, c.exact, c.condition) for c in wide_set(limit)]
     texts = SENTENCE_SETS[sentence_set][:limit]
     spoken = [synthesize(text, seed=i) for i, text in enumerate(texts)]
     return [Clip(s.text, s.audio, s.words, (True,) * len(s.words), sentence_set) for s in spoken]

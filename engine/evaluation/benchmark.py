@@ -125,9 +125,16 @@ class BenchSession:
         _import_backend(backend)
         start = time.perf_counter()
         self.runtime: Runtime = open_runtime(
-            backend, model, n_ctx=ctx, threads=threads, sinks=sinks, window=window, spec=spec,
-            device=device, kv=kv,
-        )  # fmt: skip
+            backend,
+            model,
+            n_ctx=ctx,
+            threads=threads,
+            sinks=sinks,
+            window=window,
+            spec=spec,
+            device=device,
+            kv=kv,
+        )
         self.load_s = time.perf_counter() - start
         self.backend, self.prompts, self.threads, self.ctx = backend, prompts, threads, ctx
         self.spec = spec if backend == "torch" else "off"

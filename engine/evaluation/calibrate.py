@@ -258,9 +258,13 @@ def _with_adapter(runtime, setting, sequences, report, answer_tokens, plain_s):
     if speedup[best_k] > setting.predicted_speedup or not setting.pays:
         acceptance = dict(setting.acceptance, **{f"{layer}+adapter": after})
         setting = ExitSetting(
-            layer=layer, max_draft=best_k, pays=speedup[best_k] >= MIN_GAIN,
-            predicted_speedup=speedup[best_k], acceptance=acceptance, adapter=adapter,
-        )  # fmt: skip
+            layer=layer,
+            max_draft=best_k,
+            pays=speedup[best_k] >= MIN_GAIN,
+            predicted_speedup=speedup[best_k],
+            acceptance=acceptance,
+            adapter=adapter,
+        )
     return setting, (before, after)
 
 

@@ -92,8 +92,9 @@ class _Recording:
         return token in eog_ids or len(self.fed) > limit
 
     def answer(self) -> Answer:
-        return Answer(self.fed, torch.stack(self.states), torch.stack(self.ids),
-                      torch.stack(self.probs))  # fmt: skip
+        return Answer(
+            self.fed, torch.stack(self.states), torch.stack(self.ids), torch.stack(self.probs)
+        )
 
 
 def record_answers(
@@ -217,8 +218,13 @@ class _Rows:
             offset += rows
         mapped = index[torch.cat(ids)]
         target_probs = torch.cat(probs) * (mapped >= 0)
-        return cls(torch.cat(states), torch.cat(nexts), mapped.clamp_min(0), target_probs,
-                   torch.cat(starts))  # fmt: skip
+        return cls(
+            torch.cat(states),
+            torch.cat(nexts),
+            mapped.clamp_min(0),
+            target_probs,
+            torch.cat(starts),
+        )
 
 
 @dataclass(frozen=True)
@@ -425,8 +431,10 @@ def train_drafting_head(
     costs = measure_costs(runtime, sizes, answers[0].fed, plan.depth)
     size, cover = choose_vocab_size(answers, model.config.vocab_size, costs)
     costs, vocab = costs[size], draft_vocabulary(answers, model.config.vocab_size, size)
-    progress.phase(f"draft vocabulary: {size} tokens ({cover:.1%} of unseen answers' tokens); "
-                   f"training on {rows} rows")  # fmt: skip
+    progress.phase(
+        f"draft vocabulary: {size} tokens ({cover:.1%} of unseen answers' tokens); "
+        f"training on {rows} rows"
+    )
     weights = _train_resumable(model, answers, vocab, plan, work, progress)
     meta = measure_head(runtime, weights, plan, progress, costs)
     meta.update(
@@ -457,8 +465,10 @@ def measure_head(
     model, vocab = runtime.model, weights.vocab
     progress.phase(f"measuring on {plan.held_out} held-out chat questions")
     eog = runtime.tokenizer.eog_ids
-    held = [record_answer(model, prompt_tokens(runtime, question), GREEDY, 128, eog)
-            for question in chat_prompts()[: plan.held_out]]  # fmt: skip
+    held = [
+        record_answer(model, prompt_tokens(runtime, question), GREEDY, 128, eog)
+        for question in chat_prompts()[: plan.held_out]
+    ]
     if costs is None:
         progress.phase("timing plain steps, verifications and head passes")
         costs = measure_costs(runtime, [len(vocab)], held[0].fed, plan.depth)[len(vocab)]
@@ -529,8 +539,12 @@ def _collect(runtime, questions, limit, work: Path, progress: Progress) -> list[
 
     firsts = range(0, len(questions), SHARD)
     shards = {first: _load(work / f"answers-{first:05d}.pt") for first in firsts}
-    missing = [i for first, shard in shards.items() if shard is None
-               for i in range(first, min(first + SHARD, len(questions)))]  # fmt: skip
+    missing = [
+        i
+        for first, shard in shards.items()
+        if shard is None
+        for i in range(first, min(first + SHARD, len(questions)))
+    ]
     requests = [(prompt_tokens(runtime, questions[i]), sampling_for(i)) for i in missing]
     collected: dict[int, Answer] = {}
     done = len(questions) - len(missing)
@@ -566,9 +580,14 @@ def _train_resumable(model, answers, vocab, plan, work: Path, progress) -> HeadW
             _save(path, {"weights": weights, "step": step + 1, "vocab": vocab})
 
     return train_head(
-        model, answers, vocab, TrainingConfig(steps=plan.steps), report,
-        saved["weights"] if saved else None, saved["step"] if saved else 0,
-    )  # fmt: skip
+        model,
+        answers,
+        vocab,
+        TrainingConfig(steps=plan.steps),
+        report,
+        saved["weights"] if saved else None,
+        saved["step"] if saved else 0,
+    )
 
 
 SHARD = 25

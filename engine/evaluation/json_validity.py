@@ -74,8 +74,10 @@ class MaskTimes:
 def timed_masks(times: MaskTimes) -> Iterator[MaskTimes]:
     """Time every TokenGuide mask while the block runs (a wrapper around the class's methods,
     put back afterwards)."""
-    originals = {name: getattr(TokenGuide, name)
-                 for name in ("allowed_after", "mask_logits", "mask_scores", "allows")}  # fmt: skip
+    originals = {
+        name: getattr(TokenGuide, name)
+        for name in ("allowed_after", "mask_logits", "mask_scores", "allows")
+    }
 
     def timing(method, into: list[float]):
         def timed(self, *args):
@@ -192,12 +194,19 @@ def evaluate_json_schemas(
         free = _answer(runtime, prompt, None, max_tokens)
         parsed, valid, problem = _check(constrained.text, validator_for(case.schema))
         these = masks.matcher[calls:]
-        results.append(SchemaResult(
-            name=case.name, finished=constrained.reason == FinishReason.END_OF_TURN,
-            parsed=parsed, valid=valid, problem=problem, compile_s=compile_s,
-            mask_median_s=statistics.median(these) if these else None,
-            constrained=constrained, free=free,
-        ))  # fmt: skip
+        results.append(
+            SchemaResult(
+                name=case.name,
+                finished=constrained.reason == FinishReason.END_OF_TURN,
+                parsed=parsed,
+                valid=valid,
+                problem=problem,
+                compile_s=compile_s,
+                mask_median_s=statistics.median(these) if these else None,
+                constrained=constrained,
+                free=free,
+            )
+        )
     return _report(runtime, max_tokens, tokenizer_build_s, results, masks)
 
 
@@ -211,9 +220,14 @@ def _answer(
             text.append(event.text)
         elif isinstance(event, Finished):
             stats, spec = event.stats, event.stats.speculation
-            return Answer("".join(text), event.reason.value, stats.generated_tokens,
-                          stats.decode_tok_s, spec.drafted if spec else 0,
-                          spec.accepted if spec else 0)  # fmt: skip
+            return Answer(
+                "".join(text),
+                event.reason.value,
+                stats.generated_tokens,
+                stats.decode_tok_s,
+                spec.drafted if spec else 0,
+                spec.accepted if spec else 0,
+            )
     raise AssertionError("generate() ended without a Finished event")
 
 
@@ -223,8 +237,9 @@ def _validator_factory():
     try:
         from jsonschema import Draft202012Validator
     except ImportError:
-        raise MiniappError("miniapp eval json needs the jsonschema package "
-                           "(pip install jsonschema)") from None  # fmt: skip
+        raise MiniappError(
+            "miniapp eval json needs the jsonschema package (pip install jsonschema)"
+        ) from None
 
     def validator_for(schema: dict):
         Draft202012Validator.check_schema(schema)
@@ -257,11 +272,15 @@ def _report(
     free = [r.free for r in results]
     with_schema = _median_speed(constrained)
     without = _median_speed(free)
-    paired = [a.decode_tok_s / b.decode_tok_s for a, b in zip(constrained, free, strict=True)
-              if a.decode_tok_s > 0 and b.decode_tok_s > 0]  # fmt: skip
+    paired = [
+        a.decode_tok_s / b.decode_tok_s
+        for a, b in zip(constrained, free, strict=True)
+        if a.decode_tok_s > 0 and b.decode_tok_s > 0
+    ]
     compile_times = [r.compile_s for r in results]
-    decode_s = sum((a.generated_tokens - 1) / a.decode_tok_s for a in constrained
-                   if a.decode_tok_s > 0)  # fmt: skip
+    decode_s = sum(
+        (a.generated_tokens - 1) / a.decode_tok_s for a in constrained if a.decode_tok_s > 0
+    )
     cut = FinishReason.MAX_TOKENS.value
     return JsonEvalReport(
         backend=runtime.backend,
@@ -274,7 +293,7 @@ def _report(
         cut_by_max_tokens=sum(a.reason == cut for a in constrained),
         steered=sum(
             a.generated_tokens > max_tokens - closing_reserve(max_tokens) for a in constrained
-        ),  # fmt: skip
+        ),
         free_cut_by_max_tokens=sum(a.reason == cut for a in free),
         tokenizer_build_s=tokenizer_build_s,
         compile_median_s=statistics.median(compile_times),

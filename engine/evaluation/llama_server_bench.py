@@ -71,8 +71,9 @@ class ServerProcess:
             raise self.exited(doing, returncode)
 
     def exited(self, doing: str, returncode: int) -> MiniappError:
-        return MiniappError(f"{self.name} ended (exit code {returncode}) while {doing}: "
-                            f"{self.last_log_line()}")  # fmt: skip
+        return MiniappError(
+            f"{self.name} ended (exit code {returncode}) while {doing}: {self.last_log_line()}"
+        )
 
     def peak_rss_mb(self) -> float:
         """The process's peak resident set so far (Linux's VmHWM); 0 where unknown."""
@@ -128,11 +129,27 @@ class LlamaServer(ServerProcess):
     def __init__(self, binary: Path, model: Path, slots: int, ctx_per_slot: int, threads: int):
         port = _free_port()
         self.url = f"http://{HOST}:{port}"
-        super().__init__([
-            str(binary), "-m", str(model), "--host", HOST, "--port", str(port),
-            "-t", str(threads), "-tb", str(threads), "--parallel", str(slots),
-            "-c", str(ctx_per_slot * slots), "-cb", "--no-webui",
-        ])  # fmt: skip
+        super().__init__(
+            [
+                str(binary),
+                "-m",
+                str(model),
+                "--host",
+                HOST,
+                "--port",
+                str(port),
+                "-t",
+                str(threads),
+                "-tb",
+                str(threads),
+                "--parallel",
+                str(slots),
+                "-c",
+                str(ctx_per_slot * slots),
+                "-cb",
+                "--no-webui",
+            ]
+        )
 
     def exited(self, doing: str, returncode: int) -> MiniappError:
         return LlamaServerExited(doing, returncode, self.last_log_line())
@@ -144,10 +161,14 @@ def stream_completion(
     """POST /completion with `prompt` as token ids; yields the answer's token ids as their
     events arrive (one token an event; all of an event's tokens if it carries several)."""
     body = {
-        "prompt": prompt, "n_predict": tokens, "temperature": 0, "stream": True,
-        "cache_prompt": True, "ignore_eos": True,
+        "prompt": prompt,
+        "n_predict": tokens,
+        "temperature": 0,
+        "stream": True,
+        "cache_prompt": True,
+        "ignore_eos": True,
         "return_tokens": True,  # recent servers stream ids anyway; older ones only with this
-    }  # fmt: skip
+    }
     with client.stream("POST", f"{url}/completion", json=body) as response:
         if response.status_code != 200:
             response.read()
@@ -168,8 +189,9 @@ def stream_completion(
 def llama_server_version(binary: Path) -> str:
     """The first line `llama-server --version` prints, e.g. "version: 1 (unknown)"."""
     try:
-        done = subprocess.run([str(binary), "--version"], capture_output=True, text=True,
-                              timeout=30)  # fmt: skip
+        done = subprocess.run(
+            [str(binary), "--version"], capture_output=True, text=True, timeout=30
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"unknown ({exc})"
     lines = (done.stdout + done.stderr).strip().splitlines()
@@ -177,8 +199,15 @@ def llama_server_version(binary: Path) -> str:
 
 
 class LlamaServerBench:
-    def __init__(self, binary: Path, model: Path, prompts: list[list[int]], tokens: int,
-                 ctx: int, threads: int):  # fmt: skip
+    def __init__(
+        self,
+        binary: Path,
+        model: Path,
+        prompts: list[list[int]],
+        tokens: int,
+        ctx: int,
+        threads: int,
+    ):
         self.binary, self.model = binary, model
         self.prompts, self.tokens, self.ctx, self.threads = prompts, tokens, ctx, threads
         self.commands: dict[int, list[str]] = {}  # each client count's command line

@@ -59,8 +59,15 @@ def percentile(values: list[float], q: float) -> float:
 
 
 class ServingBench:
-    def __init__(self, model_path: Path, prompts: list[list[int]], tokens: int, ctx: int,
-                 threads: int | None = None, kv: str | KVSetting | None = None):  # fmt: skip
+    def __init__(
+        self,
+        model_path: Path,
+        prompts: list[list[int]],
+        tokens: int,
+        ctx: int,
+        threads: int | None = None,
+        kv: str | KVSetting | None = None,
+    ):
         """`kv`: how every sequence's KV cache stores keys and values (--kv-type; None: the
         default for the model)."""
         asked = None if kv is None else kv_type(kv)  # a bad name is one line, before loading
@@ -114,9 +121,11 @@ class ServingBench:
 
 
 def run_clients(
-    clients: int, requests_per_client: int, prompt_count: int,
+    clients: int,
+    requests_per_client: int,
+    prompt_count: int,
     stream: Callable[[int], Iterable[int]],
-) -> tuple[list[ClientRequest], float]:  # fmt: skip
+) -> tuple[list[ClientRequest], float]:
     """`clients` threads, each sending its requests back to back: `stream(index)` sends prompt
     `index` and yields the answer's tokens as they arrive. Returns the finished requests and
     the wall time of the whole run. The first error in a client is raised here."""
@@ -151,16 +160,25 @@ def run_clients(
 
 
 def summarize(
-    clients: int, done: list[ClientRequest], wall: float, lone: dict[int, list[int]],
+    clients: int,
+    done: list[ClientRequest],
+    wall: float,
+    lone: dict[int, list[int]],
     peak_rss_mb: float,
-) -> ServingResult:  # fmt: skip
+) -> ServingResult:
     """The figures of one run; `lone` holds each prompt's answer from a lone client."""
     ttfts = [r.times[0] - r.sent for r in done if r.times]
     gaps = [b - a for r in done for a, b in zip(r.times, r.times[1:], strict=False)]
     generated = sum(len(r.tokens) for r in done)
     identical = all(r.tokens == lone.get(r.prompt_index, r.tokens) for r in done)
     return ServingResult(
-        clients, len(done), generated / wall if wall > 0 else 0.0,
-        percentile(ttfts, 50), percentile(ttfts, 99), percentile(gaps, 50),
-        percentile(gaps, 99), peak_rss_mb, identical,
-    )  # fmt: skip
+        clients,
+        len(done),
+        generated / wall if wall > 0 else 0.0,
+        percentile(ttfts, 50),
+        percentile(ttfts, 99),
+        percentile(gaps, 50),
+        percentile(gaps, 99),
+        peak_rss_mb,
+        identical,
+    )

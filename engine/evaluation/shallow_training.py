@@ -91,8 +91,9 @@ def exit_sequence(
         x = model.embed_tokens(torch.tensor(chunk))
         states.append(model.run_layers(x, caches, 0, layer).to(torch.bfloat16))
     first = max(0, len(prompt) - window)
-    return ExitSequence(first, torch.cat(states)[first:], len(prompt) - 1 - first,
-                        answer.top_ids, answer.top_probs)  # fmt: skip
+    return ExitSequence(
+        first, torch.cat(states)[first:], len(prompt) - 1 - first, answer.top_ids, answer.top_probs
+    )
 
 
 @dataclass(frozen=True)
@@ -116,8 +117,9 @@ def train_block(
     """Self-distillation of the block over whole sequences, on one cosine schedule, from
     `weights` when given (else a block that passes the exit state through)."""
     dim = model.config.dim
-    weights = weights or BlockWeights.initial(dim, hidden_width(dim), vocab, layer, window,
-                                              config.seed)  # fmt: skip
+    weights = weights or BlockWeights.initial(
+        dim, hidden_width(dim), vocab, layer, window, config.seed
+    )
     target = _Targets(vocab, model.config.vocab_size)
     head, cap = dense_head_rows(model, vocab), model.config.final_logit_softcap
     rope = block_rope()
@@ -176,9 +178,12 @@ def _sequence_loss(model, weights, rope, head, cap, target, sequence) -> torch.T
 
 @torch.inference_mode()
 def held_out_chains(
-    model: DecoderModel, block: ShallowBlock, prompts: Sequence[list[int]],
-    answers: Sequence[Answer], depth: int,
-) -> list[list[ChainLink]]:  # fmt: skip
+    model: DecoderModel,
+    block: ShallowBlock,
+    prompts: Sequence[list[int]],
+    answers: Sequence[Answer],
+    depth: int,
+) -> list[list[ChainLink]]:
     """From every row of greedy answers, the chain of drafts the block would make: its
     links up to the first disagreement (included) or `depth`. The block runs as drafting
     runs it (int4, its memory filled by the model's tap), over teacher-forced positions."""
@@ -191,8 +196,9 @@ def held_out_chains(
             model.run_layers(model.embed_tokens(torch.tensor(prompt[:-1])), caches, 0, block.layer)
             links = []
             for token, following in zip(answer.fed[:-1], answer.fed[1:], strict=True):
-                logits = block.draft_logits(drafter.early_state(token, caches),
-                                            caches[block.layer - 1])  # fmt: skip
+                logits = block.draft_logits(
+                    drafter.early_state(token, caches), caches[block.layer - 1]
+                )
                 probs = torch.softmax(logits, -1)
                 best = int(probs.argmax())
                 links.append(ChainLink(float(probs[best]), int(block.vocab[best]) == following))
@@ -304,9 +310,12 @@ def train_shallow_block(
 
     weights = train_block(model, sequences, vocab, layer, BlockTraining(plan.steps), report)
     meta = measure_block(runtime, weights, plan, progress)
-    meta.update(trained_rows=sum(a.states.shape[0] for a in answers),
-                training_answers=len(answers), steps=plan.steps,
-                minutes=(time.perf_counter() - start) / 60)  # fmt: skip
+    meta.update(
+        trained_rows=sum(a.states.shape[0] for a in answers),
+        training_answers=len(answers),
+        steps=plan.steps,
+        minutes=(time.perf_counter() - start) / 60,
+    )
     return weights, meta
 
 
@@ -326,8 +335,9 @@ def measure_block(
     prompts = [prompt_tokens(runtime, q) for q in chat_prompts()[: plan.held_out]]
     held = [record_answer(model, p, GREEDY, 128, eog) for p in prompts]
     rows = model.head_rows(weights.vocab)
-    untrained = BlockWeights.initial(model.config.dim, weights.w_down.shape[1], weights.vocab,
-                                     weights.layer, weights.window)  # fmt: skip
+    untrained = BlockWeights.initial(
+        model.config.dim, weights.w_down.shape[1], weights.vocab, weights.layer, weights.window
+    )
     before = held_out_chains(model, ShallowBlock(untrained, model, rows), prompts, held, 1)
     block = ShallowBlock(weights, model, rows)
     chains = held_out_chains(model, block, prompts, held, plan.depth)

@@ -301,8 +301,9 @@ class KVCache:
             return None
         at, self.offset = self.offset, self.offset + n
         stored = self.keys[:, :, : self.offset], self.values[:, :, : self.offset]
-        return Slots((self.keys[:, :, at : self.offset], self.values[:, :, at : self.offset]),
-                     stored)  # fmt: skip
+        return Slots(
+            (self.keys[:, :, at : self.offset], self.values[:, :, at : self.offset]), stored
+        )
 
     def make_mask(self, n_new: int) -> torch.Tensor | None:
         """Boolean [n_new, offset + n_new]: each query sees keys up to its own position."""
@@ -554,8 +555,9 @@ class RotatingKVCache:
             slots = plan.slots.to(self.keys.device)
             if tiled:
                 ring_keys = k[:, :, to_sinks:].float()
-                self.key_tiles.write(self._ring(self.keys), self.ring_head, ring_keys,
-                                     self.ring_capacity)  # fmt: skip
+                self.key_tiles.write(
+                    self._ring(self.keys), self.ring_head, ring_keys, self.ring_capacity
+                )
             else:
                 self._ring(self.keys).index_copy_(2, slots, k[:, :, to_sinks:])
             self._ring(self.values).index_copy_(2, slots, v[:, :, to_sinks:])
@@ -593,8 +595,9 @@ class RotatingKVCache:
         return self.key_tiles.decoded(self._ring(self.keys), keys.shape[2], self._frame_lead(), own)
 
     def keys_by_own_tile(self, keys: torch.Tensor, rows: int):
-        return self.key_tiles.by_own_tile(self._ring(self.keys), keys.shape[2], self._frame_lead(),
-                                          rows, self.ring_capacity)  # fmt: skip
+        return self.key_tiles.by_own_tile(
+            self._ring(self.keys), keys.shape[2], self._frame_lead(), rows, self.ring_capacity
+        )
 
     def _room_for_one(self) -> bool:
         """One more token fits without growing the storage (it may overwrite the oldest)."""
@@ -657,8 +660,9 @@ class RotatingKVCache:
         frame = self._frame_needed()
         if frame != self.frame and self.key_tiles is not None:  # fp32 sinks: no codec
             held = self.sinks_held
-            self.lead[:, :, self.sinks : self.sinks + held] = _shift(self.lead[:, :, :held],
-                                                                     self.rope, frame)  # fmt: skip
+            self.lead[:, :, self.sinks : self.sinks + held] = _shift(
+                self.lead[:, :, :held], self.rope, frame
+            )
             self.frame = frame
         elif frame != self.frame:
             held = self.sinks_held

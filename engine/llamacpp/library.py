@@ -114,12 +114,12 @@ def open_model(
     the probe says it fits, retrying with fewer layers (then none) when a load fails. A file
     llama.cpp cannot load is a ModelFileError naming it."""
     footprint = estimate_footprint(gguf, n_ctx)
-    offload = plan_llamacpp_offload(llama_supports_gpu_offload(), probe or default_probe(),
-                                    footprint)  # fmt: skip
+    offload = plan_llamacpp_offload(
+        llama_supports_gpu_offload(), probe or default_probe(), footprint
+    )
 
     def load(gpu_layers: int) -> Llama:
-        return Llama(str(gguf.path), n_ctx=n_ctx, n_gpu_layers=gpu_layers, verbose=False,
-                     **params)  # fmt: skip
+        return Llama(str(gguf.path), n_ctx=n_ctx, n_gpu_layers=gpu_layers, verbose=False, **params)
 
     try:
         llama, layers, fallbacks = load_with_fewer_layers(load, offload, footprint.n_layers)
@@ -196,8 +196,9 @@ def amx_build_on_amx_cpu() -> bool:
 def repack_setting() -> str:
     setting = os.environ.get(REPACK_ENV, "auto").strip().lower() or "auto"
     if setting not in REPACK_SETTINGS:
-        log.warning("%s=%s is not one of %s: using auto", REPACK_ENV, setting,
-                    ", ".join(REPACK_SETTINGS))  # fmt: skip
+        log.warning(
+            "%s=%s is not one of %s: using auto", REPACK_ENV, setting, ", ".join(REPACK_SETTINGS)
+        )
         return "auto"
     return setting
 

@@ -27,17 +27,32 @@ _BYTE_SPELLING = re.compile(rb"<0x[0-9A-Fa-f]{2}>")
 # `<architecture>.<suffix>` keys both backends read, by the kind of value they must hold
 # (GGUF's several integer types all count as whole numbers).
 _WHOLE_SUFFIXES = (
-    "context_length", "embedding_length", "block_count", "feed_forward_length",
-    "attention.head_count", "attention.head_count_kv", "attention.key_length",
-    "attention.value_length", "rope.dimension_count", "vocab_size",
+    "context_length",
+    "embedding_length",
+    "block_count",
+    "feed_forward_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "attention.key_length",
+    "attention.value_length",
+    "rope.dimension_count",
+    "vocab_size",
     "attention.sliding_window",
-)  # fmt: skip
+)
 _REAL_SUFFIXES = (
-    "attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon", "rope.freq_base",
-    "rope.freq_base_swa", "rope.scaling.factor", "final_logit_softcapping",
-)  # fmt: skip
-_TEXT_KEYS = ("general.architecture", "tokenizer.ggml.model", "tokenizer.ggml.pre",
-              "tokenizer.chat_template")  # fmt: skip
+    "attention.layer_norm_rms_epsilon",
+    "attention.layer_norm_epsilon",
+    "rope.freq_base",
+    "rope.freq_base_swa",
+    "rope.scaling.factor",
+    "final_logit_softcapping",
+)
+_TEXT_KEYS = (
+    "general.architecture",
+    "tokenizer.ggml.model",
+    "tokenizer.ggml.pre",
+    "tokenizer.chat_template",
+)
 _TOKEN_ID_KEYS = tuple(
     f"tokenizer.ggml.{name}_token_id"
     for name in ("bos", "eos", "unknown", "padding", "seperator", "eot", "eom")
@@ -95,12 +110,23 @@ def _check_tokenizer(gguf: GGUFFile) -> None:
             raise ModelFileError(gguf.path, "metadata tokenizer.ggml.tokens is not a list")
         return  # llama.cpp reports a file without a vocabulary itself, in one line
     _need_array(gguf, "tokenizer.ggml.tokens", tokens, _STRING, None)
-    _need_array(gguf, "tokenizer.ggml.scores", gguf.arrays.get("tokenizer.ggml.scores"),
-                _FLOAT32, tokens.length)  # fmt: skip
-    _need_array(gguf, "tokenizer.ggml.token_type", gguf.arrays.get("tokenizer.ggml.token_type"),
-                _INT32, tokens.length)  # fmt: skip
-    _need_array(gguf, "tokenizer.ggml.merges", gguf.arrays.get("tokenizer.ggml.merges"),
-                _STRING, None)  # fmt: skip
+    _need_array(
+        gguf,
+        "tokenizer.ggml.scores",
+        gguf.arrays.get("tokenizer.ggml.scores"),
+        _FLOAT32,
+        tokens.length,
+    )
+    _need_array(
+        gguf,
+        "tokenizer.ggml.token_type",
+        gguf.arrays.get("tokenizer.ggml.token_type"),
+        _INT32,
+        tokens.length,
+    )
+    _need_array(
+        gguf, "tokenizer.ggml.merges", gguf.arrays.get("tokenizer.ggml.merges"), _STRING, None
+    )
     for key in _TOKEN_ID_KEYS:
         value = gguf.metadata.get(key)
         if value is None and key not in gguf.arrays:

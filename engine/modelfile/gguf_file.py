@@ -162,8 +162,19 @@ def _short(exc: Exception) -> str:
 # The tests check this reader against GGUFReader on every tiny architecture.
 
 # GGUF value types: id -> struct format of the fixed-size ones; 8 is a string, 9 an array.
-_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-                   10: "<Q", 11: "<q", 12: "<d"}  # fmt: skip
+_SCALAR_FORMATS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
 _SCALAR_SIZES = {kind: struct.calcsize(fmt) for kind, fmt in _SCALAR_FORMATS.items()}
 _STRING, _ARRAY = 8, 9
 _MAX_STRING = 64 << 20  # longer than any key or chat template: a corrupt length
@@ -209,8 +220,9 @@ class _Cursor:
 
     def unpack(self, fmt: str) -> tuple:
         if self.offset + struct.calcsize(fmt) > len(self.buffer):
-            raise ValueError(f"it ends at byte {len(self.buffer)}, inside a value at byte "
-                             f"{self.offset}")  # fmt: skip
+            raise ValueError(
+                f"it ends at byte {len(self.buffer)}, inside a value at byte {self.offset}"
+            )
         values = struct.unpack_from(fmt, self.buffer, self.offset)
         self.offset += struct.calcsize(fmt)
         return values
@@ -370,8 +382,10 @@ def _misplaced_tensor(tensors, file_end: int) -> str | None:
     previous = None
     for info in sorted(tensors, key=lambda info: info.offset):
         if info.offset + info.nbytes > file_end:
-            return (f"truncated GGUF (tensor {info.name} claims {_size(info.nbytes)} from byte "
-                    f"{info.offset}, past the end of the file at {file_end})")  # fmt: skip
+            return (
+                f"truncated GGUF (tensor {info.name} claims {_size(info.nbytes)} from byte "
+                f"{info.offset}, past the end of the file at {file_end})"
+            )
         if previous is not None and previous.offset + previous.nbytes > info.offset:
             return f"corrupt GGUF (tensors {previous.name} and {info.name} overlap)"
         previous = info

@@ -68,8 +68,9 @@ def choose_files(
         raise PullError(f"{repo} has no {quant} GGUF (quants there: {', '.join(available)})")
     whole = [f for f in matches if not _SPLIT_PART.search(f.name)]
     if not whole:
-        raise PullError(f"{repo}: the {quant} GGUF is split into parts, which miniapp cannot "
-                        "load yet")  # fmt: skip
+        raise PullError(
+            f"{repo}: the {quant} GGUF is split into parts, which miniapp cannot load yet"
+        )
     model = min(whole, key=lambda f: len(f.name))  # the plainest name, e.g. not an "-imat" copy
     # A full-precision projector keeps the picture encoder's accuracy; it is small anyway.
     projector = min(projectors, key=lambda f: ("f16" not in f.name.lower(), f.name), default=None)
@@ -122,8 +123,9 @@ def _download(plan: PullPlan, remote: RemoteFile, log: Callable[[str], None]) ->
     size = f" ({remote.size / 1e6:.0f} MB)" if remote.size else ""
     log(f"downloading {plan.repo}/{remote.name}{size}")
     try:
-        path = Path(hf_hub_download(plan.repo, remote.name, revision=plan.revision,
-                                    local_dir=folder))  # fmt: skip
+        path = Path(
+            hf_hub_download(plan.repo, remote.name, revision=plan.revision, local_dir=folder)
+        )
     except Exception as exc:  # noqa: BLE001
         raise _as_pull_error(plan.repo, exc) from None
     if path != target:  # a file in a sub-folder of the repo lands in the same sub-folder
@@ -153,8 +155,9 @@ def _intact(path: Path, remote: RemoteFile) -> bool:
 
 def _require_network() -> None:
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-        raise NeedsNetworkError("models pull needs the network, and HF_HUB_OFFLINE is set; "
-                                "unset it to download")  # fmt: skip
+        raise NeedsNetworkError(
+            "models pull needs the network, and HF_HUB_OFFLINE is set; unset it to download"
+        )
 
 
 def _as_pull_error(repo: str, exc: Exception) -> PullError:
@@ -165,9 +168,17 @@ def _as_pull_error(repo: str, exc: Exception) -> PullError:
         return PullError(f"{repo}: no such repository, or it needs a login ({first})")
     if name in ("EntryNotFoundError", "RevisionNotFoundError"):
         return PullError(f"{repo}: {first}")
-    if name in ("LocalEntryNotFoundError", "ConnectError", "ConnectTimeout", "ReadTimeout",
-                "RemoteProtocolError", "ReadError", "OfflineModeIsEnabled"):  # fmt: skip
+    if name in (
+        "LocalEntryNotFoundError",
+        "ConnectError",
+        "ConnectTimeout",
+        "ReadTimeout",
+        "RemoteProtocolError",
+        "ReadError",
+        "OfflineModeIsEnabled",
+    ):
         endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-        return NeedsNetworkError(f"models pull needs the network: cannot reach {endpoint} "
-                                 f"({name}: {first})")  # fmt: skip
+        return NeedsNetworkError(
+            f"models pull needs the network: cannot reach {endpoint} ({name}: {first})"
+        )
     return PullError(f"{repo}: download failed ({name}: {first})")

@@ -148,14 +148,16 @@ def check_config(config: DecoderConfig, path) -> None:
     def bad(what: str) -> ModelFileError:
         return ModelFileError(path, f"metadata of {config.architecture}: {what}")
 
-    counts = {"block_count": (config.n_layers, MAX_LAYERS),
-              "embedding_length": (config.dim, MAX_WIDTH),
-              "attention.head_count": (config.n_heads, MAX_WIDTH),
-              "attention.head_count_kv": (config.n_kv_heads, MAX_WIDTH),
-              "attention.key_length": (config.head_dim, MAX_WIDTH),
-              "feed_forward_length": (config.ffn_dim, MAX_WIDTH),
-              "vocab_size": (config.vocab_size, MAX_WIDTH),
-              "context_length": (config.context_length, MAX_CONTEXT)}  # fmt: skip
+    counts = {
+        "block_count": (config.n_layers, MAX_LAYERS),
+        "embedding_length": (config.dim, MAX_WIDTH),
+        "attention.head_count": (config.n_heads, MAX_WIDTH),
+        "attention.head_count_kv": (config.n_kv_heads, MAX_WIDTH),
+        "attention.key_length": (config.head_dim, MAX_WIDTH),
+        "feed_forward_length": (config.ffn_dim, MAX_WIDTH),
+        "vocab_size": (config.vocab_size, MAX_WIDTH),
+        "context_length": (config.context_length, MAX_CONTEXT),
+    }
     for key, (value, most) in counts.items():
         if not 1 <= value <= most:
             raise bad(f"{key} is {value}, outside 1..{most}")

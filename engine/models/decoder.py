@@ -70,8 +70,9 @@ class Attention:
         # key norm's per key head, so one normalisation covers both.
         self.qk_norm_weight = qk_norm_weight
         native = cpu_attention_kernel()
-        takes = native is not None and native.takes(config.n_heads, config.n_kv_heads,
-                                                     config.head_dim)  # fmt: skip
+        takes = native is not None and native.takes(
+            config.n_heads, config.n_kv_heads, config.head_dim
+        )
         self.native = native if takes else None
         self.row_ops = cpu_row_ops()
 
@@ -106,8 +107,9 @@ class Attention:
         (one call instead of five torch ops; qk is this pass's own projection output)."""
         if self.row_ops is not None and qk.is_cpu and qk.dtype is torch.float32:
             rope = rotation.rope
-            return self.row_ops.rope_(qk, rotation.cos, rotation.signed_sin, rope.rotary_dim,
-                                      rope.interleaved)  # fmt: skip
+            return self.row_ops.rope_(
+                qk, rotation.cos, rotation.signed_sin, rope.rotary_dim, rope.interleaved
+            )
         return apply_rope(qk, rotation)
 
     def _attend(self, qk, v, cache: Cache, mask: torch.Tensor | None) -> torch.Tensor:
@@ -131,10 +133,16 @@ class Attention:
         outs = []
         for first, end, group_keys in cache.keys_by_own_tile(keys, queries.shape[1]):
             group_mask = None if mask is None else mask[first:end]
-            outs.append(F.scaled_dot_product_attention(
-                queries[None, :, first:end], group_keys, values, attn_mask=group_mask,
-                enable_gqa=True, scale=self.scale,
-            ))  # fmt: skip
+            outs.append(
+                F.scaled_dot_product_attention(
+                    queries[None, :, first:end],
+                    group_keys,
+                    values,
+                    attn_mask=group_mask,
+                    enable_gqa=True,
+                    scale=self.scale,
+                )
+            )
         return torch.cat(outs, dim=2)
 
     def _native_for(self, queries: torch.Tensor, keys: torch.Tensor) -> bool:
@@ -148,9 +156,16 @@ class Attention:
         """queries [heads, rows, head_dim] over stored keys [1, kv_heads, tokens, width] ->
         [1, heads, rows, head_dim], as scaled_dot_product_attention returns it."""
         rows_first = queries.transpose(0, 1).contiguous()
-        out = self.native(rows_first, keys[0], values[0], self.scale, lengths, mask,
-                          _kernel_types(cache),
-                          tiled=cache.tiled_keys(rows_first.shape[0]))  # fmt: skip
+        out = self.native(
+            rows_first,
+            keys[0],
+            values[0],
+            self.scale,
+            lengths,
+            mask,
+            _kernel_types(cache),
+            tiled=cache.tiled_keys(rows_first.shape[0]),
+        )
         return out.transpose(0, 1)[None]
 
     def _attend_segments(self, qk, v, segments: Segments) -> torch.Tensor:
@@ -165,8 +180,9 @@ class Attention:
             if mask is not None:  # built on the CPU, like a pass's masks
                 mask = mask.to(qk.device)
             if count == 1 and self.native is not None and qk.device.type == "cpu":
-                keys, values = cache.update_and_fetch(qk[self.n_heads :, rows][None],
-                                                      v[:, rows][None])  # fmt: skip
+                keys, values = cache.update_and_fetch(
+                    qk[self.n_heads :, rows][None], v[:, rows][None]
+                )
                 decodes.append((len(outs), start, keys[0], values[0], mask, cache))
                 outs.append(None)
             elif isinstance(mask, RowMasks):
@@ -178,10 +194,14 @@ class Attention:
             at = [d[1] for d in decodes]
             queries = qk[: self.n_heads, at].transpose(0, 1).contiguous()
             attended = self.native.sequences(
-                queries, [d[2] for d in decodes], [d[3] for d in decodes], self.scale,
+                queries,
+                [d[2] for d in decodes],
+                [d[3] for d in decodes],
+                self.scale,
                 [None if d[4] is None else d[4][0] for d in decodes],
-                [_kernel_types(d[5]) for d in decodes], [d[5].tiled_keys(1) for d in decodes],
-            )  # fmt: skip
+                [_kernel_types(d[5]) for d in decodes],
+                [d[5].tiled_keys(1) for d in decodes],
+            )
             for j, (index, *_) in enumerate(decodes):
                 outs[index] = attended[j : j + 1].transpose(0, 1)[None]
         return torch.cat(outs, dim=2)
@@ -223,7 +243,7 @@ class Attention:
                 values[:, :, : before + row + 1],
                 enable_gqa=True,
                 scale=self.scale,
-            )  # fmt: skip
+            )
             for row in range(n_rows)
         ]
         return torch.cat(rows, dim=2)
@@ -264,8 +284,16 @@ class Block:
                 mask = mask.contiguous()
             else:
                 mask = None  # several exact rows: each sees a prefix, unmasked
-            self.fused.step(x, rotation.cos, rotation.signed_sin, taken.slots, taken.stored,
-                            mask, _kernel_types(cache), taken.tiled)  # fmt: skip
+            self.fused.step(
+                x,
+                rotation.cos,
+                rotation.signed_sin,
+                taken.slots,
+                taken.stored,
+                mask,
+                _kernel_types(cache),
+                taken.tiled,
+            )
             if taken.written is not None:
                 taken.written()
             return x
@@ -519,7 +547,7 @@ class DecoderModel:
                 [caches[layer] for _, caches in segments],
                 counts,
                 masks[self._layer_is_local[layer]],
-            )  # fmt: skip
+            )
             for layer in range(self.config.n_layers)
         ]
         no_masks = dict.fromkeys(masks)
@@ -618,13 +646,19 @@ def fused_layer(block: Block, rope: Rope) -> NativeDecodeLayer | None:
     ):
         return None
     shape = LayerShape(
-        dim=block.attn_norm.dim, n_heads=attention.n_heads, kv_heads=attention.n_kv_heads,
-        head_dim=attention.head_dim, rotary_dim=rope.rotary_dim, interleaved=rope.interleaved,
-        eps=block.attn_norm.eps, scale=attention.scale,
-    )  # fmt: skip
+        dim=block.attn_norm.dim,
+        n_heads=attention.n_heads,
+        kv_heads=attention.n_kv_heads,
+        head_dim=attention.head_dim,
+        rotary_dim=rope.rotary_dim,
+        interleaved=rope.interleaved,
+        eps=block.attn_norm.eps,
+        scale=attention.scale,
+    )
     packed = (linear.native for linear in linears)
-    return NativeDecodeLayer(library, shape, *packed, block.attn_norm.doubled_weight,
-                             block.ffn_norm.doubled_weight)  # fmt: skip
+    return NativeDecodeLayer(
+        library, shape, *packed, block.attn_norm.doubled_weight, block.ffn_norm.doubled_weight
+    )
 
 
 def _plain_native(linear) -> bool:

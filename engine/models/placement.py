@@ -53,20 +53,35 @@ class CachePolicy:
         for i, device in enumerate(devices):
             if c.is_local(i):
                 cache = RotatingKVCache(
-                    c.n_kv_heads, c.head_dim, sinks=0, window=c.sliding_window,
-                    slack=PREFILL_CHUNK, rope=ropes[True], kv_type=self.kv_type, device=device,
-                )  # fmt: skip
+                    c.n_kv_heads,
+                    c.head_dim,
+                    sinks=0,
+                    window=c.sliding_window,
+                    slack=PREFILL_CHUNK,
+                    rope=ropes[True],
+                    kv_type=self.kv_type,
+                    device=device,
+                )
             elif self.streaming:
                 cache = RotatingKVCache(
-                    c.n_kv_heads, c.head_dim, sinks=self.sinks, window=self.window_size,
-                    slack=ROLLBACK_SLACK, rope=ropes[False], kv_type=self.kv_type,
+                    c.n_kv_heads,
+                    c.head_dim,
+                    sinks=self.sinks,
+                    window=self.window_size,
+                    slack=ROLLBACK_SLACK,
+                    rope=ropes[False],
+                    kv_type=self.kv_type,
                     device=device,
-                )  # fmt: skip
+                )
             else:
                 cache = KVCache(
-                    c.n_kv_heads, c.head_dim, self.ctx, rope=ropes[False], kv_type=self.kv_type,
+                    c.n_kv_heads,
+                    c.head_dim,
+                    self.ctx,
+                    rope=ropes[False],
+                    kv_type=self.kv_type,
                     device=device,
-                )  # fmt: skip
+                )
             caches.append(cache)
         return caches
 

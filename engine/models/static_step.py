@@ -65,9 +65,9 @@ class _TileRows:
         """Aim at ring slot `slot` (KeyTiles keeps tile t in half t % 2 of `recent`)."""
         first = slot // TILE_ROWS * TILE_ROWS
         half = first % (2 * TILE_ROWS)
-        rows = torch.cat([
-            torch.tensor([slot % (2 * TILE_ROWS)]), first + self._offsets, half + self._offsets
-        ])  # fmt: skip
+        rows = torch.cat(
+            [torch.tensor([slot % (2 * TILE_ROWS)]), first + self._offsets, half + self._offsets]
+        )
         self.rows.copy_(rows)
 
 
@@ -203,8 +203,9 @@ class StaticDecodeStep:
 
     def _tables(self, rope: Rope, rows: int) -> RopeTables:
         shape = (rows, 1, self.model.config.head_dim)
-        return RopeTables(torch.ones(shape, device=self.device),
-                          torch.zeros(shape, device=self.device), rope)  # fmt: skip
+        return RopeTables(
+            torch.ones(shape, device=self.device), torch.zeros(shape, device=self.device), rope
+        )
 
     def _kind_inputs(self, kind: bool, cache: Cache, row: int) -> _KindInputs:
         _, span = cache.static_span()
@@ -212,11 +213,13 @@ class StaticDecodeStep:
         rope, batch = self.model.ropes[kind], self.rotations[kind]
         rotation = RopeTables(batch.cos[row : row + 1], batch.signed_sin[row : row + 1], rope)
         return _KindInputs(
-            rope, rotation, self._tables(rope, 1),
+            rope,
+            rotation,
+            self._tables(rope, 1),
             torch.zeros(1, dtype=torch.long, device=self.device),
             torch.zeros(1, span, dtype=torch.bool, device=self.device),
             _TileRows(self.device) if tiled else None,
-        )  # fmt: skip
+        )
 
     def _storage_addresses(self) -> list[int]:
         return [cache.keys.data_ptr() for one in self.sequences for cache in one]

@@ -406,10 +406,12 @@ def _gated_int4(parts: list[RawWeight], n_cols: int, target: WeightTarget) -> In
     if up.shape[0] != ffn or ffn % native_int4.GATE_ROWS:
         return None
     slices = (
-        (to_int4(decode(gate[start : start + _PACK_CHUNK_ROWS], gate_type)),
-         to_int4(decode(up[start : start + _PACK_CHUNK_ROWS], up_type)))
+        (
+            to_int4(decode(gate[start : start + _PACK_CHUNK_ROWS], gate_type)),
+            to_int4(decode(up[start : start + _PACK_CHUNK_ROWS], up_type)),
+        )
         for start in range(0, ffn, _PACK_CHUNK_ROWS)
-    )  # fmt: skip
+    )
     return pack_gated(slices, ffn, n_cols, library)
 
 

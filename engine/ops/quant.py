@@ -263,8 +263,16 @@ def dequantize_rows(
 
 # Where each block keeps its fp16 scale (d) and, for the affine types, its minimum (m or
 # dmin): every other byte is an integer code or sub-scale, which cannot be NaN.
-_FLOAT_FIELDS = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,),
-                 Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}  # fmt: skip
+_FLOAT_FIELDS = {
+    Q.Q4_0: (0,),
+    Q.Q4_1: (0, 2),
+    Q.Q5_0: (0,),
+    Q.Q5_1: (0, 2),
+    Q.Q8_0: (0,),
+    Q.Q4_K: (0, 2),
+    Q.Q5_K: (0, 2),
+    Q.Q6_K: (208,),
+}
 
 
 _F16_EXPONENT = 0x7C

@@ -31,8 +31,13 @@ PRESETS = {
     "avx2-only": _AVX2,
 }
 # The features reported, as CpuFeatures' property names and as people write them.
-REPORTED = (("avx2", "AVX2"), ("avx512", "AVX-512"), ("avx512_bf16", "AVX-512 BF16"),
-            ("avx512_vnni", "AVX-512 VNNI"), ("amx", "AMX"))  # fmt: skip
+REPORTED = (
+    ("avx2", "AVX2"),
+    ("avx512", "AVX-512"),
+    ("avx512_bf16", "AVX-512 BF16"),
+    ("avx512_vnni", "AVX-512 VNNI"),
+    ("amx", "AMX"),
+)
 
 
 @dataclass(frozen=True)

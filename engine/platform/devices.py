@@ -203,11 +203,17 @@ class TorchProbe:
         for index in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(index)
             free, total = torch.cuda.mem_get_info(index)
-            found.append(GpuInfo(
-                index, props.name, backend, total, free,
-                capability=None if torch.version.hip else (props.major, props.minor),
-                arch=getattr(props, "gcnArchName", None) if torch.version.hip else None,
-            ))  # fmt: skip
+            found.append(
+                GpuInfo(
+                    index,
+                    props.name,
+                    backend,
+                    total,
+                    free,
+                    capability=None if torch.version.hip else (props.major, props.minor),
+                    arch=getattr(props, "gcnArchName", None) if torch.version.hip else None,
+                )
+            )
         return found
 
     def check_int4(self, gpu: GpuInfo | None) -> KernelCheck:
@@ -215,8 +221,9 @@ class TorchProbe:
 
         if gpu is not None and gpu.capability and gpu.capability < MIN_INT4_CAPABILITY:
             major, minor = gpu.capability
-            return KernelCheck("int4 matmul", False,
-                               f"compute capability {major}.{minor} is below 8.0")  # fmt: skip
+            return KernelCheck(
+                "int4 matmul", False, f"compute capability {major}.{minor} is below 8.0"
+            )
         try:
             _run_int4_kernel(torch, "cpu" if gpu is None else f"cuda:{gpu.index}")
         except (RuntimeError, NotImplementedError, AttributeError) as exc:
@@ -267,8 +274,9 @@ def _run_int4_kernel(torch, device: str) -> None:
     else:
         pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8).to(device)
         packed = torch._convert_weight_to_int4pack(pairs, 2)
-        got = torch._weight_int4pack_mm(x.bfloat16().to(device), packed, 32,
-                                        scales_zeros.to(device)).cpu()  # fmt: skip
+        got = torch._weight_int4pack_mm(
+            x.bfloat16().to(device), packed, 32, scales_zeros.to(device)
+        ).cpu()
     if not torch.allclose(got.float(), expected, rtol=0.05, atol=0.05 * expected.abs().max()):
         raise RuntimeError("int4 kernel ran but disagreed with the reference")
 
@@ -319,8 +327,9 @@ class SimulatedProbe:
             return TorchProbe().check_int4(None)
         if gpu.capability and gpu.capability < MIN_INT4_CAPABILITY:
             major, minor = gpu.capability
-            return KernelCheck("int4 matmul", False,
-                               f"compute capability {major}.{minor} is below 8.0")  # fmt: skip
+            return KernelCheck(
+                "int4 matmul", False, f"compute capability {major}.{minor} is below 8.0"
+            )
         if gpu.index in self._no_int4:
             where = "on HIP" if gpu.backend == "rocm" else "in this torch build"
             return KernelCheck("int4 matmul", False, f"kernel missing {where} (simulated)")
@@ -360,8 +369,11 @@ class SimulatedProbe:
     def versions(self) -> dict[str, str | None]:
         versions = TorchProbe().versions()
         backends = {g.backend for g in self._gpus}
-        return {**versions, "cuda": "simulated" if "cuda" in backends else None,
-                "hip": "simulated" if "rocm" in backends else None}  # fmt: skip
+        return {
+            **versions,
+            "cuda": "simulated" if "cuda" in backends else None,
+            "hip": "simulated" if "rocm" in backends else None,
+        }
 
 
 def default_probe() -> DeviceProbe:

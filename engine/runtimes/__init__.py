@@ -45,10 +45,17 @@ def open_runtime(
 
         sinks = DEFAULT_SINKS if sinks is None else sinks
         return TorchRuntime(
-            model_path, n_ctx=n_ctx, threads=threads, sinks=sinks, window=window, spec=spec,
-            device=device, parallel=parallel, kv=kind,
+            model_path,
+            n_ctx=n_ctx,
+            threads=threads,
+            sinks=sinks,
+            window=window,
+            spec=spec,
+            device=device,
+            parallel=parallel,
+            kv=kind,
             **({} if max_queue is None else {"max_queue": max_queue}),
-        )  # fmt: skip
+        )
     if backend == "llamacpp":
         from .llamacpp_runtime import LlamaCppRuntime
 
@@ -59,13 +66,17 @@ def open_runtime(
         if spec not in ("off", "auto"):
             raise MiniappError("--spec early-exit, head and lookup apply to the torch backend only")
         if parallel > 1:
-            raise MiniappError("--parallel applies to the torch backend (llama.cpp here "
-                               "answers one at a time)")  # fmt: skip
-        return LlamaCppRuntime(model_path, n_ctx=n_ctx, threads=threads, logits_all=logits_all,
-                               kv=kind)  # fmt: skip
+            raise MiniappError(
+                "--parallel applies to the torch backend (llama.cpp here answers one at a time)"
+            )
+        return LlamaCppRuntime(
+            model_path, n_ctx=n_ctx, threads=threads, logits_all=logits_all, kv=kind
+        )
     if backend == REMOTE_BACKEND:
-        raise MiniappError("--backend openai answers chats, not token prompts: this command "
-                           "needs a local backend (torch or llamacpp)")  # fmt: skip
+        raise MiniappError(
+            "--backend openai answers chats, not token prompts: this command "
+            "needs a local backend (torch or llamacpp)"
+        )
     raise MiniappError(f"unknown backend '{backend}' (choose from {', '.join(BACKENDS)})")
 
 
@@ -78,14 +89,22 @@ def check_remote_options(
 ) -> None:
     """One line for a local engine's option asked of a remote server, which has its own
     cache, drafting and devices."""
-    asked = [flag for flag, given in (
-        ("--window", window is not None), ("--sinks", sinks is not None),
-        ("--spec " + str(spec), spec not in (SpecMode.AUTO, SpecMode.OFF)),
-        ("--device " + device, device != "auto"), ("--kv-type", kv is not None),
-    ) if given]  # fmt: skip
+    asked = [
+        flag
+        for flag, given in (
+            ("--window", window is not None),
+            ("--sinks", sinks is not None),
+            ("--spec " + str(spec), spec not in (SpecMode.AUTO, SpecMode.OFF)),
+            ("--device " + device, device != "auto"),
+            ("--kv-type", kv is not None),
+        )
+        if given
+    ]
     if asked:
-        raise MiniappError(f"{', '.join(asked)}: local backends only; with --backend openai the "
-                           "server keeps its own cache, drafting and devices")  # fmt: skip
+        raise MiniappError(
+            f"{', '.join(asked)}: local backends only; with --backend openai the "
+            "server keeps its own cache, drafting and devices"
+        )
 
 
 def open_vision_runtime(

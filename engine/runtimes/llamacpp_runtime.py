@@ -60,9 +60,16 @@ class LlamaCppRuntime(Runtime):
                 "flash_attn": kv.blocked,  # llama.cpp needs it for a quantized V cache
             }
         self.kv_type = kv.name if kv is not None else "f16"
-        opened = self._open(gguf, n_ctx, probe, n_batch=min(n_ctx, BATCH), n_threads=threads,
-                            n_threads_batch=threads, logits_all=logits_all,
-                            **cache_params)  # fmt: skip
+        opened = self._open(
+            gguf,
+            n_ctx,
+            probe,
+            n_batch=min(n_ctx, BATCH),
+            n_threads=threads,
+            n_threads_batch=threads,
+            logits_all=logits_all,
+            **cache_params,
+        )
         self._llm, self.offload = opened.llama, opened.offload
         self.gpu_layers, self.fallbacks = opened.gpu_layers, opened.fallbacks
         self.tokenizer = Tokenizer(self.model_path, llama=self._llm)
@@ -152,5 +159,6 @@ def _last_logprob(llm: Llama, token: int, top: int) -> TokenLogprob:
     shifted = row.astype(np.float64) - row.max()
     logprobs = shifted - np.log(np.exp(shifted).sum())
     best = np.argsort(-logprobs)[:top] if top > 0 else []
-    return TokenLogprob(token, float(logprobs[token]),
-                        tuple((int(t), float(logprobs[t])) for t in best))  # fmt: skip
+    return TokenLogprob(
+        token, float(logprobs[token]), tuple((int(t), float(logprobs[t])) for t in best)
+    )

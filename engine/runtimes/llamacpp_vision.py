@@ -115,8 +115,9 @@ class _Chunks:
         text.text, text.text_len = encoded, len(encoded)
         text.add_special = text.parse_special = True
         bitmaps = (mtmd_cpp.mtmd_bitmap_p_ctypes * len(self._bitmaps))(*self._bitmaps)
-        status = mtmd_cpp.mtmd_tokenize(self.handler.mtmd_ctx, self._chunks, ctypes.byref(text),
-                                        bitmaps, len(self._bitmaps))  # fmt: skip
+        status = mtmd_cpp.mtmd_tokenize(
+            self.handler.mtmd_ctx, self._chunks, ctypes.byref(text), bitmaps, len(self._bitmaps)
+        )
         if status != 0:
             raise MiniappError(f"tokenize error {status}")
         for i in range(mtmd_cpp.mtmd_input_chunks_size(self._chunks)):
@@ -172,8 +173,9 @@ class LlamaCppVisionRuntime(LlamaCppRuntime, VisionRuntime):
         if problem:
             raise ModelFileError(self.mmproj_path, problem)
         self._handler = _ProjectorHandler(self.mmproj_path, llama_supports_gpu_offload())
-        super().__init__(model_path, n_ctx=-(-n_ctx // CONTEXT_PAD) * CONTEXT_PAD,
-                         threads=threads, probe=probe)  # fmt: skip
+        super().__init__(
+            model_path, n_ctx=-(-n_ctx // CONTEXT_PAD) * CONTEXT_PAD, threads=threads, probe=probe
+        )
         self._open_projector()
         # What the context holds, as evaluated by the last prefill (answers come after it).
         self._in_context: list[_Unit] = []
@@ -249,10 +251,15 @@ class LlamaCppVisionRuntime(LlamaCppRuntime, VisionRuntime):
                 run = []
             n_past = llama_cpp.llama_pos(0)
             status = mtmd_cpp.mtmd_helper_eval_chunk_single(
-                self._handler.mtmd_ctx, llm._ctx.ctx, image_chunks[index],
-                llama_cpp.llama_pos(llm.n_tokens), llama_cpp.llama_seq_id(0), llm.n_batch,
-                False, ctypes.byref(n_past),
-            )  # fmt: skip
+                self._handler.mtmd_ctx,
+                llm._ctx.ctx,
+                image_chunks[index],
+                llama_cpp.llama_pos(llm.n_tokens),
+                llama_cpp.llama_seq_id(0),
+                llm.n_batch,
+                False,
+                ctypes.byref(n_past),
+            )
             if status != 0:
                 raise MiniappError(f"llama.cpp could not run an image (error {status})")
             llm.n_tokens = n_past.value

@@ -77,8 +77,9 @@ class RemoteEndpoint:
         # No retries: an unreachable server or a refused key is said at once, not after
         # several silent attempts.
         timeout = openai.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
-        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key or "none",
-                             max_retries=0, timeout=timeout)  # fmt: skip
+        return openai.OpenAI(
+            base_url=self.base_url, api_key=self.api_key or "none", max_retries=0, timeout=timeout
+        )
 
 
 @dataclass(frozen=True)
@@ -105,8 +106,9 @@ def _remote_model(entry) -> RemoteModel:
     meta = extra.get("meta") if isinstance(extra.get("meta"), dict) else {}
     # vLLM says max_model_len, `miniapp serve` context_length, llama-server meta.n_ctx_train.
     context = extra.get("max_model_len") or extra.get("context_length") or meta.get("n_ctx_train")
-    return RemoteModel(entry.id, getattr(entry, "owned_by", None),
-                       context if isinstance(context, int) else None)  # fmt: skip
+    return RemoteModel(
+        entry.id, getattr(entry, "owned_by", None), context if isinstance(context, int) else None
+    )
 
 
 class RemoteRuntime(MessageRuntime):
@@ -134,8 +136,9 @@ class RemoteRuntime(MessageRuntime):
         chosen = listed[0] if model is None else next((m for m in listed if m.id == model), None)
         if chosen is None:
             names = ", ".join(m.id for m in listed[:8])
-            raise RemoteError(f"the server at {endpoint.base_url} has no model '{model}' "
-                              f"(it has: {names})")  # fmt: skip
+            raise RemoteError(
+                f"the server at {endpoint.base_url} has no model '{model}' (it has: {names})"
+            )
         self.model = chosen.id
         self.n_ctx = chosen.context
 
@@ -151,8 +154,9 @@ class RemoteRuntime(MessageRuntime):
         return isinstance(modalities, dict) and bool(modalities.get("vision"))
 
     def info(self) -> RuntimeInfo:
-        return RuntimeInfo(self.backend, Path(self.model), model_name=self.model,
-                           endpoint=self.endpoint.base_url)  # fmt: skip
+        return RuntimeInfo(
+            self.backend, Path(self.model), model_name=self.model, endpoint=self.endpoint.base_url
+        )
 
     def close(self) -> None:
         self._client.close()
@@ -187,15 +191,20 @@ class RemoteRuntime(MessageRuntime):
                     yield TextDelta(value) if kind == "text" else ReasoningDelta(value)
         finally:
             call.cancel()
-        reason = FinishReason.CANCELLED if call.cancelled else \
-            _FINISH_REASONS.get(finish or "", FinishReason.END_OF_TURN)  # fmt: skip
+        reason = (
+            FinishReason.CANCELLED
+            if call.cancelled
+            else _FINISH_REASONS.get(finish or "", FinishReason.END_OF_TURN)
+        )
         yield Finished(reason, clock.stats(usage))
 
     def _body(self, messages: Sequence[Message], request: GenerationRequest) -> dict:
         """The chat request: only fields that were set, so that strict servers take it."""
         if any(m.pictures for m in messages) and not self.accepts_images:
-            raise RemoteError(f"the server's model {self.model} does not say it takes pictures "
-                              "(they go to it as text, by OCR)")  # fmt: skip
+            raise RemoteError(
+                f"the server's model {self.model} does not say it takes pictures "
+                "(they go to it as text, by OCR)"
+            )
         body: dict = {
             "model": self.model,
             "messages": [_wire_message(m) for m in messages],
@@ -231,8 +240,10 @@ def _response_format(constraint: OutputConstraint) -> dict:
     if constraint.kind is ConstraintKind.JSON_SCHEMA:
         schema = {"name": "answer", "schema": json.loads(constraint.source), "strict": True}
         return {"type": "json_schema", "json_schema": schema}
-    raise RemoteError(f"a {constraint.kind.value} constraint cannot be sent to a server (the "
-                      "chat API takes JSON schemas only)")  # fmt: skip
+    raise RemoteError(
+        f"a {constraint.kind.value} constraint cannot be sent to a server (the "
+        "chat API takes JSON schemas only)"
+    )
 
 
 def _wire_message(message: Message) -> dict:
@@ -240,10 +251,12 @@ def _wire_message(message: Message) -> dict:
     if not message.pictures:
         return {"role": message.role, "content": message.content}
     parts: list[dict] = [
-        {"type": "image_url",
-         "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}}
+        {
+            "type": "image_url",
+            "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()},
+        }
         for png in message.pictures
-    ]  # fmt: skip
+    ]
     parts.append({"type": "text", "text": message.content})
     return {"role": message.role, "content": parts}
 
@@ -295,8 +308,9 @@ class _StreamedCall:
         self._lock = threading.Lock()
         self._done = False
         self.cancelled = False
-        threading.Thread(target=self._read, args=(client, body), daemon=True,
-                         name="remote-answer").start()  # fmt: skip
+        threading.Thread(
+            target=self._read, args=(client, body), daemon=True, name="remote-answer"
+        ).start()
 
     def items(self, should_stop: Callable[[], bool]) -> Iterator[tuple[str, object, float]]:
         while True:
@@ -349,8 +363,9 @@ class _StreamedCall:
         for choice in chunk.choices or ():
             delta = choice.delta
             if delta is not None:
-                thinking = getattr(delta, "reasoning_content", None) or \
-                    getattr(delta, "reasoning", None)  # fmt: skip
+                thinking = getattr(delta, "reasoning_content", None) or getattr(
+                    delta, "reasoning", None
+                )
                 if isinstance(thinking, str) and thinking:
                     self._put("reasoning", thinking)
                 if delta.content:
@@ -384,19 +399,25 @@ def remote_error(
     """The one line for what went wrong talking to the server."""
     where = endpoint.base_url
     if midway:
-        return RemoteError(f"the server at {where} broke off the answer midway ({_cause(exc)}); "
-                           "the answer so far is kept")  # fmt: skip
+        return RemoteError(
+            f"the server at {where} broke off the answer midway ({_cause(exc)}); "
+            "the answer so far is kept"
+        )
     if isinstance(exc, openai.APITimeoutError):
         return RemoteError(f"the server at {where} did not answer in time")
     if isinstance(exc, openai.APIConnectionError):
         return RemoteError(f"cannot reach the server at {where} ({_cause(exc)})")
     if isinstance(exc, openai.AuthenticationError):
-        return RemoteError(f"the server at {where} refused the API key (401: {_message(exc)}); "
-                           "give --api-key or set OPENAI_API_KEY")  # fmt: skip
+        return RemoteError(
+            f"the server at {where} refused the API key (401: {_message(exc)}); "
+            "give --api-key or set OPENAI_API_KEY"
+        )
     if isinstance(exc, openai.NotFoundError):
         what = f"no model '{model}'" if model else "no such endpoint"
-        return RemoteError(f"the server at {where} has {what} (404: {_message(exc)}); "
-                           "`miniapp models list --base-url URL` lists its models")  # fmt: skip
+        return RemoteError(
+            f"the server at {where} has {what} (404: {_message(exc)}); "
+            "`miniapp models list --base-url URL` lists its models"
+        )
     if isinstance(exc, openai.APIStatusError):
         return RemoteError(f"the server at {where} answered {exc.status_code}: {_message(exc)}")
     return RemoteError(f"the server at {where} failed: {_cause(exc)}")

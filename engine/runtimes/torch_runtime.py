@@ -122,10 +122,15 @@ class TorchRuntime(Runtime):
         graphs, note = decode_step_path(self.probe, self.device_plan, self.config.n_layers)
         self.runner = ModelRunner(self.model, self.policy, graphs, note)
         self.runner.on_graph_failure = self._record_graph_failure
-        config = BatchConfig(slots=parallel, pooled_prefixes=parallel, max_queue=max_queue,
-                             kv_budget_bytes=_kv_budget())  # fmt: skip
-        self.scheduler = BatchScheduler(self.model, self.policy, config, self._lone_decoder,
-                                        self.runner, self._recover_from_oom)  # fmt: skip
+        config = BatchConfig(
+            slots=parallel,
+            pooled_prefixes=parallel,
+            max_queue=max_queue,
+            kv_budget_bytes=_kv_budget(),
+        )
+        self.scheduler = BatchScheduler(
+            self.model, self.policy, config, self._lone_decoder, self.runner, self._recover_from_oom
+        )
         self._last_stream: TokenStream | None = None
 
     def _placement(self) -> Placement:
@@ -269,16 +274,31 @@ class TorchRuntime(Runtime):
         if self.spec_mode is SpecMode.OFF:
             return None
         drafters = build_drafters(self.spec_mode, self.model, self.early_exit, self.draft_head)
-        return SpeculativeDecoder(self.model, caches, fed, sampler, self.draft_controller,
-                                  drafters, mode=self.spec_mode.value,
-                                  decode_one=self.runner.stepper(caches))  # fmt: skip
+        return SpeculativeDecoder(
+            self.model,
+            caches,
+            fed,
+            sampler,
+            self.draft_controller,
+            drafters,
+            mode=self.spec_mode.value,
+            decode_one=self.runner.stepper(caches),
+        )
 
     def info(self) -> RuntimeInfo:
         policy, c = self.policy, self.model.config
         per_token = bytes_per_token(self.kv_type, c.n_layers, c.n_kv_heads, c.head_dim)
-        return RuntimeInfo(self.backend, self.model_path, self.device_plan, self.spec_mode.value,
-                           policy.sinks, policy.window_size, self.kv_type.name,
-                           per_token, weight_bytes_per_token=self._weight_bytes)  # fmt: skip
+        return RuntimeInfo(
+            self.backend,
+            self.model_path,
+            self.device_plan,
+            self.spec_mode.value,
+            policy.sinks,
+            policy.window_size,
+            self.kv_type.name,
+            per_token,
+            weight_bytes_per_token=self._weight_bytes,
+        )
 
     def reset(self) -> None:
         self.scheduler.reset()

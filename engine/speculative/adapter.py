@@ -15,8 +15,9 @@ import torch.nn.functional as F
 
 
 class ExitAdapterModule:
-    def __init__(self, norm_weight: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor,
-                 eps: float = 1e-5):  # fmt: skip
+    def __init__(
+        self, norm_weight: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, eps: float = 1e-5
+    ):
         self.norm_weight, self.w_in, self.w_out, self.eps = norm_weight, w_in, w_out, eps
 
     @classmethod

@@ -131,8 +131,9 @@ class DraftController:
         self._plain_s.add(seconds)
         self._steps += 1
 
-    def record_draft(self, drafter: str, drafted: int, accepted: int, draft_s: float,
-                     verify_s: float) -> None:  # fmt: skip
+    def record_draft(
+        self, drafter: str, drafted: int, accepted: int, draft_s: float, verify_s: float
+    ) -> None:
         if self._probing == drafter:  # back off while the family's probes keep failing
             family = _family(drafter)
             wait = self._probe_every.get(family, self.probe_every)

@@ -60,10 +60,14 @@ class HeadWeights:
         # Start as "the next state is the current one": the input map passes h through.
         w_in = torch.cat([torch.eye(dim), torch.randn(dim, dim, generator=generator) * 0.01], 1)
         return cls(
-            torch.ones(dim), torch.ones(dim), w_in, torch.ones(dim),
+            torch.ones(dim),
+            torch.ones(dim),
+            w_in,
+            torch.ones(dim),
             torch.randn(2 * hidden, dim, generator=generator) / dim**0.5,
-            torch.zeros(dim, hidden), vocab,
-        )  # fmt: skip
+            torch.zeros(dim, hidden),
+            vocab,
+        )
 
     @property
     def dim(self) -> int:
@@ -75,8 +79,9 @@ class HeadWeights:
     def forward(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         """Training-time forward in fp32: states [n, dim], embeddings [n, dim] -> [n, dim]."""
         dim, eps = self.dim, self.eps
-        joined = torch.cat([F.rms_norm(h, (dim,), self.norm_h, eps),
-                            F.rms_norm(e, (dim,), self.norm_e, eps)], -1)  # fmt: skip
+        joined = torch.cat(
+            [F.rms_norm(h, (dim,), self.norm_h, eps), F.rms_norm(e, (dim,), self.norm_e, eps)], -1
+        )
         x = joined @ self.w_in.T
         gate, up = (F.rms_norm(x, (dim,), self.norm_x, eps) @ self.w_gate_up.T).chunk(2, -1)
         return x + (F.silu(gate) * up) @ self.w_down.T
@@ -142,8 +147,9 @@ def gated_int4_linear(weight: torch.Tensor) -> Linear | None:
     if library is None:
         return None
     gate, up = weight.chunk(2)
-    return pack_gated([(_int4_groups(gate), _int4_groups(up))], gate.shape[0], weight.shape[1],
-                      library)  # fmt: skip
+    return pack_gated(
+        [(_int4_groups(gate), _int4_groups(up))], gate.shape[0], weight.shape[1], library
+    )
 
 
 def _int4_groups(weight: torch.Tensor) -> Int4Groups:
@@ -152,8 +158,9 @@ def _int4_groups(weight: torch.Tensor) -> Int4Groups:
     low, high = grouped.amin(-1), grouped.amax(-1)
     scale = ((high - low) / 15).clamp_min(1e-8)
     codes = ((grouped - low[..., None]) / scale[..., None]).round_().clamp_(0, 15)
-    return to_int4(AffineCodes(codes.to(torch.uint8).reshape(rows, cols), scale, low, 4,
-                               KERNEL_GROUP))  # fmt: skip
+    return to_int4(
+        AffineCodes(codes.to(torch.uint8).reshape(rows, cols), scale, low, 4, KERNEL_GROUP)
+    )
 
 
 def _library():
@@ -167,8 +174,14 @@ class DraftHead:
     the draft vocabulary, and the model's soft-cap where it has one. `threshold` and
     `max_draft`: the chain policy calibration chose (see `HeadDrafter`)."""
 
-    def __init__(self, weights: HeadWeights, head_rows: Linear, softcap: float = 0.0,
-                 threshold: float = 0.0, max_draft: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        weights: HeadWeights,
+        head_rows: Linear,
+        softcap: float = 0.0,
+        threshold: float = 0.0,
+        max_draft: int | None = None,
+    ):
         self.weights, self.softcap = weights, softcap
         self.threshold, self.max_draft = threshold, max_draft
         self.vocab = weights.vocab

@@ -76,17 +76,29 @@ class BlockWeights:
     TRAINED = ("norm_a", "w_qkv", "w_o", "norm_f", "w_gate_up", "w_down")
 
     @classmethod
-    def initial(cls, dim: int, hidden: int, vocab: torch.Tensor, layer: int,
-                window: int = WINDOW, seed: int = 0) -> BlockWeights:  # fmt: skip
+    def initial(
+        cls,
+        dim: int,
+        hidden: int,
+        vocab: torch.Tensor,
+        layer: int,
+        window: int = WINDOW,
+        seed: int = 0,
+    ) -> BlockWeights:
         """A block that passes the exit state through (zero outputs): the untrained exit."""
         generator = torch.Generator().manual_seed(seed)
         width = heads_for(dim) * HEAD_DIM
         return cls(
-            torch.ones(dim), torch.randn(3 * width, dim, generator=generator) / dim**0.5,
-            torch.zeros(dim, width), torch.ones(dim),
+            torch.ones(dim),
+            torch.randn(3 * width, dim, generator=generator) / dim**0.5,
+            torch.zeros(dim, width),
+            torch.ones(dim),
             torch.randn(2 * hidden, dim, generator=generator) / dim**0.5,
-            torch.zeros(dim, hidden), vocab, layer, window,
-        )  # fmt: skip
+            torch.zeros(dim, hidden),
+            vocab,
+            layer,
+            window,
+        )
 
     @property
     def dim(self) -> int:
@@ -129,8 +141,13 @@ class BlockWeights:
             return None
         try:
             trained = (data[name] for name in cls.TRAINED)
-            weights = cls(*trained, vocab=data["vocab"], layer=int(data["layer"]),
-                          window=int(data["window"]), eps=data["eps"])  # fmt: skip
+            weights = cls(
+                *trained,
+                vocab=data["vocab"],
+                layer=int(data["layer"]),
+                window=int(data["window"]),
+                eps=data["eps"],
+            )
         except (KeyError, TypeError, ValueError):
             return None
         if weights.norm_a.shape != (dim,) or not 0 < weights.layer < n_layers:
@@ -154,8 +171,9 @@ class ExitMemory:
         self.positions = torch.full((window,), -1, dtype=torch.long)
         self.newest = -1, torch.zeros(heads, HEAD_DIM)  # the newest position and its query
 
-    def write(self, first: int, queries: torch.Tensor, keys: torch.Tensor,
-              values: torch.Tensor) -> None:  # fmt: skip
+    def write(
+        self, first: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> None:
         """Rows [n <= window, heads, HEAD_DIM] at positions first..first+n-1."""
         n = keys.shape[0]
         positions = torch.arange(first, first + n)
@@ -178,8 +196,14 @@ class ShallowBlock:
     its output rows for the draft vocabulary, and the chain policy calibration chose. It is
     also the model's exit tap: `record` sees the exit layer's output of every pass."""
 
-    def __init__(self, weights: BlockWeights, model: DecoderModel, head_rows: Linear,
-                 threshold: float = 0.0, max_draft: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        weights: BlockWeights,
+        model: DecoderModel,
+        head_rows: Linear,
+        threshold: float = 0.0,
+        max_draft: int | None = None,
+    ):
         self.weights, self.model = weights, model
         self.layer, self.window, self.heads = weights.layer, weights.window, weights.heads
         self.vocab, self.head_rows = weights.vocab, head_rows
@@ -273,7 +297,8 @@ class ShallowExitDrafter(EarlyExitDrafter):
 
     def verify(self, caches: Sequence[Cache], draft: Draft) -> Verified:
         model = self.model
-        out = model.run_layers(draft.states, caches, self.layer, model.config.n_layers,
-                               exact_rows=True)  # fmt: skip
+        out = model.run_layers(
+            draft.states, caches, self.layer, model.config.n_layers, exact_rows=True
+        )
         normed = model.final_norm(out)
         return Verified(normed, model.logits(normed))

@@ -147,8 +147,15 @@ class SpeculativeDecoder:
             sampler.draw,
         )
 
-    def _finish(self, drafter: str, pending: int, drafts: list[int], verdict: Verdict,
-                draft_s: float, verify_s: float) -> None:  # fmt: skip
+    def _finish(
+        self,
+        drafter: str,
+        pending: int,
+        drafts: list[int],
+        verdict: Verdict,
+        draft_s: float,
+        verify_s: float,
+    ) -> None:
         """Roll every cache back to [.., pending, kept drafts] and record the outcome."""
         rejected = len(drafts) - verdict.accepted
         for cache in self.caches:

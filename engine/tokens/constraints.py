@@ -305,8 +305,9 @@ class TokenGuide:
             del self._consumed[kept:]
         for token in map(int, generated[kept:]):
             if not self._matcher.consume_token(token):
-                raise ConstraintError(f"token {token} broke the constraint: "
-                                      f"{_one_line(self._matcher.get_error())}")  # fmt: skip
+                raise ConstraintError(
+                    f"token {token} broke the constraint: {_one_line(self._matcher.get_error())}"
+                )
             self._consumed.append(token)
 
 
@@ -358,7 +359,6 @@ def token_guide(
 
     matcher = llguidance.LLMatcher(_ll_tokenizer(tokenizer), constraint.grammar(), log_level=0)
     if matcher.is_error():
-        raise ConstraintError(f"invalid {constraint.kind.value}: "
-                              f"{_one_line(matcher.get_error())}")  # fmt: skip
+        raise ConstraintError(f"invalid {constraint.kind.value}: {_one_line(matcher.get_error())}")
     closing = functools.partial(_closing_tokens, tokenizer)
     return TokenGuide(matcher, tokenizer.n_vocab, prompt_tokens, constraint.within_tokens, closing)

@@ -71,8 +71,9 @@ class Sampler:
         if p.repeat_penalty != 1.0:
             logits = apply_repeat_penalty(logits, recent, p.repeat_penalty)
         if p.presence_penalty or p.frequency_penalty:
-            logits = apply_presence_frequency(logits, recent, p.presence_penalty,
-                                              p.frequency_penalty)  # fmt: skip
+            logits = apply_presence_frequency(
+                logits, recent, p.presence_penalty, p.frequency_penalty
+            )
         return logits
 
     def _candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,9 +99,11 @@ def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
     the `top` most likely tokens'."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     best = torch.topk(logprobs, top) if top > 0 else None
-    alternatives = () if best is None else tuple(
-        (int(t), float(lp)) for lp, t in zip(best.values, best.indices, strict=True)
-    )  # fmt: skip
+    alternatives = (
+        ()
+        if best is None
+        else tuple((int(t), float(lp)) for lp, t in zip(best.values, best.indices, strict=True))
+    )
     return TokenLogprob(token, float(logprobs[token]), alternatives)
 
 

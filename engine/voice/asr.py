@@ -78,9 +78,12 @@ class WhisperASR:
         self.alignment_lag_s = alignment_lag_s
         try:
             self._whisper = WhisperModel(
-                str(self.model_dir), device="cpu", compute_type=compute_type,
-                cpu_threads=self.threads, local_files_only=True,
-            )  # fmt: skip
+                str(self.model_dir),
+                device="cpu",
+                compute_type=compute_type,
+                cpu_threads=self.threads,
+                local_files_only=True,
+            )
         except (RuntimeError, ValueError, OSError) as exc:
             raise ModelFileError(self.model_dir, f"cannot load the speech model ({exc})") from None
         self._tokenizer = Tokenizer(
@@ -145,11 +148,16 @@ class WhisperASR:
         from faster_whisper.transcribe import get_compression_ratio
 
         result = self._whisper.model.generate(
-            encoder_output, [prompt], beam_size=beam_size,
-            max_length=len(prompt) + MAX_NEW_TOKENS, return_scores=True,
-            return_no_speech_prob=True, suppress_blank=True, suppress_tokens=self._suppressed,
+            encoder_output,
+            [prompt],
+            beam_size=beam_size,
+            max_length=len(prompt) + MAX_NEW_TOKENS,
+            return_scores=True,
+            return_no_speech_prob=True,
+            suppress_blank=True,
+            suppress_tokens=self._suppressed,
             no_repeat_ngram_size=no_repeat_ngram,
-        )[0]  # fmt: skip
+        )[0]
         tokens = [t for t in result.sequences_ids[0] if t < self._tokenizer.eot]
         # The score is the length-normalised log probability (length penalty 1).
         avg_log_prob = result.scores[0] * len(tokens) / (len(tokens) + 1)

@@ -150,10 +150,12 @@ def _assign(words: list[Word], regions: list[Region], lag: float) -> list[int | 
     and the summed overlap of words with their regions is the largest possible. A word that
     overlaps no region at all (its region is None) is left as Whisper placed it. Overlaps are
     measured on the words' times less the model's `lag`."""
-    overlap = np.array([
-        [max(0.0, min(w.end - lag, r.end) - max(w.start - lag, r.start)) for r in regions]
-        for w in words
-    ])  # fmt: skip
+    overlap = np.array(
+        [
+            [max(0.0, min(w.end - lag, r.end) - max(w.start - lag, r.start)) for r in regions]
+            for w in words
+        ]
+    )
     best = np.zeros_like(overlap)  # best total for words[:i+1] with word i in region j
     came_from = np.zeros(overlap.shape, dtype=np.int64)
     best[0] = overlap[0]

@@ -79,9 +79,15 @@ def _library() -> tuple[ctypes.CDLL, int]:
     lib.espeak_SetVoiceByName.argtypes = [ctypes.c_char_p]
     lib.espeak_SetParameter.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.espeak_Synth.argtypes = [
-        ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint, ctypes.c_int, ctypes.c_uint,
-        ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p,
-    ]  # fmt: skip
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_uint,
+        ctypes.c_int,
+        ctypes.c_uint,
+        ctypes.c_uint,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+    ]
     rate = lib.espeak_Initialize(_SYNCHRONOUS, 0, None, 0)
     if rate <= 0:
         raise EspeakUnavailable("libespeak-ng failed to start")

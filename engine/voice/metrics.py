@@ -52,8 +52,11 @@ def matched_words(words: Sequence[Word], truth: Sequence[Word]) -> list[tuple[Wo
             if i == len(said) or j == len(true):
                 cost[i][j] = (len(said) - i) + (len(true) - j)
             else:
-                cost[i][j] = min(cost[i + 1][j] + 1, cost[i][j + 1] + 1,
-                                 cost[i + 1][j + 1] + (said[i] != true[j]))  # fmt: skip
+                cost[i][j] = min(
+                    cost[i + 1][j] + 1,
+                    cost[i][j + 1] + 1,
+                    cost[i + 1][j + 1] + (said[i] != true[j]),
+                )
     pairs, i, j = [], 0, 0
     while i < len(said) and j < len(true):
         if said[i] == true[j] and cost[i][j] == cost[i + 1][j + 1]:

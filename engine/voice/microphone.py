@@ -46,9 +46,12 @@ class Microphone:
         sd = _sounddevice()
         try:
             self._stream = sd.InputStream(
-                samplerate=SAMPLE_RATE, channels=1, dtype="float32",
-                blocksize=self._block, callback=self._on_audio,
-            )  # fmt: skip
+                samplerate=SAMPLE_RATE,
+                channels=1,
+                dtype="float32",
+                blocksize=self._block,
+                callback=self._on_audio,
+            )
             self._stream.start()
         except sd.PortAudioError as exc:
             raise NoAudioDevice(f"cannot open the audio input device ({exc})") from None

@@ -29,8 +29,10 @@ def speech_spans(audio: np.ndarray, offset: float = 0.0) -> list[Span]:
     from faster_whisper.vad import VadOptions, get_speech_timestamps
 
     options = VadOptions(
-        threshold=SPEECH_THRESHOLD, min_speech_duration_ms=MIN_SPEECH_MS,
-        min_silence_duration_ms=MIN_SILENCE_MS, speech_pad_ms=SPEECH_PAD_MS,
-    )  # fmt: skip
+        threshold=SPEECH_THRESHOLD,
+        min_speech_duration_ms=MIN_SPEECH_MS,
+        min_silence_duration_ms=MIN_SILENCE_MS,
+        speech_pad_ms=SPEECH_PAD_MS,
+    )
     found = get_speech_timestamps(audio, options, sampling_rate=SAMPLE_RATE)
     return [Span(offset + s["start"] / SAMPLE_RATE, offset + s["end"] / SAMPLE_RATE) for s in found]

@@ -139,8 +139,20 @@ def add_noise(audio: np.ndarray, snr_db: float, seed: int = 0) -> np.ndarray:
     with tempfile.TemporaryDirectory(prefix="miniapp-noise-") as tmp:
         speech, noise, mixed = (Path(tmp) / n for n in ("speech.wav", "noise.wav", "mixed.wav"))
         write_wav(speech, audio)
-        _sox("-R", "-n", "-r", str(SAMPLE_RATE), "-c", "1", "-b", "16", str(noise),
-             "synth", duration, "pinknoise")  # fmt: skip
+        _sox(
+            "-R",
+            "-n",
+            "-r",
+            str(SAMPLE_RATE),
+            "-c",
+            "1",
+            "-b",
+            "16",
+            str(noise),
+            "synth",
+            duration,
+            "pinknoise",
+        )
         noise_audio = read_audio(noise)[-len(audio) :]
         write_wav(noise, noise_audio)
         gain = _speech_level(audio) / (_rms(noise_audio) * 10 ** (snr_db / 20))
