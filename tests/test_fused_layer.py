@@ -88,17 +88,18 @@ def test_only_layers_of_the_shape_it_takes_are_fused(tmp_path, monkeypatch):
     assert all(block.fused is None for block in off.layers)
 
 
-def _fused_rows_counted(model, monkeypatch) -> list[int]:
-    """Records the row count of every fused call from now on."""
+def _fused_rows_counted(model, monkeypatch, call: str = "step") -> list[int]:
+    """Records the row count of every fused call (`step`, or `step_sequences` for batched
+    steps) from now on."""
     counted: list[int] = []
     for block in model.layers:
-        step = block.fused.step
+        step = getattr(block.fused, call)
 
         def counting(x, *args, _step=step, **kwargs):
             counted.append(x.shape[0])
             return _step(x, *args, **kwargs)
 
-        monkeypatch.setattr(block.fused, "step", counting)
+        monkeypatch.setattr(block.fused, call, counting)
     return counted
 
 
@@ -125,20 +126,6 @@ def test_verification_rows_run_fused_and_equal_decode_steps(smollm2, monkeypatch
     assert counted == ([5] * len(smollm2.layers) if fused else [])
 
 
-def _batched_rows_counted(model, monkeypatch) -> list[int]:
-    """Records the rows of every batched fused call from now on."""
-    counted: list[int] = []
-    for block in model.layers:
-        step = block.fused.step_sequences
-
-        def counting(x, *args, _step=step, **kwargs):
-            counted.append(x.shape[0])
-            return _step(x, *args, **kwargs)
-
-        monkeypatch.setattr(block.fused, "step_sequences", counting)
-    return counted
-
-
 def _batched_pass(model, kind: str, fused: bool, monkeypatch):
     """Three sequences at different lengths (one past its ring's wrap), then steps that
     batch their decode rows, and a step with a fourth sequence's prompt chunk beside them.
@@ -147,7 +134,7 @@ def _batched_pass(model, kind: str, fused: bool, monkeypatch):
     try:
         for block, layer in zip(model.layers, layers, strict=True):
             block.fused = layer if fused else None
-        counted = _batched_rows_counted(model, monkeypatch) if fused else []
+        counted = _fused_rows_counted(model, monkeypatch, "step_sequences") if fused else []
         policy = CachePolicy(ctx=512, sinks=4, window=16, kv_type=kv_type(kind))
         prompts = [PROMPT[:7], PROMPT, PROMPT[:30], PROMPT[:25]]
         caches = [model.make_caches(policy) for _ in prompts]

@@ -26,7 +26,8 @@ import torch
 
 from ..kv.cache import Cache
 from ..models import CachePolicy, DecoderModel
-from ..models.static_step import Runner, StaticDecodeStep, static_step_unsupported
+from ..models.static_step import StaticDecodeStep, static_step_unsupported
+from ..platform.graphs import Runner
 
 log = logging.getLogger("miniapp.engine")
 

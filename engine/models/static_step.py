@@ -173,7 +173,6 @@ class StaticDecodeStep:
                 raise ValueError(reason)
         self.model, self.runner = model, runner
         self.sequences = sequences
-        self.caches = sequences[0]
         self.batched = batch is not None
         self.device = model.head_device
         config = model.config
@@ -194,7 +193,6 @@ class StaticDecodeStep:
             }
             for row, one in enumerate(sequences)
         ]
-        self.kinds = self.inputs[0]
         self.x = torch.zeros(rows, config.dim, device=self.device)
         self.logits = torch.zeros(rows, config.vocab_size, device=self.device)
         self._storage = self._storage_addresses()
