@@ -22,6 +22,7 @@ _spec.loader.exec_module(native_build)
 int4_library = Extension(
     f"miniapp.native.{native_build.LIBRARY_STEM}",
     sources=[str(source.relative_to(ROOT)) for source in native_build.SOURCES],
+    depends=[str(header.relative_to(ROOT)) for header in native_build.HEADERS],
     language="c++",
     extra_compile_args=[*native_build.COMPILE_FLAGS, native_build.hash_define()],
     extra_link_args=[flag for flag in native_build.LINK_FLAGS if flag != "-shared"],

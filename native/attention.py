@@ -1,5 +1,5 @@
-"""Decode-shaped attention of `int4_gemm.cpp` ("Attention" section), from Python, and the
-codecs of the KV storage it reads ("KV storage" section).
+"""Decode-shaped attention of `attention.cpp`, from Python, and the codecs of the KV storage
+it reads (`kv_codec.cpp`, the layouts in `kv_codec.h`).
 
 A few query rows, each over its own keys: the first `lengths[r]` of them, or those its mask
 row marks (`__call__`), or each over another sequence's cache (`sequences`, a batch's decode
@@ -28,7 +28,7 @@ KernelTypes = int | tuple[int, int]
 
 @dataclass(frozen=True)
 class TiledKeys:
-    """What a call over keys stored as q4 tiles reads besides the tiles (int4_gemm.cpp,
+    """What a call over keys stored as q4 tiles reads besides the tiles (common.h,
     RowKeys): keys 0..lead_rows-1 are `lead`'s rows, the rest the tiles' rows in order, except
     that a row's own tile comes from `recent` (tile t's row i at (t % 2) * TILE_ROWS + i)."""
 

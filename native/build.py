@@ -17,8 +17,13 @@ import tempfile
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("int4_gemm.cpp")
-# Compiled with SOURCE into the same library: the kernels on GGML's own blocks.
-SOURCES = (SOURCE, Path(__file__).with_name("ggml_dot.cpp"))
+# Compiled with SOURCE into the same library, one file per kernel library: the KV cache's
+# codecs, decode attention, the row operations, the fused decode layer, and the kernels on
+# GGML's own blocks.
+_OTHERS = ("kv_codec.cpp", "attention.cpp", "row_ops.cpp", "decode_layer.cpp", "ggml_dot.cpp")
+SOURCES = (SOURCE, *(SOURCE.with_name(name) for name in _OTHERS))
+# What the sources include: part of a build too, so an edit to a header rebuilds the library.
+HEADERS = tuple(SOURCE.with_name(name) for name in ("common.h", "kv_codec.h"))
 LIBRARY_STEM = "_int4_gemm"  # installed as _int4_gemm<python extension suffix>
 # The AVX2 and AVX-512 paths carry their own target attributes and are picked at run time,
 # so the library is built for the baseline ISA and runs (or declines) on any x86-64 CPU.
@@ -46,9 +51,9 @@ class BuildError(Exception):
 
 
 def source_hash(source: Path = SOURCE) -> str:
-    """Identifies a build: the sources and the flags they were compiled with."""
+    """Identifies a build: the sources (headers too) and the flags they were compiled with."""
     digest = hashlib.sha256(source.read_bytes())
-    for other in SOURCES[1:]:
+    for other in (*SOURCES[1:], *HEADERS):
         digest.update(other.read_bytes())
     digest.update(" ".join(COMPILE_FLAGS + LINK_FLAGS).encode())
     return digest.hexdigest()[:16]

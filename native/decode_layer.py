@@ -1,5 +1,5 @@
 """One decoder layer's one-token step, or a verification's few rows, in one native call
-(`miniapp_decode_layer` in `int4_gemm.cpp`): RMS norm, the fused Q|K|V projection, RoPE, the
+(`miniapp_decode_layer` in `decode_layer.cpp`): RMS norm, the fused Q|K|V projection, RoPE, the
 new keys and values written into the cache's storage, attention over the cache, the output
 projection, the residual add and norm, the SiLU-gated feed-forward and the last residual
 add. The same kernels the layer runs one by one from Python, in the same order, so the

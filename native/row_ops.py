@@ -1,7 +1,7 @@
-"""The row operations of a decode step in `int4_gemm.cpp` ("Row operations" section), from
-Python: RMS norm (after an optional residual add) and RoPE in place. A one-token step runs
-them 90 times for SmolLM2; as torch ops each costs 4-6 dispatches (see engine/ops/layers.py), as
-these one call. See `reference.py` for the same in plain torch.
+"""The row operations of a decode step in `row_ops.cpp`, from Python: RMS norm (after an
+optional residual add) and RoPE in place. A one-token step runs them 90 times for SmolLM2; as
+torch ops each costs 4-6 dispatches (see engine/ops/layers.py), as these one call. See
+`reference.py` for the same in plain torch.
 """
 
 from __future__ import annotations
