@@ -16,13 +16,17 @@ import time
 from pathlib import Path
 
 from miniapp.assets import chat_prompts, sample_texts
-from miniapp.engine.errors import MiniappError
-from miniapp.engine.modelfile.gguf_file import GGUFFile
-from miniapp.engine.modelfile.store import installed_models, resolve_model
-from miniapp.engine.modelfile.template import ChatTemplate, Message
-from miniapp.engine.models import check_supported
-from miniapp.engine.runtimes import REMOTE_BACKEND
-from miniapp.engine.tokens.tokenizer import Tokenizer
+from miniapp.engine.api import (
+    REMOTE_BACKEND,
+    ChatTemplate,
+    GGUFFile,
+    Message,
+    MiniappError,
+    Tokenizer,
+    check_supported,
+    installed_models,
+    resolve_model,
+)
 
 from .evaluate import read_text
 from .worker_process import WorkerProcess, worker_arguments

@@ -15,12 +15,17 @@ import statistics
 import sys
 from dataclasses import asdict, dataclass
 
-from miniapp.engine.chat.conversation import Conversation
-from miniapp.engine.chat.generation import GenerationRequest
-from miniapp.engine.modelfile.store import resolve_model
-from miniapp.engine.runtimes import open_runtime
-from miniapp.engine.tokens.events import Finished, GenerationStats, TextDelta
-from miniapp.engine.tokens.sampling import GREEDY
+from miniapp.engine.api import (
+    GREEDY,
+    Conversation,
+    Finished,
+    GenerationRequest,
+    GenerationStats,
+    RuntimeConfig,
+    TextDelta,
+    open_runtime,
+    resolve_model,
+)
 
 from .bench import task_questions
 from .host.remote import open_remote
@@ -46,11 +51,9 @@ class Side:
 def run_remote_bench(args: argparse.Namespace) -> int:
     remote = open_remote(args, ("temperature",))
     local = open_runtime(
-        "torch",
-        resolve_model(args.model),
-        n_ctx=args.ctx or LOCAL_CTX,
-        threads=args.threads,
-        spec="off",
+        RuntimeConfig(
+            args.model, "torch", ctx=args.ctx or LOCAL_CTX, threads=args.threads, spec="off"
+        )
     )
     request = GenerationRequest(max_tokens=args.tokens, sampling=GREEDY)
     questions = task_questions(args.task or "chat")

@@ -22,13 +22,15 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from miniapp.assets import chat_prompts, sample_texts
-from miniapp.engine.errors import MiniappError
-from miniapp.engine.kv.types import DEFAULT_KV_TYPE
-from miniapp.engine.modelfile.gguf_file import GGUFFile
-from miniapp.engine.modelfile.store import resolve_model
-from miniapp.engine.models import check_supported
-from miniapp.engine.runtimes.base import default_threads
-from miniapp.engine.tokens.tokenizer import Tokenizer
+from miniapp.engine.api import (
+    DEFAULT_KV_TYPE,
+    GGUFFile,
+    MiniappError,
+    Tokenizer,
+    check_supported,
+    default_threads,
+    resolve_model,
+)
 
 from .bench import user_prompts
 from .worker_process import EXIT_USAGE, exit_description

@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from miniapp.engine.errors import MiniappError
+from miniapp.engine.api import MiniappError
 from miniapp.engine.evaluation.benchmark import BenchSession
 
 from .worker_process import EXIT_USAGE

@@ -7,19 +7,18 @@ import argparse
 import json
 import sys
 
-from miniapp.engine.errors import MiniappError
-from miniapp.engine.modelfile.store import resolve_model
+from miniapp.engine.api import MiniappError, RuntimeConfig, open_runtime, resolve_model
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
     from miniapp.engine.evaluation.calibrate import calibrate
-    from miniapp.engine.runtimes.torch_runtime import TorchRuntime
     from miniapp.engine.speculative.calibration import save_exit_setting
 
     model_path = resolve_model(args.model)
-    runtime = TorchRuntime(
-        model_path, n_ctx=1024, threads=args.threads, spec="off", device=args.device
+    config = RuntimeConfig(
+        str(model_path), "torch", ctx=1024, threads=args.threads, spec="off", device=args.device
     )
+    runtime = open_runtime(config)
     if args.train_head or args.measure_head:
         return _train_head(runtime, args)
     n_layers = runtime.model.config.n_layers

@@ -22,22 +22,26 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TextIO
 
-from miniapp.engine.chat.conversation import Conversation
-from miniapp.engine.chat.generation import GenerationRequest
-from miniapp.engine.errors import InputFileError, MiniappError
-from miniapp.engine.images import ImageAttachment
-from miniapp.engine.modelfile.store import resolve_model
-from miniapp.engine.modelfile.template import Message
-from miniapp.engine.runtimes import REMOTE_BACKEND, open_runtime
-from miniapp.engine.tokens.constraints import ConstraintError, OutputConstraint
-from miniapp.engine.tokens.events import (
+from miniapp.engine.api import (
+    REMOTE_BACKEND,
+    ConstraintError,
+    Conversation,
     Finished,
     FinishReason,
     GenerationEvent,
+    GenerationRequest,
+    InputFileError,
+    Message,
+    MiniappError,
+    OutputConstraint,
     ReasoningDelta,
+    RuntimeConfig,
+    SamplingParams,
     TextDelta,
+    open_runtime,
+    resolve_model,
 )
-from miniapp.engine.tokens.sampling import SamplingParams
+from miniapp.engine.images import ImageAttachment
 
 from .chat_images import ChatImages, image_paths, pictures_of, print_prompt, with_image_labels
 from .host.settings import runtime_kv_type
@@ -194,17 +198,18 @@ def _piped_message(spoken: Message | None, images: ChatImages) -> str | Message:
 def _open_runtime(args: argparse.Namespace, model_path: Path, interactive: bool):
     if interactive:
         print(f"loading {model_path.name} on {args.backend}...", file=sys.stderr, flush=True)
-    runtime = open_runtime(
-        args.backend,
-        model_path,
-        n_ctx=args.ctx,
-        threads=args.threads,
-        sinks=args.sinks,
-        window=args.window,
-        spec=args.spec,
+    config = RuntimeConfig(
+        model=str(model_path),
+        backend=args.backend,
         device=args.device,
-        kv=runtime_kv_type(args),
+        spec=args.spec,
+        ctx=args.ctx,
+        window=args.window,
+        sinks=args.sinks,
+        threads=args.threads,
+        kv_type=runtime_kv_type(args),
     )
+    runtime = open_runtime(config)
     info = runtime.info()
     plan = info.device_plan
     if interactive and plan is not None:

@@ -16,6 +16,7 @@ from dataclasses import replace
 from functools import cached_property
 from pathlib import Path
 
+from miniapp.engine.api import Message, VisionRuntime, open_vision_runtime
 from miniapp.engine.images import (
     ImageAttachment,
     ImageRoute,
@@ -25,8 +26,6 @@ from miniapp.engine.images import (
     remote_route,
     vision_images,
 )
-from miniapp.engine.modelfile.template import Message
-from miniapp.engine.runtimes import VisionRuntime, open_vision_runtime
 
 
 class ChatImages:

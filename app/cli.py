@@ -13,11 +13,15 @@ import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
-from miniapp.engine.errors import MiniappError
-from miniapp.engine.kv.types import DEFAULT_KV_TYPE
-from miniapp.engine.platform.devices import DEVICE_CHOICES
-from miniapp.engine.runtimes import BACKENDS, DEFAULT_CTX, LOCAL_BACKENDS
-from miniapp.engine.tokens.spec_modes import SPEC_MODES
+from miniapp.engine.api import (
+    BACKENDS,
+    DEFAULT_CTX,
+    DEFAULT_KV_TYPE,
+    DEVICE_CHOICES,
+    LOCAL_BACKENDS,
+    SPEC_MODES,
+    MiniappError,
+)
 
 from .host.remote import add_remote_flags
 from .host.settings import KV_TYPE_HELP, kv_type_name

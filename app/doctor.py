@@ -6,10 +6,9 @@ import argparse
 import json
 from dataclasses import asdict
 
+from miniapp.engine.api import GGUFFile, resolve_model
 from miniapp.engine.kv.footprint import estimate_footprint
 from miniapp.engine.kv.types import KV_SETTING_NAMES, kv_type
-from miniapp.engine.modelfile.gguf_file import GGUFFile
-from miniapp.engine.modelfile.store import resolve_model
 from miniapp.engine.platform.cpu_features import cpu_features
 from miniapp.engine.platform.devices import (
     GIB,

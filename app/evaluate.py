@@ -7,16 +7,22 @@ import json
 import os
 from pathlib import Path
 
-from miniapp.engine.errors import InputFileError, MiniappError
+from miniapp.engine.api import (
+    DEFAULT_SINKS,
+    InputFileError,
+    MiniappError,
+    Runtime,
+    RuntimeConfig,
+    closing_reserve,
+    open_runtime,
+    resolve_model,
+)
 from miniapp.engine.evaluation.perplexity import (
     agreement,
     perplexity,
     recompute_perplexity,
     streaming_perplexity,
 )
-from miniapp.engine.modelfile.store import resolve_model
-from miniapp.engine.runtimes import DEFAULT_SINKS, Runtime, open_runtime
-from miniapp.engine.tokens.constraints import closing_reserve
 
 
 def read_text(path_arg: str) -> str:
@@ -39,17 +45,17 @@ def run_ppl(args: argparse.Namespace) -> int:
     if args.window is None:
         if args.recompute or args.sinks is not None:
             raise MiniappError("--sinks and --recompute need --window")
-        runtime = _open(args, model, n_ctx=args.ctx, logits_all=True)
+        runtime = _open(args, model, ctx=args.ctx, logits_all=True)
         result = perplexity(runtime, text, args.ctx)
         how = f"{result.chunks} chunks of {result.ctx}"
     elif args.recompute:
         stride = args.stride or max(1, args.window // 8)
-        runtime = _open(args, model, n_ctx=args.window, logits_all=True)
+        runtime = _open(args, model, ctx=args.window, logits_all=True)
         result = recompute_perplexity(runtime, text, args.window, stride)
         how = f"each window of {args.window} recomputed, stride {stride}"
     else:
         sinks = DEFAULT_SINKS if args.sinks is None else args.sinks
-        runtime = _open(args, model, n_ctx=sinks + args.window, sinks=sinks, window=args.window)
+        runtime = _open(args, model, ctx=sinks + args.window, sinks=sinks, window=args.window)
         result = streaming_perplexity(runtime, text, sinks, args.window)
         how = f"streamed through {sinks} sinks + a window of {args.window}"
     kv = runtime.info().kv_type
@@ -70,23 +76,28 @@ def _open(args: argparse.Namespace, model, **options) -> Runtime:
     if args.backend == "torch":
         options.update(spec="off", device=args.device)
     kv = getattr(args, "kv_type", None)
-    return open_runtime(args.backend, model, threads=args.threads, kv=kv, **options)
+    config = RuntimeConfig(str(model), args.backend, threads=args.threads, kv_type=kv, **options)
+    return open_runtime(config)
 
 
 def run_compare(args: argparse.Namespace) -> int:
     text = read_text(args.file)
     model = resolve_model(args.model)
     ours = open_runtime(
-        "torch",
-        model,
-        n_ctx=args.ctx,
-        threads=args.threads,
-        spec="off",
-        device=args.device,
-        kv=args.kv_type,
+        RuntimeConfig(
+            str(model),
+            "torch",
+            ctx=args.ctx,
+            threads=args.threads,
+            spec="off",
+            device=args.device,
+            kv_type=args.kv_type,
+        )
     )
     # The oracle keeps llama.cpp's own KV cache (f16) whatever --kv-type says.
-    oracle = open_runtime("llamacpp", model, n_ctx=args.ctx, threads=args.threads, logits_all=True)
+    oracle = open_runtime(
+        RuntimeConfig(str(model), "llamacpp", ctx=args.ctx, threads=args.threads, logits_all=True)
+    )
     result = agreement(ours, oracle, text, args.ctx)
     kv = ours.info().kv_type
     if args.json:
@@ -124,7 +135,7 @@ def run_asr(args: argparse.Namespace) -> int:
     for mode in modes:
         result[mode] = bench.run(mode, raw=not wide)
     if "stream" in modes and not (args.no_answer or wide):
-        runtime = _open(args, resolve_model(args.model), n_ctx=args.ctx or 2048)
+        runtime = _open(args, resolve_model(args.model), ctx=args.ctx or 2048)
         result["answer"] = bench.answer_latency(runtime)
     if args.json:
         print(json.dumps(result))
@@ -186,7 +197,10 @@ def run_json(args: argparse.Namespace) -> int:
     cases = schema_cases(args.limit)
     # Each prompt is a short user message; its answer needs max_tokens more.
     n_ctx = args.max_tokens + 512
-    runtime = open_runtime(args.backend, model, n_ctx=n_ctx, threads=args.threads, spec=args.spec)
+    config = RuntimeConfig(
+        str(model), args.backend, ctx=n_ctx, threads=args.threads, spec=args.spec
+    )
+    runtime = open_runtime(config)
     # Other work on the machine slows both kinds of answer; the load says if there was any.
     load_before = os.getloadavg()[0]
     report = evaluate_json_schemas(runtime, cases, args.max_tokens)

@@ -8,16 +8,20 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from miniapp.engine.errors import MiniappError, ModelFileError
-from miniapp.engine.modelfile.gguf_file import GGUFFile
-from miniapp.engine.modelfile.store import (
+from miniapp.engine.api import (
     ASR_REQUIRED_FILES,
     BUNDLED,
     BUNDLED_FOLDERS,
+    ChatTemplate,
+    GGUFFile,
+    Message,
+    MiniappError,
+    ModelFileError,
+    fallback_template,
+    list_server_models,
     models_dir,
     resolve_model,
 )
-from miniapp.engine.modelfile.template import ChatTemplate, Message, fallback_template
 
 LONG_ARRAY = 8  # metadata arrays longer than this are summarised, not printed
 LONG_TEXT = 200
@@ -144,16 +148,16 @@ def _list(args: argparse.Namespace) -> int:
 
 def _list_remote(args: argparse.Namespace) -> int:
     """A server's models (`--base-url`), as its /v1/models lists them."""
-    from miniapp.engine.runtimes.remote import list_models as server_models
+    from .host.remote import remote_config
 
-    from .host.remote import endpoint_from_args
-
-    endpoint = endpoint_from_args(args)
-    listed = server_models(endpoint)
+    server = remote_config(args)
+    if not server.base_url:
+        server.check()  # the one line that asks for --base-url
+    listed = list_server_models(server.base_url, server.api_key)
     if args.json:
         print(json.dumps([asdict(m) for m in listed], indent=1))
         return 0
-    print(f"server: {endpoint.base_url}")
+    print(f"server: {server.base_url}")
     rows = [("NAME", "CONTEXT", "OWNED BY")]
     rows += [(m.id, str(m.context or "?"), m.owned_by or "-") for m in listed]
     _print_rows(rows)
@@ -170,7 +174,7 @@ def _print_rows(rows: list[tuple[str, ...]]) -> None:
 
 
 def _pull(args: argparse.Namespace) -> int:
-    from miniapp.engine.modelfile.hub import pull
+    from miniapp.engine.api import pull
 
     for path in pull(args.spec):
         print(path)

@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from miniapp.engine.errors import MiniappError
+from miniapp.engine.api import MiniappError
 
 EXIT_USAGE = 2  # the worker printed its own one-line error
 BACKEND_NAMES = {"llamacpp": "llama.cpp", "torch": "the torch engine"}

@@ -130,20 +130,20 @@ def test_the_launch_kv_type_reaches_the_model_load(flags, wanted):
     args = build_parser().parse_args(["gui", *flags])
     apply(args, "gui")
     settings = settings_from_args(args)
-    assert settings.kv_type == wanted and settings.load_spec.kv_type == wanted
-    assert ChatSettings().load_spec.kv_type is None
+    assert settings.kv_type == wanted and settings.runtime_config.kv_type == wanted
+    assert ChatSettings().runtime_config.kv_type is None
 
 
 def test_the_model_host_opens_the_runtime_with_the_kv_type(tmp_path):
     opened = {}
 
-    def opener(backend, path, **options):
-        opened.update(options)
-        info = RuntimeInfo(backend, Path(path), kv_type=options["kv"])
+    def opener(config):
+        opened["kv"] = config.kv_type
+        info = RuntimeInfo(config.backend, Path(config.model), kv_type=config.kv_type)
         return SimpleNamespace(run_steps_on=lambda compute: None, info=lambda: info)
 
     model = write_tiny_model(tmp_path / "tiny.gguf", LLAMA)
-    ModelHost(opener).wait_for(ChatSettings(model=str(model), kv_type="q4").load_spec, 60)
+    ModelHost(opener).wait_for(ChatSettings(model=str(model), kv_type="q4").runtime_config, 60)
     assert opened["kv"] == "q4"
 
 

@@ -43,6 +43,14 @@ ROOMS = [
 # Where a room may not reach although it sits above: the engine never measures itself in
 # its inference path.
 FORBIDDEN = {"engine/api": {"engine/evaluation"}}
+# app/ reaches the engine through its public API (engine/api.py) and the rooms that are
+# interfaces of their own: speech, images and the measurement tools. Two commands look
+# inside the engine on purpose and may reach what they report on or store.
+APP_MAY_IMPORT = {"engine/api", "engine/voice", "engine/images", "engine/evaluation"}
+APP_FILE_MAY_ALSO_IMPORT = {
+    "app/doctor.py": {"engine/platform", "engine/kv", "engine/llamacpp"},
+    "app/calibrate.py": {"engine/speculative"},
+}
 
 
 def room_of(parts: list[str]) -> str | None:
@@ -128,6 +136,26 @@ def test_each_room_imports_only_rooms_below_it(room):
         if extra:
             wrong[str(path.relative_to(ROOT))] = sorted(extra)
     assert not wrong, f"imports of rooms above (or forbidden): {wrong}"
+
+
+def test_app_imports_the_engine_only_through_its_api_and_the_named_rooms():
+    wrong = {}
+    for path in _sources():
+        name = str(path.relative_to(ROOT))
+        if not name.startswith("app/"):
+            continue
+        allowed = APP_MAY_IMPORT | APP_FILE_MAY_ALSO_IMPORT.get(name, set())
+        rooms = {room_of(list(m)) for m in _imports(path.read_text("utf-8"), _package(path))}
+        engine = {r for r in rooms if r and r.startswith("engine/")}
+        if engine - allowed:
+            wrong[name] = sorted(engine - allowed)
+    assert not wrong, f"engine rooms app/ reaches past the API: {wrong}"
+
+
+def test_the_readme_names_what_app_may_import():
+    section = (ROOT / "README.md").read_text("utf-8").split("## Layout and import names")[1]
+    for room in APP_MAY_IMPORT | set().union(*APP_FILE_MAY_ALSO_IMPORT.values()):
+        assert f"`{room.removeprefix('engine/')}" in section or f"`{room}" in section, room
 
 
 def test_every_project_module_is_in_a_room():

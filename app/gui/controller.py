@@ -14,18 +14,28 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from miniapp.engine.chat.conversation import Conversation
-from miniapp.engine.chat.generation import GenerationRequest
-from miniapp.engine.errors import MiniappError
-from miniapp.engine.modelfile.store import BUNDLED, models_dir, resolve_model
-from miniapp.engine.modelfile.template import Message
-from miniapp.engine.runtimes import REMOTE_BACKEND, Runtime
-from miniapp.engine.runtimes.base import MessageRuntime
-from miniapp.engine.tokens.events import Finished, GenerationStats, ReasoningDelta, TextDelta
-from miniapp.engine.tokens.sampling import SamplingParams
+from miniapp.engine.api import (
+    BUNDLED,
+    REMOTE_BACKEND,
+    Conversation,
+    Finished,
+    GenerationRequest,
+    GenerationStats,
+    Message,
+    MessageRuntime,
+    MiniappError,
+    ReasoningDelta,
+    Runtime,
+    RuntimeConfig,
+    SamplingParams,
+    TextDelta,
+    list_server_models,
+    models_dir,
+    resolve_model,
+)
 
 from ..host.files import write_atomically_bytes
-from ..host.model_host import LoadSpec, ModelHost
+from ..host.model_host import ModelHost
 from ..host.settings import Settings
 from .history import SavedChat, SavedMessage, data_dir
 
@@ -38,7 +48,7 @@ AUDIO_SUFFIXES = {".wav", ".mp3", ".flac", ".ogg", ".m4a", ".webm", ".opus"}
 @dataclass(frozen=True)
 class ChatSettings:
     """Everything the settings panel controls. A change applies to the next message; the
-    fields in `load_spec` need the model loaded again."""
+    fields in `runtime_config` need the model loaded again."""
 
     model: str = Settings.model_fields["model"].default
     backend: str = Settings.model_fields["backend"].default
@@ -60,29 +70,29 @@ class ChatSettings:
     api_key: str | None = field(default=None, repr=False)
 
     @property
-    def load_spec(self) -> LoadSpec:
+    def runtime_config(self) -> RuntimeConfig:
         if self.backend == REMOTE_BACKEND:
-            return LoadSpec(
-                self.model,
-                self.backend,
-                "auto",
-                "auto",
-                self.ctx,
+            # The GUI's panel sets these two; the rest are the server's own defaults.
+            return RuntimeConfig(
+                model=self.model,
+                backend=self.backend,
+                ctx=self.ctx,
                 base_url=self.base_url,
                 api_key=self.api_key,
+                send_sampling=("temperature", "top_p"),
             )
         parallel = self.parallel if self.backend == "torch" else 1  # llama.cpp: one at a time
-        return LoadSpec(
-            self.model,
-            self.backend,
-            self.device,
-            self.spec,
-            self.ctx,
-            self.window,
-            self.sinks,
-            self.threads,
-            parallel,
-            self.kv_type,
+        return RuntimeConfig(
+            model=self.model,
+            backend=self.backend,
+            device=self.device,
+            spec=self.spec,
+            ctx=self.ctx,
+            window=self.window,
+            sinks=self.sinks,
+            threads=self.threads,
+            parallel=parallel,
+            kv_type=self.kv_type,
         )
 
     def request(self) -> GenerationRequest:
@@ -95,10 +105,8 @@ def model_choices(settings: ChatSettings | None = None) -> list[tuple[str, str]]
     folder that are not bundled ones; on a server (--backend openai), the server's models
     (none when it cannot be asked: the status line says why)."""
     if settings is not None and settings.backend == REMOTE_BACKEND and settings.base_url:
-        from miniapp.engine.runtimes.remote import RemoteEndpoint, list_models
-
         try:
-            listed = list_models(RemoteEndpoint(settings.base_url, settings.api_key))
+            listed = list_server_models(settings.base_url, settings.api_key)
         except MiniappError:
             return []
         return [(model.id, model.id) for model in listed]
@@ -156,7 +164,7 @@ def stream_answer(
     """Answer the saved chat's last message (a user message), appending the answer to it.
     The model sees the messages' `content`s and their pictures; old turns it cannot fit are
     dropped for the model only, the saved chat keeps them."""
-    runtime = host.wait_for(settings.load_spec)
+    runtime = host.wait_for(settings.runtime_config)
     *earlier, last = saved.messages
     pictures = last.images or any(m.images for m in earlier)
     if isinstance(runtime, MessageRuntime):
@@ -243,7 +251,7 @@ def _vision_opener(host: ModelHost, settings: ChatSettings, pictures: bool):
             raise MiniappError(f"this message has pictures for a vision model, but {route.reason}")
         return None
     mmproj = route.mmproj
-    return lambda: host.vision_runtime(settings.load_spec, mmproj)
+    return lambda: host.vision_runtime(settings.runtime_config, mmproj)
 
 
 def _load_pictures(message: SavedMessage) -> list:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import platformdirs
 
-from miniapp.engine.errors import MiniappError
+from miniapp.engine.api import MiniappError
 
 from ..host.files import write_atomically
 

@@ -11,7 +11,7 @@ import threading
 # Gradio reports usage to its makers unless told not to; miniapp is offline.
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
-from miniapp.engine.runtimes import REMOTE_BACKEND
+from miniapp.engine.api import REMOTE_BACKEND
 
 MAX_UPLOAD = "50mb"  # Gradio refuses larger uploads with a message; images cap at 50 MB too
 MAX_UPLOAD_ENV = "MINIAPP_MAX_UPLOAD"  # e.g. "1mb", to try the limit without a huge file
@@ -23,10 +23,10 @@ def settings_from_args(args: argparse.Namespace):
 
     defaults = ChatSettings()
     if args.backend == REMOTE_BACKEND:
-        from ..host.remote import endpoint_from_args, open_remote_checks
+        from ..host.remote import checked_remote_config
 
-        open_remote_checks(args)  # local-only options are one line, before the page starts
-        endpoint = endpoint_from_args(args)
+        # Local-only options are one line, before the page starts.
+        remote = checked_remote_config(args)
         return ChatSettings(
             model=args.remote_model or "",
             backend=args.backend,
@@ -35,8 +35,8 @@ def settings_from_args(args: argparse.Namespace):
             temperature=args.temperature,
             top_p=args.top_p,
             max_tokens=args.max_tokens,
-            base_url=endpoint.base_url,
-            api_key=endpoint.api_key,
+            base_url=remote.base_url,
+            api_key=remote.api_key,
         )
     return ChatSettings(
         model=args.model or defaults.model,
@@ -73,8 +73,8 @@ def run_gui(args: argparse.Namespace) -> int:
     context = GuiContext(
         ModelHost(), ChatStore(), Transcriber(args.asr_model, args.threads), settings
     )
-    context.host.request(settings.load_spec)  # loads while the page comes up
-    api = _start_api(context.host, settings.load_spec, args) if args.api else None
+    context.host.request(settings.runtime_config)  # loads while the page comes up
+    api = _start_api(context.host, settings.runtime_config, args) if args.api else None
     demo = build_ui(context)
     demo.queue(default_concurrency_limit=1)
     theme = gr.themes.Default(font=["system-ui", "sans-serif"], font_mono=["monospace"])

@@ -9,10 +9,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from miniapp.engine.errors import MiniappError
-from miniapp.engine.platform.devices import DEVICE_CHOICES
-from miniapp.engine.runtimes import BACKENDS, DEFAULT_SINKS
-from miniapp.engine.tokens.spec_modes import SPEC_MODES
+from miniapp.engine.api import BACKENDS, DEFAULT_SINKS, DEVICE_CHOICES, SPEC_MODES, MiniappError
 
 from ..host.model_host import ModelHost, ModelLoadError
 from .controller import (
@@ -324,7 +321,7 @@ def _wire(ctx: GuiContext, w: dict) -> None:
 
     def settings_changed(*values):
         try:
-            ctx.host.request(settings_from(list(values), ctx.defaults).load_spec)
+            ctx.host.request(settings_from(list(values), ctx.defaults).runtime_config)
         except (MiniappError, ValueError) as exc:
             return f"⚠️ {exc}"
         return ctx.host.status.message
@@ -332,7 +329,7 @@ def _wire(ctx: GuiContext, w: dict) -> None:
     box, cid = w["box"], w["conversation_id"]
     # As many answers at once as the engine batches; Gradio queues the rest (and shows the
     # position). Settings changed in the page keep this limit: it is the launch's.
-    answers_at_once = ctx.defaults.load_spec.parallel
+    answers_at_once = ctx.defaults.runtime_config.parallel
     box.submit(
         send,
         [box, cid, *settings_inputs],

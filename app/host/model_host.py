@@ -8,49 +8,23 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 
-from miniapp.engine.errors import MiniappError
-from miniapp.engine.modelfile.store import resolve_model
-from miniapp.engine.platform.compute_thread import ComputeThread
-from miniapp.engine.runtimes import (
-    REMOTE_BACKEND,
+from miniapp.engine.api import (
+    ComputeThread,
+    MessageRuntime,
+    MiniappError,
     Runtime,
+    RuntimeConfig,
     VisionRuntime,
     open_runtime,
     open_vision_runtime,
+    resolve_model,
 )
-from miniapp.engine.runtimes.base import MessageRuntime
 
 LOAD_WAIT_S = 600.0  # an answer waits this long at most for a model that is still loading
-
-
-@dataclass(frozen=True)
-class LoadSpec:
-    """What loading a model takes: a change to any of these loads it again."""
-
-    model: str
-    backend: str
-    device: str
-    spec: str
-    ctx: int
-    window: int | None = None
-    sinks: int | None = None
-    threads: int | None = None
-    parallel: int = 1  # generations at once (the torch engine batches them)
-    kv_type: str | None = None  # the KV cache's storage (None: the backend's own default)
-    max_queue: int | None = None  # batching: requests that may wait (None: the engine's)
-    # --backend openai: the server (`model` is its name for the model; empty: its first).
-    base_url: str | None = None
-    api_key: str | None = field(default=None, repr=False)
-
-    @property
-    def label(self) -> str:
-        if self.backend == REMOTE_BACKEND:
-            return f"{self.model or 'the model'} at {self.base_url}"
-        return Path(self.model).name
 
 
 class LoadState(StrEnum):
@@ -75,7 +49,7 @@ class ModelHost:
     time (`generation_lock`), unless the runtime batches them (`Runtime.parallel`); the swap
     to a newly loaded model waits for a locked one."""
 
-    def __init__(self, opener: Callable[..., Runtime] = open_runtime):
+    def __init__(self, opener: Callable[[RuntimeConfig], Runtime | MessageRuntime] = open_runtime):
         self._opener = opener
         self.generation_lock = threading.Lock()
         # Answers computed for other threads run on the thread that serves it (the GUI's
@@ -83,8 +57,8 @@ class ModelHost:
         self.compute = ComputeThread()
         self._changed = threading.Condition()
         self._runtime: Runtime | None = None
-        self._loaded: LoadSpec | None = None
-        self._wanted: LoadSpec | None = None
+        self._loaded: RuntimeConfig | None = None
+        self._wanted: RuntimeConfig | None = None
         self._status = ModelStatus(LoadState.FAILED, "no model loaded")
         self._ready_status = self._status  # the loaded model's, to return to
         self._vision: VisionRuntime | None = None  # loaded when a picture first needs it
@@ -104,11 +78,11 @@ class ModelHost:
         return self._runtime
 
     @property
-    def loaded_spec(self) -> LoadSpec | None:
+    def loaded_spec(self) -> RuntimeConfig | None:
         """What the loaded runtime was opened with (None before the first load)."""
         return self._loaded
 
-    def request(self, wanted: LoadSpec) -> None:
+    def request(self, wanted: RuntimeConfig) -> None:
         """Start loading this model, unless it is loaded or loading."""
         with self._changed:
             if wanted == self._loaded:  # back to the loaded model: nothing to wait for
@@ -123,7 +97,7 @@ class ModelHost:
             )
         threading.Thread(target=self._load, args=(wanted,), daemon=True).start()
 
-    def _load(self, wanted: LoadSpec) -> None:
+    def _load(self, wanted: RuntimeConfig) -> None:
         try:
             runtime = self._open(wanted)
             runtime.run_steps_on(self.compute)
@@ -145,30 +119,10 @@ class ModelHost:
             self._ready_status = self._status
             self._changed.notify_all()
 
-    def _open(self, wanted: LoadSpec) -> Runtime | MessageRuntime:
-        if wanted.backend == REMOTE_BACKEND:
-            from miniapp.engine.runtimes.remote import RemoteEndpoint, RemoteRuntime
+    def _open(self, wanted: RuntimeConfig) -> Runtime | MessageRuntime:
+        return self._opener(wanted)
 
-            if not wanted.base_url:
-                raise MiniappError("the openai backend needs the server's address (--base-url)")
-            endpoint = RemoteEndpoint(wanted.base_url, wanted.api_key)
-            # The GUI's panel sets these two; the rest are the server's own defaults.
-            return RemoteRuntime(endpoint, wanted.model or None, ("temperature", "top_p"))
-        return self._opener(
-            wanted.backend,
-            resolve_model(wanted.model),
-            n_ctx=wanted.ctx,
-            threads=wanted.threads,
-            sinks=wanted.sinks,
-            window=wanted.window,
-            spec=wanted.spec,
-            device=wanted.device,
-            parallel=wanted.parallel,
-            kv=wanted.kv_type,
-            **({} if wanted.max_queue is None else {"max_queue": wanted.max_queue}),
-        )
-
-    def wait_for(self, wanted: LoadSpec, timeout: float = LOAD_WAIT_S) -> Runtime:
+    def wait_for(self, wanted: RuntimeConfig, timeout: float = LOAD_WAIT_S) -> Runtime:
         """The runtime for this model, loading it first if needed."""
         self.request(wanted)
         deadline = time.monotonic() + timeout
@@ -183,7 +137,7 @@ class ModelHost:
             assert self._runtime is not None
             return self._runtime
 
-    def vision_runtime(self, wanted: LoadSpec, mmproj: Path) -> VisionRuntime:
+    def vision_runtime(self, wanted: RuntimeConfig, mmproj: Path) -> VisionRuntime:
         """The vision model for this model (call with `generation_lock` held). It is a
         second copy of the model, on llama.cpp with its projector, kept for later pictures."""
         key = (wanted.model, str(mmproj), wanted.ctx, wanted.threads)

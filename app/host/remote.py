@@ -1,8 +1,8 @@
 """`--backend openai` for the interfaces: the server's address and key from the flags and the
 environment, and the one-line refusals of what only a local backend does.
 
-The openai client takes half a second to import, so the runtime's module is imported inside
-the functions: only a command that uses a server pays for it."""
+The openai client takes half a second to import; the engine imports it only when a server's
+model is opened, so only a command that uses a server pays for it."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import argparse
 import os
 from urllib.parse import urlsplit
 
-from miniapp.engine.errors import MiniappError
-from miniapp.engine.runtimes import check_remote_options
+from miniapp.engine.api import REMOTE_BACKEND, MiniappError, RuntimeConfig, open_runtime
 
 from .settings import runtime_kv_type
 
@@ -38,16 +37,25 @@ def add_remote_flags(parser: argparse.ArgumentParser, settings: bool = False) ->
     )
 
 
-def endpoint_from_args(args: argparse.Namespace):
-    """The RemoteEndpoint the flags and the environment name."""
-    from miniapp.engine.runtimes.remote import RemoteEndpoint
-
-    if not getattr(args, "base_url", None):
-        raise MiniappError(
-            "--backend openai needs --base-url URL, the server's address (e.g. http://host:8000/v1)"
-        )
-    key = args.api_key or next((os.environ[n] for n in KEY_ENVIRONMENT if os.environ.get(n)), None)
-    return RemoteEndpoint(api_base(args.base_url), key)
+def remote_config(args: argparse.Namespace, sampling: tuple[str, ...] = ()) -> RuntimeConfig:
+    """The RuntimeConfig the flags and the environment name for --backend openai, with the
+    local-only options as given (its `check` refuses them, one line each). `sampling`: the
+    sampling settings the server is sent."""
+    url = getattr(args, "base_url", None)
+    key = getattr(args, "api_key", None)
+    key = key or next((os.environ[n] for n in KEY_ENVIRONMENT if os.environ.get(n)), None)
+    return RuntimeConfig(
+        model=getattr(args, "remote_model", None) or "",
+        backend=REMOTE_BACKEND,
+        device=getattr(args, "device", "auto"),
+        spec=getattr(args, "spec", "auto") or "auto",
+        window=getattr(args, "window", None),
+        sinks=getattr(args, "sinks", None),
+        kv_type=runtime_kv_type(args),
+        base_url=api_base(url) if url else None,
+        api_key=key,
+        send_sampling=sampling,
+    )
 
 
 def api_base(url: str) -> str:
@@ -60,31 +68,26 @@ def api_base(url: str) -> str:
 
 
 def open_remote(args: argparse.Namespace, sampling: tuple[str, ...]):
-    """The server's model (a RemoteRuntime), after refusing local-only options, one line
+    """The server's model (a MessageRuntime), after refusing local-only options, one line
     each. `sampling`: the sampling settings sent to it."""
-    from miniapp.engine.runtimes.remote import RemoteRuntime
-
-    open_remote_checks(args)
-    return RemoteRuntime(endpoint_from_args(args), getattr(args, "remote_model", None), sampling)
+    return open_runtime(checked_remote_config(args, sampling))
 
 
-def open_remote_checks(args: argparse.Namespace) -> None:
-    """Refuse, in one line, the options only a local backend has."""
-    check_remote_options(
-        getattr(args, "spec", "auto") or "auto",
-        getattr(args, "device", "auto"),
-        getattr(args, "window", None),
-        getattr(args, "sinks", None),
-        runtime_kv_type(args),
-    )
+def checked_remote_config(
+    args: argparse.Namespace, sampling: tuple[str, ...] = ()
+) -> RuntimeConfig:
+    """`remote_config`, its options checked: one line for what only a local backend has."""
+    config = remote_config(args, sampling)
+    config.check()
     if getattr(args, "mmproj", None):
         raise MiniappError("--mmproj: local backends only; the server has its own projector")
+    return config
 
 
 def chosen_sampling(args: argparse.Namespace) -> tuple[str, ...]:
     """The sampling settings given by flag, environment or config file: only these go to
     the server, the rest are its own defaults."""
-    from miniapp.engine.runtimes.remote import SAMPLING_FIELDS
+    from miniapp.engine.api import SAMPLING_FIELDS
 
     sources = getattr(args, "setting_sources", None) or {}
     return tuple(n for n in SAMPLING_FIELDS if sources.get(n, "default") != "default")

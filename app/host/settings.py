@@ -18,14 +18,22 @@ import platformdirs
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
-from miniapp.engine.chat.generation import GenerationRequest
-from miniapp.engine.errors import MiniappError
-from miniapp.engine.kv.types import DEFAULT_KV_TYPE, KV_TYPE_NAMES, kv_type
-from miniapp.engine.modelfile.store import DEFAULT_MODEL
-from miniapp.engine.platform.devices import DEVICE_CHOICES
-from miniapp.engine.runtimes import BACKENDS, DEFAULT_CTX, DEFAULT_PARALLEL, DEFAULT_SINKS
-from miniapp.engine.tokens.sampling import SamplingParams
-from miniapp.engine.tokens.spec_modes import SPEC_MODES, SpecMode
+from miniapp.engine.api import (
+    BACKENDS,
+    DEFAULT_CTX,
+    DEFAULT_KV_TYPE,
+    DEFAULT_MODEL,
+    DEFAULT_PARALLEL,
+    DEFAULT_SINKS,
+    DEVICE_CHOICES,
+    KV_TYPE_NAMES,
+    SPEC_MODES,
+    GenerationRequest,
+    MiniappError,
+    SamplingParams,
+    SpecMode,
+    kv_type,
+)
 
 CONFIG_ENV = "MINIAPP_CONFIG"  # a config file elsewhere (tests, several profiles)
 ENV_PREFIX = "MINIAPP_"

@@ -20,12 +20,17 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
-from miniapp.engine.chat.generation import GenerationRequest
-from miniapp.engine.modelfile.template import Message
-from miniapp.engine.tokens.constraints import ConstraintError, OutputConstraint
-from miniapp.engine.tokens.events import Finished, TextDelta
-from miniapp.engine.tokens.sampling import SamplingParams, TokenLogprob
-from miniapp.engine.tokens.tokenizer import Tokenizer
+from miniapp.engine.api import (
+    ConstraintError,
+    Finished,
+    GenerationRequest,
+    Message,
+    OutputConstraint,
+    SamplingParams,
+    TextDelta,
+    Tokenizer,
+    TokenLogprob,
+)
 
 from ..host.model_host import LoadState
 from .audio import audio_router

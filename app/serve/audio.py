@@ -38,8 +38,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from miniapp.engine.errors import MiniappError
-from miniapp.engine.modelfile.store import DEFAULT_ASR_MODEL
+from miniapp.engine.api import DEFAULT_ASR_MODEL, MiniappError
 from miniapp.engine.voice.asr import FRAMES_PER_SECOND, LANGUAGE, WhisperASR, load_asr
 from miniapp.engine.voice.audio import SAMPLE_RATE, AudioFileError, iter_audio
 from miniapp.engine.voice.events import PartialText, Word, WordsCommitted, words_text

@@ -11,8 +11,7 @@ import re
 import threading
 from pathlib import Path
 
-from miniapp.engine.chat.conversation import Conversation
-from miniapp.engine.errors import MiniappError
+from miniapp.engine.api import Conversation, Message, MiniappError
 from miniapp.engine.images import (
     ImagePath,
     ImageRoute,
@@ -21,7 +20,6 @@ from miniapp.engine.images import (
     choose_route,
     vision_images,
 )
-from miniapp.engine.modelfile.template import Message
 
 from .errors import bad_request
 from .protocol import ChatMessage

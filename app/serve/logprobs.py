@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from miniapp.engine.tokens.sampling import TokenLogprob
+from miniapp.engine.api import TokenLogprob
 
 
 def _token(tokenizer, token: int) -> tuple[str, list[int]]:

@@ -28,7 +28,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from miniapp.engine.tokens.events import Finished, FinishReason
+from miniapp.engine.api import Finished, FinishReason
 
 from .service import RelayObserver, ServedModel, finish_reason
 

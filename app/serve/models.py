@@ -11,9 +11,7 @@ import threading
 from functools import lru_cache
 from pathlib import Path
 
-from miniapp.engine.errors import MiniappError
-from miniapp.engine.modelfile.gguf_file import read_scalar
-from miniapp.engine.modelfile.store import installed_models
+from miniapp.engine.api import MiniappError, installed_models, read_scalar
 
 
 def model_listing(served) -> list[dict]:

@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from miniapp.engine.tokens.constraints import ConstraintError, ConstraintKind, OutputConstraint
+from miniapp.engine.api import ConstraintError, ConstraintKind, OutputConstraint
 
 MAX_CHOICES = 8  # `n`: answers to one request
 MAX_STOPS = 16

@@ -11,16 +11,19 @@ import threading
 import time
 from pathlib import Path
 
-from miniapp.engine.errors import MiniappError
-from miniapp.engine.modelfile.checks import check_model_file
-from miniapp.engine.modelfile.gguf_file import GGUFFile
-from miniapp.engine.modelfile.store import resolve_model
-from miniapp.engine.modelfile.template import ChatTemplate
-from miniapp.engine.models import check_supported
-from miniapp.engine.runtimes import REMOTE_BACKEND
-from miniapp.engine.tokens.sampling import SamplingParams
+from miniapp.engine.api import (
+    REMOTE_BACKEND,
+    ChatTemplate,
+    GGUFFile,
+    MiniappError,
+    RuntimeConfig,
+    SamplingParams,
+    check_model_file,
+    check_supported,
+    resolve_model,
+)
 
-from ..host.model_host import LoadSpec, ModelHost
+from ..host.model_host import ModelHost
 from ..host.settings import runtime_kv_type
 from .api import ServeOptions, create_app
 from .service import ServedModel
@@ -36,7 +39,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise MiniappError(f"{args.model}: model file not found")
     check_model(model_path, args.backend)
     chat_template_source(args.chat_template_file)  # a bad file stops us before loading
-    spec = load_spec(args)
+    spec = runtime_config(args)
     host = ModelHost()
     host.request(spec)
     server = start_api(host, spec, args, args.host, args.port)
@@ -72,7 +75,9 @@ def check_local_backend(backend: str) -> None:
         )
 
 
-def start_api(host: ModelHost, spec: LoadSpec, args: argparse.Namespace, address: str, port: int):
+def start_api(
+    host: ModelHost, spec: RuntimeConfig, args: argparse.Namespace, address: str, port: int
+):
     """The API on uvicorn in a background thread, over `host` (the server's own, or the
     GUI's); prints its URL once it listens. Returns the uvicorn server."""
     served = ServedModel(host, spec, chat_template_source(args.chat_template_file))
@@ -108,20 +113,20 @@ def chat_template_source(path: str | None) -> str | None:
     return source
 
 
-def load_spec(args: argparse.Namespace) -> LoadSpec:
+def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
     parallel = args.parallel if args.backend == "torch" else 1  # llama.cpp: one at a time
-    return LoadSpec(
-        args.model,
-        args.backend,
-        args.device,
-        args.spec,
-        args.ctx,
-        args.window,
-        args.sinks,
-        args.threads,
-        parallel,
-        runtime_kv_type(args),
-        args.queue,
+    return RuntimeConfig(
+        model=args.model,
+        backend=args.backend,
+        device=args.device,
+        spec=args.spec,
+        ctx=args.ctx,
+        window=args.window,
+        sinks=args.sinks,
+        threads=args.threads,
+        parallel=parallel,
+        kv_type=runtime_kv_type(args),
+        max_queue=args.queue,
     )
 
 

@@ -16,16 +16,25 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from miniapp.engine.batching import QueueFullError
-from miniapp.engine.chat.generation import GenerationRequest, generate
-from miniapp.engine.errors import ContextFullError, MiniappError
-from miniapp.engine.modelfile.store import BUNDLED, resolve_model
-from miniapp.engine.modelfile.template import ChatTemplate, Message
-from miniapp.engine.runtimes import Runtime
-from miniapp.engine.tokens.events import Finished, FinishReason, GenerationEvent
-from miniapp.engine.tokens.stream import TokenStream
+from miniapp.engine.api import (
+    BUNDLED,
+    ChatTemplate,
+    ContextFullError,
+    Finished,
+    FinishReason,
+    GenerationEvent,
+    GenerationRequest,
+    Message,
+    MiniappError,
+    QueueFullError,
+    Runtime,
+    RuntimeConfig,
+    TokenStream,
+    generate,
+    resolve_model,
+)
 
-from ..host.model_host import LoadSpec, LoadState, ModelHost, ModelLoadError
+from ..host.model_host import LoadState, ModelHost, ModelLoadError
 from .errors import ApiError, bad_request
 
 RETRY_AFTER_S = 1  # what a client told "busy" (503) should wait before trying again
@@ -47,13 +56,13 @@ class ServedModel:
     """The one model this server answers with, loaded by the shared ModelHost: the model
     asked for at start, or, beside the GUI, whichever model the GUI loaded since."""
 
-    def __init__(self, host: ModelHost, spec: LoadSpec, template_source: str | None = None):
+    def __init__(self, host: ModelHost, spec: RuntimeConfig, template_source: str | None = None):
         self.host, self._asked = host, spec
         self._template_source = template_source  # instead of the model's own template
         self._templates: dict[int, ChatTemplate] = {}
 
     @property
-    def spec(self) -> LoadSpec:
+    def spec(self) -> RuntimeConfig:
         return self.host.loaded_spec or self._asked
 
     @property

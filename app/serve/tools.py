@@ -32,8 +32,7 @@ import re
 import uuid
 from dataclasses import dataclass, replace
 
-from miniapp.engine.modelfile.template import ChatTemplate, Message
-from miniapp.engine.tokens.constraints import ConstraintError, OutputConstraint
+from miniapp.engine.api import ChatTemplate, ConstraintError, Message, OutputConstraint
 
 from .errors import bad_request
 from .protocol import ChatCompletionRequest, ToolChoiceFunction

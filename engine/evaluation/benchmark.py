@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..runtimes import open_runtime
+from ..runtimes import open_local_runtime
 from ..runtimes.base import Runtime
 from ..tokens.events import SpeculationStats
 from ..tokens.sampling import GREEDY
@@ -124,7 +124,7 @@ class BenchSession:
         before any model: the first backend measured would otherwise carry it)."""
         _import_backend(backend)
         start = time.perf_counter()
-        self.runtime: Runtime = open_runtime(
+        self.runtime: Runtime = open_local_runtime(
             backend,
             model,
             n_ctx=ctx,

@@ -134,7 +134,7 @@ TILE_ROWS = 32  # tokens a q4 tile (kv_types.py)
 
 def encode_tiles(x: torch.Tensor) -> torch.Tensor:
     """fp32 [..., tiles * TILE_ROWS, head_dim] -> q4 tiles [..., tiles * TILE_ROWS, width]
-    (native/int4_gemm.cpp, "q4 tiles"): per tile and channel a 4-bit code per token, an f16
+    (native/kv_codec.h, "q4 tiles"): per tile and channel a 4-bit code per token, an f16
     scale and an f16 minimum over the tile's tokens, the side table spread over its rows."""
     *lead, tokens, d = x.shape
     tiles = x.float().reshape(*lead, tokens // TILE_ROWS, TILE_ROWS, d)

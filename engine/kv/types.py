@@ -4,7 +4,7 @@ keys and another for values, `--kv-type K/V` (e.g. `q8/q4`).
 A cache holds one storage row per (kv head, token): `width(head_dim)` elements of
 `storage_dtype`. The float types store the values themselves. The quantized ones store bytes,
 in blocks of 32 values along the head dimension, laid out for the native attention kernel
-(`native/int4_gemm.cpp`, "KV storage"), which reads them directly:
+(`native/kv_codec.h`, "KV storage"), which reads them directly:
 
 * q8: the head_dim codes (int8, code = round(x / scale)), then one f16 scale per block,
   scale = max |x| / 127 (llama.cpp's q8_0 maths; 8.5 bits a value);
@@ -22,7 +22,7 @@ Keys suffer from quantization far more than values: a few of their channels are 
 every token, so any block along the head dimension spans them (rows of 4-bit keys cost +5%
 perplexity on SmolLM2, +9% on Gemma 3). q4 *keys* are therefore stored as KIVI does, per
 channel over tiles of 32 tokens: a 4-bit code per value, an f16 scale and minimum per channel
-and tile (the same 5 bits a value; layout in native/int4_gemm.cpp, "q4 tiles"). Only
+and tile (the same 5 bits a value; layout in native/kv_codec.h, "q4 tiles"). Only
 complete tiles are quantized: the newest tile, which queries attend to the most, stays fp32
 (engine/kv/key_tiles.py), and so do a ring's sinks. That costs +0.7% (SmolLM2) and +0.9%
 (Gemma 3) at ctx 2048 (docs/BENCHMARKS.md). q4 values stay rows as above.

@@ -18,7 +18,7 @@ REMOTE_BACKEND = "openai"
 BACKENDS = (*LOCAL_BACKENDS, REMOTE_BACKEND)
 
 
-def open_runtime(
+def open_local_runtime(
     backend: str,
     model_path: Path | str,
     n_ctx: int = DEFAULT_CTX,
@@ -80,33 +80,6 @@ def open_runtime(
     raise MiniappError(f"unknown backend '{backend}' (choose from {', '.join(BACKENDS)})")
 
 
-def check_remote_options(
-    spec: str = SpecMode.AUTO,
-    device: str = "auto",
-    window: int | None = None,
-    sinks: int | None = None,
-    kv: str | None = None,
-) -> None:
-    """One line for a local engine's option asked of a remote server, which has its own
-    cache, drafting and devices."""
-    asked = [
-        flag
-        for flag, given in (
-            ("--window", window is not None),
-            ("--sinks", sinks is not None),
-            ("--spec " + str(spec), spec not in (SpecMode.AUTO, SpecMode.OFF)),
-            ("--device " + device, device != "auto"),
-            ("--kv-type", kv is not None),
-        )
-        if given
-    ]
-    if asked:
-        raise MiniappError(
-            f"{', '.join(asked)}: local backends only; with --backend openai the "
-            "server keeps its own cache, drafting and devices"
-        )
-
-
 def open_vision_runtime(
     model_path: Path | str,
     mmproj_path: Path | str,
@@ -125,12 +98,11 @@ __all__ = [
     "BACKENDS",
     "LOCAL_BACKENDS",
     "REMOTE_BACKEND",
-    "check_remote_options",
     "DEFAULT_CTX",
     "DEFAULT_PARALLEL",
     "DEFAULT_SINKS",
     "Runtime",
     "VisionRuntime",
-    "open_runtime",
+    "open_local_runtime",
     "open_vision_runtime",
 ]

@@ -22,6 +22,11 @@ DEFAULT_CTX = 4096
 DEFAULT_SINKS = 4  # StreamingLLM's number of attention-sink tokens (the torch engine's cache)
 DEFAULT_PARALLEL = 4  # answers a multi-user interface generates at once (LM Studio's default)
 LOGIT_BLOCK = 256
+# The sampling settings a remote server may be sent. Those other than OpenAI's own go only
+# when set (strict servers refuse unknown fields): llama-server and `miniapp serve` read
+# repeat_penalty, vLLM repetition_penalty.
+EXTRA_SAMPLING = ("top_k", "min_p", "repeat_penalty")
+SAMPLING_FIELDS = ("temperature", "top_p", "seed", *EXTRA_SAMPLING)
 
 
 def default_threads() -> int:

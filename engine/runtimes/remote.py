@@ -38,7 +38,7 @@ from ..tokens.events import (
     TextDelta,
 )
 from ..tokens.sampling import GenerationRequest
-from .base import MessageRuntime, RuntimeInfo
+from .base import EXTRA_SAMPLING, SAMPLING_FIELDS, MessageRuntime, RuntimeInfo
 
 REMOTE_BACKEND = "openai"
 CONNECT_TIMEOUT_S = 10.0
@@ -46,11 +46,6 @@ CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 600.0
 STOP_POLL_S = 0.05  # how often a waiting answer checks whether it should stop
 REMOTE_PARALLEL = 64  # answers one interface streams at once; the server queues the rest
-# Sampling settings other than OpenAI's own, sent only when set (strict servers refuse
-# unknown fields): llama-server and `miniapp serve` read repeat_penalty, vLLM
-# repetition_penalty.
-EXTRA_SAMPLING = ("top_k", "min_p", "repeat_penalty")
-SAMPLING_FIELDS = ("temperature", "top_p", "seed", *EXTRA_SAMPLING)
 _FINISH_REASONS = {
     "length": FinishReason.MAX_TOKENS,
     "cancelled": FinishReason.CANCELLED,
