@@ -162,14 +162,14 @@ def test_verification_rows_are_bit_identical_to_decode_steps(smol, kind):
         cache.trim(5)
     # Without exact rows, torch's attention rounds a batch differently: the reason exact rows
     # exist. (The native kernel attends each row on its own even in a plain batch.)
-    natives = [block.attention.native for block in model.layers]
+    natives = [block.attention.native_backend for block in model.layers]
     for block in model.layers:
-        block.attention.native = None
+        block.attention.native_backend = None
     try:
         plain_batch = model.logits(model.hidden_states(rows, caches))
     finally:
         for block, native in zip(model.layers, natives, strict=True):
-            block.attention.native = native
+            block.attention.native_backend = native
     assert not torch.equal(plain_batch, one_by_one)
 
 

@@ -38,8 +38,15 @@ from ..platform.kernels import (
     cpu_row_ops,
     fused_layers_enabled,
 )
+from .attention_backends import (
+    AttentionBackend,
+    NativeCpuAttention,
+    TorchAttention,
+    kernel_types,
+)
 from .config import DecoderConfig, RopeConfig
-from .exact_rows import RowMasks, Segments, row_tables
+from .exact_rows import RowMasks
+from .pass_metadata import LayerRows, PassMetadata, RowKind, RowSpan, build_pass_metadata
 from .placement import CPU, CPU_PLACEMENT, PREFILL_CHUNK, CachePolicy, Placement
 
 
@@ -74,16 +81,15 @@ class Attention:
             config.n_heads, config.n_kv_heads, config.head_dim
         )
         self.native = native if takes else None
+        self.native_backend = (
+            None if self.native is None else NativeCpuAttention(native, self.scale)
+        )
+        self.torch_backend = TorchAttention(self.scale)
         self.row_ops = cpu_row_ops()
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rotation: RopeTables,
-        cache: Cache,
-        mask: torch.Tensor | None | RowMasks,
-    ) -> torch.Tensor:
-        """x: [tokens, dim] -> [tokens, dim]."""
+    def forward(self, x: torch.Tensor, rotation: RopeTables, rows: LayerRows) -> torch.Tensor:
+        """x: [tokens, dim] -> [tokens, dim]. Each sequence's rows attend over its own cache
+        as their kind says; the device's backend does the attending."""
         n_tokens = x.shape[0]
         # Attention runs in fp32: torch's CPU attention and small bmm are several times faster
         # in fp32 than in bf16 at decode sizes, and the cache keeps full precision.
@@ -94,12 +100,11 @@ class Attention:
         # [tokens, heads, head_dim] -> [heads, tokens, head_dim]
         qk = self._rotate(qk, rotation).transpose(0, 1)
         v = heads[:, self.n_rotated :].transpose(0, 1)
-        if isinstance(cache, Segments):
-            out = self._attend_segments(qk, v, cache)
-        elif isinstance(mask, RowMasks):
-            out = self._attend_rows(qk, v, cache, mask)
+        if rows.alone:
+            span, cache, mask = next(iter(rows))
+            out = self._attend_span(qk, v, span, cache, mask)
         else:
-            out = self._attend(qk, v, cache, mask)
+            out = self._attend_sequences(qk, v, rows)
         return self.wo.forward(out[0].transpose(0, 1).reshape(n_tokens, -1))
 
     def _rotate(self, qk: torch.Tensor, rotation: RopeTables) -> torch.Tensor:
@@ -112,98 +117,49 @@ class Attention:
             )
         return apply_rope(qk, rotation)
 
+    def _backend(self, keys: torch.Tensor, rows: int) -> AttentionBackend:
+        """Our native kernel for a few query rows on the CPU; torch's attention otherwise (a
+        GPU, or a long prompt chunk, which torch batches better)."""
+        if self.native_backend is not None and keys.is_cpu and rows <= NATIVE_ATTENTION_ROWS:
+            return self.native_backend
+        return self.torch_backend
+
+    def _attend_span(self, qk, v, span: RowSpan, cache: Cache, mask) -> torch.Tensor:
+        """One sequence's rows over its cache -> [1, heads, rows, head_dim]."""
+        if span.kind is RowKind.EXACT:
+            return self._attend_rows(qk, v, cache, mask)
+        return self._attend(qk, v, cache, mask)
+
     def _attend(self, qk, v, cache: Cache, mask: torch.Tensor | None) -> torch.Tensor:
+        """Rows that see the keys as one mask says (a decode step, a prompt chunk)."""
         keys, values = cache.update_and_fetch(qk[self.n_heads :][None], v[None])
         queries = qk[: self.n_heads]
-        if self._native_for(queries, keys):  # every row sees all keys, or as the mask says
-            return self._attend_natively(queries, keys, values, None, mask, cache)
-        # A prompt chunk (or a device without the kernel): torch's attention, over the keys
-        # decoded one layer at a time (the copy lives for this layer's call only).
-        if cache.key_codec.tiled:
-            return self._attend_by_own_tile(queries, keys, values, mask, cache)
-        keys, values = cache.decode_keys(keys), cache.value_codec.decode(values)
-        return F.scaled_dot_product_attention(
-            queries[None], keys, values, attn_mask=mask, enable_gqa=True, scale=self.scale
-        )
+        backend = self._backend(keys, queries.shape[1])
+        return backend.attend(queries, keys, values, cache, mask=mask)
 
-    def _attend_by_own_tile(self, queries, keys, values, mask, cache: Cache) -> torch.Tensor:
-        """torch's attention over tiled keys: each group of rows that share a tile reads it
-        exactly, the complete tiles before it decoded, as their decode steps would."""
-        values = cache.value_codec.decode(values)
-        outs = []
-        for first, end, group_keys in cache.keys_by_own_tile(keys, queries.shape[1]):
-            group_mask = None if mask is None else mask[first:end]
-            outs.append(
-                F.scaled_dot_product_attention(
-                    queries[None, :, first:end],
-                    group_keys,
-                    values,
-                    attn_mask=group_mask,
-                    enable_gqa=True,
-                    scale=self.scale,
-                )
-            )
-        return torch.cat(outs, dim=2)
-
-    def _native_for(self, queries: torch.Tensor, keys: torch.Tensor) -> bool:
-        return (
-            self.native is not None
-            and keys.device.type == "cpu"
-            and queries.shape[1] <= NATIVE_ATTENTION_ROWS
-        )
-
-    def _attend_natively(self, queries, keys, values, lengths, mask, cache: Cache) -> torch.Tensor:
-        """queries [heads, rows, head_dim] over stored keys [1, kv_heads, tokens, width] ->
-        [1, heads, rows, head_dim], as scaled_dot_product_attention returns it."""
-        rows_first = queries.transpose(0, 1).contiguous()
-        out = self.native(
-            rows_first,
-            keys[0],
-            values[0],
-            self.scale,
-            lengths,
-            mask,
-            _kernel_types(cache),
-            tiled=cache.tiled_keys(rows_first.shape[0]),
-        )
-        return out.transpose(0, 1)[None]
-
-    def _attend_segments(self, qk, v, segments: Segments) -> torch.Tensor:
-        """Rows of several sequences: each sequence's rows over its own cache, as a pass
-        over that sequence alone would attend them (one row: a decode step; more: the
-        exact-rows path). On the CPU the decode rows of all sequences take one native call."""
+    def _attend_sequences(self, qk, v, rows: LayerRows) -> torch.Tensor:
+        """Rows of several sequences: each sequence's rows over its own cache, as a pass over
+        that sequence alone would attend them. The decode rows of all sequences go to the
+        backend in one call."""
         outs: list[torch.Tensor | None] = []
         decodes: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor | None, Cache]] = []
-        start = 0
-        for cache, count, mask in segments:
-            rows = slice(start, start + count)
+        for span, cache, mask in rows:
             if mask is not None:  # built on the CPU, like a pass's masks
                 mask = mask.to(qk.device)
-            if count == 1 and self.native is not None and qk.device.type == "cpu":
+            if span.kind is RowKind.DECODE:
                 keys, values = cache.update_and_fetch(
-                    qk[self.n_heads :, rows][None], v[:, rows][None]
+                    qk[self.n_heads :, span.rows][None], v[:, span.rows][None]
                 )
-                decodes.append((len(outs), start, keys[0], values[0], mask, cache))
+                decodes.append((len(outs), span.first, keys, values, mask, cache))
                 outs.append(None)
-            elif isinstance(mask, RowMasks):
-                outs.append(self._attend_rows(qk[:, rows], v[:, rows], cache, mask))
             else:
-                outs.append(self._attend(qk[:, rows], v[:, rows], cache, mask))
-            start += count
+                outs.append(self._attend_span(qk[:, span.rows], v[:, span.rows], span, cache, mask))
         if decodes:
-            at = [d[1] for d in decodes]
-            queries = qk[: self.n_heads, at].transpose(0, 1).contiguous()
-            attended = self.native.sequences(
-                queries,
-                [d[2] for d in decodes],
-                [d[3] for d in decodes],
-                self.scale,
-                [None if d[4] is None else d[4][0] for d in decodes],
-                [_kernel_types(d[5]) for d in decodes],
-                [d[5].tiled_keys(1) for d in decodes],
-            )
+            queries = qk[: self.n_heads, [d[1] for d in decodes]]
+            backend = self._backend(decodes[0][2], 1)
+            attended = backend.attend_one_each(queries, [d[2:] for d in decodes])
             for j, (index, *_) in enumerate(decodes):
-                outs[index] = attended[j : j + 1].transpose(0, 1)[None]
+                outs[index] = attended[:, :, j : j + 1]
         return torch.cat(outs, dim=2)
 
     def _attend_rows(self, qk, v, cache: Cache, masks: RowMasks) -> torch.Tensor:
@@ -227,26 +183,10 @@ class Attention:
         n_rows = qk.shape[1]
         keys, values = cache.update_and_fetch(qk[self.n_heads :][None], v[None])
         before = values.shape[2] - n_rows  # tiled keys: their lead rows are apart
-        # One native call, each row over its own prefix: as many rows as there are (a
-        # decode step runs that kernel too, so every row matches it bit for bit).
-        if self.native is not None and keys.device.type == "cpu":
-            lengths = torch.arange(before + 1, before + n_rows + 1, dtype=torch.int32)
-            return self._attend_natively(qk[: self.n_heads], keys, values, lengths, None, cache)
-        tiled = cache.key_codec.tiled  # each row reads its own tile exactly
-        decoded = None if tiled else cache.decode_keys(keys)
-        values = cache.value_codec.decode(values)
-        queries = qk[: self.n_heads][None]
-        rows = [
-            F.scaled_dot_product_attention(
-                queries[:, :, row : row + 1],
-                (cache.decode_keys(keys, row) if tiled else decoded)[:, :, : before + row + 1],
-                values[:, :, : before + row + 1],
-                enable_gqa=True,
-                scale=self.scale,
-            )
-            for row in range(n_rows)
-        ]
-        return torch.cat(rows, dim=2)
+        # The native backend takes as many rows as there are here (a decode step runs that
+        # kernel too, so every row matches it bit for bit).
+        backend = self.native_backend if keys.is_cpu and self.native_backend else self.torch_backend
+        return backend.attend_prefixes(qk[: self.n_heads], keys, values, cache, before)
 
 
 class FeedForward:
@@ -274,105 +214,89 @@ class Block:
         # (DecoderModel sets it where the layer's shape allows; see `fused_layer`).
         self.fused: NativeDecodeLayer | None = None
 
-    def forward(self, x, rotation, cache, mask):
-        """Updates the residual stream `x` (fp32 [tokens, dim]) in place and returns it."""
-        if isinstance(cache, Segments):
-            return self._forward_segments(x, rotation, cache)
-        taken = self._take_fused(x, cache, mask)
-        if taken is not None:
-            if mask is not None and not isinstance(mask, RowMasks):
-                mask = mask.contiguous()
-            else:
-                mask = None  # several exact rows: each sees a prefix, unmasked
-            self.fused.step(
-                x,
-                rotation.cos,
-                rotation.signed_sin,
-                taken.slots,
-                taken.stored,
-                mask,
-                _kernel_types(cache),
-                taken.tiled,
-            )
-            if taken.written is not None:
-                taken.written()
-            return x
-        return self._forward_layer_by_layer(x, rotation, cache, mask)
-
-    def _forward_segments(self, x: torch.Tensor, rotation: RopeTables, segments: Segments):
-        """Rows of several sequences (continuous batching): the sequences whose rows the fused
-        layer takes go through it in one call, the rest layer by layer. Every row comes out
-        as its own sequence's pass would give it, whichever way it goes."""
-        fused, rest = self._take_fused_segments(x, segments)
+    def forward(self, x: torch.Tensor, rotation: RopeTables, rows: LayerRows) -> torch.Tensor:
+        """Updates the residual stream `x` (fp32 [tokens, dim]) in place and returns it. The
+        sequences whose rows the fused layer takes go through it in one call, the rest layer
+        by layer; every row comes out as its own sequence's pass would give it, whichever way
+        it goes."""
+        fused, rest = self._take_fused(x, rows)
         if not fused:
-            return self._forward_layer_by_layer(x, rotation, segments, None)
+            return self._forward_layer_by_layer(x, rotation, rows)
         if not rest:
             self._step_fused(x, rotation.cos, rotation.signed_sin, fused)
             return x
         # Mixed: each part runs on its own rows (gathered), then goes back in place.
-        rows = [torch.arange(at, at + count) for at, count, _, _ in fused]
-        fused_rows = torch.cat(rows)
+        fused_rows = torch.cat(
+            [torch.arange(span.first, span.first + span.count) for span, _ in fused]
+        )
         part = x.index_select(0, fused_rows)
         cos = rotation.cos.index_select(0, fused_rows).contiguous()
         sin = rotation.signed_sin.index_select(0, fused_rows).contiguous()
-        at = 0
-        renumbered = []
-        for _, count, taken, mask in fused:
-            renumbered.append((at, count, taken, mask))
-            at += count
+        at, renumbered = 0, []
+        for span, where in fused:
+            renumbered.append((RowSpan(at, span.count, span.kind), where))
+            at += span.count
         self._step_fused(part, cos, sin, renumbered)
         x.index_copy_(0, fused_rows, part)
-        other_rows = torch.cat([torch.arange(a, a + count) for a, count, _, _ in rest])
-        other = x.index_select(0, other_rows)
-        view = Segments(
-            [cache for _, _, cache, _ in rest],
-            [count for _, count, _, _ in rest],
-            [mask for _, _, _, mask in rest],
+        others = rows.subset(rest)
+        other_rows = torch.cat(
+            [
+                torch.arange(rows.spans[i].first, rows.spans[i].first + rows.spans[i].count)
+                for i in rest
+            ]
         )
+        other = x.index_select(0, other_rows)
         tables = RopeTables(
             rotation.cos.index_select(0, other_rows),
             rotation.signed_sin.index_select(0, other_rows),
             rotation.rope,
         )
-        self._forward_layer_by_layer(other, tables, view, None)
+        self._forward_layer_by_layer(other, tables, others)
         x.index_copy_(0, other_rows, other)
         return x
 
-    def _take_fused_segments(self, x: torch.Tensor, segments: Segments):
-        """(first row, rows, slots, mask) of each sequence the fused layer takes, and
-        (first row, rows, cache, mask) of the others. Taking a sequence's slots advances its
-        cache, so none is taken unless the call will run."""
-        fused, rest, at, total = [], [], 0, 0
+    def _take_fused(self, x: torch.Tensor, rows: LayerRows):
+        """(span, SequenceRows) of each sequence the fused layer takes, and the indices of the
+        others. It takes a decode row, or the exact rows of a sequence that each see a prefix
+        of one storage (verification), up to the call's limits. Taking a sequence's slots
+        advances its cache, so none is taken unless the call will run."""
+        fused, rest, total = [], [], 0
         usable = self.fused is not None and x.is_cpu
-        for cache, count, mask in segments:
+        for index, (span, cache, mask) in enumerate(rows):
             taken = None
-            fits = count <= FUSED_ROWS and total + count <= FUSED_BATCH_ROWS
-            if usable and fits and (count == 1 or isinstance(mask, RowMasks)):
-                taken = self._take_fused(x[at : at + count], cache, mask)
+            fits = span.count <= FUSED_ROWS and total + span.count <= FUSED_BATCH_ROWS
+            if usable and fits and span.kind is not RowKind.CHUNK:
+                taken = _take_slots(cache, span.count)
             if taken is None:
-                rest.append((at, count, cache, mask))
-            else:
-                if mask is not None and not isinstance(mask, RowMasks):
-                    mask = mask.contiguous()
-                else:
-                    mask = None  # several exact rows: each sees a prefix, unmasked
-                fused.append((at, count, (taken, _kernel_types(cache)), mask))
-                total += count
-            at += count
-        return fused, rest
+                rest.append(index)
+                continue
+            # A decode row's mask goes with it; exact rows each see a prefix, unmasked.
+            one_mask = (
+                mask.contiguous() if span.kind is RowKind.DECODE and mask is not None else None
+            )
+            where = SequenceRows(
+                taken.slots, taken.stored, one_mask, kernel_types(cache), taken.tiled
+            )
+            fused.append((span, where, taken))
+            total += span.count
+        return [(span, (where, taken)) for span, where, taken in fused], rest
 
     def _step_fused(self, x: torch.Tensor, cos, sin, fused) -> None:
-        sequences = [
-            (count, SequenceRows(taken.slots, taken.stored, mask, kv_types, taken.tiled))
-            for _, count, (taken, kv_types), mask in fused
-        ]
-        self.fused.step_sequences(x, cos, sin, sequences)
-        for _, _, (taken, _), _ in fused:
+        if len(fused) == 1:  # one sequence: the single-sequence call, a little leaner
+            where = fused[0][1][0]
+            self.fused.step(
+                x, cos, sin, where.slots, where.stored, where.mask, where.kv_types, where.tiled
+            )
+        else:
+            self.fused.step_sequences(
+                x, cos, sin, [(span.count, where) for span, (where, _) in fused]
+            )
+        for _, (_, taken) in fused:
             if taken.written is not None:
                 taken.written()
 
-    def _forward_layer_by_layer(self, x, rotation, cache, mask):
-        attended = self.attention.forward(self.attn_norm.forward(x), rotation, cache, mask)
+    def _forward_layer_by_layer(self, x, rotation: RopeTables, rows: LayerRows):
+        attended = self.attention.forward(self.attn_norm.forward(x), rotation, rows)
         if self.post_attn_norm is not None:
             attended = self.post_attn_norm.forward(attended.float())
         fed = self.feed_forward.forward(self.ffn_norm.add_and_norm(x, attended))
@@ -380,20 +304,15 @@ class Block:
             fed = self.post_ffn_norm.forward(fed.float())
         return x.add_(fed)
 
-    def _take_fused(self, x: torch.Tensor, cache, mask) -> Slots | None:
-        """The cache slots of a step the fused layer can run: one token, or the rows of an
-        exact-rows pass (verification) that each see a prefix of one storage. None leaves
-        the cache untouched for the layer-by-layer path."""
-        if self.fused is None or not x.is_cpu:
-            return None
-        # A batch's Segments (several caches) and the static step's views have neither.
-        if x.shape[0] == 1:
-            take_one = getattr(cache, "take_one", None)
-            return take_one() if take_one is not None else None
-        take_rows = getattr(cache, "take_rows", None)
-        if take_rows is None or not isinstance(mask, RowMasks) or x.shape[0] > FUSED_ROWS:
-            return None
-        return take_rows(x.shape[0])
+
+def _take_slots(cache: Cache, count: int) -> Slots | None:
+    """The cache slots of `count` rows for the fused layer (None leaves the cache untouched
+    for the layer-by-layer path). The static step's cache views take none."""
+    if count == 1:
+        take_one = getattr(cache, "take_one", None)
+        return take_one() if take_one is not None else None
+    take_rows = getattr(cache, "take_rows", None)
+    return take_rows(count) if take_rows is not None else None
 
 
 # Up to this many exact rows of one sequence (a verification's, a prompt chunk's) run
@@ -525,33 +444,12 @@ class DecoderModel:
         hidden states of all rows, in order [rows, dim]."""
         if self.fault_hook is not None:
             self.fault_hook()
-        counts = [len(tokens) for tokens, _ in segments]
         rows = [t for tokens, _ in segments for t in tokens]
         x = self.embed_tokens(torch.tensor(rows, dtype=torch.long))
-        rotations: dict[bool, RopeTables] = {}
-        masks: dict[bool, list] = {}
-        for local, first in self._kinds.items():
-            rope, tables, masks[local] = self.ropes[local], [], []
-            for count, (_, caches) in zip(counts, segments, strict=True):
-                cache = caches[first]
-                if count > 1:
-                    tables.append(row_tables(rope, cache.offset, count))
-                    masks[local].append(RowMasks())
-                else:
-                    tables.append(rope.tables(cache.offset, 1))
-                    masks[local].append(cache.make_mask(1))
-            cos = torch.cat([t.cos for t in tables])
-            rotations[local] = RopeTables(cos, torch.cat([t.signed_sin for t in tables]), rope)
-        views = [
-            Segments(
-                [caches[layer] for _, caches in segments],
-                counts,
-                masks[self._layer_is_local[layer]],
-            )
-            for layer in range(self.config.n_layers)
-        ]
-        no_masks = dict.fromkeys(masks)
-        return self.final_norm(self.apply_layers(x, views, rotations, no_masks))
+        counts = [len(tokens) for tokens, _ in segments]
+        caches = [caches for _, caches in segments]
+        metadata = build_pass_metadata(counts, caches, True, self._kinds, self.ropes)
+        return self.final_norm(self.apply_layers(x, metadata))
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """int64 [n] -> the residual stream entering layer 0, fp32 [n, dim]."""
@@ -574,51 +472,29 @@ class DecoderModel:
         positions and mask from its first cache in the range."""
         if self.fault_hook is not None:
             self.fault_hook()
-        n_tokens = x.shape[0]
-        rotations: dict[bool, RopeTables] = {}
-        masks: dict[bool, torch.Tensor | None | RowMasks] = {}
+        kinds: dict[bool, int] = {}
         for layer in range(start, stop):
-            local = self._layer_is_local[layer]
-            if local in rotations:
-                if len(rotations) == len(self._kinds):
-                    break
-                continue
-            rope, cache = self.ropes[local], caches[layer]
-            if exact_rows and n_tokens > 1:
-                rotations[local] = row_tables(rope, cache.offset, n_tokens)
-                masks[local] = RowMasks()
-            else:
-                rotations[local] = rope.tables(cache.offset, n_tokens)
-                masks[local] = cache.make_mask(n_tokens)
-        return self.apply_layers(x, caches, rotations, masks, start, stop)
+            kinds.setdefault(self._layer_is_local[layer], layer)
+        metadata = build_pass_metadata([x.shape[0]], [caches], exact_rows, kinds, self.ropes)
+        return self.apply_layers(x, metadata, start, stop)
 
     def apply_layers(
-        self,
-        x: torch.Tensor,
-        caches: Sequence[Cache],
-        rotations: dict[bool, RopeTables],
-        masks: dict[bool, torch.Tensor | None | RowMasks],
-        start: int = 0,
-        stop: int | None = None,
+        self, x: torch.Tensor, metadata: PassMetadata, start: int = 0, stop: int | None = None
     ) -> torch.Tensor:
-        """The layer loop itself, given each kind's RoPE tables and mask (keyed by whether
-        the kind is sliding-window): `run_layers` builds them from the caches, the
-        fixed-shape step from its static inputs."""
+        """The layer loop itself, given the pass's metadata: `run_layers` and
+        `hidden_segments` build it from the caches, the fixed-shape step from its static
+        inputs."""
         stop = self.config.n_layers if stop is None else stop
-        # Tables and masks are built on the CPU; a model on a GPU takes copies once a pass.
-        x, rotations, masks = _on_device(self.layer_devices[start], x, rotations, masks)
+        x, metadata = _on_device(self.layer_devices[start], x, metadata)
+        tap = self.exit_tap if len(metadata.spans) == 1 else None  # one sequence's passes
         for layer in range(start, stop):
             if layer == self._split_at and layer != start:
-                x, rotations, masks = _on_device(CPU, x, rotations, masks)
+                x, metadata = _on_device(CPU, x, metadata)
             local = self._layer_is_local[layer]
-            x = self.layers[layer].forward(x, rotations[local], caches[layer], masks[local])
-            tap = self.exit_tap
-            if (
-                tap is not None
-                and layer + 1 == tap.layer
-                and not isinstance(caches[layer], Segments)
-            ):
-                tap.record(x, caches[layer])
+            rows = metadata.layer(layer, local)
+            x = self.layers[layer].forward(x, metadata.rotations[local], rows)
+            if tap is not None and layer + 1 == tap.layer:
+                tap.record(x, rows.caches[0])
         return x
 
 
@@ -672,13 +548,11 @@ def _plain_native(linear) -> bool:
     )
 
 
-def _on_device(device: torch.device, x: torch.Tensor, rotations: dict, masks: dict):
-    """The residual stream, RoPE tables and masks of a pass, moved to `device`."""
+def _on_device(device: torch.device, x: torch.Tensor, metadata: PassMetadata):
+    """The residual stream and the pass's tables and masks, moved to `device`."""
     if x.device == device and device == CPU:
-        return x, rotations, masks  # the usual case: nothing to move
-    rotations = {kind: tables.to(device) for kind, tables in rotations.items()}
-    masks = {kind: None if m is None else m.to(device) for kind, m in masks.items()}
-    return x.to(device), rotations, masks
+        return x, metadata  # the usual case: nothing to move
+    return x.to(device), metadata.to(device)
 
 
 def _rope(config: DecoderConfig, rope: RopeConfig, freq_factors: torch.Tensor | None) -> Rope:
@@ -690,8 +564,3 @@ def _rope(config: DecoderConfig, rope: RopeConfig, freq_factors: torch.Tensor | 
         position_scale=rope.position_scale,
         freq_factors=freq_factors,
     )
-
-
-def _kernel_types(cache: Cache) -> tuple[int, int]:
-    """The native attention's type codes for a cache's keys and values."""
-    return cache.key_codec.kernel_code, cache.value_codec.kernel_code

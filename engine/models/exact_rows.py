@@ -1,12 +1,10 @@
 """What makes a pass over several tokens compute each row exactly as feeding them one at a
 time would (speculative verification, and every sequence of a batch, must reproduce plain
-decoding bit for bit): each row's decode-step mask, RoPE tables built position by position,
-and the rows of several sequences in one pass. The attention side is
-`Attention._attend_rows` and `_attend_segments` in decoder.py."""
+decoding bit for bit): each row's decode-step mask and RoPE tables built position by
+position. pass_metadata.py hands them to the rows of kind EXACT; the attention side is
+`Attention._attend_rows` in decoder.py."""
 
 from __future__ import annotations
-
-from collections.abc import Iterator
 
 import torch
 
@@ -42,15 +40,3 @@ def row_tables(rope: Rope, offset: int, n_tokens: int) -> RopeTables:
     return RopeTables(
         torch.cat([r.cos for r in rows]), torch.cat([r.signed_sin for r in rows]), rope
     )
-
-
-class Segments:
-    """One layer's view of a pass over several sequences: sequence i owns the next
-    `counts[i]` rows, `caches[i]` is its cache for this layer, and `masks[i]` its mask (a
-    decode step's for one row, RowMasks for more)."""
-
-    def __init__(self, caches: list[Cache], counts: list[int], masks: list):
-        self.caches, self.counts, self.masks = caches, counts, masks
-
-    def __iter__(self) -> Iterator[tuple[Cache, int, torch.Tensor | None | RowMasks]]:
-        return iter(zip(self.caches, self.counts, self.masks, strict=True))

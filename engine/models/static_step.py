@@ -33,7 +33,7 @@ from ..kv.types import F32
 from ..ops.layers import Rope, RopeTables, apply_rope
 from ..platform.graphs import Runner, eager_runner
 from .decoder import DecoderModel
-from .exact_rows import Segments
+from .pass_metadata import PassMetadata, RowKind, RowSpan
 from .placement import CPU
 
 MIN_SPAN = 256  # the smallest prefix of the cache attention reads
@@ -304,29 +304,26 @@ class StaticDecodeStep:
             ]
             for one, inputs, span in zip(self.sequences, self.inputs, spans, strict=True)
         ]
-        masks = [
-            {kind: inputs[kind].mask[:, : span[kind]] for kind in kinds}
-            for inputs, span in zip(self.inputs, spans, strict=True)
-        ]
-        if self.batched:  # each layer sees every sequence's cache, as a batched pass does
-            layers = [
-                Segments(
-                    [one[layer] for one in views],
-                    [1] * len(views),
-                    [mask[self._local[layer]] for mask in masks],
-                )
-                for layer in range(len(self._local))
-            ]
-            body = functools.partial(self._body, layers, dict.fromkeys(kinds))
-        else:
-            body = functools.partial(self._body, views[0], masks[0])
-        run = self.runner(body)
+        # One decode row a sequence, as a batched pass of one token each would have them.
+        metadata = PassMetadata(
+            spans=[RowSpan(row, 1, RowKind.DECODE) for row in range(len(views))],
+            caches=views,
+            rotations=self.rotations,
+            masks={
+                kind: [
+                    inputs[kind].mask[:, : span[kind]]
+                    for inputs, span in zip(self.inputs, spans, strict=True)
+                ]
+                for kind in kinds
+            },
+        )
+        run = self.runner(functools.partial(self._body, metadata))
         self._runs[lengths] = run
         return run
 
-    def _body(self, layers: list, masks: dict[bool, torch.Tensor | None]) -> None:
+    def _body(self, metadata: PassMetadata) -> None:
         """The step itself, through the model's own layer loop and head: it reads only the
         static inputs, so it can be captured."""
         model = self.model
-        x = model.apply_layers(self.x, layers, self.rotations, masks)
+        x = model.apply_layers(self.x, metadata)
         self.logits.copy_(model.project(model.final_norm(x)))

@@ -1,0 +1,137 @@
+"""How attention is computed once a layer knows which rows attend which stored keys: one
+backend per device, with the same three calls. `Attention` (decoder.py) picks one per call:
+our native kernel for a few query rows on the CPU, torch's scaled_dot_product_attention on a
+GPU and for long prompt chunks. The third way is the fused layer (native/decode_layer.py),
+which attends inside its one call per layer: `Block` hands it the sequences it takes.
+
+Every call takes the keys and values as the cache stores them ([1, kv_heads, tokens, width]
+in its storage type) and the cache itself, for its codecs and q4 key tiles; queries are
+[heads, rows, head_dim] and results [1, heads, rows, head_dim], as
+scaled_dot_product_attention returns them.
+- `attend`: the rows see the keys as one mask says (None: all of them).
+- `attend_one_each`: one decode row per sequence, each over its own cache.
+- `attend_prefixes`: row r sees the first `before + r + 1` keys (exact rows whose decode
+  steps would each see a prefix of one storage)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from ..kv.cache import Cache
+
+# (keys, values, mask, cache) of one sequence's decode row.
+StoredRow = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Cache]
+
+
+class AttentionBackend(Protocol):
+    def attend(self, queries, keys, values, cache: Cache, mask=None) -> torch.Tensor: ...
+
+    def attend_one_each(self, queries: torch.Tensor, stored: list[StoredRow]) -> torch.Tensor: ...
+
+    def attend_prefixes(self, queries, keys, values, cache: Cache, before: int) -> torch.Tensor: ...
+
+
+def kernel_types(cache: Cache) -> tuple[int, int]:
+    """The native attention's type codes for a cache's keys and values."""
+    return cache.key_codec.kernel_code, cache.value_codec.kernel_code
+
+
+class NativeCpuAttention:
+    """Our CPU kernel (native/attention.py): reads the stored types directly (q8 and q4 as
+    integer dot products), each row in an order fixed by its own keys alone, so that a row
+    comes out the same in any batch."""
+
+    def __init__(self, kernel, scale: float):
+        self.kernel, self.scale = kernel, scale
+
+    def attend(self, queries, keys, values, cache: Cache, mask=None, lengths=None):
+        rows_first = queries.transpose(0, 1).contiguous()
+        out = self.kernel(
+            rows_first,
+            keys[0],
+            values[0],
+            self.scale,
+            lengths,
+            mask,
+            kernel_types(cache),
+            tiled=cache.tiled_keys(rows_first.shape[0]),
+        )
+        return out.transpose(0, 1)[None]
+
+    def attend_one_each(self, queries: torch.Tensor, stored: list[StoredRow]) -> torch.Tensor:
+        attended = self.kernel.sequences(
+            queries.transpose(0, 1).contiguous(),
+            [keys[0] for keys, _, _, _ in stored],
+            [values[0] for _, values, _, _ in stored],
+            self.scale,
+            [None if mask is None else mask[0] for _, _, mask, _ in stored],
+            [kernel_types(cache) for _, _, _, cache in stored],
+            [cache.tiled_keys(1) for _, _, _, cache in stored],
+        )
+        return attended.transpose(0, 1)[None]
+
+    def attend_prefixes(self, queries, keys, values, cache: Cache, before: int):
+        n_rows = queries.shape[1]
+        lengths = torch.arange(before + 1, before + n_rows + 1, dtype=torch.int32)
+        return self.attend(queries, keys, values, cache, lengths=lengths)
+
+
+class TorchAttention:
+    """torch's scaled_dot_product_attention over keys decoded one layer at a time (the copy
+    lives for this layer's call only). Any device."""
+
+    def __init__(self, scale: float):
+        self.scale = scale
+
+    def attend(self, queries, keys, values, cache: Cache, mask=None):
+        if cache.key_codec.tiled:
+            return self._by_own_tile(queries, keys, values, mask, cache)
+        keys, values = cache.decode_keys(keys), cache.value_codec.decode(values)
+        return F.scaled_dot_product_attention(
+            queries[None], keys, values, attn_mask=mask, enable_gqa=True, scale=self.scale
+        )
+
+    def attend_one_each(self, queries: torch.Tensor, stored: list[StoredRow]) -> torch.Tensor:
+        outs = [
+            self.attend(queries[:, j : j + 1], keys, values, cache, mask)
+            for j, (keys, values, mask, cache) in enumerate(stored)
+        ]
+        return torch.cat(outs, dim=2)
+
+    def attend_prefixes(self, queries, keys, values, cache: Cache, before: int):
+        tiled = cache.key_codec.tiled  # each row reads its own tile exactly
+        decoded = None if tiled else cache.decode_keys(keys)
+        values = cache.value_codec.decode(values)
+        rows = [
+            F.scaled_dot_product_attention(
+                queries[None, :, row : row + 1],
+                (cache.decode_keys(keys, row) if tiled else decoded)[:, :, : before + row + 1],
+                values[:, :, : before + row + 1],
+                enable_gqa=True,
+                scale=self.scale,
+            )
+            for row in range(queries.shape[1])
+        ]
+        return torch.cat(rows, dim=2)
+
+    def _by_own_tile(self, queries, keys, values, mask, cache: Cache) -> torch.Tensor:
+        """Over tiled keys: each group of rows that share a tile reads it exactly, the
+        complete tiles before it decoded, as their decode steps would."""
+        values = cache.value_codec.decode(values)
+        outs = []
+        for first, end, group_keys in cache.keys_by_own_tile(keys, queries.shape[1]):
+            group_mask = None if mask is None else mask[first:end]
+            outs.append(
+                F.scaled_dot_product_attention(
+                    queries[None, :, first:end],
+                    group_keys,
+                    values,
+                    attn_mask=group_mask,
+                    enable_gqa=True,
+                    scale=self.scale,
+                )
+            )
+        return torch.cat(outs, dim=2)
