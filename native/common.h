@@ -15,11 +15,12 @@
 
 #define TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 #define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define TARGET_AVX512_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 // Functions one file defines and another calls: hidden, so that they are neither exported
 // from the library nor interposable (calls to them stay direct, as within one file).
 #define MINIAPP_INTERNAL __attribute__((visibility("hidden")))
 
-enum Isa { kIsaNone = 0, kIsaAvx2 = 1, kIsaAvx512 = 2 };
+enum Isa { kIsaNone = 0, kIsaAvx2 = 1, kIsaAvx512 = 2, kIsaAvx512Vnni = 3 };
 enum XType { kFloat32 = 0, kBFloat16 = 1 };
 
 // Below this many key multiply-adds, attention (and decoding a cache) keeps to one thread.
@@ -30,6 +31,11 @@ static inline bool cpu_has(int isa) {
   if (isa == kIsaAvx512) {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+  }
+  if (isa == kIsaAvx512Vnni) {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+           cpu_has(kIsaAvx2);
   }
   if (isa == kIsaAvx2) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&

@@ -20,7 +20,7 @@ import torch
 
 from . import build
 
-ABI_VERSION = 9  # must match kAbiVersion in int4_gemm.cpp
+ABI_VERSION = 10  # must match kAbiVersion in int4_gemm.cpp
 BLOCK_ROWS = 16  # output rows per packed block
 GATE_ROWS = BLOCK_ROWS // 2  # gated blocks: 8 gate rows, then the 8 matching up rows
 CHUNK_COLS = 8  # input columns per 64-byte chunk of a block
@@ -28,8 +28,8 @@ NIBBLES = 4  # codes per 16-bit word: columns 2j + h of a chunk, j = 0..3
 SCALE_DTYPE = torch.bfloat16
 ZERO_CODE = 8  # padding rows: code 8 with zero scale and zero decode to 0
 
-ISA_AVX512, ISA_AVX2 = 2, 1
-ISA_NAMES = {ISA_AVX512: "avx512", ISA_AVX2: "avx2"}
+ISA_AVX512_VNNI, ISA_AVX512, ISA_AVX2 = 3, 2, 1
+ISA_NAMES = {ISA_AVX512_VNNI: "avx512vnni", ISA_AVX512: "avx512", ISA_AVX2: "avx2"}
 _X_TYPES = {torch.float32: 0, torch.bfloat16: 1}
 EPILOGUE_STORE, EPILOGUE_SILU_MUL = 0, 1
 
@@ -63,10 +63,13 @@ class Library:
         return bool(self._cpu_has(isa))
 
     def best_isa(self) -> int:
-        for isa in (ISA_AVX512, ISA_AVX2):
+        # VNNI first: its integer dot products give the AVX2 path's results bit for bit
+        # (one answer on every x86 machine), and ran 10-15% faster than the BF16 path at
+        # 1-64 rows on a Zen 4, where both meet the same instruction limit.
+        for isa in (ISA_AVX512_VNNI, ISA_AVX512, ISA_AVX2):
             if self.cpu_has(isa):
                 return isa
-        raise NativeUnavailable("the CPU lacks AVX2/FMA (and AVX-512 BF16)")
+        raise NativeUnavailable("the CPU lacks AVX2/FMA (and AVX-512 VNNI or BF16)")
 
     @property
     def isa_name(self) -> str:

@@ -16,7 +16,9 @@
 // pair of x, with one output row per lane (no horizontal sums at all).
 //
 // The AVX2 path (no bf16 dot product there) reads the same layout with 8-bit integer
-// multiply-adds against x quantized to int8 per run of 16 columns; see its section.
+// multiply-adds against x quantized to int8 per run of 16 columns; see its section. The
+// AVX-512 VNNI path does the same sums a whole block at a time and gives the AVX2 path's
+// bits; where the CPU has it, it is the one used (native/int4.py, best_isa).
 //
 // Row independence: each output element is summed in an order fixed by the layout alone
 // (nibble by nibble, chunk by chunk, then group by group; the AVX2 path's integer group sums
@@ -37,7 +39,7 @@
 
 namespace {
 
-constexpr int kAbiVersion = 9;
+constexpr int kAbiVersion = 10;
 constexpr int kBlockRows = 16;  // output rows per block: one AVX-512 fp32 lane each
 constexpr int kChunkCols = 8;   // input columns per chunk: 4 nibbles x 2 adjacent columns
 constexpr int kChunkBytes = 64;  // 16 rows x 8 columns x 4 bits
@@ -68,6 +70,12 @@ struct Problem {
   const float* dx;     // per row of x, per run: the int8 step (AVX2 path)
   const float* dx_sum;  // per row of x, per group: sum over its runs of step * sum of q
   const int32_t* q_sum;  // per row of x, per run: the sum of q (AVX2 path)
+  // The VNNI path's copies of the above, rows interleaved: run (or group) major, so that a
+  // tile's rows sit at fixed offsets from one pointer.
+  const int8_t* xq_runs;      // [run][row][run columns]
+  const float* dx_runs;       // [run][row]
+  const int32_t* offset_runs;  // [run][row]: 8 times the sum of q (the codes' offset)
+  const float* dx_sum_groups;  // [group][row]
 };
 
 // ------------------------------------------------------------------ scratch for x
@@ -339,14 +347,18 @@ TARGET_AVX2 int32_t sum_lanes_avx2(__m256i v) {
 // stored permuted (above), with dx and the sum of q per run; per group, the sum over its runs
 // of dx times that sum (the zero term's input sum). A NaN anywhere in a run makes its dx
 // NaN: NaN in, NaN out.
-TARGET_AVX2 bool prepare_x_avx2(Problem& p, const void* x, int64_t ldx, int x_type) {
+// `extra`: bytes more to hold past the arrays, for the VNNI path's copies (`p_extra`).
+TARGET_AVX2 bool prepare_x_avx2(Problem& p, const void* x, int64_t ldx, int x_type,
+                                size_t extra = 0, void** p_extra = nullptr) {
   constexpr int kLanes = 8;
   const int64_t run = run_cols(p.group);
   const int64_t n_runs = p.k / run, runs_per_group = p.group / run;
   const int64_t per_run = p.m * n_runs, per_group = p.m * p.n_groups;
-  const size_t bytes = per_run * (sizeof(float) + sizeof(int32_t)) +
-                       per_group * sizeof(float) + p.k * sizeof(float) + p.m * p.k;
-  float* dx = static_cast<float*>(scratch_bytes(bytes));
+  size_t bytes = per_run * (sizeof(float) + sizeof(int32_t)) + per_group * sizeof(float) +
+                 p.k * sizeof(float) + p.m * p.k;
+  bytes = (bytes + 63) / 64 * 64;
+  float* dx = static_cast<float*>(scratch_bytes(bytes + extra));
+  if (dx && p_extra) *p_extra = reinterpret_cast<uint8_t*>(dx) + bytes;
   if (!dx) return false;
   int32_t* q_sum = reinterpret_cast<int32_t*>(dx + per_run);
   float* dx_sum = reinterpret_cast<float*>(q_sum + per_run);
@@ -464,6 +476,98 @@ TARGET_AVX2 void tile_avx2(const Problem& p, int64_t block, int64_t m0, float* t
   for (int half = 0; half < kBlockRows / kAvx2Rows; ++half) half_avx2<MT>(p, block, m0, half, tile);
 }
 
+// ------------------------------------------------------------------ AVX-512 VNNI path
+
+// The AVX2 path's integer dot products, a whole block at a time: vpdpbusd multiplies 4
+// unsigned codes by 4 int8 x and adds them into one 32-bit lane, so the 16 rows of a block
+// fill one register and a chunk takes two instructions a row of x (the AVX2 path: four, for
+// half the rows). x is prepared as for the AVX2 path (prepare_x_avx2), and every step after
+// the exact integer sums is the AVX2 path's, lane for lane, so the two give the same bits.
+// Twice the multiply-adds an instruction of the BF16 path's dot product, on the same bytes:
+// what pays when several rows share a pass (batched decode, verification, prompts).
+constexpr int kVnniMaxTile = 12;  // 12 int32 + 12 fp32 accumulators, codes and constants
+
+// x as the AVX2 path prepares it, then copied with its rows interleaved (see Problem).
+TARGET_AVX512_VNNI bool prepare_x_vnni(Problem& p, const void* x, int64_t ldx, int x_type) {
+  const int64_t run = run_cols(p.group), n_runs = p.k / run;
+  const size_t extra = p.m * p.k + p.m * n_runs * (sizeof(float) + sizeof(int32_t)) +
+                       p.m * p.n_groups * sizeof(float);
+  void* copies = nullptr;
+  if (!prepare_x_avx2(p, x, ldx, x_type, extra, &copies)) return false;
+  float* dx_runs = static_cast<float*>(copies);
+  int32_t* offset_runs = reinterpret_cast<int32_t*>(dx_runs + p.m * n_runs);
+  float* dx_sum_groups = reinterpret_cast<float*>(offset_runs + p.m * n_runs);
+  int8_t* xq_runs = reinterpret_cast<int8_t*>(dx_sum_groups + p.m * p.n_groups);
+  for (int64_t row = 0; row < p.m; ++row) {
+    for (int64_t u = 0; u < n_runs; ++u) {
+      memcpy(xq_runs + (u * p.m + row) * run, p.xq + row * p.k + u * run, run);
+      dx_runs[u * p.m + row] = p.dx[row * n_runs + u];
+      offset_runs[u * p.m + row] = kCodeOffset * p.q_sum[row * n_runs + u];
+    }
+    for (int64_t g = 0; g < p.n_groups; ++g) {
+      dx_sum_groups[g * p.m + row] = p.dx_sum[row * p.n_groups + g];
+    }
+  }
+  p.xq_runs = xq_runs;
+  p.dx_runs = dx_runs;
+  p.offset_runs = offset_runs;
+  p.dx_sum_groups = dx_sum_groups;
+  return true;
+}
+
+TARGET_AVX512_VNNI __m512 widen_bf16_vnni(const uint16_t* at) {
+  __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+template <int MT>
+TARGET_AVX512_VNNI void tile_vnni(const Problem& p, int64_t block, int64_t m0, float* tile) {
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0f);
+  const uint8_t* base = p.packed + block * p.n_groups * p.group_bytes;
+  const int64_t run = run_cols(p.group), chunks_per_run = run / kChunkCols;
+  const int64_t runs_per_group = p.group / run;
+  for (int r = 0; r < MT; ++r) _mm512_storeu_ps(tile + r * kBlockRows, _mm512_setzero_ps());
+  for (int64_t g = 0; g < p.n_groups; ++g) {
+    const uint8_t* codes = base + g * p.group_bytes;
+    __m512 dot_x[MT];
+    for (int r = 0; r < MT; ++r) dot_x[r] = _mm512_setzero_ps();
+    for (int64_t u = 0; u < runs_per_group; ++u) {
+      const int64_t at = (g * runs_per_group + u) * p.m + m0;  // this run's row m0
+      const int8_t* xr = p.xq_runs + at * run;  // row r's columns at xr + r * run
+      __m512i dot[MT];  // 32-bit: each lane one row's sum of codes times x over the run
+      for (int r = 0; r < MT; ++r) dot[r] = _mm512_setzero_si512();
+      for (int64_t c = 0; c < chunks_per_run; ++c) {
+        const uint8_t* chunk = codes + (u * chunks_per_run + c) * kChunkBytes;
+        _mm_prefetch(reinterpret_cast<const char*>(chunk) + kPrefetchBytes, _MM_HINT_T0);
+        __m512i words = _mm512_loadu_si512(chunk);
+        // Lane r's 4 bytes of codes: columns 0 4 1 5 (low nibbles), 2 6 3 7 (high ones).
+        __m512i near = _mm512_and_si512(words, low_nibbles);
+        __m512i far = _mm512_and_si512(_mm512_srli_epi16(words, 4), low_nibbles);
+        for (int r = 0; r < MT; ++r) {
+          const int8_t* xc = xr + r * run + c * kChunkCols;
+          int32_t near_x, far_x;
+          memcpy(&near_x, xc, sizeof near_x);
+          memcpy(&far_x, xc + 4, sizeof far_x);
+          dot[r] = _mm512_dpbusd_epi32(dot[r], near, _mm512_set1_epi32(near_x));
+          dot[r] = _mm512_dpbusd_epi32(dot[r], far, _mm512_set1_epi32(far_x));
+        }
+      }
+      for (int r = 0; r < MT; ++r) {
+        __m512i centred = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(p.offset_runs[at + r]));
+        dot_x[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), _mm512_set1_ps(p.dx_runs[at + r]), dot_x[r]);
+      }
+    }
+    const uint16_t* scales = reinterpret_cast<const uint16_t*>(codes + p.group / kChunkCols * kChunkBytes);
+    const __m512 scale = widen_bf16_vnni(scales), zero = widen_bf16_vnni(scales + kBlockRows);
+    const float* dx_sum = p.dx_sum_groups + g * p.m + m0;
+    for (int r = 0; r < MT; ++r) {
+      float* total = tile + r * kBlockRows;
+      __m512 sum = _mm512_fmadd_ps(dot_x[r], scale, _mm512_loadu_ps(total));
+      _mm512_storeu_ps(total, _mm512_fmadd_ps(zero, _mm512_set1_ps(dx_sum[r]), sum));
+    }
+  }
+}
+
 // ------------------------------------------------------------------ dispatch
 
 typedef void (*TileFn)(const Problem&, int64_t, int64_t, float*);
@@ -477,6 +581,10 @@ const TileFn kAvx512Tiles[kMaxTile + 1] = {
     nullptr,         tile_avx512<1>, tile_avx512<2>,  tile_avx512<3>,  tile_avx512<4>,
     tile_avx512<5>,  tile_avx512<6>, tile_avx512<7>,  tile_avx512<8>,  tile_avx512<9>,
     tile_avx512<10>, tile_avx512<11>, tile_avx512<12>};
+const TileFn kVnniTiles[kVnniMaxTile + 1] = {
+    nullptr,       tile_vnni<1>, tile_vnni<2>,  tile_vnni<3>,  tile_vnni<4>,  tile_vnni<5>,
+    tile_vnni<6>,  tile_vnni<7>, tile_vnni<8>,  tile_vnni<9>,  tile_vnni<10>, tile_vnni<11>,
+    tile_vnni<12>};
 const TileFn kAvx2Tiles[kAvx2MaxTile + 1] = {
     nullptr,      tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4>,
     tile_avx2<5>, tile_avx2<6>, tile_avx2<7>, tile_avx2<8>};
@@ -507,7 +615,7 @@ int miniapp_native_abi(void) { return kAbiVersion; }
 
 const char* miniapp_native_source_hash(void) { return MINIAPP_SOURCE_HASH; }
 
-// Whether this CPU runs the given path (kIsaAvx512 = 2, kIsaAvx2 = 1).
+// Whether this CPU runs the given path (kIsaAvx512Vnni = 3, kIsaAvx512 = 2, kIsaAvx2 = 1).
 int miniapp_int4_cpu_has(int isa) { return cpu_has(isa) ? 1 : 0; }
 
 // A packed weight, described once (Python keeps one per weight and passes its address).
@@ -555,10 +663,13 @@ int miniapp_int4_gemm(const Int4Weight* w, const void* x, int64_t ldx, int x_typ
   p.n = n;
   p.epilogue = epilogue;
   const bool avx512 = isa == kIsaAvx512;
-  if (!(avx512 ? prepare_x_avx512(p, x, ldx, x_type) : prepare_x_avx2(p, x, ldx, x_type))) {
-    return -1;
-  }
-  const Path path = avx512 ? Path{kAvx512Tiles, kMaxTile} : Path{kAvx2Tiles, kAvx2MaxTile};
+  const bool prepared = avx512                   ? prepare_x_avx512(p, x, ldx, x_type)
+                        : isa == kIsaAvx512Vnni ? prepare_x_vnni(p, x, ldx, x_type)
+                                                : prepare_x_avx2(p, x, ldx, x_type);
+  if (!prepared) return -1;
+  const Path path = avx512                   ? Path{kAvx512Tiles, kMaxTile}
+                    : isa == kIsaAvx512Vnni ? Path{kVnniTiles, kVnniMaxTile}
+                                            : Path{kAvx2Tiles, kAvx2MaxTile};
   const int64_t macs = n_blocks * kBlockRows * k * m;
   if (threads > n_blocks) threads = static_cast<int>(n_blocks);
   if (threads <= 1 || macs < kMinParallelMacs) {

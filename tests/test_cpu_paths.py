@@ -238,9 +238,10 @@ def test_doctor_on_simulated_cpus(miniapp_exe, preset, native_int4, amx):
         # The GGML kernel follows the int4 kernel down to AVX2, with the same weights.
         assert report["cpu_ggml_kernel"].startswith(f"native {native_int4}: ")
         assert "Q4_K, Q5_K, Q6_K read from the file's blocks" in report["cpu_ggml_kernel"]
-    else:  # AVX-512 BF16 where the real CPU has it too, else AVX2: never more than it has
+    else:  # AVX-512 (VNNI, else BF16) where the real CPU has it too, else AVX2
         real = CpuFeatures("", cpu_features().flags)
-        assert cpu["native_int4"] == ("avx512" if real.avx512_bf16 else "avx2")
+        best = "avx512vnni" if real.avx512_vnni else "avx512" if real.avx512_bf16 else "avx2"
+        assert cpu["native_int4"] == best
     # Our build has no AMX path, so even a CPU with AMX keeps CPU_REPACK.
     assert report["llama_cpp"]["cpu_weights"]["extra_buffers"] is True
 

@@ -57,7 +57,11 @@ def _isas() -> list[int]:
 
 
 ISAS = pytest.mark.parametrize("isa", _isas(), ids=lambda isa: int4.ISA_NAMES[isa])
-ACTIVATIONS = {int4.ISA_AVX512: reference.BF16, int4.ISA_AVX2: reference.INT8}
+ACTIVATIONS = {
+    int4.ISA_AVX512_VNNI: reference.INT8,
+    int4.ISA_AVX512: reference.BF16,
+    int4.ISA_AVX2: reference.INT8,
+}
 
 
 def random_weight(rows: int, k: int, group: int, seed: int = 0):
@@ -115,6 +119,26 @@ def test_rows_are_bit_identical_to_single_row_calls(library, isa, gated):
         assert torch.equal(weight.forward(x), singles)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+@pytest.mark.parametrize("group", [32, 64, 16, 8])
+def test_the_vnni_path_gives_the_avx2_paths_bits(library, gated, group):
+    """Two paths, one answer: the AVX-512 VNNI path sums the same exact integer products as
+    the AVX2 path and rounds them in the same steps, so a machine with either computes the
+    same logits (and the AVX2 path is the VNNI path's reference)."""
+    rows, k = (96, 576) if gated else (200, 576)
+    weight = packed(library, *random_weight(rows, k, group), int4.ISA_AVX2, gated=gated)
+    x = torch.randn(23, k, generator=torch.Generator().manual_seed(3))
+    x[5, 40] = float("nan")
+    vnni = weight.with_isa(int4.ISA_AVX512_VNNI)
+    if not library.cpu_has(int4.ISA_AVX512_VNNI):  # then refused, and AVX2 is the path
+        with pytest.raises(ValueError, match="refused"):
+            vnni.forward(x)
+        return
+    for m in (1, 2, 8, 12, 13, 23):
+        ours, avx2 = vnni.forward(x[:m]), weight.forward(x[:m])
+        torch.testing.assert_close(ours, avx2, rtol=0, atol=0, equal_nan=True, msg=f"M={m}")
 
 
 @ISAS
