@@ -6,10 +6,15 @@ protocol below; the fixed-shape decode step (a GPU replaying a captured graph, s
 `KVCache` holds every position up to a fixed maximum; `RotatingKVCache` keeps the first
 `sinks` tokens plus a sliding window of the most recent ones, in constant memory.
 
-Both store keys and values as their `KVSetting` says (f32, f16, bf16, or blocks of q8 / q4,
-see kv_types.py): `update_and_fetch` takes fp32 and returns the stored form, which the
-model's attention reads as it is (the native kernel) or decodes (`key_codec.decode`,
-`value_codec.decode`).
+Each is a position policy over a `KVStorage` (storage.py): the cache decides which position
+goes into which storage slot, what each query may see (its mask), where the sinks and the
+frame are, and what trimming, forgetting and prefix reuse keep. The storage keeps the keys
+and values as the `KVSetting` says (f32, f16, bf16, or blocks of q8 / q4, see types.py) and
+does all that depends on it, q4 key tiles above all, so the policies read the same for every
+type. `update_and_fetch` takes fp32 and returns the stored form, which the model's attention
+reads as it is (the native kernel) or decodes (`decode_keys`, `value_codec.decode`). The
+storage's tensors and codecs are also the cache's `keys`, `values`, `key_codec`,
+`value_codec` and `key_tiles`, for the code that reads them directly.
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ import torch
 
 from ...native.attention import TiledKeys
 from ..errors import ContextFullError
-from ..ops.layers import Rope, apply_rope
+from ..ops.layers import Rope
 from .codec import TILE_ROWS, KVCodec
 from .key_tiles import KeyTiles
+from .storage import KVStorage, Slots
 from .types import F32, KVSetting
 
 
@@ -38,24 +44,6 @@ class _Update:
     allocated: int  # ring slots allocated afterwards
 
 
-def _codecs(kind: KVSetting, head_dim: int, device) -> tuple[KVCodec, KVCodec]:
-    """The key and value codecs (the same one when both are stored alike)."""
-    device = torch.device(device)
-    keys = KVCodec(kind.key, head_dim, device, keys=True)
-    same = kind.value == kind.key and not keys.tiled
-    return keys, keys if same else KVCodec(kind.value, head_dim, device)
-
-
-def _whole_tiles(tokens: int) -> int:
-    return -(-tokens // TILE_ROWS) * TILE_ROWS
-
-
-def _shift(keys: torch.Tensor, rope: Rope, delta: int) -> torch.Tensor:
-    """fp32 keys [1, kv_heads, n, head_dim] rotated by `delta` more positions."""
-    heads = keys[0].transpose(0, 1)
-    return apply_rope(heads, rope.shift_tables(delta).to(keys.device)).transpose(0, 1)[None]
-
-
 @dataclass(frozen=True)
 class StaticStep:
     """The bookkeeping of one fixed-shape decode step (see `advance_one`)."""
@@ -64,20 +52,6 @@ class StaticStep:
     mask: torch.Tensor  # bool [1, span]: which of `static_span` the new query sees
     frame: int  # positions by which the frame sinks are rotated (0 without sinks)
     # q4 keys in tiles: what to call once the step has written its key (it completed a tile).
-    written: Callable[[], None] | None = None
-
-
-@dataclass(frozen=True)
-class Slots:
-    """Where a step's keys and values go, and everything its queries attend."""
-
-    slots: tuple[torch.Tensor, torch.Tensor]  # (key rows, value rows) [1, kv_heads, n, width]
-    # (keys, values) [1, kv_heads, tokens, width]: what the last of the n rows attends; row
-    # r of n attends the first tokens - (n - 1 - r) of them.
-    stored: tuple[torch.Tensor, torch.Tensor]
-    # Tiled keys: what the kernel reads besides (the key row is then an fp32 row of the
-    # newest tiles), and what to call once the key is written (it completed a tile).
-    tiled: TiledKeys | None = None
     written: Callable[[], None] | None = None
 
 
@@ -197,18 +171,42 @@ class StaticCache(Cache, Protocol):
         ...
 
 
-def _rotate_keys(stored: torch.Tensor, rope: Rope, delta: int, codec: KVCodec) -> torch.Tensor:
-    """Stored keys [1, kv_heads, n, width] rotated by `delta` more positions (RoPE composes),
-    stored again. Quantized keys are decoded, rotated and quantized once more: callers
-    rotate from keys stored once (the sinks' own copies), so errors do not pile up."""
-    heads = codec.decode(stored)[0].transpose(0, 1)  # [n, kv_heads, head_dim]
-    tables = rope.shift_tables(delta).to(stored.device)
-    return codec.encode(apply_rope(heads, tables).transpose(0, 1)[None])
+class _OnStorage:
+    """What other code reads of a cache's storage (the model's attention, the static step,
+    tests): the tensors through properties, since growing replaces them; the codecs and
+    tiles, which never change, as plain attributes (the attention reads them every step)."""
+
+    storage: KVStorage
+    key_codec: KVCodec
+    value_codec: KVCodec
+    key_tiles: KeyTiles | None
+
+    def _keep_in(self, storage: KVStorage) -> None:
+        self.storage = storage
+        self.key_codec, self.value_codec = storage.key_codec, storage.value_codec
+        self.key_tiles = storage.tiles
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.storage.keys
+
+    @keys.setter
+    def keys(self, keys: torch.Tensor) -> None:
+        self.storage.keys = keys
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.storage.values
+
+    @values.setter
+    def values(self, values: torch.Tensor) -> None:
+        self.storage.values = values
 
 
-class KVCache:
-    """Every position up to `max_tokens`, in order. Storage grows by doubling (from
-    `INITIAL_TOKENS`), so a short chat with a large --ctx does not hold a full context."""
+class KVCache(_OnStorage):
+    """Every position up to `max_tokens`, in order: position p in slot p. Storage grows by
+    doubling (from `INITIAL_TOKENS`), so a short chat with a large --ctx does not hold a
+    full context."""
 
     INITIAL_TOKENS = 256
     sinks = 0  # no attention sinks: nothing re-rotates
@@ -225,31 +223,18 @@ class KVCache:
         self.max_tokens = max_tokens
         self.rope = rope  # needed only by `forget`, to re-rotate shifted keys
         self.offset = 0
-        self.key_codec, self.value_codec = _codecs(kv_type, head_dim, device)
-        self.key_tiles = None
         tokens = min(max_tokens, self.INITIAL_TOKENS)
-        if self.key_codec.tiled:  # storage in whole tiles
-            self.key_tiles = KeyTiles(n_kv_heads, head_dim, torch.device(device))
-            tokens = _whole_tiles(tokens)
-        self.keys = self.key_codec.empty(n_kv_heads, tokens)
-        self.values = self.value_codec.empty(n_kv_heads, tokens)
+        self._keep_in(KVStorage(n_kv_heads, head_dim, kv_type, device, tokens))
 
     @property
     def capacity(self) -> int:
-        return self.keys.shape[2]
+        return self.storage.slots
 
     def _grow(self, needed: int) -> None:
         capacity = self.capacity
         while capacity < needed:
             capacity *= 2
-        capacity = min(capacity, self.max_tokens)
-        if self.key_tiles is not None:
-            capacity = _whole_tiles(capacity)
-        for name in ("keys", "values"):
-            old = getattr(self, name)
-            new = old.new_zeros(old.shape[0], old.shape[1], capacity, old.shape[3])
-            new[:, :, : self.offset] = old[:, :, : self.offset]
-            setattr(self, name, new)
+        self.storage.grow(min(capacity, self.max_tokens), self.offset)
 
     def max_chunk(self) -> int:
         return max(self.max_tokens - self.offset, 0)
@@ -257,53 +242,39 @@ class KVCache:
     def update_and_fetch(
         self, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        storage = self.storage
         end = self.offset + k.shape[2]
-        if end > self.capacity:
+        if end > storage.keys.shape[2]:
             if end > self.max_tokens:
                 raise ContextFullError(
                     f"context full: {end} tokens do not fit in a context of {self.max_tokens}"
                 )
             self._grow(end)
-        if self.key_tiles is not None:
-            self.key_tiles.write(self.keys, self.offset, k.float())
-        else:
-            self.keys[:, :, self.offset : end] = self.key_codec.encode(k)
-        self.values[:, :, self.offset : end] = self.value_codec.encode(v)
+        storage.write(self.offset, self.key_codec.encode(k), self.value_codec.encode(v))
         self.offset = end
-        return self.keys[:, :, :end], self.values[:, :, :end]
+        return storage.read(0, end)
 
     def tiled_keys(self, rows: int) -> TiledKeys | None:
-        return None if self.key_tiles is None else self.key_tiles.for_kernel(None, rows)
+        return self.storage.tiled_view(rows)
 
     def decode_keys(self, keys: torch.Tensor, row: int | None = None) -> torch.Tensor:
-        if self.key_tiles is None:
-            return self.key_codec.decode(keys)
-        own = self.key_tiles.own_tile(row, self.offset - 1)
-        return self.key_tiles.decoded(self.keys, keys.shape[2], None, own)
+        return self.storage.decode_keys(keys, row, self.offset - 1)
 
     def keys_by_own_tile(self, keys: torch.Tensor, rows: int):
-        return self.key_tiles.by_own_tile(self.keys, keys.shape[2], None, rows)
+        return self.storage.keys_by_own_tile(keys, rows)
 
     def take_one(self) -> Slots | None:
-        end = self.offset + 1
-        if end > self.capacity:
+        at = self.offset
+        if at + 1 > self.storage.keys.shape[2]:
             return None  # the storage grows first, in update_and_fetch
-        at, self.offset = self.offset, end
-        stored = self.keys[:, :, :end], self.values[:, :, :end]
-        if self.key_tiles is not None:
-            key_row, written = self.key_tiles.take(self.keys, at)
-            tiled = self.key_tiles.for_kernel(None, 1)
-            return Slots((key_row, self.values[:, :, at:end]), stored, tiled, written)
-        return Slots((self.keys[:, :, at:end], self.values[:, :, at:end]), stored)
+        self.offset = at + 1
+        return self.storage.take_one(at, 0, at + 1)
 
     def take_rows(self, n: int) -> Slots | None:
-        if self.key_tiles is not None or not self.rows_share_storage(n):
+        if self.storage.tiles is not None or not self.rows_share_storage(n):
             return None
         at, self.offset = self.offset, self.offset + n
-        stored = self.keys[:, :, : self.offset], self.values[:, :, : self.offset]
-        return Slots(
-            (self.keys[:, :, at : self.offset], self.values[:, :, at : self.offset]), stored
-        )
+        return Slots(self.storage.read(at, self.offset), self.storage.read(0, self.offset))
 
     def make_mask(self, n_new: int) -> torch.Tensor | None:
         """Boolean [n_new, offset + n_new]: each query sees keys up to its own position."""
@@ -317,9 +288,7 @@ class KVCache:
         return True
 
     def exact_prefix(self, n: int) -> int:
-        if self.key_tiles is None or self.key_tiles.trims_exactly_to(n):
-            return n
-        return n // TILE_ROWS * TILE_ROWS  # the tile's rows are written again, exactly
+        return self.storage.exact_slot(n)  # less within a tile: its rows are written again
 
     def rows_share_storage(self, n_new: int) -> bool:
         """Whether n_new tokens written at once leave each one's decode-step view (every
@@ -337,8 +306,7 @@ class KVCache:
 
     def clear(self) -> None:
         self.offset = 0
-        if self.key_tiles is not None:
-            self.key_tiles.clear()
+        self.storage.clear()
 
     def forget(self, start: int, end: int) -> None:
         """Drop positions start..end-1; later keys move down and are re-rotated to match, as
@@ -346,21 +314,7 @@ class KVCache:
         gap = end - start
         if gap <= 0:
             return
-        if self.key_tiles is not None:  # tiles from start's on are written again
-            first = start // TILE_ROWS * TILE_ROWS
-            held = self.decode_keys(self.keys[:, :, : self.offset])
-            moved = _shift(held[:, :, end:], self.rope, -gap)
-            kept = torch.cat([held[:, :, first:start], moved], dim=2)
-            self.key_tiles.clear()
-            self.key_tiles.write(self.keys, first, kept)
-        for name in ("keys", "values"):
-            if name == "keys" and self.key_tiles is not None:
-                continue
-            data = getattr(self, name)
-            moved = data[:, :, end : self.offset].clone()
-            if name == "keys":
-                moved = _rotate_keys(moved, self.rope, -gap, self.key_codec)
-            data[:, :, start : self.offset - gap] = moved
+        self.storage.close_gap(start, end, self.offset, self.rope)
         self.offset -= gap
 
     # -- fixed-shape decode steps
@@ -385,13 +339,11 @@ class KVCache:
         at = self.offset
         self.offset += 1
         mask = torch.arange(self.max_tokens).unsqueeze(0) <= at if with_mask else None
-        written = None
-        if self.key_tiles is not None:  # its row of the newest tiles, loaded if need be
-            _, written = self.key_tiles.take(self.keys, at)
+        written = self.storage.take_key_row(at)  # tiles: its fp32 row, loaded if need be
         return StaticStep(at, mask, 0, written)
 
 
-class RotatingKVCache:
+class RotatingKVCache(_OnStorage):
     """The first `sinks` tokens plus the most recent `window`, in constant memory.
 
     Queries attend to the sinks and to the tokens of the last `window` positions (their own
@@ -400,12 +352,12 @@ class RotatingKVCache:
     are measured within the cache, so a sink sits right before the window however long the
     stream, and positions never leave the range the model was trained on.
 
-    Storage, along the token axis: [sinks at their own positions | sinks rotated into the
-    current frame | ring of recent tokens]. Recent keys keep the rotation of their absolute
-    positions, so their distances to a query are already right; only the sinks need moving,
-    by the number of tokens evicted since (the "frame"), which costs `sinks` rotations per
-    step instead of re-rotating the window. Attention reads [frame sinks | ring] as one
-    contiguous block.
+    Storage slots: [sinks at their own positions | sinks rotated into the current frame |
+    ring of recent tokens]. Recent keys keep the rotation of their absolute positions, so
+    their distances to a query are already right; only the sinks need moving, by the number
+    of tokens evicted since (the "frame"), which costs `sinks` rotations per step instead of
+    re-rotating the window. Attention reads [frame sinks | ring] as one contiguous block
+    (with q4 keys the storage holds the sinks' keys apart, in fp32: see storage.py).
 
     The ring holds `slack` more tokens than the window: `trim(n)` for n <= slack (speculative
     roll-back) restores exactly the window the trimmed tokens had pushed out, and prompt
@@ -429,15 +381,10 @@ class RotatingKVCache:
         # the CPU, where it is cheap to build; the model moves masks to the layer's device.
         if window < 1:
             raise ValueError("window must be at least 1")
-        self.key_codec, self.value_codec = _codecs(kv_type, head_dim, device)
-        self.key_tiles = None
-        if self.key_codec.tiled:
+        if kv_type.key.tiled_keys:
             # Whole tiles in the ring, an even number of them (KeyTiles keeps tile t in half
             # t % 2 of its recent rows, across the wrap too): more slack, never less.
             slack += -(window + slack) % (2 * TILE_ROWS)
-            self.key_tiles = KeyTiles(n_kv_heads, head_dim, torch.device(device))
-            # The sinks' keys in fp32: at their own positions, then rotated into the frame.
-            self.lead = torch.zeros((1, n_kv_heads, 2 * sinks, head_dim), device=device)
         self.sinks, self.window, self.slack, self.rope = sinks, window, slack, rope
         self.ring_capacity = window + slack
         self.offset = 0
@@ -447,9 +394,14 @@ class RotatingKVCache:
         self.wrapped = False  # the ring has overwritten a token (slots are no longer in order)
         self.frame = 0  # positions by which the frame sinks are rotated beyond their own
         allocated = min(self.ring_capacity, self.INITIAL_TOKENS)
-        self.keys = self.key_codec.empty(n_kv_heads, 2 * sinks + allocated)
-        self.values = self.value_codec.empty(n_kv_heads, 2 * sinks + allocated)
+        front = 2 * sinks  # the sinks' two copies come before the ring
+        self._keep_in(KVStorage(n_kv_heads, head_dim, kv_type, device, front + allocated, front))
         self.ring_pos = torch.full((allocated,), -1, dtype=torch.long)  # -1: empty
+
+    @property
+    def lead(self) -> torch.Tensor | None:
+        """q4 keys: the sinks' keys in fp32, at their own positions then in the frame."""
+        return self.storage.lead
 
     # -- layout helpers
 
@@ -457,22 +409,13 @@ class RotatingKVCache:
     def _allocated(self) -> int:
         return self.ring_pos.shape[0]
 
-    def _ring(self, data: torch.Tensor) -> torch.Tensor:
-        return data[:, :, 2 * self.sinks :]
-
     def _fetch_length(self) -> int:
         ring = self._allocated if self.wrapped else self.ring_count
         return self.sinks_held + ring if self.sinks_held == self.sinks else self.sinks_held
 
     def _grow(self, allocated: int) -> None:
         keep = 2 * self.sinks + self.ring_count  # the ring is in order until it wraps
-        for name in ("keys", "values"):
-            old = getattr(self, name)
-            new = old.new_zeros(
-                old.shape[0], old.shape[1], 2 * self.sinks + allocated, old.shape[3]
-            )
-            new[:, :, :keep] = old[:, :, :keep]
-            setattr(self, name, new)
+        self.storage.grow(2 * self.sinks + allocated, keep)
         positions = torch.full((allocated,), -1, dtype=torch.long)
         positions[: self.ring_count] = self.ring_pos[: self.ring_count]
         self.ring_pos = positions
@@ -535,68 +478,43 @@ class RotatingKVCache:
         k, v = self.key_codec.encode(k), self.value_codec.encode(v)
         if n_new == 1 and self.sinks_held == self.sinks and self._room_for_one():
             return self._append_one(k, v)  # the decode step, without planning tensors
-        plan = self._plan(n_new)
+        plan, storage = self._plan(n_new), self.storage
         to_sinks = plan.to_sinks
-        tiled = self.key_tiles is not None
         if to_sinks:
-            at = self.sinks_held
-            pairs = [(self.values, v)] + ([] if tiled else [(self.keys, k)])
-            if tiled:
-                for lead_at in (at, self.sinks + at):  # own positions, and the frame (still 0)
-                    self.lead[:, :, lead_at : lead_at + to_sinks] = k[:, :, :to_sinks].float()
-            for data, new in pairs:
-                data[:, :, at : at + to_sinks] = new[:, :, :to_sinks]  # at their own positions
-                data[:, :, self.sinks + at : self.sinks + at + to_sinks] = new[:, :, :to_sinks]
+            at, sink_k, sink_v = self.sinks_held, k[:, :, :to_sinks], v[:, :, :to_sinks]
+            storage.write(at, sink_k, sink_v)  # at their own positions
+            storage.write(self.sinks + at, sink_k, sink_v)  # and in the frame (still 0)
             self.sinks_held += to_sinks
         rest = n_new - to_sinks
         if rest:
             if plan.allocated > self._allocated:
                 self._grow(plan.allocated)
-            slots = plan.slots.to(self.keys.device)
-            if tiled:
-                ring_keys = k[:, :, to_sinks:].float()
-                self.key_tiles.write(
-                    self._ring(self.keys), self.ring_head, ring_keys, self.ring_capacity
-                )
-            else:
-                self._ring(self.keys).index_copy_(2, slots, k[:, :, to_sinks:])
-            self._ring(self.values).index_copy_(2, slots, v[:, :, to_sinks:])
+            ring_k, ring_v = k[:, :, to_sinks:], v[:, :, to_sinks:]
+            storage.write_ring(self.ring_head, plan.slots, ring_k, ring_v, self.ring_capacity)
             self.ring_pos[plan.slots] = plan.positions
             self.wrapped, self.ring_count = plan.wrapped, plan.ring_count
             self.ring_head = (self.ring_head + rest) % self.ring_capacity
-        elif tiled:
-            self.key_tiles.own_tiles = self.key_tiles.own_tiles[:0]  # no ring rows written
+        else:
+            storage.none_in_tiles()
         self.offset += n_new
         self._move_frame()
         return self._fetched()
 
     def _fetched(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """What attention reads: [frame sinks | ring] (tiled keys: the ring; their frame
-        sinks are fp32 lead rows, see tiled_keys)."""
-        length, start = self._fetch_length(), self.sinks
-        values = self.values[:, :, start : start + length]
-        if self.key_tiles is not None:
-            return self._ring(self.keys)[:, :, : length - self.sinks_held], values
-        return self.keys[:, :, start : start + length], values
+        """What attention reads: [frame sinks | ring]."""
+        return self.storage.read(self.sinks, self.sinks + self._fetch_length())
 
     def tiled_keys(self, rows: int) -> TiledKeys | None:
-        if self.key_tiles is None:
-            return None
-        return self.key_tiles.for_kernel(self._frame_lead(), rows)
-
-    def _frame_lead(self) -> torch.Tensor:
-        return self.lead[:, :, self.sinks : self.sinks + self.sinks_held]
+        return self.storage.tiled_view(rows, self.sinks, self.sinks_held)
 
     def decode_keys(self, keys: torch.Tensor, row: int | None = None) -> torch.Tensor:
-        if self.key_tiles is None:
-            return self.key_codec.decode(keys)
-        newest = (self.ring_head - 1) % self.ring_capacity if self.ring_count else -1
-        own = self.key_tiles.own_tile(row, newest)
-        return self.key_tiles.decoded(self._ring(self.keys), keys.shape[2], self._frame_lead(), own)
+        ring_head, sinks = self.ring_head, self.sinks
+        newest = 2 * sinks + (ring_head - 1) % self.ring_capacity if self.ring_count else -1
+        return self.storage.decode_keys(keys, row, newest, sinks, self.sinks_held)
 
     def keys_by_own_tile(self, keys: torch.Tensor, rows: int):
-        return self.key_tiles.by_own_tile(
-            self._ring(self.keys), keys.shape[2], self._frame_lead(), rows, self.ring_capacity
+        return self.storage.keys_by_own_tile(
+            keys, rows, self.sinks, self.sinks_held, self.ring_capacity
         )
 
     def _room_for_one(self) -> bool:
@@ -617,29 +535,22 @@ class RotatingKVCache:
         return self._one_slot()
 
     def take_rows(self, n: int) -> Slots | None:
-        if self.key_tiles is not None or not self.rows_share_storage(n):
+        if self.storage.tiles is not None or not self.rows_share_storage(n):
             return None
         # Before the ring wraps its slots are in order: the n tokens take the next n.
         first = 2 * self.sinks + self.ring_head
         for _ in range(n):
             self._take_slot()
         self._move_frame()  # the frame stays put until the window is full
-        rows = (self.keys[:, :, first : first + n], self.values[:, :, first : first + n])
-        return Slots(rows, self._fetched())
+        return Slots(self.storage.read(first, first + n), self._fetched())
 
     def _one_slot(self) -> Slots:
         slot = self._take_slot()
-        if self.sinks:
+        sinks = self.sinks
+        if sinks:
             self._move_frame()  # the sinks only: the new token's row is not read
-        at = 2 * self.sinks + slot
-        value_row = self.values[:, :, at : at + 1]
-        if self.key_tiles is not None:
-            key_row, written = self.key_tiles.take(self._ring(self.keys), slot)
-            tiled = self.key_tiles.for_kernel(self._frame_lead(), 1)
-            return Slots((key_row, value_row), self._fetched(), tiled, written)
-        end = self.sinks + self._fetch_length()
-        stored = self.keys[:, :, self.sinks : end], self.values[:, :, self.sinks : end]
-        return Slots((self.keys[:, :, at : at + 1], value_row), stored)
+        end = sinks + self._fetch_length()
+        return self.storage.take_one(2 * sinks + slot, sinks, end, self.sinks_held)
 
     def _take_slot(self) -> int:
         """Bookkeeping of one token entering the ring; returns its slot."""
@@ -658,17 +569,8 @@ class RotatingKVCache:
         if not self.sinks_held:
             return
         frame = self._frame_needed()
-        if frame != self.frame and self.key_tiles is not None:  # fp32 sinks: no codec
-            held = self.sinks_held
-            self.lead[:, :, self.sinks : self.sinks + held] = _shift(
-                self.lead[:, :, :held], self.rope, frame
-            )
-            self.frame = frame
-        elif frame != self.frame:
-            held = self.sinks_held
-            stored = self.keys[:, :, :held]
-            framed = _rotate_keys(stored, self.rope, frame, self.key_codec)
-            self.keys[:, :, self.sinks : self.sinks + held] = framed
+        if frame != self.frame:  # from their own positions' keys, stored once
+            self.storage.rotate_keys(0, self.sinks, self.sinks_held, self.rope, frame)
             self.frame = frame
 
     def _frame_needed(self) -> int:
@@ -706,12 +608,10 @@ class RotatingKVCache:
         return not self.wrapped or n <= self.ring_count - self.window + 1
 
     def exact_prefix(self, n: int) -> int:
-        if self.key_tiles is None or n <= self.sinks:
-            return n  # the sinks' keys are held in fp32
-        slot = (n - self.sinks) % self.ring_capacity
-        if self.key_tiles.trims_exactly_to(slot):
-            return n
-        return n - slot % TILE_ROWS
+        if n <= self.sinks:
+            return n  # the sinks' keys are held whole (in fp32 with q4 keys)
+        at = 2 * self.sinks + (n - self.sinks) % self.ring_capacity  # the slot written next
+        return n - (at - self.storage.exact_slot(at))
 
     def rows_share_storage(self, n_new: int) -> bool:
         """As KVCache's: while the window is not full, nothing is masked, the frame stays
@@ -771,8 +671,7 @@ class RotatingKVCache:
         self.offset = self.sinks_held = self.ring_count = self.ring_head = self.frame = 0
         self.wrapped = False
         self.ring_pos.fill_(-1)
-        if self.key_tiles is not None:
-            self.key_tiles.clear()
+        self.storage.clear()
 
     def forget(self, start: int, end: int) -> None:
         """Drop positions start..end-1 (after the sinks) and close the gap, re-rotating the
@@ -782,24 +681,9 @@ class RotatingKVCache:
             return
         if self.wrapped or start < self.sinks_held:
             raise ContextFullError("cannot drop tokens from a cache that has already rotated")
-        lo, hi = start - self.sinks, end - self.sinks
-        count = self.ring_count
-        if self.key_tiles is not None:  # tiles from lo's on are written again
-            first = lo // TILE_ROWS * TILE_ROWS
-            ring = self._ring(self.keys)
-            newest = self.key_tiles.own_tile(None, count - 1)
-            held = self.key_tiles.decoded(ring, count, None, newest)
-            kept = torch.cat([held[:, :, first:lo], _shift(held[:, :, hi:], self.rope, -gap)], 2)
-            self.key_tiles.clear()
-            self.key_tiles.write(ring, first, kept, self.ring_capacity)
-        for name in ("keys", "values"):
-            if name == "keys" and self.key_tiles is not None:
-                continue
-            ring = self._ring(getattr(self, name))
-            moved = ring[:, :, hi:count].clone()
-            if name == "keys":
-                moved = _rotate_keys(moved, self.rope, -gap, self.key_codec)
-            ring[:, :, lo : count - gap] = moved
+        lo, hi = start - self.sinks, end - self.sinks  # ring slots, in order before a wrap
+        count, front = self.ring_count, 2 * self.sinks
+        self.storage.close_gap(front + lo, front + hi, front + count, self.rope, self.ring_capacity)
         self.ring_pos[lo : count - gap] = self.ring_pos[hi:count] - gap
         self.ring_pos[count - gap : count] = -1
         self.ring_count -= gap
@@ -839,10 +723,9 @@ class RotatingKVCache:
             in_window = (positions >= 0) & (positions > query - self.window)
             sinks = torch.ones(self.sinks, dtype=torch.bool)
             mask = torch.cat([sinks, in_window]).unsqueeze(0)
-        written = None
-        if self.key_tiles is not None:  # its row of the newest tiles, loaded if need be
-            _, written = self.key_tiles.take(self._ring(self.keys), slot)
-        return StaticStep(2 * self.sinks + slot, mask, self.frame, written)
+        at = 2 * self.sinks + slot
+        written = self.storage.take_key_row(at)  # tiles: its fp32 row, loaded if need be
+        return StaticStep(at, mask, self.frame, written)
 
 
 def common_prefix(a: Sequence, b: Sequence) -> int:
