@@ -129,26 +129,13 @@ class NativeDecodeLayer:
         self._step_address = ctypes.addressof(self._step)
 
     def step(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        signed_sin: torch.Tensor,
-        slots: tuple[torch.Tensor, torch.Tensor],
-        stored: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor | None,
-        kv_types: tuple[int, int],
-        tiled: TiledKeys | None = None,
+        self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, where: SequenceRows
     ) -> torch.Tensor:
-        """x fp32 [rows, dim] (contiguous), the residual stream, updated in place and returned.
-        `slots`: the storage rows [1, kv_heads, rows, width] the tokens' keys and values go
-        into; `stored`: the keys and values the last token attends [1, kv_heads, n, width]
-        (its own included, heads as far apart as in the slots; row r sees the first
-        n - (rows - 1 - r)); `mask`: bool [1, n] or None (all visible; several rows take no
-        mask); cos and signed_sin: the RoPE tables of their positions [rows, head_dim] (fp32,
-        contiguous). Keys stored as q4 tiles (one row only): `tiled` says the rest, and the
-        key slot is the token's fp32 row of tiled.recent (the caller encodes the tile it
-        completes)."""
-        _fill(self._step, x.shape[0], slots, stored, mask, kv_types, tiled)
+        """x fp32 [rows, dim] (contiguous), the residual stream of one sequence's rows,
+        updated in place and returned; cos and signed_sin: the RoPE tables of their
+        positions [rows, head_dim] (fp32, contiguous); `where`: their cache rows (see
+        SequenceRows)."""
+        _fill(self._step, x.shape[0], where)
         self._step.cos, self._step.signed_sin = cos.data_ptr(), signed_sin.data_ptr()
         status = self._function(
             self._weights_address, self._step_address, x.data_ptr(), torch.get_num_threads()
@@ -170,7 +157,7 @@ class NativeDecodeLayer:
         `step` would give it; the matmuls read the weights once for all of them."""
         steps = (_Step * len(sequences))()
         for step, (rows, where) in zip(steps, sequences, strict=True):
-            _fill(step, rows, where.slots, where.stored, where.mask, where.kv_types, where.tiled)
+            _fill(step, rows, where)
         status = self._batch_function(
             self._weights_address,
             ctypes.addressof(steps),
@@ -187,38 +174,46 @@ class NativeDecodeLayer:
 
 @dataclass(frozen=True)
 class SequenceRows:
-    """One sequence's part of a fused step: the cache rows its keys and values go into, what
-    its last row attends, its mask (one row only) and the cache's storage type codes."""
+    """One sequence's part of a fused step. `slots`: the storage rows [1, kv_heads, rows,
+    width] its keys and values go into; `stored`: the keys and values its last row attends
+    [1, kv_heads, n, width] (its own included, heads as far apart as in the slots; row r of
+    `rows` sees the first n - (rows - 1 - r)); or, instead of both, their `addresses`.
+    `mask`: bool [1, n] or None (all visible; several rows take no mask); the cache's
+    storage type codes; keys stored as q4 tiles (one row only): `tiled` says the rest, and
+    the key slot is the token's fp32 row of tiled.recent (the caller encodes the tile it
+    completes)."""
 
-    slots: tuple[torch.Tensor, torch.Tensor]
-    stored: tuple[torch.Tensor, torch.Tensor]
+    slots: tuple[torch.Tensor, torch.Tensor] | None
+    stored: tuple[torch.Tensor, torch.Tensor] | None
     mask: torch.Tensor | None
     kv_types: tuple[int, int]
     tiled: TiledKeys | None = None
+    # (key slot, value slot, keys, values, key and value head strides, keys the last row
+    # sees, key and value slot strides), bytes: engine/kv/storage.py's SlotAddresses.
+    addresses: tuple[int, ...] | None = None
 
 
-def _fill(
-    step: _Step,
-    rows: int,
-    slots: tuple[torch.Tensor, torch.Tensor],
-    stored: tuple[torch.Tensor, torch.Tensor],
-    mask: torch.Tensor | None,
-    kv_types: tuple[int, int],
-    tiled: TiledKeys | None,
-) -> None:
-    """The native step structure for `rows` rows of one sequence (RoPE tables apart; a
-    plain function of plain arguments: it runs for every layer of every step)."""
-    keys, values = stored
-    step.keys, step.values = keys.data_ptr(), values.data_ptr()
-    step.key_slot, step.value_slot = slots[0].data_ptr(), slots[1].data_ptr()
-    step.key_head_stride = keys.stride(1) * keys.element_size()
-    step.value_head_stride = values.stride(1) * values.element_size()
-    step.n_keys = keys.shape[2]
+def _fill(step: _Step, rows: int, where: SequenceRows) -> None:
+    """The native step structure for `rows` rows of one sequence (RoPE tables apart): it
+    runs for every layer of every step."""
+    mask, tiled, at = where.mask, where.tiled, where.addresses
+    if at is not None:
+        step.key_slot, step.value_slot, step.keys, step.values = at[0], at[1], at[2], at[3]
+        step.key_head_stride, step.value_head_stride, step.n_keys = at[4], at[5], at[6]
+        step.key_slot_row_stride, step.value_slot_row_stride = at[7], at[8]
+    else:
+        keys, values = where.stored
+        key_slots, value_slots = where.slots
+        step.keys, step.values = keys.data_ptr(), values.data_ptr()
+        step.key_slot, step.value_slot = key_slots.data_ptr(), value_slots.data_ptr()
+        step.key_head_stride = keys.stride(1) * keys.element_size()
+        step.value_head_stride = values.stride(1) * values.element_size()
+        step.n_keys = keys.shape[2]
+        step.key_slot_row_stride = key_slots.stride(2) * key_slots.element_size()
+        step.value_slot_row_stride = value_slots.stride(2) * value_slots.element_size()
     step.rows = rows
-    step.key_slot_row_stride = slots[0].stride(2) * slots[0].element_size()
-    step.value_slot_row_stride = slots[1].stride(2) * slots[1].element_size()
     step.mask = None if mask is None else mask.view(torch.uint8).data_ptr()
-    step.key_type, step.value_type = kv_types
+    step.key_type, step.value_type = where.kv_types
     if tiled is not None:
         lead = tiled.lead
         step.lead = None if lead is None else lead.data_ptr()
@@ -226,6 +221,6 @@ def _fill(
         step.lead_head_stride = 0 if lead is None else lead.stride(0)
         step.recent, step.recent_head_stride = tiled.recent.data_ptr(), tiled.recent.stride(0)
         step.own_tile = int(tiled.own_tiles[0])
-        step.n_keys = keys.shape[2] + tiled.lead_rows
+        step.n_keys += tiled.lead_rows
     else:
         step.lead, step.recent, step.lead_rows = None, None, 0

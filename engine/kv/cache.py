@@ -91,11 +91,12 @@ class Cache(Protocol):
         attention outside the native kernel (a prompt chunk, a GPU)."""
         ...
 
-    def take_one(self) -> Slots | None:
+    def take_one(self, addresses: bool = False) -> Slots | None:
         """A decode step's bookkeeping for a caller that writes the token's key and value
         itself (the fused native layer): the storage rows they go into, and what
-        update_and_fetch would return after writing them. None, with nothing changed, when
-        this step needs update_and_fetch instead."""
+        update_and_fetch would return after writing them (with `addresses`, as addresses
+        where the storage can: Slots.addresses). None, with nothing changed, when this step
+        needs update_and_fetch instead."""
         ...
 
     def take_rows(self, n: int) -> Slots | None:
@@ -263,12 +264,12 @@ class KVCache(_OnStorage):
     def keys_by_own_tile(self, keys: torch.Tensor, rows: int):
         return self.storage.keys_by_own_tile(keys, rows)
 
-    def take_one(self) -> Slots | None:
+    def take_one(self, addresses: bool = False) -> Slots | None:
         at = self.offset
         if at + 1 > self.storage.keys.shape[2]:
             return None  # the storage grows first, in update_and_fetch
         self.offset = at + 1
-        return self.storage.take_one(at, 0, at + 1)
+        return self.storage.take_one(at, 0, at + 1, addresses=addresses)
 
     def take_rows(self, n: int) -> Slots | None:
         if self.storage.tiles is not None or not self.rows_share_storage(n):
@@ -529,10 +530,10 @@ class RotatingKVCache(_OnStorage):
             one.written()
         return one.stored
 
-    def take_one(self) -> Slots | None:
+    def take_one(self, addresses: bool = False) -> Slots | None:
         if self.sinks_held != self.sinks or not self._room_for_one():
             return None
-        return self._one_slot()
+        return self._one_slot(addresses)
 
     def take_rows(self, n: int) -> Slots | None:
         if self.storage.tiles is not None or not self.rows_share_storage(n):
@@ -544,13 +545,13 @@ class RotatingKVCache(_OnStorage):
         self._move_frame()  # the frame stays put until the window is full
         return Slots(self.storage.read(first, first + n), self._fetched())
 
-    def _one_slot(self) -> Slots:
+    def _one_slot(self, addresses: bool = False) -> Slots:
         slot = self._take_slot()
         sinks = self.sinks
         if sinks:
             self._move_frame()  # the sinks only: the new token's row is not read
         end = sinks + self._fetch_length()
-        return self.storage.take_one(2 * sinks + slot, sinks, end, self.sinks_held)
+        return self.storage.take_one(2 * sinks + slot, sinks, end, self.sinks_held, addresses)
 
     def _take_slot(self) -> int:
         """Bookkeeping of one token entering the ring; returns its slot."""

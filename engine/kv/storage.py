@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -56,6 +57,40 @@ class Slots:
     # newest tiles), and what to call once the key is written (it completed a tile).
     tiled: TiledKeys | None = None
     written: Callable[[], None] | None = None
+    # Instead of slots and stored (both None then): their addresses, for the fused layer,
+    # which reads nothing else of them (making tensor views costs more than its call).
+    addresses: SlotAddresses | None = None
+
+
+class SlotAddresses(NamedTuple):
+    """Where a step's key and value rows go and what its rows attend, as the native fused
+    layer takes them: addresses and strides in bytes."""
+
+    key_slot: int
+    value_slot: int
+    keys: int  # the first key the rows attend, kv head 0
+    values: int
+    key_head_stride: int
+    value_head_stride: int
+    n_keys: int  # keys the last row attends
+    key_row_stride: int  # between consecutive slots
+    value_row_stride: int
+
+
+def _byte_layout(keys: torch.Tensor, values: torch.Tensor) -> tuple:
+    """(keys, values, their addresses, row strides and head strides in bytes): what
+    addresses of slots are computed from, kept while the tensors stay the same."""
+    key_size, value_size = keys.element_size(), values.element_size()
+    return (
+        keys,
+        values,
+        keys.data_ptr(),
+        values.data_ptr(),
+        keys.stride(2) * key_size,
+        values.stride(2) * value_size,
+        keys.stride(1) * key_size,
+        values.stride(1) * value_size,
+    )
 
 
 def _codecs(kind: KVSetting, head_dim: int, device: torch.device) -> tuple[KVCodec, KVCodec]:
@@ -112,6 +147,7 @@ class KVStorage:
             if front:
                 self.lead = torch.zeros((1, n_kv_heads, front, head_dim), device=device)
         self.keys, self.values = self.empty(slots)
+        self._layout: tuple | None = None  # see _byte_layout
 
     @property
     def slots(self) -> int:
@@ -171,10 +207,30 @@ class KVStorage:
         if self.tiles is not None:
             self.tiles.own_tiles = self.tiles.own_tiles[:0]
 
-    def take_one(self, at: int, start: int, end: int, leads: int = 0) -> Slots:
+    def take_one(
+        self, at: int, start: int, end: int, leads: int = 0, addresses: bool = False
+    ) -> Slots:
         """A decode step whose caller writes the key and value of slot `at` itself (the
-        fused native layer), reading slots start..end-1 (`leads` of them lead rows)."""
+        fused native layer), reading slots start..end-1 (`leads` of them lead rows). With
+        `addresses`, untiled storage answers with addresses alone (Slots.addresses)."""
         keys, values = self.keys, self.values
+        if addresses and self.tiles is None:
+            layout = self._layout
+            if layout is None or layout[0] is not keys or layout[1] is not values:
+                layout = self._layout = _byte_layout(keys, values)
+            _, _, key_base, value_base, key_row, value_row, key_head, value_head = layout
+            where = SlotAddresses(
+                key_base + at * key_row,
+                value_base + at * value_row,
+                key_base + start * key_row,
+                value_base + start * value_row,
+                key_head,
+                value_head,
+                end - start,
+                key_row,
+                value_row,
+            )
+            return Slots(None, None, addresses=where)
         value_row = values[:, :, at : at + 1]
         if self.tiles is None:
             stored = keys[:, :, start:end], values[:, :, start:end]

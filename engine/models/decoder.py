@@ -274,19 +274,17 @@ class Block:
             one_mask = (
                 mask.contiguous() if span.kind is RowKind.DECODE and mask is not None else None
             )
+            kinds = kernel_types(cache)
             where = SequenceRows(
-                taken.slots, taken.stored, one_mask, kernel_types(cache), taken.tiled
+                taken.slots, taken.stored, one_mask, kinds, taken.tiled, taken.addresses
             )
-            fused.append((span, where, taken))
+            fused.append((span, (where, taken)))
             total += span.count
-        return [(span, (where, taken)) for span, where, taken in fused], rest
+        return fused, rest
 
     def _step_fused(self, x: torch.Tensor, cos, sin, fused) -> None:
         if len(fused) == 1:  # one sequence: the single-sequence call, a little leaner
-            where = fused[0][1][0]
-            self.fused.step(
-                x, cos, sin, where.slots, where.stored, where.mask, where.kv_types, where.tiled
-            )
+            self.fused.step(x, cos, sin, fused[0][1][0])
         else:
             self.fused.step_sequences(
                 x, cos, sin, [(span.count, where) for span, (where, _) in fused]
@@ -310,7 +308,7 @@ def _take_slots(cache: Cache, count: int) -> Slots | None:
     for the layer-by-layer path). The static step's cache views take none."""
     if count == 1:
         take_one = getattr(cache, "take_one", None)
-        return take_one() if take_one is not None else None
+        return take_one(addresses=True) if take_one is not None else None
     take_rows = getattr(cache, "take_rows", None)
     return take_rows(count) if take_rows is not None else None
 
