@@ -49,10 +49,11 @@ from .types import KVSetting
 class Slots:
     """Where a step's keys and values go, and everything its queries attend."""
 
-    slots: tuple[torch.Tensor, torch.Tensor]  # (key rows, value rows) [1, kv_heads, n, width]
+    # (key rows, value rows) [1, kv_heads, n, width]
+    slots: tuple[torch.Tensor, torch.Tensor] | None
     # (keys, values) [1, kv_heads, tokens, width]: what the last of the n rows attends; row
     # r of n attends the first tokens - (n - 1 - r) of them.
-    stored: tuple[torch.Tensor, torch.Tensor]
+    stored: tuple[torch.Tensor, torch.Tensor] | None
     # Tiled keys: what the kernel reads besides (the key row is then an fp32 row of the
     # newest tiles), and what to call once the key is written (it completed a tile).
     tiled: TiledKeys | None = None
