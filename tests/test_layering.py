@@ -22,6 +22,7 @@ ROOMS = [
     "engine/errors",
     "engine/platform",
     "engine/modelfile",
+    "engine/lora",
     "engine/ops",
     "engine/kv",
     "engine/llamacpp",

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFWriter, quants
+from gguf import GGUFValueType, GGUFWriter, quants
 from gguf.constants import GGMLQuantizationType as Q
 
 BYTE_TOKENS = [f"<0x{i:02X}>" for i in range(256)]
@@ -282,6 +282,58 @@ def write_tiny_model(
         # one makes many near-tied logits, where rounding noise decides the top token.
         head = embedding + weight(len(spec.vocab), d, 0.3)
         _add_weight(writer, "output.weight", head, wt)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+LORA_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def write_tiny_adapter(
+    path: Path,
+    base: Path,
+    rank: int = 4,
+    alpha: float = 8.0,
+    seed: int = 0,
+    targets: tuple[str, ...] = LORA_TARGETS,
+    zero_b: bool = False,
+    dtype=np.float32,
+    metadata: dict | None = None,
+    tensors: dict | None = None,
+) -> Path:
+    """A LoRA adapter for the tiny model at `base`, as llama.cpp's converter writes one: a
+    pair `<weight>.lora_a` [rank, inputs] and `.lora_b` [outputs, rank] for each target of
+    every layer. `metadata` overrides keys as in write_tiny_model (None drops one);
+    `tensors` adds (or, with None, drops) tensors by name."""
+    from miniapp.engine.modelfile.gguf_file import GGUFFile
+
+    model = GGUFFile(base)
+    rng = np.random.default_rng(seed)
+    writer = GGUFWriter(str(path), model.architecture)
+    values = {"general.type": ("adapter", GGUFValueType.STRING)}
+    values["adapter.type"] = ("lora", GGUFValueType.STRING)
+    values["adapter.lora.alpha"] = (alpha, GGUFValueType.FLOAT32)
+    for key, value in {**values, **(metadata or {})}.items():
+        writer.kv_data[0].pop(key, None)
+        if value is not None:
+            writer.add_key_value(key, value[0], value[1])
+    added = dict(tensors or {})
+    for name, info in model.tensors.items():
+        if not name.endswith(".weight") or name.split(".")[-2] not in targets:
+            continue
+        outputs, inputs = info.shape
+        a = rng.normal(0.0, 1 / np.sqrt(inputs), size=(rank, inputs))
+        b = np.zeros((outputs, rank)) if zero_b else rng.normal(0.0, 0.5, size=(outputs, rank))
+        for suffix, array in ((".lora_a", a), (".lora_b", b)):
+            if name + suffix not in added:
+                added[name + suffix] = array.astype(dtype)
+    for name, array in added.items():
+        if array is not None:
+            writer.add_tensor(name, array)
+    model.close()
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

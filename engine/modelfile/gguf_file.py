@@ -119,6 +119,14 @@ class GGUFFile:
         if 0 <= start < end:
             self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
+    def close(self) -> None:
+        """Unmap the file now, unless tensors from `raw` still point into it (the map then
+        goes when the last of them does)."""
+        try:
+            self._map.close()
+        except BufferError:
+            pass
+
     def release(self) -> None:
         """Drop every mapped page from this process's memory; pages are re-read if touched.
 

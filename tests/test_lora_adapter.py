@@ -1,0 +1,131 @@
+"""LoRA adapter files (issue 51, first step): what llama.cpp's converter writes is read and
+checked against its base model; anything else is one line naming the file and the cause."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFValueType
+from tiny_gguf import LLAMA, QWEN2, write_tiny_adapter, write_tiny_model
+
+from miniapp.engine.errors import ModelFileError
+from miniapp.engine.lora.adapter import AdapterError, read_adapter
+from miniapp.engine.modelfile.gguf_file import GGUFFile
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    path = write_tiny_model(tmp_path_factory.mktemp("lora") / "base.gguf", LLAMA)
+    model = GGUFFile(path)
+    yield model
+    model.close()
+
+
+def test_an_adapter_is_read_with_every_pair_in_the_bases_shapes(base, tmp_path):
+    path = write_tiny_adapter(tmp_path / "a.gguf", base.path, rank=4, alpha=8.0)
+    adapter = read_adapter(path, base)
+    layers = base.arch_value("block_count")
+    assert len(adapter.pairs) == 7 * layers and adapter.rank == 4
+    for name, pair in adapter.pairs.items():
+        outputs, inputs = base.tensors[name].shape
+        assert pair.a.shape == (4, inputs) and pair.b.shape == (outputs, 4)
+        assert pair.a.dtype == torch.float32
+    pair = adapter.pairs["blk.0.attn_q.weight"]
+    assert adapter.scaling(pair) == 2.0 and adapter.scaling(pair, 0.5) == 1.0
+    assert adapter.nbytes == sum(p.a.numel() * 4 + p.b.numel() * 4 for p in adapter.pairs.values())
+
+
+def test_the_values_are_the_files(base, tmp_path):
+    a = np.arange(4 * 64, dtype=np.float32).reshape(4, 64) / 100
+    path = write_tiny_adapter(
+        tmp_path / "a.gguf",
+        base.path,
+        targets=("attn_q",),
+        tensors={"blk.1.attn_q.weight.lora_a": a},
+    )
+    pair = read_adapter(path, base).pairs["blk.1.attn_q.weight"]
+    assert torch.equal(pair.a, torch.from_numpy(a))
+
+
+def test_no_alpha_means_the_scale_alone(base, tmp_path):
+    path = write_tiny_adapter(tmp_path / "a.gguf", base.path, metadata={"adapter.lora.alpha": None})
+    adapter = read_adapter(path, base)
+    assert adapter.alpha == 0.0
+    assert adapter.scaling(next(iter(adapter.pairs.values())), 0.75) == 0.75
+
+
+def test_f16_is_kept_and_f64_becomes_f32(base, tmp_path):
+    half = read_adapter(write_tiny_adapter(tmp_path / "h.gguf", base.path, dtype=np.float16), base)
+    assert next(iter(half.pairs.values())).a.dtype == torch.float16
+    # llama.cpp crashes on f64 adapter tensors; we read them as f32.
+    double = read_adapter(
+        write_tiny_adapter(tmp_path / "d.gguf", base.path, dtype=np.float64), base
+    )
+    assert next(iter(double.pairs.values())).b.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("model", r"base\.gguf: not a LoRA adapter \(general\.type is 'model'"),
+        ("no type", r"not a LoRA adapter \(it has no general\.type"),
+        ("not lora", r"adapter\.type is 'control_vector', not 'lora'"),
+        ("other base", r"an adapter for 'qwen2', but the model \(base\.gguf\) is 'llama'"),
+        ("ranks differ", r"blk\.0\.attn_q\.weight: lora_a has rank 4, lora_b rank 3"),
+        ("wrong shape", r"blk\.0\.attn_q\.weight: lora_a \[4, 32\] and lora_b .* do not fit"),
+        ("half missing", r"blk\.0\.attn_k\.weight\.lora_b is missing"),
+        ("unknown weight", r"blk\.9\.attn_q\.weight: the model has no such weight"),
+        ("stray tensor", r"tensor blk\.0\.attn_q\.weight is not a LoRA tensor"),
+        ("embedding", r"token_embd\.weight: adapters on the token embedding are not read"),
+        ("not finite", r"blk\.0\.attn_v\.weight\.lora_a holds values that are not finite"),
+        ("negative alpha", r"adapter\.lora\.alpha is -1\.0"),
+        ("missing", r"missing\.gguf: no such adapter file"),
+    ],
+)
+def test_a_bad_adapter_is_one_line_naming_the_file_and_the_cause(base, tmp_path, case, expected):
+    path = tmp_path / ("missing.gguf" if case == "missing" else "adapter.gguf")
+    q = "blk.0.attn_q.weight"
+    kinds = {
+        "no type": {"metadata": {"general.type": None}},
+        "not lora": {"metadata": {"adapter.type": ("control_vector", GGUFValueType.STRING)}},
+        "ranks differ": {"tensors": {q + ".lora_b": np.ones((64, 3), np.float32)}},
+        "wrong shape": {"tensors": {q + ".lora_a": np.ones((4, 32), np.float32)}},
+        "half missing": {"tensors": {"blk.0.attn_k.weight.lora_b": None}},
+        "unknown weight": {
+            "tensors": {
+                "blk.9.attn_q.weight.lora_a": np.ones((4, 64), np.float32),
+                "blk.9.attn_q.weight.lora_b": np.ones((64, 4), np.float32),
+            }
+        },
+        "stray tensor": {"tensors": {q: np.ones((64, 64), np.float32)}},
+        "embedding": {
+            "tensors": {
+                "token_embd.weight.lora_a": np.ones((4, 64), np.float32),
+                "token_embd.weight.lora_b": np.ones((len(LLAMA.vocab), 4), np.float32),
+            }
+        },
+        "not finite": {
+            "tensors": {"blk.0.attn_v.weight.lora_a": np.full((4, 64), np.nan, np.float32)}
+        },
+        "negative alpha": {"alpha": -1.0},
+    }
+    if case == "model":  # a model (a merged one, say) handed over as an adapter
+        model_type = {"general.type": ("model", GGUFValueType.STRING)}
+        path = write_tiny_model(tmp_path / "base.gguf", LLAMA, metadata=model_type)
+    elif case == "other base":
+        other = write_tiny_model(tmp_path / "qwen.gguf", QWEN2)
+        write_tiny_adapter(path, other)
+    elif case != "missing":
+        write_tiny_adapter(path, base.path, **kinds[case])
+    with pytest.raises(AdapterError, match=expected) as raised:
+        read_adapter(path, base)
+    assert "\n" not in str(raised.value)
+
+
+def test_a_corrupt_adapter_is_the_readers_one_line(base, tmp_path):
+    path = write_tiny_adapter(tmp_path / "a.gguf", base.path)
+    path.write_bytes(path.read_bytes()[:200])
+    with pytest.raises(ModelFileError, match=r"a\.gguf: ") as raised:
+        read_adapter(path, base)
+    assert "\n" not in str(raised.value)
