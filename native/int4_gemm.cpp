@@ -18,7 +18,7 @@
 // The AVX2 path (no bf16 dot product there) reads the same layout with 8-bit integer
 // multiply-adds against x quantized to int8 per run of 16 columns; see its section. The
 // AVX-512 VNNI path does the same sums a whole block at a time and gives the AVX2 path's
-// bits; where the CPU has it, it is the one used (native/int4.py, best_isa).
+// bits; it runs where the CPU has VNNI but not BF16 (native/int4.py, best_isa).
 //
 // Row independence: each output element is summed in an order fixed by the layout alone
 // (nibble by nibble, chunk by chunk, then group by group; the AVX2 path's integer group sums

@@ -238,12 +238,21 @@ def test_doctor_on_simulated_cpus(miniapp_exe, preset, native_int4, amx):
         # The GGML kernel follows the int4 kernel down to AVX2, with the same weights.
         assert report["cpu_ggml_kernel"].startswith(f"native {native_int4}: ")
         assert "Q4_K, Q5_K, Q6_K read from the file's blocks" in report["cpu_ggml_kernel"]
-    else:  # AVX-512 (VNNI, else BF16) where the real CPU has it too, else AVX2
+    else:  # AVX-512 (BF16, else VNNI) where the real CPU has it too, else AVX2
         real = CpuFeatures("", cpu_features().flags)
-        best = "avx512vnni" if real.avx512_vnni else "avx512" if real.avx512_bf16 else "avx2"
+        best = "avx512" if real.avx512_bf16 else "avx512vnni" if real.avx512_vnni else "avx2"
         assert cpu["native_int4"] == best
     # Our build has no AMX path, so even a CPU with AMX keeps CPU_REPACK.
     assert report["llama_cpp"]["cpu_weights"]["extra_buffers"] is True
+
+
+def test_a_simulated_cpu_with_vnni_but_no_bf16_gets_the_vnni_path(miniapp_exe):
+    """As an AVX-512 Xeon without BF16: the VNNI int4 path (the AVX2 path's bits, faster),
+    where the real CPU has VNNI too; never BF16, which the simulated CPU lacks."""
+    flags = "avx,avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512_vnni"
+    report = _doctor_json(miniapp_exe, MINIAPP_SIMULATE_CPU=flags)
+    real = CpuFeatures("", cpu_features().flags)
+    assert report["cpu"]["native_int4"] == ("avx512vnni" if real.avx512_vnni else "avx2")
 
 
 def test_doctor_prints_the_cpu_line(miniapp_exe):

@@ -5,9 +5,9 @@ instructions; torch's `_weight_int4pack_mm_for_cpu` otherwise. The choice is mad
 process and never fails: every reason not to use the native kernel becomes the fallback's
 explanation, which `miniapp doctor` prints. `MINIAPP_NATIVE=0` forces torch's op (A/B
 benchmarks, an escape hatch); `MINIAPP_NATIVE=avx2`, `avx512` (BF16) or `avx512vnni` forces
-a native path. A CPU simulated by `MINIAPP_SIMULATE_CPU` without AVX-512 (VNNI or BF16) gets
-the AVX2 path, and one without AVX2 torch's op (with `ATEN_CPU_CAPABILITY=avx2`, torch's own
-kernels follow suit).
+a native path. A CPU simulated by `MINIAPP_SIMULATE_CPU` without AVX-512 BF16 gets the VNNI
+path where it has VNNI (and the real CPU too), else the AVX2 path; one without AVX2 gets
+torch's op (with `ATEN_CPU_CAPABILITY=avx2`, torch's own kernels follow suit).
 """
 
 from __future__ import annotations
@@ -56,8 +56,12 @@ def cpu_int4_kernel() -> KernelChoice:
     cpu = cpu_features()
     if cpu.simulated and not cpu.avx2:
         return KernelChoice(None, "the CPU lacks AVX2/FMA (simulated)")
-    if cpu.simulated and not (cpu.avx512_vnni or cpu.avx512_bf16):
-        return _load(int4.ISA_NAMES[int4.ISA_AVX2])
+    if cpu.simulated and not cpu.avx512_bf16:  # never a path the simulated CPU lacks
+        avx2 = int4.ISA_NAMES[int4.ISA_AVX2]
+        if cpu.avx512_vnni:
+            choice = _load(int4.ISA_NAMES[int4.ISA_AVX512_VNNI])
+            return choice if choice.native else _load(avx2)  # the real CPU lacks it
+        return _load(avx2)
     return _load(None)
 
 
