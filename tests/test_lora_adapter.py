@@ -3,10 +3,13 @@ checked against its base model; anything else is one line naming the file and th
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 from gguf import GGUFValueType
+from gguf.constants import GGMLQuantizationType as Q
 from tiny_gguf import LLAMA, QWEN2, write_tiny_adapter, write_tiny_model
 
 from miniapp.engine.errors import ModelFileError
@@ -129,3 +132,40 @@ def test_a_corrupt_adapter_is_the_readers_one_line(base, tmp_path):
     with pytest.raises(ModelFileError, match=r"a\.gguf: ") as raised:
         read_adapter(path, base)
     assert "\n" not in str(raised.value)
+
+
+def _llama_cpp_logits(model, tokens, lora=None):
+    from miniapp.engine.llamacpp.library import llama_cpp
+
+    options = {} if lora is None else {"lora_path": str(lora), "lora_scale": 1.0}
+    llm = llama_cpp.Llama(str(model), n_ctx=64, logits_all=True, verbose=False, **options)
+    try:
+        llm.eval(tokens)
+        return np.array(llm.scores[: len(tokens)])
+    finally:
+        llm.close()
+
+
+def test_llama_cpp_applies_an_adapter_as_its_merged_weights(tmp_path):
+    """The oracle agrees with what we read: base + adapter in llama.cpp computes what a model
+    whose weights are W + s B A computes, s = alpha / rank (and a zero B changes nothing)."""
+    spec = dataclasses.replace(LLAMA, weight_type=Q.F32)
+    base_path = write_tiny_model(tmp_path / "base.gguf", spec)
+    base = GGUFFile(base_path)
+    adapter_path = write_tiny_adapter(tmp_path / "a.gguf", base_path, rank=4, alpha=2.0)
+    adapter = read_adapter(adapter_path, base)
+    merged = {}
+    for name, pair in adapter.pairs.items():
+        info = base.tensors[name]
+        weight = base.raw(info).view(torch.float32).reshape(info.shape).double()
+        delta = adapter.scaling(pair) * (pair.b.double() @ pair.a.double())
+        merged[name] = (weight + delta).numpy()
+    base.close()
+    merged_path = write_tiny_model(tmp_path / "merged.gguf", spec, weights=merged)
+    zero = write_tiny_adapter(tmp_path / "zero.gguf", base_path, zero_b=True)
+    tokens = list(range(5, 37))
+    plain = _llama_cpp_logits(base_path, tokens)
+    adapted = _llama_cpp_logits(base_path, tokens, adapter_path)
+    assert np.abs(adapted - plain).max() > 0.1  # the adapter changes the answer
+    np.testing.assert_allclose(adapted, _llama_cpp_logits(merged_path, tokens), atol=2e-3)
+    np.testing.assert_array_equal(_llama_cpp_logits(base_path, tokens, zero), plain)

@@ -156,7 +156,7 @@ K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
 GGUF_QUANTIZABLE = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
 
 
-def _add_weight(writer: GGUFWriter, name: str, values: np.ndarray, qtype: Q) -> None:
+def _add_tensor(writer: GGUFWriter, name: str, values: np.ndarray, qtype: Q) -> None:
     if qtype in K_QUANTS:
         raw = quantize_k(values, qtype)
         writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qtype)
@@ -218,12 +218,22 @@ def _write_metadata(writer: GGUFWriter, spec: TinyModel) -> None:
 
 
 def write_tiny_model(
-    path: Path, spec: TinyModel = LLAMA, seed: int = 0, metadata: dict | None = None
+    path: Path,
+    spec: TinyModel = LLAMA,
+    seed: int = 0,
+    metadata: dict | None = None,
+    weights: dict[str, np.ndarray] | None = None,
 ) -> Path:
     """`metadata`: keys to write over the spec's, each as (value, GGUFValueType) or, for an
-    array, (values, GGUFValueType.ARRAY, element type); None drops the key."""
+    array, (values, GGUFValueType.ARRAY, element type); None drops the key. `weights`: the
+    values of some weight matrices by name, instead of the seed's (the rest are unchanged,
+    so a model written again with a few weights replaced differs in those alone)."""
     rng = np.random.default_rng(seed)
     writer = GGUFWriter(str(path), spec.architecture)
+
+    def _add_weight(writer: GGUFWriter, name: str, values: np.ndarray, qtype: Q) -> None:
+        _add_tensor(writer, name, (weights or {}).get(name, values), qtype)
+
     _write_metadata(writer, spec)
     for key, value in (metadata or {}).items():
         writer.kv_data[0].pop(key, None)
