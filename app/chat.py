@@ -35,7 +35,6 @@ from miniapp.engine.api import (
     MiniappError,
     OutputConstraint,
     ReasoningDelta,
-    RuntimeConfig,
     SamplingParams,
     TextDelta,
     open_runtime,
@@ -44,7 +43,7 @@ from miniapp.engine.api import (
 from miniapp.engine.images import ImageAttachment
 
 from .chat_images import ChatImages, image_paths, pictures_of, print_prompt, with_image_labels
-from .host.settings import runtime_kv_type
+from .host.settings import local_runtime_config
 from .transcribe import VoiceInput, spoken_file
 
 PROMPT = ">>> "
@@ -198,18 +197,7 @@ def _piped_message(spoken: Message | None, images: ChatImages) -> str | Message:
 def _open_runtime(args: argparse.Namespace, model_path: Path, interactive: bool):
     if interactive:
         print(f"loading {model_path.name} on {args.backend}...", file=sys.stderr, flush=True)
-    config = RuntimeConfig(
-        model=str(model_path),
-        backend=args.backend,
-        device=args.device,
-        spec=args.spec,
-        ctx=args.ctx,
-        window=args.window,
-        sinks=args.sinks,
-        threads=args.threads,
-        kv_type=runtime_kv_type(args),
-    )
-    runtime = open_runtime(config)
+    runtime = open_runtime(local_runtime_config(args, str(model_path)))
     info = runtime.info()
     plan = info.device_plan
     if interactive and plan is not None:

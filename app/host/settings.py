@@ -30,6 +30,7 @@ from miniapp.engine.api import (
     SPEC_MODES,
     GenerationRequest,
     MiniappError,
+    RuntimeConfig,
     SamplingParams,
     SpecMode,
     kv_type,
@@ -287,6 +288,26 @@ def runtime_kv_type(args: argparse.Namespace) -> str | None:
     is f16); a type set by flag, environment or file applies to either backend."""
     sources = getattr(args, "setting_sources", None) or {}
     return None if sources.get("kv_type", "default") == "default" else args.kv_type
+
+
+def local_runtime_config(args: argparse.Namespace, model: str | None = None) -> RuntimeConfig:
+    """The RuntimeConfig the settings flags name for a local backend (`model`: instead of
+    --model, e.g. the path it resolved to). Generations at once and the queue where the
+    command has them; llama.cpp answers one at a time."""
+    parallel = getattr(args, "parallel", 1) if args.backend == "torch" else 1
+    return RuntimeConfig(
+        model=args.model if model is None else model,
+        backend=args.backend,
+        device=args.device,
+        spec=args.spec,
+        ctx=args.ctx,
+        window=args.window,
+        sinks=args.sinks,
+        threads=args.threads,
+        parallel=parallel,
+        kv_type=runtime_kv_type(args),
+        max_queue=getattr(args, "queue", None),
+    )
 
 
 # ------------------------------------------------------------------ `miniapp config`

@@ -24,7 +24,7 @@ from miniapp.engine.api import (
 )
 
 from ..host.model_host import ModelHost
-from ..host.settings import runtime_kv_type
+from ..host.settings import local_runtime_config
 from .api import ServeOptions, create_app
 from .service import ServedModel
 
@@ -39,7 +39,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise MiniappError(f"{args.model}: model file not found")
     check_model(model_path, args.backend)
     chat_template_source(args.chat_template_file)  # a bad file stops us before loading
-    spec = runtime_config(args)
+    spec = local_runtime_config(args)
     host = ModelHost()
     host.request(spec)
     server = start_api(host, spec, args, args.host, args.port)
@@ -111,23 +111,6 @@ def chat_template_source(path: str | None) -> str | None:
         ) from None
     ChatTemplate(source)  # TemplateError, one line, if it does not parse
     return source
-
-
-def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
-    parallel = args.parallel if args.backend == "torch" else 1  # llama.cpp: one at a time
-    return RuntimeConfig(
-        model=args.model,
-        backend=args.backend,
-        device=args.device,
-        spec=args.spec,
-        ctx=args.ctx,
-        window=args.window,
-        sinks=args.sinks,
-        threads=args.threads,
-        parallel=parallel,
-        kv_type=runtime_kv_type(args),
-        max_queue=args.queue,
-    )
 
 
 def _sampling_defaults(args: argparse.Namespace) -> SamplingParams:
