@@ -27,6 +27,16 @@ from .errors import (
     UnsupportedModelError,
 )
 from .kv.types import DEFAULT_KV_TYPE, KV_TYPE_NAMES, kv_type
+from .lora.adapter import AdapterError
+from .lora.registry import (
+    AdapterInfo,
+    AdapterNameError,
+    AdapterSet,
+    LoraRegistry,
+    LoraSpec,
+    UnknownAdapterError,
+    parse_lora_flag,
+)
 from .modelfile.checks import check_model_file
 from .modelfile.gguf_file import GGUFFile, read_scalar
 from .modelfile.hub import pull
@@ -72,7 +82,7 @@ from .tokens.events import (
     SpeculationStats,
     TextDelta,
 )
-from .tokens.sampling import GREEDY, GenerationRequest, SamplingParams, TokenLogprob
+from .tokens.sampling import GREEDY, GenerationRequest, LoraChoice, SamplingParams, TokenLogprob
 from .tokens.spec_modes import SPEC_MODES, SpecMode
 from .tokens.stream import TokenStream
 from .tokens.tokenizer import Tokenizer
@@ -101,6 +111,11 @@ class RuntimeConfig:
     base_url: str | None = None
     api_key: str | None = field(default=None, repr=False)
     send_sampling: tuple[str, ...] | None = None
+    # LoRA adapters loaded with the model (--lora): the torch engine keeps them by name for
+    # requests to pick and may load more while it runs; llama.cpp applies them to every
+    # answer. `lora_budget_mb`: memory the torch engine's resident adapters may hold.
+    lora: tuple[LoraSpec, ...] = ()
+    lora_budget_mb: int | None = None
 
     @property
     def remote(self) -> bool:
@@ -133,6 +148,7 @@ class RuntimeConfig:
                 ("--spec " + str(self.spec), self.spec not in (SpecMode.AUTO, SpecMode.OFF)),
                 ("--device " + self.device, self.device != "auto"),
                 ("--kv-type", self.kv_type is not None),
+                ("--lora", bool(self.lora)),
             )
             if given
         ]
@@ -171,6 +187,8 @@ def open_runtime(config: RuntimeConfig) -> Runtime | MessageRuntime:
         parallel=config.parallel,
         kv=config.kv_type,
         max_queue=config.max_queue,
+        lora=config.lora,
+        lora_budget_mb=config.lora_budget_mb,
     )
 
 
@@ -183,6 +201,15 @@ def list_server_models(base_url: str, api_key: str | None = None) -> list:
 
 
 __all__ = [
+    "AdapterError",
+    "AdapterInfo",
+    "AdapterNameError",
+    "AdapterSet",
+    "LoraChoice",
+    "LoraRegistry",
+    "LoraSpec",
+    "UnknownAdapterError",
+    "parse_lora_flag",
     "QueueFullError",
     "pull",
     "check_model_file",

@@ -18,9 +18,16 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("int4_gemm.cpp")
 # Compiled with SOURCE into the same library, one file per kernel library: the KV cache's
-# codecs, decode attention, the row operations, the fused decode layer, and the kernels on
-# GGML's own blocks.
-_OTHERS = ("kv_codec.cpp", "attention.cpp", "row_ops.cpp", "decode_layer.cpp", "ggml_dot.cpp")
+# codecs, decode attention, the row operations, the fused decode layer, the kernels on
+# GGML's own blocks and the LoRA updates.
+_OTHERS = (
+    "kv_codec.cpp",
+    "attention.cpp",
+    "row_ops.cpp",
+    "decode_layer.cpp",
+    "ggml_dot.cpp",
+    "lora.cpp",
+)
 SOURCES = (SOURCE, *(SOURCE.with_name(name) for name in _OTHERS))
 # What the sources include: part of a build too, so an edit to a header rebuilds the library.
 HEADERS = tuple(SOURCE.with_name(name) for name in ("common.h", "kv_codec.h"))

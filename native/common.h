@@ -51,6 +51,16 @@ extern "C" {
 struct Int4Weight;  // a packed weight (int4_gemm.cpp)
 int miniapp_int4_gemm(const Int4Weight* w, const void* x, int64_t ldx, int x_type, int64_t m,
                       float* y, int threads);
+int miniapp_int4_gemm_pre(const Int4Weight* w, const void* x, int64_t ldx, int x_type,
+                          int64_t m, float* y, const float* pre, int64_t ld_pre, int threads);
+
+// ------------------------------------------------------------ LoRA updates (lora.cpp)
+
+struct LoraCall;  // the adapters of a call's rows, for one layer
+int miniapp_lora_delta(const LoraCall* call, int projection, const float* x, int64_t ldx,
+                       int64_t k, int64_t m, float* delta, int64_t ld_delta, int64_t n_out,
+                       int threads);
+enum LoraProjection { kLoraQkv = 0, kLoraOut = 1, kLoraGateUp = 2, kLoraDown = 3 };
 
 // ------------------------------------------------------- row operations (row_ops.cpp)
 

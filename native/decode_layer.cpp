@@ -51,11 +51,13 @@ struct DecodeLayerStep {
 // x fp32 [rows, dim], the residual stream entering the layer, updated in place: the rows of
 // `n_steps` sequences, steps[i].rows each, in order (continuous batching: each sequence's
 // rows write into and attend its own cache, and every matmul takes all rows at once). cos and
-// signed_sin: the RoPE tables of every row, [rows, head_dim]. Returns 0, or -1 for a layer or
-// step it does not take (x may then be partly updated: the caller raises).
+// signed_sin: the RoPE tables of every row, [rows, head_dim]. `lora` (or null): the rows'
+// LoRA adapters (lora.cpp), each projection's update added before its epilogue, as the
+// layer-by-layer path adds it. Returns 0, or -1 for a layer or step it does not take (x may
+// then be partly updated: the caller raises).
 int miniapp_decode_layer_batch(const DecodeLayerWeights* w, const DecodeLayerStep* steps,
                                int64_t n_steps, const float* cos, const float* signed_sin,
-                               float* x, int threads) {
+                               float* x, const LoraCall* lora, int threads) {
   const int64_t d = w->head_dim, q_width = w->n_heads * d;
   const int64_t qkv_width = (w->n_heads + 2 * w->kv_heads) * d;
   int64_t m = 0;
@@ -73,7 +75,11 @@ int miniapp_decode_layer_batch(const DecodeLayerWeights* w, const DecodeLayerSte
   if (m < 1 || m > kMaxLayerRows) return -1;
   // Per row: the normed input, Q|K|V, the queries alone (attention reads them contiguous),
   // attention's output, its projection, the gated feed-forward and its output.
-  const int64_t row_floats = 2 * w->dim + qkv_width + 2 * q_width + w->dim + w->ffn_dim;
+  // With adapters, their updates too (as wide as the widest projection's outputs).
+  int64_t delta_width = qkv_width > 2 * w->ffn_dim ? qkv_width : 2 * w->ffn_dim;
+  delta_width = delta_width > w->dim ? delta_width : w->dim;
+  const int64_t row_floats = 2 * w->dim + qkv_width + 2 * q_width + w->dim + w->ffn_dim +
+                             (lora ? delta_width : 0);
   float* buffer = static_cast<float*>(malloc(sizeof(float) * m * row_floats));
   if (!buffer) return -1;
   float* normed = buffer;
@@ -83,9 +89,22 @@ int miniapp_decode_layer_batch(const DecodeLayerWeights* w, const DecodeLayerSte
   float* projected = attended + m * q_width;
   float* gated = projected + m * w->dim;
   float* fed = gated + m * w->ffn_dim;
+  float* delta = lora ? fed + m * w->dim : nullptr;
+  // W x for x [m, k] into y, plus the rows' adapters' updates of `projection`.
+  const auto project = [&](const Int4Weight* weight, int projection, const float* in, int64_t k,
+                           int64_t n_out, float* y) {
+    const float* pre = nullptr;
+    if (lora) {
+      const int has = miniapp_lora_delta(lora, projection, in, k, k, m, delta, n_out, n_out,
+                                         threads);
+      if (has < 0) return -1;
+      pre = has ? delta : nullptr;
+    }
+    return miniapp_int4_gemm_pre(weight, in, k, kFloat32, m, y, pre, n_out, threads);
+  };
   int status = miniapp_add_rms_norm(x, w->dim, nullptr, 0, w->attn_norm, m, w->dim, w->eps,
                                     normed, w->dim);
-  status = status ? status : miniapp_int4_gemm(w->qkv, normed, w->dim, kFloat32, m, qkv, threads);
+  status = status ? status : project(w->qkv, kLoraQkv, normed, w->dim, qkv_width, qkv);
   status = status ? status
                   : miniapp_rope(qkv, qkv_width, m, w->n_heads + w->kv_heads, d, w->rotary_dim,
                                  w->interleaved, cos, signed_sin);
@@ -119,15 +138,13 @@ int miniapp_decode_layer_batch(const DecodeLayerWeights* w, const DecodeLayerSte
     status = attend(queries, sources, m, w->n_heads, w->kv_heads, d, w->scale, attended,
                     threads);
   }
-  status = status ? status : miniapp_int4_gemm(w->out, attended, q_width, kFloat32, m, projected,
-                                               threads);
+  status = status ? status : project(w->out, kLoraOut, attended, q_width, w->dim, projected);
   status = status ? status
                   : miniapp_add_rms_norm(x, w->dim, projected, w->dim, w->ffn_norm, m, w->dim,
                                          w->eps, normed, w->dim);
-  status = status ? status : miniapp_int4_gemm(w->gate_up, normed, w->dim, kFloat32, m, gated,
-                                               threads);
-  status = status ? status : miniapp_int4_gemm(w->down, gated, w->ffn_dim, kFloat32, m, fed,
-                                               threads);
+  status = status ? status
+                  : project(w->gate_up, kLoraGateUp, normed, w->dim, 2 * w->ffn_dim, gated);
+  status = status ? status : project(w->down, kLoraDown, gated, w->ffn_dim, w->dim, fed);
   if (!status) {
     for (int64_t i = 0; i < m * w->dim; ++i) x[i] += fed[i];
   }
@@ -137,8 +154,8 @@ int miniapp_decode_layer_batch(const DecodeLayerWeights* w, const DecodeLayerSte
 
 // One sequence's rows (a decode step, or a verification's rows): the batch of one.
 int miniapp_decode_layer(const DecodeLayerWeights* w, const DecodeLayerStep* s, float* x,
-                         int threads) {
-  return miniapp_decode_layer_batch(w, s, 1, s->cos, s->signed_sin, x, threads);
+                         const LoraCall* lora, int threads) {
+  return miniapp_decode_layer_batch(w, s, 1, s->cos, s->signed_sin, x, lora, threads);
 }
 
 }  // extern "C"

@@ -120,25 +120,34 @@ class NativeDecodeLayer:
         )
         self._step = _Step()
         self._function = library.cdll.miniapp_decode_layer
-        self._function.argtypes = [_ptr, _ptr, _ptr, ctypes.c_int]
+        self._function.argtypes = [_ptr, _ptr, _ptr, _ptr, ctypes.c_int]
         self._function.restype = ctypes.c_int
         self._batch_function = library.cdll.miniapp_decode_layer_batch
-        self._batch_function.argtypes = [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, ctypes.c_int]
+        self._batch_function.argtypes = [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, ctypes.c_int]
         self._batch_function.restype = ctypes.c_int
         self._weights_address = ctypes.addressof(self._weights)
         self._step_address = ctypes.addressof(self._step)
 
     def step(
-        self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, where: SequenceRows
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        where: SequenceRows,
+        lora: ctypes.Structure | None = None,
     ) -> torch.Tensor:
         """x fp32 [rows, dim] (contiguous), the residual stream of one sequence's rows,
         updated in place and returned; cos and signed_sin: the RoPE tables of their
         positions [rows, head_dim] (fp32, contiguous); `where`: their cache rows (see
-        SequenceRows)."""
+        SequenceRows); `lora`: the rows' adapters at this layer (lora.LoraCallStruct)."""
         _fill(self._step, x.shape[0], where)
         self._step.cos, self._step.signed_sin = cos.data_ptr(), signed_sin.data_ptr()
         status = self._function(
-            self._weights_address, self._step_address, x.data_ptr(), torch.get_num_threads()
+            self._weights_address,
+            self._step_address,
+            x.data_ptr(),
+            None if lora is None else ctypes.addressof(lora),
+            torch.get_num_threads(),
         )
         if status:
             raise ValueError("the native decode layer refused its step")
@@ -150,6 +159,7 @@ class NativeDecodeLayer:
         cos: torch.Tensor,
         signed_sin: torch.Tensor,
         sequences: list[tuple[int, SequenceRows]],
+        lora: ctypes.Structure | None = None,
     ) -> torch.Tensor:
         """Rows of several sequences in one call (continuous batching): `sequences` holds,
         in the order of x's rows, how many rows each sequence owns and where they go (as
@@ -165,6 +175,7 @@ class NativeDecodeLayer:
             cos.data_ptr(),
             signed_sin.data_ptr(),
             x.data_ptr(),
+            None if lora is None else ctypes.addressof(lora),
             torch.get_num_threads(),
         )
         if status:

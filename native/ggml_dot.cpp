@@ -296,7 +296,7 @@ inline const GgmlPart& part_of(const GgmlWeight& w, int64_t& i) {
 // the weights from memory). An interleaved part goes 8 rows per call; `first` and `last`
 // then fall on its group boundaries (the caller splits work in multiples of 8).
 void run_outputs(const Kernels& kernels, const GgmlWeight& w, const QuantizedX& x, float* y,
-                 int64_t ldy, int64_t first, int64_t last) {
+                 int64_t ldy, int64_t first, int64_t last, const float* pre, int64_t ld_pre) {
   constexpr int64_t kRowGroup = 32;
   const bool gated = w.epilogue == kSiluMul;
   float tile[kMaxTile * kGroupRows], up[kMaxTile * kGroupRows];
@@ -335,10 +335,13 @@ void run_outputs(const Kernels& kernels, const GgmlWeight& w, const QuantizedX& 
           for (int t = 0; t < n_rows; ++t) {
             for (int64_t r = 0; r < count; ++r) {
               float value = tile[t * count + r];
+              const float* terms = pre ? pre + (m0 + t0 + t) * ld_pre : nullptr;
               if (w.bias) value += w.bias[i + r];
+              if (terms) value += terms[i + r];
               if (gated) {
                 float u = up[t * count + r];
                 if (w.bias) u += w.bias[w.parts[0].rows + i + r];
+                if (terms) u += terms[w.n + i + r];
                 value = silu(value) * u;
               }
               y[(m0 + t0 + t) * ldy + i + r] = value;
@@ -510,9 +513,11 @@ int miniapp_ggml_interleave(int type, const uint8_t* src, int64_t rows, int64_t 
 }
 
 // y [m, w->n] (contiguous) for x [m, k] (fp32 or bf16: x_type 0 or 1, row stride ldx).
-// Returns 0, or -1 for arguments it does not take (nothing is written then).
-int miniapp_ggml_gemm(const GgmlWeight* w, const void* x, int64_t ldx, int x_type, int64_t m,
-                      float* y, int threads) {
+// `pre` (or null): terms added to W x (+ bias) before the epilogue, [m, ld_pre]: n of them,
+// or 2n with kSiluMul (gate, then up). Returns 0, or -1 for arguments it does not take
+// (nothing is written then).
+int miniapp_ggml_gemm_pre(const GgmlWeight* w, const void* x, int64_t ldx, int x_type,
+                          int64_t m, float* y, const float* pre, int64_t ld_pre, int threads) {
   if (!cpu_has_avx2() || m < 0 || (x_type != 0 && x_type != 1)) return -1;
   if (w->isa == kIsaAvx512 && !cpu_has_avx512()) return -1;
   if (w->n_parts < 1 || w->n_parts > kMaxParts || w->k <= 0) return -1;
@@ -536,6 +541,7 @@ int miniapp_ggml_gemm(const GgmlWeight* w, const void* x, int64_t ldx, int x_typ
     return -1;
   }
   if (w->epilogue == kStore && w->n != rows) return -1;
+  if (pre && ld_pre < (w->epilogue == kSiluMul ? 2 * w->n : w->n)) return -1;
   if (m == 0) return 0;
   const Kernels& kernels =
       w->isa == kIsaAvx2 || !cpu_has_avx512() ? kAvx2Kernels : kAvx512Kernels;
@@ -544,7 +550,7 @@ int miniapp_ggml_gemm(const GgmlWeight* w, const void* x, int64_t ldx, int x_typ
   const int64_t n = w->n;
   if (threads > n) threads = static_cast<int>(n);
   if (threads <= 1 || bytes < kMinParallelBytes) {
-    run_outputs(kernels, *w, qx, y, n, 0, n);
+    run_outputs(kernels, *w, qx, y, n, 0, n, pre, ld_pre);
     return 0;
   }
 #pragma omp parallel num_threads(threads)
@@ -553,9 +559,14 @@ int miniapp_ggml_gemm(const GgmlWeight* w, const void* x, int64_t ldx, int x_typ
     const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
     // Split on multiples of 8 rows, so that no interleaved group is cut.
     const auto bound = [&](int64_t i) { return i == count ? n : n * i / count / kGroupRows * kGroupRows; };
-    run_outputs(kernels, *w, qx, y, n, bound(t), bound(t + 1));
+    run_outputs(kernels, *w, qx, y, n, bound(t), bound(t + 1), pre, ld_pre);
   }
   return 0;
+}
+
+int miniapp_ggml_gemm(const GgmlWeight* w, const void* x, int64_t ldx, int x_type, int64_t m,
+                      float* y, int threads) {
+  return miniapp_ggml_gemm_pre(w, x, ldx, x_type, m, y, nullptr, 0, threads);
 }
 
 }  // extern "C"

@@ -20,7 +20,7 @@ import torch
 
 from . import build
 
-ABI_VERSION = 10  # must match kAbiVersion in int4_gemm.cpp
+ABI_VERSION = 11  # must match kAbiVersion in int4_gemm.cpp
 BLOCK_ROWS = 16  # output rows per packed block
 GATE_ROWS = BLOCK_ROWS // 2  # gated blocks: 8 gate rows, then the 8 matching up rows
 CHUNK_COLS = 8  # input columns per 64-byte chunk of a block
@@ -57,6 +57,10 @@ class Library:
         i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
         self.gemm.argtypes = [ptr, ptr, i64, i32, i64, ptr, i32]
         self.gemm.restype = i32
+        # The same with terms added before the epilogue (LoRA updates).
+        self.gemm_pre = cdll.miniapp_int4_gemm_pre
+        self.gemm_pre.argtypes = [ptr, ptr, i64, i32, i64, ptr, ptr, i64, i32]
+        self.gemm_pre.restype = i32
         self.isa = isa if isa is not None else self.best_isa()
 
     def cpu_has(self, isa: int) -> bool:
@@ -270,8 +274,12 @@ class BoundGemm:
     _k: int
     _outputs: int
 
-    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """`out`: an fp32 [M, outputs] contiguous tensor to write into (tests poison it)."""
+    def forward(
+        self, x: torch.Tensor, out: torch.Tensor | None = None, pre: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`out`: an fp32 [M, outputs] contiguous tensor to write into (tests poison it).
+        `pre`: fp32 [M, outputs] (gated: [M, 2 x outputs], gate terms then up terms),
+        contiguous, added to W x before the epilogue (LoRA updates)."""
         m, k = x.shape
         if k != self._k:
             raise ValueError(f"x has {k} columns, the weight {self._k}")
@@ -284,6 +292,8 @@ class BoundGemm:
             y = out
         else:
             raise ValueError(f"out must be fp32 [{m}, {self._outputs}] and contiguous")
+        if pre is not None:
+            return self._forward_pre(x, x_type, y, pre)
         status = self._gemm(
             self._address,
             x.data_ptr(),
@@ -298,6 +308,26 @@ class BoundGemm:
         return y
 
     __call__ = forward
+
+    def _forward_pre(self, x, x_type: int, y: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        width = 2 * self._outputs if self.shape.gated else self._outputs
+        m = x.shape[0]
+        if pre.shape != (m, width) or pre.dtype != torch.float32 or not pre.is_contiguous():
+            raise ValueError(f"pre must be fp32 [{m}, {width}] and contiguous")
+        status = self.library.gemm_pre(
+            self._address,
+            x.data_ptr(),
+            x.stride(0),
+            x_type,
+            m,
+            y.data_ptr(),
+            pre.data_ptr(),
+            width,
+            torch.get_num_threads(),
+        )
+        if status:
+            raise ValueError(f"the {self._kernel} refused x {tuple(x.shape)} for {self.shape}")
+        return y
 
 
 class PackedInt4(BoundGemm):

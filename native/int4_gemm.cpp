@@ -39,7 +39,7 @@
 
 namespace {
 
-constexpr int kAbiVersion = 10;
+constexpr int kAbiVersion = 11;
 constexpr int kBlockRows = 16;  // output rows per block: one AVX-512 fp32 lane each
 constexpr int kChunkCols = 8;   // input columns per chunk: 4 nibbles x 2 adjacent columns
 constexpr int kChunkBytes = 64;  // 16 rows x 8 columns x 4 bits
@@ -64,6 +64,10 @@ struct Problem {
   int64_t ldy;
   int64_t n;  // valid output columns (rows of w, or gated outputs with kSiluMul)
   int epilogue;
+  // Added to W x before the epilogue (LoRA updates, lora.cpp), or null: [m, ld_pre], the
+  // gated outputs' gate terms at 0..n-1 and their up terms at n..2n-1.
+  const float* pre;
+  int64_t ld_pre;
   const uint16_t* xb;  // x rounded to bf16 [m, k] (AVX-512 path)
   const float* xsum;   // per row of x, per group: the sum of its bf16 values (AVX-512 path)
   const int8_t* xq;    // x quantized to int8 per run of columns, permuted (AVX2 path)
@@ -166,16 +170,30 @@ TARGET_AVX2 void finish_tile(const Problem& p, int64_t block, int64_t m0, int ro
   for (int r = 0; r < rows; ++r) {
     const float* t = tile + r * kBlockRows;
     float* out = p.y + (m0 + r) * p.ldy;
+    const float* pre = p.pre ? p.pre + (m0 + r) * p.ld_pre : nullptr;
     if (p.epilogue == kSiluMul) {
       const int64_t first = block * kGateRows;
       const int64_t count = p.n - first < kGateRows ? p.n - first : kGateRows;
+      __m256 gate = _mm256_loadu_ps(t), up = _mm256_loadu_ps(t + kGateRows);
+      if (pre) {
+        alignas(32) float terms[2 * kGateRows];
+        for (int i = 0; i < 2 * kGateRows; ++i) terms[i] = -0.0f;
+        memcpy(terms, pre + first, count * sizeof(float));
+        memcpy(terms + kGateRows, pre + p.n + first, count * sizeof(float));
+        gate = _mm256_add_ps(gate, _mm256_load_ps(terms));
+        up = _mm256_add_ps(up, _mm256_load_ps(terms + kGateRows));
+      }
       alignas(32) float gated[kGateRows];
-      _mm256_store_ps(gated, silu_mul_avx2(_mm256_loadu_ps(t), _mm256_loadu_ps(t + kGateRows)));
+      _mm256_store_ps(gated, silu_mul_avx2(gate, up));
       memcpy(out + first, gated, count * sizeof(float));
     } else {
       const int64_t first = block * kBlockRows;
       const int64_t count = p.n - first < kBlockRows ? p.n - first : kBlockRows;
-      memcpy(out + first, t, count * sizeof(float));
+      if (pre) {
+        for (int64_t i = 0; i < count; ++i) out[first + i] = t[i] + pre[first + i];
+      } else {
+        memcpy(out + first, t, count * sizeof(float));
+      }
     }
   }
 }
@@ -620,8 +638,8 @@ int miniapp_int4_cpu_has(int isa) { return cpu_has(isa) ? 1 : 0; }
 
 // A packed weight, described once (Python keeps one per weight and passes its address).
 struct GgmlWeight;  // ggml_dot.cpp
-int miniapp_ggml_gemm(const GgmlWeight* w, const void* x, int64_t ldx, int x_type, int64_t m,
-                      float* y, int threads);
+int miniapp_ggml_gemm_pre(const GgmlWeight* w, const void* x, int64_t ldx, int x_type,
+                          int64_t m, float* y, const float* pre, int64_t ld_pre, int threads);
 
 struct Int4Weight {
   const uint8_t* packed;
@@ -637,11 +655,12 @@ struct Int4Weight {
 };
 
 // y [m, n] (contiguous) for x [m, k] (fp32 or bf16, row stride ldx). With kSiluMul, blocks
-// hold 8 gate rows then 8 up rows and y gets silu(gate) * up.
+// hold 8 gate rows then 8 up rows and y gets silu(gate) * up. `pre` (or null): terms added
+// to W x before the epilogue, [m, ld_pre]: n of them, or 2n with kSiluMul (gate, then up).
 // Returns 0, or -1 for arguments it does not take (nothing is written then).
-int miniapp_int4_gemm(const Int4Weight* w, const void* x, int64_t ldx, int x_type, int64_t m,
-                      float* y, int threads) {
-  if (w->ggml) return miniapp_ggml_gemm(w->ggml, x, ldx, x_type, m, y, threads);
+int miniapp_int4_gemm_pre(const Int4Weight* w, const void* x, int64_t ldx, int x_type,
+                          int64_t m, float* y, const float* pre, int64_t ld_pre, int threads) {
+  if (w->ggml) return miniapp_ggml_gemm_pre(w->ggml, x, ldx, x_type, m, y, pre, ld_pre, threads);
   const int isa = w->isa, epilogue = w->epilogue;
   const int64_t n_blocks = w->n_blocks, k = w->k, group = w->group, n = w->n;
   if (!cpu_has(isa) || group <= 0 || group % kChunkCols || k % group || m < 0) return -1;
@@ -662,6 +681,9 @@ int miniapp_int4_gemm(const Int4Weight* w, const void* x, int64_t ldx, int x_typ
   p.ldy = n;
   p.n = n;
   p.epilogue = epilogue;
+  p.pre = pre;
+  p.ld_pre = ld_pre;
+  if (pre && ld_pre < (epilogue == kSiluMul ? 2 * n : n)) return -1;
   const bool avx512 = isa == kIsaAvx512;
   const bool prepared = avx512                   ? prepare_x_avx512(p, x, ldx, x_type)
                         : isa == kIsaAvx512Vnni ? prepare_x_vnni(p, x, ldx, x_type)
@@ -683,6 +705,12 @@ int miniapp_int4_gemm(const Int4Weight* w, const void* x, int64_t ldx, int x_typ
     run_blocks(p, path, n_blocks * t / count, n_blocks * (t + 1) / count);
   }
   return 0;
+}
+
+// The GEMM without pre terms.
+int miniapp_int4_gemm(const Int4Weight* w, const void* x, int64_t ldx, int x_type, int64_t m,
+                      float* y, int threads) {
+  return miniapp_int4_gemm_pre(w, x, ldx, x_type, m, y, nullptr, 0, threads);
 }
 
 // Q4_0 / Q4_1 rows of a GGUF file straight into the packed layout (what

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..kv.cache import Cache
+from ..lora.registry import AdapterSet
 from ..models import CachePolicy, DecoderModel
 from ..models.static_step import StaticDecodeStep, static_step_unsupported
 from ..platform.graphs import Runner
@@ -42,6 +43,10 @@ class SequenceCaches(list):
     GPU's captured graphs), so the step travels with the caches through the prefix pool."""
 
     static_step: StaticDecodeStep | None = None
+    # The LoRA adapters its tokens were computed with (engine/lora; None: the base alone):
+    # every pass over these caches applies them, and the prefix pool reuses the caches only
+    # for the same adapters.
+    lora: AdapterSet | None = None
 
 
 class ModelRunner:
@@ -148,6 +153,8 @@ class ModelRunner:
         the next steps with the same sequences (the most recent few sets)."""
         if self.graphs is None or not all(isinstance(c, SequenceCaches) for c in sequences):
             return None
+        if any(caches.lora is not None for caches in sequences):
+            return None  # adapters run eagerly (no captured graph holds them)
         key = tuple(id(caches) for caches in sequences)
         step = self._batch_steps.pop(key, None)
         same = step is not None and all(
@@ -165,6 +172,8 @@ class ModelRunner:
     def _static_step(self, caches: list[Cache]) -> StaticDecodeStep | None:
         if self.graphs is None or not isinstance(caches, SequenceCaches):
             return None
+        if caches.lora is not None:
+            return None  # adapters run eagerly (no captured graph holds them)
         if caches.static_step is None or caches.static_step.model is not self.model:
             reason = static_step_unsupported(self.model, caches)
             if reason is not None:

@@ -41,6 +41,7 @@ import torch
 from ..errors import MiniappError
 from ..kv.cache import Cache, common_prefix, keep_first, reusable_length
 from ..kv.types import KVSetting, bytes_per_token
+from ..lora.registry import AdapterSet
 from ..models import CachePolicy, DecoderModel
 from ..speculative import SpeculativeDecoder
 from ..tokens.constraints import TokenGuide
@@ -48,7 +49,7 @@ from ..tokens.events import SpeculationStats
 from ..tokens.sampler import Sampler, token_logprob
 from ..tokens.sampling import SamplingParams
 from ..tokens.stream import TokenStream
-from .runner import ModelRunner
+from .runner import ModelRunner, SequenceCaches
 
 DEFAULT_SLOTS = 4
 DEFAULT_QUEUE = 64  # requests that may wait for a slot before new ones are refused
@@ -168,6 +169,7 @@ class _Sequence:
     generated: int = 0
     decoder: SpeculativeDecoder | None = None  # while it runs alone and drafts
     drafts: bool = True  # False once the factory said drafting is off (or logprobs are asked)
+    adapters: AdapterSet | None = None  # its LoRA adapters; its caches carry them
 
     @property
     def prefilling(self) -> bool:
@@ -246,10 +248,12 @@ class BatchScheduler:
         max_new: int,
         stop_ids: frozenset[int] = frozenset(),
         guide: TokenGuide | None = None,
+        adapters: AdapterSet | None = None,
     ) -> SequenceStream:
         """Queue a sequence; its tokens come from the returned stream. Raises QueueFullError
         when `max_queue` sequences are already waiting. `guide`: the matcher of the answer's
-        constraint (params.constraint), built by the caller, which has the tokenizer."""
+        constraint (params.constraint), built by the caller, which has the tokenizer.
+        `adapters`: the LoRA adapters its rows run with (None: the base model)."""
         if not prompt:
             raise ValueError("empty prompt")
         stream = SequenceStream(self)
@@ -261,6 +265,7 @@ class BatchScheduler:
             frozenset(stop_ids),
             history=list(prompt),
             drafts=params.logprobs is None,
+            adapters=adapters,
         )
         if params.logprobs is not None:
             stream.logprobs = []
@@ -283,10 +288,10 @@ class BatchScheduler:
                     self._driven = driver.post(self._drain)
         return stream
 
-    def reusable_prefix(self, prompt: Sequence[int]) -> int:
+    def reusable_prefix(self, prompt: Sequence[int], adapters: AdapterSet | None = None) -> int:
         """Prompt tokens a pooled prefix would give a sequence submitted now."""
         with self._lock:
-            return self._best_prefix(prompt)[1]
+            return self._best_prefix(prompt, adapters)[1]
 
     @torch.inference_mode()  # caches grown during a forward pass hold inference tensors
     def forget(self, start: int, end: int) -> bool:
@@ -478,16 +483,24 @@ class BatchScheduler:
         running = sum(self._reservation(s.prompt, s.max_new) for s in self._running)
         if running + need > budget and self._running:
             return False
-        reused = self._best_prefix(sequence.prompt)[0]
+        reused = self._best_prefix(sequence.prompt, sequence.adapters)[0]
         for pooled in sorted(self._pool, key=lambda p: p is reused):  # oldest first
             if self.kv_bytes_reserved() + need <= budget:
                 break
             self._pool.remove(pooled)
         return True
 
-    def _best_prefix(self, prompt: Sequence[int]) -> tuple[_Pooled | None, int]:
+    def _best_prefix(
+        self, prompt: Sequence[int], adapters: AdapterSet | None
+    ) -> tuple[_Pooled | None, int]:
+        """The pooled caches sharing the longest prefix with the prompt, computed under the
+        same adapters at the same scales (keys and values under other adapters differ:
+        llama.cpp once reused them across adapters, #26207)."""
         best, shared = None, 0
+        key = _adapter_key(adapters)
         for pooled in self._pool:
+            if _adapter_key(getattr(pooled.caches, "lora", None)) != key:
+                continue
             length = reusable_length(pooled.caches, pooled.tokens, prompt)
             if length > shared:
                 best, shared = pooled, length
@@ -497,13 +510,15 @@ class BatchScheduler:
         """The pooled caches holding the longest prefix of the prompt, trimmed to it, or
         fresh ones. At least the prompt's last token is fed again (its logits are needed)."""
         prompt = sequence.prompt
-        best, shared = self._best_prefix(prompt)
+        best, shared = self._best_prefix(prompt, sequence.adapters)
         if best is None:
             sequence.caches = self._fresh_caches()
         else:
             self._pool.remove(best)
             keep_first(best.caches, shared)
             sequence.caches, sequence.fed = best.caches, best.tokens[:shared]
+        if isinstance(sequence.caches, SequenceCaches):
+            sequence.caches.lora = sequence.adapters  # the passes read the adapters here
         sequence.pending = prompt[shared:]
         sequence.stream.cached_prompt_tokens = shared
 
@@ -612,6 +627,10 @@ class BatchScheduler:
             self._pool.append(_Pooled(sequence.fed, sequence.caches))
             del self._pool[: max(0, len(self._pool) - self.config.pooled_prefixes)]
         sequence.caches = []
+
+
+def _adapter_key(adapters: AdapterSet | None) -> tuple:
+    return () if adapters is None else adapters.key
 
 
 def kv_bytes_per_token(model: DecoderModel, kind: KVSetting) -> int:

@@ -62,6 +62,9 @@ class LoraAdapter:
     architecture: str
     alpha: float
     pairs: dict[str, LoraPair]  # keyed by the base weight's name, e.g. blk.0.attn_q.weight
+    # Some tensors were F64 in the file (kept as f32 here): llama.cpp crashes on such files
+    # (llama-cpp-python 0.3.36 and llama-server alike), so they never go to it.
+    from_f64: bool = False
 
     @property
     def rank(self) -> int:
@@ -87,9 +90,12 @@ def read_adapter(path: Path | str, base: GGUFFile) -> LoraAdapter:
         _check_header(adapter, base)
         pairs = _read_pairs(adapter, base)
         alpha = _alpha(adapter)
+        from_f64 = any(
+            info.ggml_type == GGMLQuantizationType.F64 for info in adapter.tensors.values()
+        )
     finally:
         adapter.close()
-    return LoraAdapter(path, base.architecture, alpha, pairs)
+    return LoraAdapter(path, base.architecture, alpha, pairs, from_f64)
 
 
 def _check_header(adapter: GGUFFile, base: GGUFFile) -> None:

@@ -18,8 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from ...native.decode_layer import LayerShape, NativeDecodeLayer, SequenceRows
+from ...native.lora import DOWN, GATE_UP, OUT, QKV
 from ..kv.cache import Cache, Slots
 from ..kv.codec import TILE_ROWS
+from ..lora.rows import PassLora
 from ..ops.layers import (
     GgmlLinear,
     Int4Linear,
@@ -93,7 +95,7 @@ class Attention:
         n_tokens = x.shape[0]
         # Attention runs in fp32: torch's CPU attention and small bmm are several times faster
         # in fp32 than in bf16 at decode sizes, and the cache keeps full precision.
-        heads = self.wqkv.forward(x).float().view(n_tokens, -1, self.head_dim)
+        heads = project(self.wqkv, x, rows, QKV).float().view(n_tokens, -1, self.head_dim)
         qk = heads[:, : self.n_rotated]
         if self.qk_norm_weight is not None:
             qk = rms_normalize(qk, self.norm_eps) * self.qk_norm_weight
@@ -105,7 +107,7 @@ class Attention:
             out = self._attend_span(qk, v, span, cache, mask)
         else:
             out = self._attend_sequences(qk, v, rows)
-        return self.wo.forward(out[0].transpose(0, 1).reshape(n_tokens, -1))
+        return project(self.wo, out[0].transpose(0, 1).reshape(n_tokens, -1), rows, OUT)
 
     def _rotate(self, qk: torch.Tensor, rotation: RopeTables) -> torch.Tensor:
         """RoPE over [tokens, heads, head_dim]: in place by the native row kernel on the CPU
@@ -196,13 +198,42 @@ class FeedForward:
         # Our own CPU kernel applies the SiLU gating itself (one call instead of four ops).
         self.fused = getattr(w_gate_up, "gated", False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: LayerRows | None = None) -> torch.Tensor:
+        """`rows`: the pass's rows at this layer, for their LoRA adapters (None: none)."""
+        if rows is not None and rows.lora is not None:
+            return self._forward_adapted(x, rows)
         if self.fused:
             return self.w_down.forward(self.w_gate_up.forward(x))
         gate_up = self.w_gate_up.forward(x)
         gate, up = gate_up[:, : self.ffn_dim], gate_up[:, self.ffn_dim :]
         gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
         return self.w_down.forward(gate.mul_(up))
+
+    def _forward_adapted(self, x: torch.Tensor, rows: LayerRows) -> torch.Tensor:
+        gate_up = project(self.w_gate_up, x, rows, GATE_UP)
+        if not self.fused:
+            gate, up = gate_up[:, : self.ffn_dim].float(), gate_up[:, self.ffn_dim :].float()
+            gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+            gate_up = gate.mul_(up)
+        return project(self.w_down, gate_up, rows, DOWN)
+
+
+def project(linear: Linear, x: torch.Tensor, rows: LayerRows, projection: int) -> torch.Tensor:
+    """`linear` over x, plus the LoRA updates of the rows that carry adapters: added to
+    W x before a gated kernel's SiLU epilogue (as the fused layer adds them), after the
+    product otherwise."""
+    lora = rows.lora
+    if lora is None:
+        return linear.forward(x)
+    gated = getattr(linear, "gated", False)
+    n_out = 2 * linear.out_features if gated else linear.out_features
+    delta = lora.delta(rows.layer, projection, x, n_out)
+    if delta is None:
+        return linear.forward(x)
+    if gated:
+        return linear.native.forward(x, pre=delta)
+    y = linear.forward(x)
+    return y.add_(delta) if y.dtype is torch.float32 else y.float().add_(delta)
 
 
 class Block:
@@ -223,7 +254,7 @@ class Block:
         if not fused:
             return self._forward_layer_by_layer(x, rotation, rows)
         if not rest:
-            self._step_fused(x, rotation.cos, rotation.signed_sin, fused)
+            self._step_fused(x, rotation.cos, rotation.signed_sin, fused, rows.lora, rows.layer)
             return x
         # Mixed: each part runs on its own rows (gathered), then goes back in place.
         fused_rows = torch.cat(
@@ -236,7 +267,9 @@ class Block:
         for span, where in fused:
             renumbered.append((RowSpan(at, span.count, span.kind), where))
             at += span.count
-        self._step_fused(part, cos, sin, renumbered)
+        taken = [index for index in range(len(rows)) if index not in set(rest)]
+        lora = None if rows.lora is None else rows.lora.subset(taken)
+        self._step_fused(part, cos, sin, renumbered, lora, rows.layer)
         x.index_copy_(0, fused_rows, part)
         others = rows.subset(rest)
         other_rows = torch.cat(
@@ -282,12 +315,13 @@ class Block:
             total += span.count
         return fused, rest
 
-    def _step_fused(self, x: torch.Tensor, cos, sin, fused) -> None:
+    def _step_fused(self, x: torch.Tensor, cos, sin, fused, lora: PassLora | None, layer: int):
+        call = None if lora is None else lora.call(layer)
         if len(fused) == 1:  # one sequence: the single-sequence call, a little leaner
-            self.fused.step(x, cos, sin, fused[0][1][0])
+            self.fused.step(x, cos, sin, fused[0][1][0], call)
         else:
             self.fused.step_sequences(
-                x, cos, sin, [(span.count, where) for span, (where, _) in fused]
+                x, cos, sin, [(span.count, where) for span, (where, _) in fused], call
             )
         for _, (_, taken) in fused:
             if taken.written is not None:
@@ -297,7 +331,7 @@ class Block:
         attended = self.attention.forward(self.attn_norm.forward(x), rotation, rows)
         if self.post_attn_norm is not None:
             attended = self.post_attn_norm.forward(attended.float())
-        fed = self.feed_forward.forward(self.ffn_norm.add_and_norm(x, attended))
+        fed = self.feed_forward.forward(self.ffn_norm.add_and_norm(x, attended), rows)
         if self.post_ffn_norm is not None:
             fed = self.post_ffn_norm.forward(fed.float())
         return x.add_(fed)

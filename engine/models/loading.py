@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ModelFileError, UnsupportedModelError
+from ..lora.bound import PartLayout
 from ..modelfile.gguf_file import GGUFFile, TensorInfo
 from ..ops.layers import (
     CPU_INT4,
@@ -90,6 +91,36 @@ def _build_block(
     return Block(
         norm("attn_norm.weight"), attention, norm("ffn_norm.weight"), ffn, post_attn, post_ffn
     )
+
+
+def lora_layout(gguf: GGUFFile, config: DecoderConfig) -> list[list[list[PartLayout]]]:
+    """Per layer, per projection (Q|K|V, output, gate|up, down): the base tensors the
+    projection stacks and where each one's outputs sit, as `_build_block` fuses them. An
+    adapter's pairs are laid out by it (engine/lora/bound.py)."""
+    q_rows, kv_rows = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+    dim, ffn = config.dim, config.ffn_dim
+    layout = []
+    for i in range(config.n_layers):
+        p = f"blk.{i}."
+        if p + "attn_qkv.weight" in gguf.tensors:
+            qkv = [PartLayout(p + "attn_qkv.weight", 0, q_rows + 2 * kv_rows)]
+        else:
+            qkv = [
+                PartLayout(p + "attn_q.weight", 0, q_rows),
+                PartLayout(p + "attn_k.weight", q_rows, kv_rows),
+                PartLayout(p + "attn_v.weight", q_rows + kv_rows, kv_rows),
+            ]
+        if p + "ffn_gate.weight" in gguf.tensors:
+            gate_up = [
+                PartLayout(p + "ffn_gate.weight", 0, ffn),
+                PartLayout(p + "ffn_up.weight", ffn, ffn),
+            ]
+        else:  # Phi-3: gate and up in one tensor, gate first
+            gate_up = [PartLayout(p + "ffn_up.weight", 0, 2 * ffn)]
+        out = [PartLayout(p + "attn_output.weight", 0, dim)]
+        down = [PartLayout(p + "ffn_down.weight", 0, dim)]
+        layout.append([qkv, out, gate_up, down])
+    return layout
 
 
 class WeightReader:

@@ -12,7 +12,9 @@ The layers never look at the caches' types to find out how to attend: the row ki
 
 Each row of a kind gets what its kind needs: DECODE and CHUNK rows one mask for the span
 (the cache's own, None when every key is visible), EXACT rows a decode step's mask each
-(`RowMasks`) and RoPE tables built position by position (`row_tables`)."""
+(`RowMasks`) and RoPE tables built position by position (`row_tables`). A sequence whose
+caches carry LoRA adapters (`caches.lora`, set by the scheduler) has its rows' adapters
+grouped here once for every layer (engine/lora/rows.py)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from enum import StrEnum
 import torch
 
 from ..kv.cache import Cache
+from ..lora.rows import PassLora, pass_lora
 from ..ops.layers import Rope, RopeTables
 from .exact_rows import RowMasks, row_tables
 
@@ -62,6 +65,8 @@ class LayerRows:
     spans: Sequence[RowSpan]
     caches: Sequence[Cache]
     masks: Sequence[Mask]
+    lora: PassLora | None = None  # the rows' LoRA adapters (None: none carries any)
+    layer: int = 0  # the layer's index (its adapters' updates are per layer)
 
     def __iter__(self) -> Iterator[tuple[RowSpan, Cache, Mask]]:
         return iter(zip(self.spans, self.caches, self.masks, strict=True))
@@ -81,7 +86,9 @@ class LayerRows:
         for index in indices:
             spans.append(replace(self.spans[index], first=first))
             first += self.spans[index].count
-        return LayerRows(spans, [self.caches[i] for i in indices], [self.masks[i] for i in indices])
+        caches, masks = [self.caches[i] for i in indices], [self.masks[i] for i in indices]
+        lora = None if self.lora is None else self.lora.subset(indices)
+        return LayerRows(spans, caches, masks, lora, self.layer)
 
 
 @dataclass(frozen=True)
@@ -94,13 +101,15 @@ class PassMetadata:
     caches: Sequence[Sequence[Cache]]
     rotations: dict[bool, RopeTables]
     masks: dict[bool, list[Mask]]
+    lora: PassLora | None = None
 
     @property
     def rows(self) -> int:
         return sum(span.count for span in self.spans)
 
     def layer(self, index: int, local: bool) -> LayerRows:
-        return LayerRows(self.spans, [one[index] for one in self.caches], self.masks[local])
+        caches = [one[index] for one in self.caches]
+        return LayerRows(self.spans, caches, self.masks[local], self.lora, index)
 
     def to(self, device: torch.device) -> PassMetadata:
         """Tables and masks are built on the CPU; a model on a GPU takes copies once a pass."""
@@ -143,4 +152,6 @@ def build_pass_metadata(
         else:
             cos = torch.cat([t.cos for t in tables])
             rotations[local] = RopeTables(cos, torch.cat([t.signed_sin for t in tables]), rope)
-    return PassMetadata(spans, caches, rotations, masks)
+    sets = [getattr(one, "lora", None) for one in caches]
+    lora = pass_lora(sets, [(span.first, span.count) for span in spans])
+    return PassMetadata(spans, caches, rotations, masks, lora)

@@ -6,10 +6,12 @@ an OpenAI-compatible server, which holds the model (remote.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import MiniappError
 from ..kv.types import kv_type
+from ..lora.registry import LoraSpec
 from ..tokens.spec_modes import SpecMode
 from .base import DEFAULT_CTX, DEFAULT_PARALLEL, DEFAULT_SINKS, Runtime, VisionRuntime
 
@@ -31,6 +33,8 @@ def open_local_runtime(
     parallel: int = 1,
     kv: str | None = None,
     max_queue: int | None = None,
+    lora: Sequence[LoraSpec] = (),
+    lora_budget_mb: int | None = None,
 ) -> Runtime:
     """`sinks` and `window` shape the torch engine's sliding-window cache (see TorchRuntime);
     llama.cpp's Python binding has no equivalent, so it stops at a full context instead.
@@ -38,7 +42,8 @@ def open_local_runtime(
     here runs one at a time; `max_queue` more may wait for a slot (None: the engine's
     default), and further ones are refused (QueueFullError). `kv`: how the KV cache stores
     keys and values (kv_types.py; None: the torch engine's default for the model, llama.cpp's
-    own f16)."""
+    own f16). `lora`: adapters loaded with the model (the torch engine keeps them for
+    requests to pick, within `lora_budget_mb`; llama.cpp applies them to every answer)."""
     kind = None if kv is None else kv_type(kv)  # a bad name is one line, before any loading
     if backend == "torch":
         from .torch_runtime import TorchRuntime
@@ -54,6 +59,8 @@ def open_local_runtime(
             device=device,
             parallel=parallel,
             kv=kind,
+            lora=lora,
+            lora_budget_mb=lora_budget_mb,
             **({} if max_queue is None else {"max_queue": max_queue}),
         )
     if backend == "llamacpp":
@@ -70,7 +77,7 @@ def open_local_runtime(
                 "--parallel applies to the torch backend (llama.cpp here answers one at a time)"
             )
         return LlamaCppRuntime(
-            model_path, n_ctx=n_ctx, threads=threads, logits_all=logits_all, kv=kind
+            model_path, n_ctx=n_ctx, threads=threads, logits_all=logits_all, kv=kind, lora=lora
         )
     if backend == REMOTE_BACKEND:
         raise MiniappError(

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import MiniappError
+from ..lora.registry import LoraRegistry
 from ..platform.compute_thread import ComputeThread
 from ..platform.devices import DevicePlan
 from ..tokens.events import GenerationStats, SpeculationStats
@@ -49,6 +50,7 @@ class RuntimeInfo:
     model_name: str | None = None  # a server's name for its model (--backend openai)
     endpoint: str | None = None  # that server's base URL
     weight_bytes_per_token: int | None = None  # the torch engine: weights a decode step reads
+    adapters: tuple[str, ...] = ()  # LoRA adapters applied to every answer (llama.cpp's)
 
     @property
     def label(self) -> str:
@@ -85,6 +87,10 @@ class Runtime(ABC):
     # Generations it runs at once: above 1 (the torch engine's --parallel), generate_tokens
     # may be called from several threads, and their streams advance together.
     parallel: int = 1
+    # Adapters loaded by name, for requests to pick (SamplingParams.lora) and to load and
+    # unload while the model runs: the torch engine's. None: this runtime cannot (llama.cpp
+    # applies the adapters it was opened with to every answer: RuntimeInfo.adapters).
+    lora: LoraRegistry | None = None
 
     @abstractmethod
     def reusable_prefix(self, prompt: Sequence[int]) -> int:

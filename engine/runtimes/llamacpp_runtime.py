@@ -8,9 +8,12 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import MiniappError
 from ..kv.cache import common_prefix
 from ..kv.types import KVSetting
 from ..llamacpp.library import Llama, OpenedModel, open_model
+from ..lora.adapter import AdapterError, read_adapter
+from ..lora.registry import LoraSpec
 from ..modelfile.checks import check_model_file
 from ..modelfile.gguf_file import GGUFFile
 from ..platform.devices import DeviceProbe
@@ -31,6 +34,27 @@ BATCH = 512  # prompt positions per llama.cpp batch
 GGML_KV_TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8": 8, "q4": 3}
 
 
+def _lora_params(gguf: GGUFFile, lora: Sequence[LoraSpec]) -> dict:
+    """llama-cpp-python's adapter arguments, after our own checks of the file: one line for
+    an adapter that is not one for this model, or that llama.cpp would crash on."""
+    if not lora:
+        return {}
+    if len(lora) > 1:
+        raise MiniappError(
+            "the llamacpp backend takes one LoRA adapter (llama-cpp-python loads one); "
+            "the torch backend takes several"
+        )
+    spec = lora[0]
+    adapter = read_adapter(spec.path, gguf)
+    if adapter.from_f64:
+        raise AdapterError(
+            spec.path,
+            "it holds F64 tensors, which crash llama.cpp; the torch backend reads it "
+            "(or convert it to F32/F16)",
+        )
+    return {"lora_path": str(spec.path), "lora_scale": spec.scale}
+
+
 class LlamaCppRuntime(Runtime):
     backend = "llamacpp"
 
@@ -42,9 +66,11 @@ class LlamaCppRuntime(Runtime):
         logits_all: bool = False,
         probe: DeviceProbe | None = None,
         kv: KVSetting | None = None,
+        lora: Sequence[LoraSpec] = (),
     ):
         """`kv`: llama.cpp's KV cache type (None: its default, f16); a quantized V cache
-        needs llama.cpp's flash attention, which is switched on for it."""
+        needs llama.cpp's flash attention, which is switched on for it. `lora`: at most one
+        adapter (llama-cpp-python takes one, at load), applied to every answer."""
         self.model_path = Path(model_path)
         # Our own reader first: it names the problem in a bad file more clearly than llama.cpp.
         gguf = GGUFFile(self.model_path)
@@ -60,6 +86,8 @@ class LlamaCppRuntime(Runtime):
                 "flash_attn": kv.blocked,  # llama.cpp needs it for a quantized V cache
             }
         self.kv_type = kv.name if kv is not None else "f16"
+        lora_params = _lora_params(gguf, lora)
+        self.adapters = tuple(spec.name for spec in lora)
         opened = self._open(
             gguf,
             n_ctx,
@@ -69,6 +97,7 @@ class LlamaCppRuntime(Runtime):
             n_threads_batch=threads,
             logits_all=logits_all,
             **cache_params,
+            **lora_params,
         )
         self._llm, self.offload = opened.llama, opened.offload
         self.gpu_layers, self.fallbacks = opened.gpu_layers, opened.fallbacks
@@ -104,7 +133,9 @@ class LlamaCppRuntime(Runtime):
         self._llm.reset()
 
     def info(self) -> RuntimeInfo:
-        return RuntimeInfo(self.backend, self.model_path, kv_type=self.kv_type)
+        return RuntimeInfo(
+            self.backend, self.model_path, kv_type=self.kv_type, adapters=self.adapters
+        )
 
     def logit_blocks(
         self, tokens: Sequence[int], first: int = 0, block: int = LOGIT_BLOCK

@@ -10,13 +10,17 @@ import numpy as np
 import torch
 
 from ..batching import DEFAULT_QUEUE, UNLIMITED, BatchConfig, BatchScheduler
-from ..batching.runner import ModelRunner
+from ..batching.runner import ModelRunner, SequenceCaches
 from ..errors import MiniappError
 from ..kv.cache import Cache
 from ..kv.footprint import estimate_footprint
 from ..kv.types import KVSetting, bytes_per_token, default_kv_type, kv_type
+from ..lora.adapter import LoraAdapter
+from ..lora.bound import BoundLora
+from ..lora.registry import LoraRegistry, LoraSpec
 from ..modelfile.gguf_file import GGUFFile
 from ..models import CachePolicy, DecoderModel, Placement, build_model, check_supported
+from ..models.loading import lora_layout
 from ..models.placement import CPU
 from ..models.static_step import StaticDecodeStep
 from ..platform.compute_thread import ComputeThread
@@ -47,7 +51,7 @@ from ..speculative.draft_head import HEAD_ACCEPTANCE_MEMORY, DraftHead, HeadDraf
 from ..speculative.shallow_head import ShallowBlock, ShallowExitDrafter
 from ..tokens.events import SpeculationStats
 from ..tokens.sampler import Sampler, sampler_for
-from ..tokens.sampling import SamplingParams
+from ..tokens.sampling import LoraChoice, SamplingParams
 from ..tokens.stream import TokenStream
 from ..tokens.tokenizer import Tokenizer
 from .base import (
@@ -90,6 +94,8 @@ class TorchRuntime(Runtime):
         parallel: int = 1,
         max_queue: int = DEFAULT_QUEUE,
         kv: KVSetting | str | None = None,
+        lora: Sequence[LoraSpec] = (),
+        lora_budget_mb: int | None = None,
     ):
         if parallel < 1:
             raise MiniappError(f"--parallel {parallel}: run at least one generation at a time")
@@ -118,6 +124,12 @@ class TorchRuntime(Runtime):
         self.draft_controller = DraftController()
         self.early_exit = self._early_exit_drafter()
         self.draft_head = self._draft_head()
+        # LoRA adapters by name, bound to this model's fused projections on first load.
+        self._lora_layout = None
+        budget = None if lora_budget_mb is None else lora_budget_mb << 20
+        self.lora = LoraRegistry(gguf, self._bind_adapter, budget)
+        for spec in lora:
+            self.lora.load(spec.name, spec.path, spec.scale)
         self.parallel = parallel
         graphs, note = decode_step_path(self.probe, self.device_plan, self.config.n_layers)
         self.runner = ModelRunner(self.model, self.policy, graphs, note)
@@ -258,11 +270,20 @@ class TorchRuntime(Runtime):
         return self.scheduler.reusable_prefix(prompt)
 
     def generate_tokens(self, prompt: Sequence[int], params: SamplingParams) -> TokenStream:
-        # The constraint compiles here, so a bad schema fails the call, not the stream.
+        # The constraint compiles here, so a bad schema fails the call, not the stream; an
+        # adapter not loaded fails it too (UnknownAdapterError).
+        adapters = self.lora.resolve(params.lora)
         sampler = sampler_for(params, self.tokenizer, len(prompt))
-        stream = self.scheduler.submit(prompt, params, max_new=UNLIMITED, guide=sampler.guide)
+        stream = self.scheduler.submit(
+            prompt, params, max_new=UNLIMITED, guide=sampler.guide, adapters=adapters
+        )
         self._last_stream = stream
         return stream
+
+    def _bind_adapter(self, name: str, adapter: LoraAdapter) -> BoundLora:
+        if self._lora_layout is None:
+            self._lora_layout = lora_layout(self.gguf, self.config)
+        return BoundLora(name, adapter, self._lora_layout)
 
     def run_steps_on(self, compute: ComputeThread) -> None:
         self.scheduler.driver = compute
@@ -311,10 +332,16 @@ class TorchRuntime(Runtime):
 
     @torch.inference_mode()
     def logit_blocks(
-        self, tokens: Sequence[int], first: int = 0, block: int = LOGIT_BLOCK
+        self,
+        tokens: Sequence[int],
+        first: int = 0,
+        block: int = LOGIT_BLOCK,
+        lora: Sequence[LoraChoice] = (),
     ) -> Iterator[tuple[int, np.ndarray]]:
+        """`lora`: adapters to run with (loaded ones, by name), as a request picks them."""
         policy = CachePolicy(len(tokens), streaming=False, kv_type=self.kv_type)
-        caches = self.model.make_caches(policy)
+        caches = SequenceCaches(self.model.make_caches(policy))
+        caches.lora = self.lora.resolve(lora)
         hidden = torch.cat(list(self._hidden_chunks(tokens, caches)))
         # Only the rows asked for go through the output head, the costliest matmul here.
         for start in range(first, len(tokens), block):

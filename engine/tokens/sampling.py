@@ -8,6 +8,15 @@ from .constraints import OutputConstraint
 
 
 @dataclass(frozen=True)
+class LoraChoice:
+    """One LoRA adapter an answer runs with, by the name it was loaded under, at `scale`
+    (None: the scale it was loaded with). y = W x + scale * alpha / rank * B (A x)."""
+
+    name: str
+    scale: float | None = None
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.8  # <= 0 means greedy
     top_k: int = 40  # <= 0 disables
@@ -28,6 +37,9 @@ class SamplingParams:
     # What the answer must match (a JSON schema, a pattern...): tokens that would break it
     # are masked before sampling (constraints.py). None: free text.
     constraint: OutputConstraint | None = None
+    # LoRA adapters the answer runs with, applied in this order (the torch engine's loaded
+    # adapters, engine/lora). Empty: the base model alone.
+    lora: tuple[LoraChoice, ...] = ()
 
     @property
     def greedy(self) -> bool:

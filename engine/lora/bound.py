@@ -1,0 +1,89 @@
+"""An adapter laid out for one model's projections: what a forward pass reads.
+
+The torch engine fuses Q, K and V into one projection, and gate and up into another, so an
+adapter's pairs are regrouped the same way: per layer and projection, one A with the parts'
+A stacked by rows (one pass over x for all of them) and each part's B with the outputs it
+updates. The tensors are the adapter's own (stacking copies A once; the adapter file's
+copies are dropped), kept in the type the file stores (f32, f16, bf16): a loaded adapter
+costs its own bytes, and the base model is never copied.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ...native.lora import (
+    PROJECTIONS,
+    LoraUpdateStruct,
+    ProjectionUpdate,
+    UpdatePart,
+)
+from .adapter import AdapterError, LoraAdapter
+
+
+@dataclass(frozen=True)
+class PartLayout:
+    """One base tensor's place in a fused projection's outputs."""
+
+    tensor: str  # e.g. blk.0.attn_k.weight
+    out_offset: int
+    out_count: int
+
+
+# Per layer, per projection (QKV, OUT, GATE_UP, DOWN): the tensors it stacks, in order.
+ModelLayout = Sequence[Sequence[Sequence[PartLayout]]]
+
+
+class BoundLora:
+    """An adapter bound to a model of `layout`: `updates[layer][projection]` (None where it
+    changes nothing) and their description for the native kernel (`native`, the address of
+    an array [layers][PROJECTIONS])."""
+
+    def __init__(self, name: str, adapter: LoraAdapter, layout: ModelLayout):
+        self.name, self.path, self.alpha = name, adapter.path, adapter.alpha
+        self.rank = adapter.rank
+        where = {
+            part.tensor: (layer, projection)
+            for layer, projections in enumerate(layout)
+            for projection, parts in enumerate(projections)
+            for part in parts
+        }
+        for tensor in adapter.pairs:
+            if tensor not in where:
+                raise AdapterError(
+                    adapter.path, f"{tensor}: adapters on this weight are not supported"
+                )
+        self.updates: list[list[ProjectionUpdate | None]] = [
+            [_update(adapter, parts) for parts in projections] for projections in layout
+        ]
+        self.nbytes = sum(u.nbytes for layer in self.updates for u in layer if u is not None)
+        self._structs = (LoraUpdateStruct * (len(layout) * PROJECTIONS))()
+        for layer, updates in enumerate(self.updates):
+            for projection, update in enumerate(updates):
+                if update is not None:
+                    update.fill(self._structs[layer * PROJECTIONS + projection])
+        self.native = ctypes.addressof(self._structs)
+
+    def __repr__(self) -> str:
+        return f"BoundLora({self.name!r}, rank {self.rank}, {self.nbytes} bytes)"
+
+
+def _update(adapter: LoraAdapter, parts: Sequence[PartLayout]) -> ProjectionUpdate | None:
+    """The parts of one projection the adapter changes, their A stacked."""
+    present = [(part, adapter.pairs[part.tensor]) for part in parts if part.tensor in adapter.pairs]
+    if not present:
+        return None
+    dtypes = {pair.a.dtype for _, pair in present} | {pair.b.dtype for _, pair in present}
+    dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+    a_rows, update_parts, rank_offset = [], [], 0
+    for part, pair in present:
+        a_rows.append(pair.a.to(dtype))
+        b = pair.b.to(dtype).contiguous()
+        update_parts.append(UpdatePart(part.out_offset, rank_offset, b, adapter.scaling(pair)))
+        rank_offset += pair.rank
+    a = a_rows[0].contiguous() if len(a_rows) == 1 else torch.cat(a_rows).contiguous()
+    return ProjectionUpdate(a, tuple(update_parts))

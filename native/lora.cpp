@@ -1,0 +1,201 @@
+// LoRA updates of a projection, applied unmerged for the rows of a call that carry adapters:
+// the rows of one batch may each run with their own adapters, or none. For each adapter
+// the call uses, its A and B are read once for all of its rows (the gathered low-rank
+// product of Punica's BGMV): u = A x per row, then delta += s B u.
+//
+// The delta goes to the GEMM as its `pre` term, added to W x before the epilogue: a gated
+// feed-forward needs silu(gate + delta_gate) * (up + delta_up), which no sum after the
+// epilogue can give. Rows without an adapter get -0.0, which leaves every value bit for bit
+// as it was (x + -0.0 == x, signed zeros included). Every row is computed on its own, in its
+// own adapters' order, whatever else the call holds: a row comes out the same alone or in a
+// batch, through the fused layer or layer by layer.
+
+#include "common.h"
+
+extern "C" {
+
+constexpr int kMaxLoraParts = 3;  // Q, K and V of a fused projection; gate and up
+constexpr int kLoraProjections = 4;  // Q|K|V, the output projection, gate|up, down
+enum LoraType { kLoraF32 = 0, kLoraBF16 = 1, kLoraF16 = 2 };
+
+// One adapter's update of one projection: u = A x, then each part p adds
+// factor[p] * B_p u[rank_offset[p] .. + part_rank[p]] to outputs out_offset[p] .. + out_count[p].
+struct LoraUpdate {
+  const void* a;  // [rank, k] (the parts' A stacked), or null: the adapter leaves it alone
+  int64_t rank, k;
+  int32_t type;  // of A and B alike (LoraType)
+  int32_t n_parts;
+  const void* b[kMaxLoraParts];  // [out_count, part_rank] each
+  int64_t out_offset[kMaxLoraParts], out_count[kMaxLoraParts];
+  int64_t rank_offset[kMaxLoraParts], part_rank[kMaxLoraParts];
+  float factor[kMaxLoraParts];  // alpha / rank of the part, or 1 without an alpha
+};
+
+// The rows of a call that run with one adapter at one scale, as their j-th adapter (groups
+// come in order of j, so every row adds its adapters' updates in its own order).
+struct LoraGroup {
+  const LoraUpdate* updates;  // the adapter's, [layers][kLoraProjections]
+  float scale;
+  int32_t reserved;
+  const int64_t* rows;  // indices of the call's rows
+  int64_t n_rows;
+};
+
+struct LoraCall {
+  const LoraGroup* groups;
+  int64_t n_groups;
+  int64_t layer;
+};
+
+}  // extern "C"
+
+namespace {
+
+// Below this many bytes of A and B a second thread costs more than it saves.
+constexpr int64_t kMinParallelLoraBytes = 1 << 17;
+
+inline int64_t type_bytes(int type) { return type == kLoraF32 ? 4 : 2; }
+
+TARGET_AVX2 inline __m256 load8(const void* w, int type, int64_t i) {
+  if (type == kLoraF32) return _mm256_loadu_ps(static_cast<const float*>(w) + i);
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
+      static_cast<const uint16_t*>(w) + i));
+  if (type == kLoraF16) return _mm256_cvtph_ps(half);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+
+TARGET_AVX2 inline float load1(const void* w, int type, int64_t i) {
+  if (type == kLoraF32) return static_cast<const float*>(w)[i];
+  const uint16_t bits = static_cast<const uint16_t*>(w)[i];
+  if (type == kLoraF16) return _cvtsh_ss(bits);
+  uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float value;
+  memcpy(&value, &wide, sizeof value);
+  return value;
+}
+
+// w[0..n) . x[0..n), w of `type`: four 8-lane sums, added in one fixed order.
+TARGET_AVX2 float dot(const void* w, int type, const float* x, int64_t n) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    s0 = _mm256_fmadd_ps(load8(w, type, i), _mm256_loadu_ps(x + i), s0);
+    s1 = _mm256_fmadd_ps(load8(w, type, i + 8), _mm256_loadu_ps(x + i + 8), s1);
+    s2 = _mm256_fmadd_ps(load8(w, type, i + 16), _mm256_loadu_ps(x + i + 16), s2);
+    s3 = _mm256_fmadd_ps(load8(w, type, i + 24), _mm256_loadu_ps(x + i + 24), s3);
+  }
+  for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(load8(w, type, i), _mm256_loadu_ps(x + i), s0);
+  __m256 s = _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, s);
+  float total = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
+                ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+  for (; i < n; ++i) total += load1(w, type, i) * x[i];
+  return total;
+}
+
+// u[i][r] = A[r] . x[rows[i]] for r in [r0, r1).
+TARGET_AVX2 void down_project(const LoraUpdate& up, const LoraGroup& g, const float* x, int64_t ldx,
+                              float* u, int64_t r0, int64_t r1) {
+  const int64_t row_bytes = up.k * type_bytes(up.type);
+  for (int64_t r = r0; r < r1; ++r) {
+    const void* a = static_cast<const uint8_t*>(up.a) + r * row_bytes;
+    for (int64_t i = 0; i < g.n_rows; ++i) u[i * up.rank + r] = dot(a, up.type, x + g.rows[i] * ldx, up.k);
+  }
+}
+
+// delta[rows[i]][out] += s_p * (B_p[o] . u[i] part p) for the outputs [o0, o1) of all parts
+// together (numbered in part order).
+TARGET_AVX2 void up_project(const LoraUpdate& up, const LoraGroup& g, const float* u, float* delta,
+                            int64_t ld_delta, int64_t o0, int64_t o1) {
+  int64_t first = 0;  // the part's first output in the numbering
+  for (int p = 0; p < up.n_parts; ++p) {
+    const int64_t count = up.out_count[p], rank = up.part_rank[p];
+    const int64_t lo = o0 > first ? o0 : first, hi = o1 < first + count ? o1 : first + count;
+    const float s = g.scale * up.factor[p];
+    const int64_t row_bytes = rank * type_bytes(up.type);
+    for (int64_t o = lo; o < hi; ++o) {
+      const void* b = static_cast<const uint8_t*>(up.b[p]) + (o - first) * row_bytes;
+      for (int64_t i = 0; i < g.n_rows; ++i) {
+        float* out = delta + g.rows[i] * ld_delta + up.out_offset[p] + (o - first);
+        *out += s * dot(b, up.type, u + i * up.rank + up.rank_offset[p], rank);
+      }
+    }
+    first += count;
+  }
+}
+
+int64_t update_outputs(const LoraUpdate& up) {
+  int64_t n = 0;
+  for (int p = 0; p < up.n_parts; ++p) n += up.out_count[p];
+  return n;
+}
+
+bool update_fits(const LoraUpdate& up, int64_t k, int64_t n_out) {
+  if (up.k != k || up.rank < 1 || up.n_parts < 1 || up.n_parts > kMaxLoraParts) return false;
+  if (up.type != kLoraF32 && up.type != kLoraBF16 && up.type != kLoraF16) return false;
+  for (int p = 0; p < up.n_parts; ++p) {
+    if (!up.b[p] || up.out_offset[p] < 0 || up.out_offset[p] + up.out_count[p] > n_out) return false;
+    if (up.rank_offset[p] < 0 || up.rank_offset[p] + up.part_rank[p] > up.rank) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+extern "C" {
+
+// delta [m, n_out] (row stride ld_delta) for x [m, k] (fp32, row stride ldx): every row's
+// adapters' updates of projection `projection` (0 Q|K|V, 1 output, 2 gate|up, 3 down) of
+// the call's layer, and -0.0 where a row has none. Returns 1 if any row has an update, 0 if
+// none does (delta is then all -0.0 and the GEMM may go without it), -1 for arguments it
+// does not take.
+int miniapp_lora_delta(const LoraCall* call, int projection, const float* x, int64_t ldx,
+                       int64_t k, int64_t m, float* delta, int64_t ld_delta, int64_t n_out,
+                       int threads) {
+  if (!cpu_has(kIsaAvx2) || projection < 0 || projection >= kLoraProjections) return -1;
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t o = 0; o < n_out; ++o) delta[i * ld_delta + o] = -0.0f;
+  }
+  int64_t max_work = 0;
+  bool any = false;
+  for (int64_t j = 0; j < call->n_groups; ++j) {
+    const LoraGroup& g = call->groups[j];
+    const LoraUpdate& up = g.updates[call->layer * kLoraProjections + projection];
+    if (!up.a || g.n_rows == 0) continue;
+    if (!update_fits(up, k, n_out)) return -1;
+    for (int64_t i = 0; i < g.n_rows; ++i) {
+      if (g.rows[i] < 0 || g.rows[i] >= m) return -1;
+    }
+    const int64_t work = g.n_rows * up.rank;
+    max_work = work > max_work ? work : max_work;
+    any = true;
+  }
+  if (!any) return 0;
+  float* u = static_cast<float*>(malloc(sizeof(float) * max_work));
+  if (!u) return -1;
+  for (int64_t j = 0; j < call->n_groups; ++j) {
+    const LoraGroup& g = call->groups[j];
+    const LoraUpdate& up = g.updates[call->layer * kLoraProjections + projection];
+    if (!up.a || g.n_rows == 0) continue;
+    const int64_t outputs = update_outputs(up);
+    const int64_t bytes = (up.rank * up.k + outputs * up.rank) * type_bytes(up.type);
+    const int team = bytes < kMinParallelLoraBytes ? 1 : threads;
+    if (team <= 1) {
+      down_project(up, g, x, ldx, u, 0, up.rank);
+      up_project(up, g, u, delta, ld_delta, 0, outputs);
+      continue;
+    }
+#pragma omp parallel num_threads(team)
+    {
+      const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
+      down_project(up, g, x, ldx, u, up.rank * t / count, up.rank * (t + 1) / count);
+#pragma omp barrier
+      up_project(up, g, u, delta, ld_delta, outputs * t / count, outputs * (t + 1) / count);
+    }
+  }
+  free(u);
+  return 1;
+}
+
+}  // extern "C"
