@@ -154,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print each fully rendered prompt (template, image text, history) to stderr",
     )
+    add_lora_flags(chat, serving=False)
     shape = chat.add_mutually_exclusive_group()
     shape.add_argument(
         "--json",
@@ -359,6 +360,7 @@ def _add_serve_parser(sub) -> None:
         help="address to bind (default: loopback; others need --api-key)",
     )
     serve.add_argument("--port", type=_port, default=8080, help="port (0: any free one)")
+    add_lora_flags(serve, serving=True)
     serve.add_argument(
         "--queue",
         type=_positive_int,
@@ -396,6 +398,44 @@ def _add_api_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_lora_flags(parser: argparse.ArgumentParser, serving: bool) -> None:
+    """LoRA adapters loaded with the model (torch engine: several, picked per request or,
+    in the chat, applied to every answer; llama.cpp: one, applied to every answer)."""
+    if serving:
+        lora_help = (
+            "load a LoRA adapter (GGUF) as NAME, at SCALE (default 1); requests pick it by "
+            "`model` or `lora` (repeatable)"
+        )
+        metavar = "NAME=PATH[:SCALE]"
+    else:
+        lora_help = "answer with this LoRA adapter (GGUF) applied (repeatable)"
+        metavar = "PATH"
+    parser.add_argument("--lora", action="append", default=[], metavar=metavar, help=lora_help)
+    if not serving:
+        parser.add_argument(
+            "--lora-scale",
+            action="append",
+            type=float,
+            default=[],
+            metavar="S",
+            help="the scale of the --lora given in the same position (default 1)",
+        )
+    else:
+        parser.add_argument(
+            "--lora-dir",
+            metavar="DIR",
+            help="the folder run-time loads may read adapters from (default: the models "
+            "folder's adapters/); paths outside it are refused with 403",
+        )
+    parser.add_argument(
+        "--lora-budget-mb",
+        type=_positive_int,
+        metavar="MB",
+        help="memory the loaded adapters may hold; past it the least recently used are let "
+        "go and read again on use (default: no bound)",
+    )
+
+
 def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value < 65536:
@@ -411,6 +451,7 @@ def _add_gui_parser(sub) -> None:
         "--api", action="store_true", help="also serve the OpenAI-compatible API on the GUI's model"
     )
     gui.add_argument("--api-port", type=_port, default=8080, help="--api: its port (0: any)")
+    add_lora_flags(gui, serving=True)
     _add_api_flags(gui)
 
 

@@ -35,6 +35,7 @@ from .lora.registry import (
     LoraRegistry,
     LoraSpec,
     UnknownAdapterError,
+    check_scale,
     parse_lora_flag,
 )
 from .modelfile.checks import check_model_file
@@ -209,6 +210,7 @@ __all__ = [
     "LoraRegistry",
     "LoraSpec",
     "UnknownAdapterError",
+    "check_scale",
     "parse_lora_flag",
     "QueueFullError",
     "pull",

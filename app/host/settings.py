@@ -9,6 +9,7 @@ default here. `Settings.sources` says where each value came from.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import tomllib
 from pathlib import Path
@@ -29,11 +30,14 @@ from miniapp.engine.api import (
     KV_TYPE_NAMES,
     SPEC_MODES,
     GenerationRequest,
+    LoraSpec,
     MiniappError,
     RuntimeConfig,
     SamplingParams,
     SpecMode,
+    check_scale,
     kv_type,
+    parse_lora_flag,
 )
 
 CONFIG_ENV = "MINIAPP_CONFIG"  # a config file elsewhere (tests, several profiles)
@@ -307,7 +311,26 @@ def local_runtime_config(args: argparse.Namespace, model: str | None = None) -> 
         parallel=parallel,
         kv_type=runtime_kv_type(args),
         max_queue=getattr(args, "queue", None),
+        lora=lora_specs(args),
+        lora_budget_mb=getattr(args, "lora_budget_mb", None),
     )
+
+
+def lora_specs(args: argparse.Namespace) -> tuple[LoraSpec, ...]:
+    """The --lora flags (NAME=PATH[:SCALE], or a PATH named after its file), each with the
+    --lora-scale in its position where the chat gives one. A bad one is one line."""
+    flags = getattr(args, "lora", None) or []
+    scales = getattr(args, "lora_scale", None) or []
+    if len(scales) > len(flags):
+        raise MiniappError(f"{len(scales)} --lora-scale for {len(flags)} --lora")
+    specs = [parse_lora_flag(flag) for flag in flags]
+    for index, scale in enumerate(scales):
+        specs[index] = dataclasses.replace(specs[index], scale=check_scale(scale))
+    names = [spec.name for spec in specs]
+    for name in names:
+        if names.count(name) > 1:
+            raise MiniappError(f"two --lora adapters are named {name!r}: give NAME=PATH")
+    return tuple(specs)
 
 
 # ------------------------------------------------------------------ `miniapp config`
