@@ -196,8 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "mode",
         nargs="?",
-        choices=["serve"],
-        help="serve: many clients at once on the batching engine (see --clients)",
+        choices=["serve", "lora"],
+        help="serve: many clients at once on the batching engine (see --clients); lora: "
+        "what a LoRA adapter costs (load, decode, mixed batches), beside llama.cpp",
     )
     _add_model_args(bench, ctx_default=None, backends=BACKENDS)
     _add_kv_type_arg(bench, " (our engine's; llama.cpp, the yardstick, keeps its f16)")
@@ -243,6 +244,16 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=4,
         help="bench serve: requests each client sends, back to back",
+    )
+
+    bench.add_argument(
+        "--lora-rank", type=_positive_int, default=16, help="bench lora: the adapters' rank"
+    )
+    bench.add_argument(
+        "--adapters",
+        type=_positive_int,
+        default=4,
+        help="bench lora: different adapters among the clients (the last --clients count)",
     )
 
     doctor = sub.add_parser("doctor", help="devices, kernels and the path a model would take")
@@ -621,6 +632,10 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         handlers = {"ppl": run_ppl, "compare": run_compare, "asr": run_asr, "json": run_json}
         return handlers[args.eval_command](args)
+    if command == "bench" and args.mode == "lora":
+        from .bench_lora import run_bench_lora
+
+        return run_bench_lora(args)
     if command == "bench" and args.mode == "serve":
         from .bench_serve import run_bench_serve
 

@@ -1,7 +1,9 @@
 // LoRA updates of a projection, applied unmerged for the rows of a call that carry adapters:
 // the rows of one batch may each run with their own adapters, or none. For each adapter
 // the call uses, its A and B are read once for all of its rows (the gathered low-rank
-// product of Punica's BGMV): u = A x per row, then delta += s B u.
+// product of Punica's BGMV): u = A x per row, then delta += s B u. B is kept transposed
+// ([rank, outputs]), so that B u sums whole vectors of outputs, rank by rank, with no
+// horizontal sums (a rank is 8 to 64 values: too short for a dot product to pay).
 //
 // The delta goes to the GEMM as its `pre` term, added to W x before the epilogue: a gated
 // feed-forward needs silu(gate + delta_gate) * (up + delta_up), which no sum after the
@@ -25,7 +27,7 @@ struct LoraUpdate {
   int64_t rank, k;
   int32_t type;  // of A and B alike (LoraType)
   int32_t n_parts;
-  const void* b[kMaxLoraParts];  // [out_count, part_rank] each
+  const void* b[kMaxLoraParts];  // B transposed: [part_rank, out_count] each
   int64_t out_offset[kMaxLoraParts], out_count[kMaxLoraParts];
   int64_t rank_offset[kMaxLoraParts], part_rank[kMaxLoraParts];
   float factor[kMaxLoraParts];  // alpha / rank of the part, or 1 without an alpha
@@ -74,6 +76,15 @@ TARGET_AVX2 inline float load1(const void* w, int type, int64_t i) {
   return value;
 }
 
+// Four 8-lane sums (s[q] holding columns 32c + 8q ..), added in one fixed order.
+TARGET_AVX2 inline float reduce(const __m256 s[4]) {
+  __m256 sum = _mm256_add_ps(_mm256_add_ps(s[0], s[1]), _mm256_add_ps(s[2], s[3]));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, sum);
+  return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
+         ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+}
+
 // w[0..n) . x[0..n), w of `type`: four 8-lane sums, added in one fixed order.
 TARGET_AVX2 float dot(const void* w, int type, const float* x, int64_t n) {
   __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
@@ -85,43 +96,87 @@ TARGET_AVX2 float dot(const void* w, int type, const float* x, int64_t n) {
     s3 = _mm256_fmadd_ps(load8(w, type, i + 24), _mm256_loadu_ps(x + i + 24), s3);
   }
   for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(load8(w, type, i), _mm256_loadu_ps(x + i), s0);
-  __m256 s = _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3));
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, s);
-  float total = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
-                ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+  const __m256 sums[4] = {s0, s1, s2, s3};
+  float total = reduce(sums);
   for (; i < n; ++i) total += load1(w, type, i) * x[i];
   return total;
 }
 
-// u[i][r] = A[r] . x[rows[i]] for r in [r0, r1).
+// u[i][r] = A[r] . x[rows[i]] for r in [r0, r1). Up to four rows share each converted chunk
+// of A; every row's sum runs in the same order as `dot` (a row alone gives the same bits).
 TARGET_AVX2 void down_project(const LoraUpdate& up, const LoraGroup& g, const float* x, int64_t ldx,
                               float* u, int64_t r0, int64_t r1) {
-  const int64_t row_bytes = up.k * type_bytes(up.type);
+  const int64_t row_bytes = up.k * type_bytes(up.type), k = up.k;
   for (int64_t r = r0; r < r1; ++r) {
     const void* a = static_cast<const uint8_t*>(up.a) + r * row_bytes;
-    for (int64_t i = 0; i < g.n_rows; ++i) u[i * up.rank + r] = dot(a, up.type, x + g.rows[i] * ldx, up.k);
+    int64_t i = 0;
+    for (; i + 4 <= g.n_rows && k % 32 == 0; i += 4) {
+      const float* xs[4];
+      for (int j = 0; j < 4; ++j) xs[j] = x + g.rows[i + j] * ldx;
+      __m256 s[4][4];
+      for (int j = 0; j < 4; ++j) {
+        for (int q = 0; q < 4; ++q) s[j][q] = _mm256_setzero_ps();
+      }
+      for (int64_t c = 0; c < k; c += 32) {
+        for (int q = 0; q < 4; ++q) {
+          const __m256 w = load8(a, up.type, c + 8 * q);
+          for (int j = 0; j < 4; ++j) {
+            s[j][q] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xs[j] + c + 8 * q), s[j][q]);
+          }
+        }
+      }
+      for (int j = 0; j < 4; ++j) u[(i + j) * up.rank + r] = reduce(s[j]);
+    }
+    for (; i < g.n_rows; ++i) u[i * up.rank + r] = dot(a, up.type, x + g.rows[i] * ldx, k);
   }
 }
 
-// delta[rows[i]][out] += s_p * (B_p[o] . u[i] part p) for the outputs [o0, o1) of all parts
-// together (numbered in part order).
+// delta[rows[i]][out_offset + o] += s_p * sum over r of B_p[o][r] u[i][rank_offset + r], for the
+// outputs [o0, o1) of all parts together (numbered in part order), 8 at a time.
 TARGET_AVX2 void up_project(const LoraUpdate& up, const LoraGroup& g, const float* u, float* delta,
                             int64_t ld_delta, int64_t o0, int64_t o1) {
   int64_t first = 0;  // the part's first output in the numbering
   for (int p = 0; p < up.n_parts; ++p) {
     const int64_t count = up.out_count[p], rank = up.part_rank[p];
-    const int64_t lo = o0 > first ? o0 : first, hi = o1 < first + count ? o1 : first + count;
-    const float s = g.scale * up.factor[p];
-    const int64_t row_bytes = rank * type_bytes(up.type);
-    for (int64_t o = lo; o < hi; ++o) {
-      const void* b = static_cast<const uint8_t*>(up.b[p]) + (o - first) * row_bytes;
-      for (int64_t i = 0; i < g.n_rows; ++i) {
-        float* out = delta + g.rows[i] * ld_delta + up.out_offset[p] + (o - first);
-        *out += s * dot(b, up.type, u + i * up.rank + up.rank_offset[p], rank);
+    const int64_t lo = (o0 > first ? o0 : first) - first;
+    const int64_t hi = (o1 < first + count ? o1 : first + count) - first;
+    first += count;
+    if (lo >= hi) continue;
+    const float scale = g.scale * up.factor[p];
+    const void* bt = up.b[p];
+    for (int64_t i = 0; i < g.n_rows; ++i) {
+      const float* ui = u + i * up.rank + up.rank_offset[p];
+      float* out = delta + g.rows[i] * ld_delta + up.out_offset[p];
+      int64_t o = lo;
+      for (; o + 32 <= hi; o += 32) {  // four independent sums: the FMA latency hidden
+        __m256 sum[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                         _mm256_setzero_ps()};
+        for (int64_t r = 0; r < rank; ++r) {
+          const __m256 ur = _mm256_set1_ps(ui[r]);
+          for (int q = 0; q < 4; ++q) {
+            sum[q] = _mm256_fmadd_ps(ur, load8(bt, up.type, r * count + o + 8 * q), sum[q]);
+          }
+        }
+        for (int q = 0; q < 4; ++q) {
+          const __m256 scaled = _mm256_mul_ps(_mm256_set1_ps(scale), sum[q]);
+          float* at = out + o + 8 * q;
+          _mm256_storeu_ps(at, _mm256_add_ps(_mm256_loadu_ps(at), scaled));
+        }
+      }
+      for (; o + 8 <= hi; o += 8) {
+        __m256 sum = _mm256_setzero_ps();
+        for (int64_t r = 0; r < rank; ++r) {
+          sum = _mm256_fmadd_ps(_mm256_set1_ps(ui[r]), load8(bt, up.type, r * count + o), sum);
+        }
+        const __m256 scaled = _mm256_mul_ps(_mm256_set1_ps(scale), sum);
+        _mm256_storeu_ps(out + o, _mm256_add_ps(_mm256_loadu_ps(out + o), scaled));
+      }
+      for (; o < hi; ++o) {  // the same sums, one lane at a time
+        float sum = 0.0f;
+        for (int64_t r = 0; r < rank; ++r) sum = fmaf(ui[r], load1(bt, up.type, r * count + o), sum);
+        out[o] += scale * sum;
       }
     }
-    first += count;
   }
 }
 

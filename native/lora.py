@@ -4,7 +4,7 @@ the path a GPU takes.
 
 A projection's update by one adapter: u = A x, then for each part p (Q, K and V of a fused
 Q|K|V; gate and up) outputs out_offset .. out_offset + out_count get
-scale * factor * B_p u[rank_offset .. rank_offset + rank]. Rows without an adapter get -0.0,
+scale * factor * B_p u[rank_offset .. rank_offset + rank] (B_p kept transposed). Rows without an adapter get -0.0,
 which leaves W x bit for bit as it is when the GEMM adds the delta (`BoundGemm.forward`'s
 `pre`).
 """
@@ -60,21 +60,22 @@ class LoraCallStruct(ctypes.Structure):
 
 @dataclass(frozen=True)
 class UpdatePart:
-    """Part p of a projection's update: `b` [out_count, rank] for outputs from
-    `out_offset`, reading u from `rank_offset`; `factor`: alpha / rank, or 1."""
+    """Part p of a projection's update: B transposed, `b_t` [rank, out_count] (contiguous),
+    for outputs from `out_offset`, reading u from `rank_offset`; `factor`: alpha / rank,
+    or 1."""
 
     out_offset: int
     rank_offset: int
-    b: torch.Tensor
+    b_t: torch.Tensor
     factor: float
 
     @property
     def out_count(self) -> int:
-        return self.b.shape[0]
+        return self.b_t.shape[1]
 
     @property
     def rank(self) -> int:
-        return self.b.shape[1]
+        return self.b_t.shape[0]
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ class ProjectionUpdate:
 
     @property
     def nbytes(self) -> int:
-        tensors = (self.a, *(part.b for part in self.parts))
+        tensors = (self.a, *(part.b_t for part in self.parts))
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def fill(self, struct: LoraUpdateStruct) -> None:
@@ -94,7 +95,7 @@ class ProjectionUpdate:
         struct.a, struct.rank, struct.k = self.a.data_ptr(), self.a.shape[0], self.a.shape[1]
         struct.type, struct.n_parts = LORA_TYPES[self.a.dtype], len(self.parts)
         for p, part in enumerate(self.parts):
-            struct.b[p] = part.b.data_ptr()
+            struct.b[p] = part.b_t.data_ptr()
             struct.out_offset[p], struct.out_count[p] = part.out_offset, part.out_count
             struct.rank_offset[p], struct.part_rank[p] = part.rank_offset, part.rank
             struct.factor[p] = part.factor
@@ -153,5 +154,5 @@ def reference_delta(
         for part in update.parts:
             ranks = u[:, part.rank_offset : part.rank_offset + part.rank]
             outputs = slice(part.out_offset, part.out_offset + part.out_count)
-            delta[rows, outputs] += (scale * part.factor) * (ranks @ part.b.float().T)
+            delta[rows, outputs] += (scale * part.factor) * (ranks @ part.b_t.float())
     return delta

@@ -237,8 +237,8 @@ def _update(generator, k, parts, rank, dtype):
     a = torch.randn(rank * len(parts), k, generator=generator).to(dtype)
     made = []
     for p, (offset, count) in enumerate(parts):
-        b = torch.randn(count, rank, generator=generator).to(dtype)
-        made.append(UpdatePart(offset, p * rank, b, 0.5 + p))
+        b_t = torch.randn(rank, count, generator=generator).to(dtype)
+        made.append(UpdatePart(offset, p * rank, b_t, 0.5 + p))
     return ProjectionUpdate(a, tuple(made))
 
 

@@ -82,8 +82,8 @@ def _update(adapter: LoraAdapter, parts: Sequence[PartLayout]) -> ProjectionUpda
     a_rows, update_parts, rank_offset = [], [], 0
     for part, pair in present:
         a_rows.append(pair.a.to(dtype))
-        b = pair.b.to(dtype).contiguous()
-        update_parts.append(UpdatePart(part.out_offset, rank_offset, b, adapter.scaling(pair)))
+        b_t = pair.b.to(dtype).T.contiguous()  # the kernel sums B's columns (see lora.cpp)
+        update_parts.append(UpdatePart(part.out_offset, rank_offset, b_t, adapter.scaling(pair)))
         rank_offset += pair.rank
     a = a_rows[0].contiguous() if len(a_rows) == 1 else torch.cat(a_rows).contiguous()
     return ProjectionUpdate(a, tuple(update_parts))
