@@ -55,6 +55,10 @@ namespace {
 
 // Below this many bytes of A and B a second thread costs more than it saves.
 constexpr int64_t kMinParallelLoraBytes = 1 << 17;
+constexpr int64_t kMinParallelLoraMacs = 1 << 18;
+// From this many rows of a group, threads take rows (each its own, whole); below it, they
+// take ranks and outputs of every row (a decode step's few rows).
+constexpr int64_t kRowsPerThread = 4;
 
 inline int64_t type_bytes(int type) { return type == kLoraF32 ? 4 : 2; }
 
@@ -102,15 +106,30 @@ TARGET_AVX2 float dot(const void* w, int type, const float* x, int64_t n) {
   return total;
 }
 
-// u[i][r] = A[r] . x[rows[i]] for r in [r0, r1). Up to four rows share each converted chunk
-// of A; every row's sum runs in the same order as `dot` (a row alone gives the same bits).
+TARGET_AVX2 void down_project_tile(const LoraUpdate& up, const LoraGroup& g, const float* x,
+                                   int64_t ldx, float* u, int64_t r0, int64_t r1, int64_t i0,
+                                   int64_t i1);
+
+// u[i][r] = A[r] . x[rows[i]] for r in [r0, r1) and the group's rows i in [i0, i1), a tile of
+// rows at a time (their x stays in cache while A's rows pass). Up to four rows share each
+// converted chunk of A; every row's sum runs in the same order as `dot` (a row alone gives
+// the same bits).
 TARGET_AVX2 void down_project(const LoraUpdate& up, const LoraGroup& g, const float* x, int64_t ldx,
-                              float* u, int64_t r0, int64_t r1) {
+                              float* u, int64_t r0, int64_t r1, int64_t i0, int64_t i1) {
+  constexpr int64_t kTileRows = 32;
+  for (int64_t t0 = i0; t0 < i1; t0 += kTileRows) {
+    down_project_tile(up, g, x, ldx, u, r0, r1, t0, t0 + kTileRows < i1 ? t0 + kTileRows : i1);
+  }
+}
+
+TARGET_AVX2 void down_project_tile(const LoraUpdate& up, const LoraGroup& g, const float* x,
+                                   int64_t ldx, float* u, int64_t r0, int64_t r1, int64_t i0,
+                                   int64_t i1) {
   const int64_t row_bytes = up.k * type_bytes(up.type), k = up.k;
   for (int64_t r = r0; r < r1; ++r) {
     const void* a = static_cast<const uint8_t*>(up.a) + r * row_bytes;
-    int64_t i = 0;
-    for (; i + 4 <= g.n_rows && k % 32 == 0; i += 4) {
+    int64_t i = i0;
+    for (; i + 4 <= i1 && k % 32 == 0; i += 4) {
       const float* xs[4];
       for (int j = 0; j < 4; ++j) xs[j] = x + g.rows[i + j] * ldx;
       __m256 s[4][4];
@@ -127,14 +146,15 @@ TARGET_AVX2 void down_project(const LoraUpdate& up, const LoraGroup& g, const fl
       }
       for (int j = 0; j < 4; ++j) u[(i + j) * up.rank + r] = reduce(s[j]);
     }
-    for (; i < g.n_rows; ++i) u[i * up.rank + r] = dot(a, up.type, x + g.rows[i] * ldx, k);
+    for (; i < i1; ++i) u[i * up.rank + r] = dot(a, up.type, x + g.rows[i] * ldx, k);
   }
 }
 
 // delta[rows[i]][out_offset + o] += s_p * sum over r of B_p[o][r] u[i][rank_offset + r], for the
-// outputs [o0, o1) of all parts together (numbered in part order), 8 at a time.
+// outputs [o0, o1) of all parts together (numbered in part order), 8 at a time, and the
+// group's rows i in [i0, i1).
 TARGET_AVX2 void up_project(const LoraUpdate& up, const LoraGroup& g, const float* u, float* delta,
-                            int64_t ld_delta, int64_t o0, int64_t o1) {
+                            int64_t ld_delta, int64_t o0, int64_t o1, int64_t i0, int64_t i1) {
   int64_t first = 0;  // the part's first output in the numbering
   for (int p = 0; p < up.n_parts; ++p) {
     const int64_t count = up.out_count[p], rank = up.part_rank[p];
@@ -144,7 +164,7 @@ TARGET_AVX2 void up_project(const LoraUpdate& up, const LoraGroup& g, const floa
     if (lo >= hi) continue;
     const float scale = g.scale * up.factor[p];
     const void* bt = up.b[p];
-    for (int64_t i = 0; i < g.n_rows; ++i) {
+    for (int64_t i = i0; i < i1; ++i) {
       const float* ui = u + i * up.rank + up.rank_offset[p];
       float* out = delta + g.rows[i] * ld_delta + up.out_offset[p];
       int64_t o = lo;
@@ -235,18 +255,27 @@ int miniapp_lora_delta(const LoraCall* call, int projection, const float* x, int
     if (!up.a || g.n_rows == 0) continue;
     const int64_t outputs = update_outputs(up);
     const int64_t bytes = (up.rank * up.k + outputs * up.rank) * type_bytes(up.type);
-    const int team = bytes < kMinParallelLoraBytes ? 1 : threads;
+    const int64_t n = g.n_rows, macs = n * up.rank * (up.k + outputs);
+    const int team = bytes < kMinParallelLoraBytes && macs < kMinParallelLoraMacs ? 1 : threads;
     if (team <= 1) {
-      down_project(up, g, x, ldx, u, 0, up.rank);
-      up_project(up, g, u, delta, ld_delta, 0, outputs);
-      continue;
-    }
+      down_project(up, g, x, ldx, u, 0, up.rank, 0, n);
+      up_project(up, g, u, delta, ld_delta, 0, outputs, 0, n);
+    } else if (n >= kRowsPerThread * team) {
 #pragma omp parallel num_threads(team)
-    {
-      const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
-      down_project(up, g, x, ldx, u, up.rank * t / count, up.rank * (t + 1) / count);
+      {
+        const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
+        const int64_t i0 = n * t / count, i1 = n * (t + 1) / count;
+        down_project(up, g, x, ldx, u, 0, up.rank, i0, i1);
+        up_project(up, g, u, delta, ld_delta, 0, outputs, i0, i1);
+      }
+    } else {
+#pragma omp parallel num_threads(team)
+      {
+        const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
+        down_project(up, g, x, ldx, u, up.rank * t / count, up.rank * (t + 1) / count, 0, n);
 #pragma omp barrier
-      up_project(up, g, u, delta, ld_delta, outputs * t / count, outputs * (t + 1) / count);
+        up_project(up, g, u, delta, ld_delta, outputs * t / count, outputs * (t + 1) / count, 0, n);
+      }
     }
   }
   free(u);

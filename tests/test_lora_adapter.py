@@ -169,3 +169,32 @@ def test_llama_cpp_applies_an_adapter_as_its_merged_weights(tmp_path):
     assert np.abs(adapted - plain).max() > 0.1  # the adapter changes the answer
     np.testing.assert_allclose(adapted, _llama_cpp_logits(merged_path, tokens), atol=2e-3)
     np.testing.assert_array_equal(_llama_cpp_logits(base_path, tokens, zero), plain)
+
+
+def test_a_q8_0_adapter_is_read_as_its_dequantized_values(base, tmp_path):
+    """llama.cpp's converter writes Q8_0 adapters too (--outtype q8_0)."""
+    from gguf import GGUFWriter
+    from gguf.quants import quantize
+
+    source = read_adapter(write_tiny_adapter(tmp_path / "f.gguf", base.path), base)
+    writer = GGUFWriter(str(tmp_path / "q8.gguf"), base.architecture)
+    writer.add_string("general.type", "adapter")
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", source.alpha)
+    for name, pair in source.pairs.items():
+        for suffix, values in ((".lora_a", pair.a), (".lora_b", pair.b)):
+            if values.shape[1] % 32:  # Q8_0 blocks are 32 values of a row
+                writer.add_tensor(name + suffix, values.numpy())
+                continue
+            blocks = quantize(values.numpy(), Q.Q8_0)
+            writer.add_tensor(name + suffix, blocks, raw_shape=blocks.shape, raw_dtype=Q.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    read = read_adapter(tmp_path / "q8.gguf", base)
+    assert read.pairs.keys() == source.pairs.keys()
+    pair, original = read.pairs["blk.0.attn_q.weight"], source.pairs["blk.0.attn_q.weight"]
+    assert pair.a.dtype == torch.float16
+    torch.testing.assert_close(pair.a.float(), original.a, atol=0.02, rtol=0.02)
+    assert not torch.equal(pair.a.float(), original.a)  # quantized, then read back

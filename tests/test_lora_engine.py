@@ -279,3 +279,36 @@ def test_the_native_kernel_agrees_with_torch_and_rows_are_their_own(dtype):
     alone_structs[0].rows, alone_structs[0].n_rows = row.data_ptr(), 1
     alone = LoraCallStruct(__import__("ctypes").addressof(alone_structs), 1, 0)
     assert torch.equal(kernel.delta(alone, 2, x[3:4], n_out)[0], native[3])
+
+
+def _kl(log_p: np.ndarray, log_q: np.ndarray) -> float:
+    """Mean KL(p || q) over rows, from log-softmaxed rows."""
+    return float((np.exp(log_p) * (log_p - log_q)).sum(-1).mean())
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits.astype(np.float64) - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def test_smollm2_with_a_rank_8_adapter_on_every_projection_matches_llama_cpp(
+    default_model, tmp_path
+):
+    """The bundled model and a rank-8 adapter on q, k, v, o, gate, up and down: llama.cpp's
+    logits as closely as the base model's (test_default_model.py's bounds)."""
+    from miniapp.assets import sample_texts
+    from miniapp.engine.evaluation.lora_bench import write_random_adapter
+
+    adapter = write_random_adapter(default_model, tmp_path / "r8.gguf", rank=8, seed=5)
+    ours = TorchRuntime(default_model, n_ctx=512, lora=[LoraSpec("r8", adapter)])
+    theirs = LlamaCppRuntime(
+        default_model, n_ctx=512, logits_all=True, lora=[LoraSpec("r8", adapter)]
+    )
+    tokens = ours.tokenizer.encode("\n\n".join(sample_texts()), parse_special=False)[:512]
+    adapted = np.concatenate([r for _, r in ours.logit_blocks(tokens, lora=[LoraChoice("r8")])])
+    oracle = theirs.logits(tokens)
+    log_ours, log_oracle = _log_softmax(adapted), _log_softmax(oracle)
+    assert (adapted.argmax(-1) == oracle.argmax(-1)).mean() >= 0.945
+    assert _kl(log_oracle, log_ours) < 0.01
+    # The adapter moves the distribution well past that disagreement.
+    assert _kl(_log_softmax(ours.logits(tokens)), log_ours) > 0.05
