@@ -4,9 +4,9 @@ the path a GPU takes.
 
 A projection's update by one adapter: u = A x, then for each part p (Q, K and V of a fused
 Q|K|V; gate and up) outputs out_offset .. out_offset + out_count get
-scale * factor * B_p u[rank_offset .. rank_offset + rank] (B_p kept transposed). Rows without an adapter get -0.0,
-which leaves W x bit for bit as it is when the GEMM adds the delta (`BoundGemm.forward`'s
-`pre`).
+scale * factor * B_p u[rank_offset .. rank_offset + rank], B_p kept transposed. Rows
+without an adapter get -0.0, which leaves W x bit for bit as it is when the GEMM adds the
+delta (`BoundGemm.forward`'s `pre`).
 """
 
 from __future__ import annotations
