@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API (FastAPI), a thin layer over `service.py`.
 
 Routes: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions,
-GET /metrics.
+GET /metrics; LoRA adapters' POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter and
+GET /lora-adapters (lora.py).
 Streams are server-sent events in OpenAI's chunk shape, ending with `data: [DONE]`.
 """
 
@@ -24,6 +25,7 @@ from miniapp.engine.api import (
     ConstraintError,
     Finished,
     GenerationRequest,
+    LoraChoice,
     Message,
     OutputConstraint,
     SamplingParams,
@@ -37,6 +39,7 @@ from .audio import audio_router
 from .errors import ApiError, bad_request, error_response
 from .images import ServedImages, vision_producer
 from .logprobs import chat_logprobs, completion_logprobs
+from .lora import Picked, adapters_folder, lora_router, pick_adapters
 from .metrics import ServeMetrics, metrics_router
 from .middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from .models import model_listing, warm_listing
@@ -57,6 +60,7 @@ class ServeOptions:
     defaults: SamplingParams = SamplingParams()  # the settings' sampling, for unset fields
     asr_model: str | None = None  # transcriptions: a faster-whisper folder (None: bundled)
     threads: int | None = None  # CPU threads for transcription (None: all)
+    lora_dir: str | None = None  # where run-time adapter loads may read (None: models/adapters)
 
 
 def create_app(served: ServedModel, options: ServeOptions) -> FastAPI:
@@ -75,6 +79,7 @@ def create_app(served: ServedModel, options: ServeOptions) -> FastAPI:
     app.include_router(audio_router(served, options))
     metrics = ServeMetrics(served)
     app.include_router(metrics_router(metrics))
+    app.include_router(lora_router(served, adapters_folder(options.lora_dir)))
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -95,9 +100,9 @@ def create_app(served: ServedModel, options: ServeOptions) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _refuse(body.refused())
-        served.check_model(body.model)
-        tools = ToolPlan.of(body)
         runtime = served.runtime()
+        picked = pick_adapters(served, runtime, body.model, body.lora)
+        tools = ToolPlan.of(body)
         template = served.template(runtime)
         if tools is not None:
             tools = tools.for_template(template)
@@ -105,33 +110,39 @@ def create_app(served: ServedModel, options: ServeOptions) -> FastAPI:
         messages = messages_for(tools, template, await images.messages(body.messages))
         if any(m.pictures for m in messages):
             pictured = _jobs_with_pictures(
-                served, images, body, messages, options.defaults, constraint
+                served, images, body, messages, options.defaults, constraint, picked
             )
             answer = Answer("chatcmpl", served.model_id, body, None, runtime.tokenizer, tools=tools)
             return await _respond(served, runtime, pictured, answer, request, metrics)
         prompt = served.chat_prompt(runtime, messages, tools.template_tools() if tools else None)
         check_fits(runtime, prompt, "messages")
         limit = token_limit(runtime, prompt, body.token_limit())
-        base = _generation_request(body, options.defaults, limit, constraint)
+        base = _generation_request(body, options.defaults, limit, constraint, picked.choices)
         jobs = [Job(i, prompt, seeded(base, i)) for i in range(body.n)]
         answer = Answer(
-            "chatcmpl", served.model_id, body, len(prompt), runtime.tokenizer, tools=tools
+            "chatcmpl",
+            picked.model or served.model_id,
+            body,
+            len(prompt),
+            runtime.tokenizer,
+            tools=tools,
+            adapters=picked.names,
         )
         return await _respond(served, runtime, jobs, answer, request, metrics)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         _refuse(body.refused())
-        served.check_model(body.model)
-        constraint = _output_constraint(body)
         runtime = served.runtime()
+        picked = pick_adapters(served, runtime, body.model, body.lora)
+        constraint = _output_constraint(body)
         jobs, prompt_tokens, echoes = [], 0, {}
         for p, given in enumerate(body.prompts()):
             prompt = served.text_prompt(runtime, given)
             check_fits(runtime, prompt, "prompt")
             prompt_tokens += len(prompt)
             limit = token_limit(runtime, prompt, body.token_limit())
-            base = _generation_request(body, options.defaults, limit, constraint)
+            base = _generation_request(body, options.defaults, limit, constraint, picked.choices)
             for j in range(body.n):
                 index = p * body.n + j
                 jobs.append(Job(index, prompt, seeded(base, j)))
@@ -139,7 +150,15 @@ def create_app(served: ServedModel, options: ServeOptions) -> FastAPI:
                     echoes[index] = (
                         given if isinstance(given, str) else runtime.tokenizer.decode(list(given))
                     )
-        answer = Answer("cmpl", served.model_id, body, prompt_tokens, runtime.tokenizer, echoes)
+        answer = Answer(
+            "cmpl",
+            picked.model or served.model_id,
+            body,
+            prompt_tokens,
+            runtime.tokenizer,
+            echoes,
+            adapters=picked.names,
+        )
         return await _respond(served, runtime, jobs, answer, request, metrics)
 
     return app
@@ -167,6 +186,7 @@ def _generation_request(
     defaults: SamplingParams,
     max_tokens: int,
     constraint: OutputConstraint | None = None,
+    lora: tuple[LoraChoice, ...] = (),
 ):
     fields = {
         name: getattr(body, name)
@@ -186,6 +206,7 @@ def _generation_request(
         **{k: v for k, v in fields.items() if v is not None},
         logprobs=body.logprob_count(),
         constraint=constraint,
+        lora=lora,
     )
     return GenerationRequest(
         max_tokens=max_tokens,
@@ -209,6 +230,7 @@ class Answer:
     tokenizer: Tokenizer
     echoes: dict[int, str] | None = None
     tools: ToolPlan | None = None  # the answers may be tool calls
+    adapters: tuple[str, ...] = ()  # the LoRA adapters the answers run with (metrics)
 
     def __post_init__(self):
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
@@ -308,9 +330,16 @@ def _jobs_with_pictures(
     messages: list[Message],
     defaults: SamplingParams,
     constraint: OutputConstraint | None,
+    picked: Picked,
 ) -> list[Job]:
     """A chat with pictures goes to the model's vision projector: its answers take turns on
     the vision runtime, which evaluates the pictures (OCR'd images never come here)."""
+    if picked.asked:
+        raise bad_request(
+            "LoRA adapters are not applied to answers about pictures (the vision model's path)",
+            "lora" if picked.model is None else "model",
+            code="unsupported_parameter",
+        )
     if body.logprob_count() is not None:
         raise bad_request(
             "logprobs are not reported for answers about pictures (the vision model's path)",
@@ -334,7 +363,8 @@ async def _respond(
     request: Request,
     metrics: ServeMetrics,
 ):
-    relay = Relay(served.host, runtime, jobs, metrics.observer(len(jobs))).start()
+    relay = Relay(served.host, runtime, jobs, metrics.observer(len(jobs), answer.adapters))
+    relay.start()
     try:
         await relay.accepted()
     except BaseException:

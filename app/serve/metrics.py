@@ -10,6 +10,10 @@ never share figures.
 
 Every figure is per answer: a request with `n` choices, or several prompts, runs that many
 sequences, and each counts its own prompt.
+
+LoRA adapters (labelled `adapter`): answers run with each, and, read from the engine's
+registry at scrape time, each loaded adapter's bytes in memory, its latest load's seconds
+and how often it was read from its file.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import GaugeMetricFamily
 
 from miniapp.engine.api import Finished, FinishReason
 
@@ -79,9 +84,10 @@ class ServeMetrics:
         self._define_histograms()
         self._define_gauges()
 
-    def observer(self, jobs: int) -> RequestObserver:
-        """The observer of one request's relay, started now (its latencies count from here)."""
-        return RequestObserver(self, jobs)
+    def observer(self, jobs: int, adapters: tuple[str, ...] = ()) -> RequestObserver:
+        """The observer of one request's relay, started now (its latencies count from here);
+        `adapters`: the LoRA adapters its answers run with."""
+        return RequestObserver(self, jobs, adapters)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -107,6 +113,9 @@ class ServeMetrics:
         )
         self.accepted_tokens = counter(
             "miniapp_spec_decode_accepted_tokens", "Drafted tokens the model accepted"
+        )
+        self.adapter_requests = counter(
+            "miniapp_lora_requests", "Answers run with each LoRA adapter", ("adapter",)
         )
 
     def _define_histograms(self) -> None:
@@ -151,6 +160,7 @@ class ServeMetrics:
         }
         for name, (text, read) in figures.items():
             Gauge(name, text, registry=self.registry).set_function(read)
+        self.registry.register(_AdapterFigures(self))
 
     # -- what the gauges read at scrape time
 
@@ -179,6 +189,39 @@ class ServeMetrics:
         return self._kv_reserved() / budget if budget else 0.0
 
 
+class _AdapterFigures:
+    """The loaded LoRA adapters' gauges, one series each, read from the torch engine's
+    registry at the scrape (an unloaded adapter's series go with it)."""
+
+    def __init__(self, metrics: ServeMetrics):
+        self.metrics = metrics
+
+    def collect(self):
+        families = {
+            "bytes": GaugeMetricFamily(
+                "miniapp_lora_adapter_bytes",
+                "A loaded LoRA adapter's A and B in memory (0 while let go past the budget)",
+                labels=("adapter",),
+            ),
+            "seconds": GaugeMetricFamily(
+                "miniapp_lora_adapter_load_seconds",
+                "Seconds a LoRA adapter's latest read from its file took",
+                labels=("adapter",),
+            ),
+            "loads": GaugeMetricFamily(
+                "miniapp_lora_adapter_loads",
+                "Times a loaded LoRA adapter was read from its file (reread past the budget)",
+                labels=("adapter",),
+            ),
+        }
+        registry = getattr(self.metrics.served.host.runtime, "lora", None)
+        for info in registry.list() if registry is not None else ():
+            families["bytes"].add_metric([info.name], info.nbytes if info.resident else 0)
+            families["seconds"].add_metric([info.name], info.load_seconds)
+            families["loads"].add_metric([info.name], info.loads)
+        yield from families.values()
+
+
 class _TurnCounts:
     """Answers running and waiting where they take turns (a runtime without a scheduler:
     llama.cpp, or --parallel 1), as their relays report them."""
@@ -198,8 +241,8 @@ class RequestObserver(RelayObserver):
     """Records one request's answers into the app's metrics. Latencies count from the
     observer's creation, so a first token's includes the time waiting for a slot."""
 
-    def __init__(self, metrics: ServeMetrics, jobs: int):
-        self.metrics = metrics
+    def __init__(self, metrics: ServeMetrics, jobs: int, adapters: tuple[str, ...] = ()):
+        self.metrics, self.adapters = metrics, adapters
         self.started_at = time.perf_counter()
         self._last_token_at: dict[int, float] = {}  # each index is one generation thread's
         self._lock = threading.Lock()
@@ -212,6 +255,8 @@ class RequestObserver(RelayObserver):
             opened = 1 if self._unopened else 0  # one may open after `closed` (a race)
             self._unopened -= opened
         self.metrics.turns.add(running=1, waiting=-opened)
+        for name in self.adapters:
+            self.metrics.adapter_requests.labels(name).inc()
 
     def token(self, index: int) -> None:
         now = time.perf_counter()

@@ -1,5 +1,7 @@
-"""`GET /v1/models`: the loaded model first, then the models folder's other GGUFs, each with
-its context length (the loaded one's as it runs, the others' as trained).
+"""`GET /v1/models`: the loaded model first, then its loaded LoRA adapters (each a model a
+request may name, with `parent`: the base, as vLLM lists them), then the models folder's
+other GGUFs, each with its context length (the loaded one's as it runs, the others' as
+trained).
 
 Each file's context length is read once (per size and modification time), by a scan that
 stops at that key, off the event loop; the server reads them in the background as it
@@ -13,11 +15,17 @@ from pathlib import Path
 
 from miniapp.engine.api import MiniappError, installed_models, read_scalar
 
+from .lora import served_adapters
+
 
 def model_listing(served) -> list[dict]:
     runtime = served.host.runtime
     loaded = Path(runtime.model_path).resolve() if runtime is not None else None
-    listed = [_entry(served.model_id, runtime.n_ctx if runtime else None, True, loaded)]
+    context = runtime.n_ctx if runtime else None
+    listed = [_entry(served.model_id, context, True, loaded)]
+    for adapter in served_adapters(served, runtime):
+        entry = _entry(adapter.name, context, True, adapter.path)
+        listed.append(entry | {"parent": served.model_id, "root": str(adapter.path)})
     for name, path in installed_models():
         if path.resolve() != loaded:
             listed.append(_entry(name, _trained_context(path), False, path))

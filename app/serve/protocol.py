@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from miniapp.engine.api import ConstraintError, ConstraintKind, OutputConstraint
 
 MAX_CHOICES = 8  # `n`: answers to one request
 MAX_STOPS = 16
+MAX_ADAPTERS = 16  # `lora`: adapters one request runs with
+MAX_LORA_SCALE = 100.0  # the engine's bound (check_scale)
 
 
 class _Body(BaseModel):
@@ -127,6 +129,22 @@ class ToolChoiceFunction(_Body):
     function: ChosenFunction
 
 
+class LoraPick(_Body):
+    """An adapter a request runs with (llama-server's `lora` field): its `id` (its index in
+    /v1/models' adapters, as /lora-adapters numbers them) or its `name`, and a scale (unset:
+    the one it was loaded with; 0: not applied)."""
+
+    id: int | None = Field(None, ge=0)
+    name: str | None = Field(None, min_length=1, max_length=128)
+    scale: float | None = Field(None, ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _id_or_name(self) -> LoraPick:
+        if (self.id is None) == (self.name is None):
+            raise ValueError("give the adapter's id or its name (one of them)")
+        return self
+
+
 class Sampling(_Body):
     """What chat and completion requests share: sampling, limits, choices, streaming."""
 
@@ -153,6 +171,8 @@ class Sampling(_Body):
     grammar: str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    # llama-server's LoRA adapters for this request (see LoraPick); `model` may name one too.
+    lora: list[LoraPick] | None = Field(None, max_length=MAX_ADAPTERS)
 
     def output_constraint(self) -> OutputConstraint | None:
         """What the answer must match (checked: ConstraintError if it does not compile)."""
@@ -266,3 +286,19 @@ class CompletionRequest(Sampling):
         if self.suffix:
             return "suffix", "'suffix' (insertion) is not supported by this server"
         return None
+
+
+class LoadLoraRequest(_Body):
+    """vLLM's `POST /v1/load_lora_adapter`; `scale` is ours (the default for requests that
+    give none; 1 if unset)."""
+
+    lora_name: str = Field(min_length=1, max_length=128)
+    lora_path: str = Field(min_length=1)
+    scale: float | None = Field(None, ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE, allow_inf_nan=False)
+    load_inplace: bool = False  # vLLM's: replace a loaded adapter of that name (refused)
+
+
+class UnloadLoraRequest(_Body):
+    """vLLM's `POST /v1/unload_lora_adapter`."""
+
+    lora_name: str = Field(min_length=1)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -30,6 +30,7 @@ from miniapp.engine.api import (
     Runtime,
     RuntimeConfig,
     TokenStream,
+    UnknownAdapterError,
     generate,
     resolve_model,
 )
@@ -81,12 +82,15 @@ class ServedModel:
         path = Path(self.spec.model)
         return {self.model_id, self.spec.model, path.name, path.stem}
 
-    def check_model(self, name: str) -> None:
-        if name not in self.aliases:
+    def check_model(self, name: str, adapters: Sequence[str] = ()) -> None:
+        """404 for a name that is neither this model's nor one of `adapters`' (loaded LoRA
+        adapters, which a request may name instead, see lora.py)."""
+        if name not in self.aliases and name not in adapters:
+            also = f" and the adapters {', '.join(adapters)}" if adapters else ""
             raise ApiError(
                 404,
                 f"The model '{name}' does not exist or is not loaded (this "
-                f"server runs '{self.model_id}')",
+                f"server runs '{self.model_id}'{also})",
                 code="model_not_found",
                 param="model",
             )
@@ -372,6 +376,8 @@ def api_error_for(exc: BaseException) -> ApiError | BaseException:
             code="model_loading",
             headers={"Retry-After": str(RETRY_AFTER_S)},
         )
+    if isinstance(exc, UnknownAdapterError):  # unloaded after the request was checked
+        return ApiError(404, str(exc), code="model_not_found")
     if isinstance(exc, ContextFullError):
         return bad_request(str(exc), code="context_length_exceeded")
     if isinstance(exc, MiniappError):
