@@ -270,6 +270,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=KV_TYPE_HELP + ", for the KV cache estimate",
     )
     doctor.add_argument("--json", action="store_true", help="print one JSON object")
+    doctor.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="also check a LoRA adapter for the model: its rank, bytes and load time (repeatable)",
+    )
 
     calibrate = sub.add_parser(
         "calibrate",

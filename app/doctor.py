@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from dataclasses import asdict
+from pathlib import Path
 
-from miniapp.engine.api import GGUFFile, resolve_model
+from miniapp.engine.api import AdapterError, GGUFFile, read_adapter, resolve_model
 from miniapp.engine.kv.footprint import estimate_footprint
 from miniapp.engine.kv.types import KV_SETTING_NAMES, kv_type
 from miniapp.engine.platform.cpu_features import cpu_features
@@ -58,12 +60,33 @@ def run_doctor(args: argparse.Namespace) -> int:
         "decode_step": decode_step_path(probe, plan, footprint.n_layers)[1],
         "llama_cpp": _llama_cpp_report(probe, footprint),
         "audio_inputs": _audio_inputs(),
+        "lora": [_adapter_report(gguf, Path(path)) for path in getattr(args, "lora", [])],
     }
     if args.json:
         print(json.dumps(report))
     else:
         _print_report(report)
     return 0
+
+
+def _adapter_report(gguf: GGUFFile, path: Path) -> dict:
+    """A LoRA adapter checked against the model: what it holds, what it costs to load and
+    keep (the torch engine keeps its tensors as stored), or the one line refusing it."""
+    start = time.perf_counter()
+    try:
+        adapter = read_adapter(path, gguf)
+    except AdapterError as exc:
+        return {"path": str(path), "error": str(exc)}
+    seconds = time.perf_counter() - start
+    return {
+        "path": str(path),
+        "rank": adapter.rank,
+        "alpha": adapter.alpha,
+        "weights": len(adapter.pairs),
+        "bytes": adapter.nbytes,
+        "read_seconds": seconds,
+        "llama_cpp_reads_it": not adapter.from_f64,
+    }
 
 
 def _kv_cache_report(gguf: GGUFFile, kind, ctx: int, bytes_at_ctx: int) -> dict:
@@ -182,3 +205,15 @@ def _print_report(report: dict) -> None:
     )
     audio = report["audio_inputs"]
     print(f"audio inputs: {', '.join(audio['devices']) if audio['devices'] else audio['error']}")
+    for adapter in report["lora"]:
+        if "error" in adapter:
+            print(f"LoRA adapter: {adapter['error']}")
+            continue
+        llama = (
+            "" if adapter["llama_cpp_reads_it"] else "; F64 tensors: llama.cpp would crash on it"
+        )
+        print(
+            f"LoRA adapter {adapter['path']}: rank {adapter['rank']} on {adapter['weights']} "
+            f"weights, {_size(adapter['bytes'])} kept, read and checked in "
+            f"{adapter['read_seconds'] * 1000:.0f} ms{llama}"
+        )

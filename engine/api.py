@@ -27,7 +27,7 @@ from .errors import (
     UnsupportedModelError,
 )
 from .kv.types import DEFAULT_KV_TYPE, KV_TYPE_NAMES, kv_type
-from .lora.adapter import AdapterError
+from .lora.adapter import AdapterError, read_adapter
 from .lora.registry import (
     AdapterInfo,
     AdapterNameError,
@@ -212,6 +212,7 @@ __all__ = [
     "UnknownAdapterError",
     "check_scale",
     "parse_lora_flag",
+    "read_adapter",
     "QueueFullError",
     "pull",
     "check_model_file",

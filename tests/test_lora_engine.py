@@ -312,3 +312,26 @@ def test_smollm2_with_a_rank_8_adapter_on_every_projection_matches_llama_cpp(
     assert _kl(log_oracle, log_ours) < 0.01
     # The adapter moves the distribution well past that disagreement.
     assert _kl(_log_softmax(ours.logits(tokens)), log_ours) > 0.05
+
+
+def test_doctor_reports_an_adapters_bytes_and_load_time_or_why_not(
+    default_model, miniapp_exe, tmp_path
+):
+    import json
+    import subprocess
+
+    from miniapp.engine.evaluation.lora_bench import write_random_adapter
+
+    good = write_random_adapter(default_model, tmp_path / "r4.gguf", rank=4)
+    other = write_tiny_adapter(tmp_path / "other.gguf", write_tiny_model(tmp_path / "t.gguf"))
+    done = subprocess.run(
+        [miniapp_exe, "doctor", "--json", "--lora", str(good), "--lora", str(other)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    first, second = json.loads(done.stdout)["lora"]
+    assert first["rank"] == 4 and first["weights"] == 7 * 30  # every projection, 30 layers
+    assert first["bytes"] > 0 and first["read_seconds"] > 0 and first["llama_cpp_reads_it"]
+    assert "other.gguf" in second["error"] and "\n" not in second["error"]
