@@ -6,7 +6,8 @@ With --audio FILE the file's transcript is the (first) message; with --voice, En
 empty line records until the next Enter (push-to-talk). Spoken messages keep their word times.
 --json / --json-schema FILE constrain every answer to JSON (engine/tokens/constraints.py).
 Images (--image, /image) go with the next message: as OCR text, or to a vision model
-(chat_images.py). The conversation itself (history, template, fitting the context, the
+(chat_images.py). LoRA adapters (--lora, /lora) pick the fine-tune each answer runs with
+(chat_lora.py). The conversation itself (history, template, fitting the context, the
 vision switch) is engine/chat/conversation.py's.
 """
 
@@ -43,12 +44,19 @@ from miniapp.engine.api import (
 from miniapp.engine.images import ImageAttachment
 
 from .chat_images import ChatImages, image_paths, pictures_of, print_prompt, with_image_labels
+from .chat_lora import ChatAdapters, startup_adapters
 from .host.settings import local_runtime_config
 from .transcribe import VoiceInput, spoken_file
 
 PROMPT = ">>> "
 HELP = """commands:
   /image PATH   attach an image to your next message (repeatable; /image lists them)
+  /lora         list the LoRA adapters loaded (* = answers run with it)
+  /lora load PATH [SCALE]
+                load an adapter (named after its file) and answer with it alone
+  /lora use NAME[:SCALE][,NAME...]
+                answer with these loaded adapters from now on
+  /lora off     answer with the base model (/lora unload NAME lets one go)
   /reset        start a new conversation (attached images are dropped too)
   /stats        speed of the last answer
   /exit         quit (also Ctrl-D)
@@ -96,10 +104,17 @@ class ChatTurns:
     """The terminal's side of a conversation: attached images go with the next message (as
     OCR text, or as pictures for a vision model), and --show-prompt prints what it renders."""
 
-    def __init__(self, conversation: Conversation, images: ChatImages, show_prompt: bool):
+    def __init__(
+        self,
+        conversation: Conversation,
+        images: ChatImages,
+        show_prompt: bool,
+        adapters: ChatAdapters | None = None,
+    ):
         self.conversation = conversation
         self.images = images
         self.show_prompt = show_prompt
+        self.adapters = adapters or ChatAdapters("none")
 
     def send(
         self, text: str | Message, should_stop: Callable[[], bool]
@@ -108,15 +123,17 @@ class ChatTurns:
         pictures = pictures_of(attachments)
         message = with_image_labels(text, attachments)
         if pictures and self.images.route.switches_backend and not self.conversation.on_vision:
+            unadapted = " (without LoRA adapters)" if self.adapters.active else ""
             print(
                 f"images: sent to the vision model ({self.images.route.reason}); the rest of "
-                "this conversation runs on llama.cpp",
+                f"this conversation runs on llama.cpp{unadapted}",
                 file=sys.stderr,
                 flush=True,
             )
         if self.show_prompt:
             print_prompt(self.conversation.preview(message, pictures=len(pictures)))
-        return self.conversation.send(message, pictures, should_stop=should_stop)
+        request = self.adapters.request(self.conversation.request)
+        return self.conversation.send(message, pictures, request, should_stop=should_stop)
 
     def reset(self) -> None:
         self.conversation.reset()
@@ -128,6 +145,7 @@ def run_chat(args: argparse.Namespace) -> int:
     model_path = None if remote else resolve_model(args.model)
     interactive = sys.stdin.isatty()
     request = request_from_args(args)
+    adapters = ChatAdapters(args.backend, () if remote else startup_adapters(args))
     # Bad images, a bad --mmproj and bad or silent audio are one-line errors (exit 2)
     # before the model loads.
     images = _startup_images(model_path, args, remote)
@@ -144,7 +162,7 @@ def run_chat(args: argparse.Namespace) -> int:
             request,
             vision=images.open_vision,
         )
-    turns = ChatTurns(conversation, images, args.show_prompt)
+    turns = ChatTurns(conversation, images, args.show_prompt, adapters)
     if piped is not None:
         _say_spoken(spoken)
         if request.sampling.constraint is not None:
@@ -290,6 +308,8 @@ def _command(turns: ChatTurns, text: str) -> str | None:
         print(stats.summary() if stats else "(no answer yet)")
     elif name == "/image":
         _image_command(turns.images, argument)
+    elif name == "/lora":
+        print(turns.adapters.command(turns.conversation.runtime, argument))
     elif name == "/help":
         print(HELP)
     else:

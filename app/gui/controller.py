@@ -17,10 +17,13 @@ from pathlib import Path
 from miniapp.engine.api import (
     BUNDLED,
     REMOTE_BACKEND,
+    AdapterInfo,
     Conversation,
     Finished,
     GenerationRequest,
     GenerationStats,
+    LoraChoice,
+    LoraSpec,
     Message,
     MessageRuntime,
     MiniappError,
@@ -31,6 +34,7 @@ from miniapp.engine.api import (
     TextDelta,
     list_server_models,
     models_dir,
+    parse_lora_flag,
     resolve_model,
 )
 
@@ -68,6 +72,12 @@ class ChatSettings:
     # --backend openai: the server's address and key (`model` is the server's name for it).
     base_url: str | None = None
     api_key: str | None = field(default=None, repr=False)
+    # LoRA: the launch's --lora adapters, loaded with the launch's model (the torch engine
+    # keeps them by name; llama.cpp applies its one to every answer), and the loaded ones
+    # each answer runs with (torch engine; none: the base model).
+    lora: tuple[LoraSpec, ...] = ()
+    lora_budget_mb: int | None = None
+    adapters: tuple[str, ...] = ()
 
     @property
     def runtime_config(self) -> RuntimeConfig:
@@ -93,10 +103,19 @@ class ChatSettings:
             threads=self.threads,
             parallel=parallel,
             kv_type=self.kv_type,
+            lora=self.lora,
+            lora_budget_mb=self.lora_budget_mb,
         )
 
-    def request(self) -> GenerationRequest:
-        sampling = SamplingParams(temperature=self.temperature, top_p=self.top_p)
+    def request(self, runtime: Runtime | MessageRuntime | None = None) -> GenerationRequest:
+        """The answer's settings; the picked adapters go only to a runtime that picks them
+        per answer (the torch engine's `lora`)."""
+        picks = self.adapters if runtime is None or _registry(runtime) is not None else ()
+        sampling = SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            lora=tuple(LoraChoice(name) for name in picks),
+        )
         return GenerationRequest(max_tokens=self.max_tokens, sampling=sampling)
 
 
@@ -198,8 +217,9 @@ def _conversation(
         Message(m.role, m.content, _saved_pictures(m) if pictures else ())
         for m in saved.messages[:-1]
     ]
+    request = settings.request(runtime)
     return Conversation(
-        runtime, settings.system_prompt or None, settings.request(), vision=vision, history=history
+        runtime, settings.system_prompt or None, request, vision=vision, history=history
     )
 
 
@@ -272,6 +292,70 @@ def _saved_pictures(message: SavedMessage) -> tuple[bytes, ...]:
         except MiniappError:
             continue
     return tuple(pictures)
+
+
+# ------------------------------------------------------------------ LoRA adapters
+
+
+def _registry(runtime):
+    """The runtime's loaded adapters by name (the torch engine's), or None."""
+    return getattr(runtime, "lora", None)
+
+
+def adapter_choices(runtime: Runtime | MessageRuntime | None) -> list[tuple[str, str]]:
+    """(label, name) for the adapter picker: the loaded model's adapters (torch engine)."""
+    registry = _registry(runtime)
+    if registry is None:
+        return []
+    return [(f"{a.name} (rank {a.rank}, scale {a.scale:g})", a.name) for a in registry.list()]
+
+
+def adapter_note(runtime: Runtime | MessageRuntime | None) -> str:
+    """One line under the picker where it cannot pick: llama.cpp applies the adapter it was
+    opened with to every answer; a server applies its own."""
+    if runtime is None or _registry(runtime) is not None:
+        return ""
+    if isinstance(runtime, MessageRuntime):
+        return "a server's model: the server applies its own adapters"
+    applied = runtime.info().adapters
+    if applied:
+        return f"{runtime.backend} applies {', '.join(applied)} to every answer"
+    return f"{runtime.backend}: adapters only at start (--lora), one for every answer"
+
+
+def adapter_folder(folder: str | Path | None = None) -> Path:
+    """Where the GUI may load adapters from: --lora-dir, else the models folder's adapters/."""
+    return Path(folder).expanduser() if folder else models_dir() / "adapters"
+
+
+def load_adapter(runtime: Runtime | MessageRuntime | None, text: str, folder: Path) -> AdapterInfo:
+    """Load the adapter `text` names (PATH, or NAME=PATH[:SCALE] as --lora takes) into the
+    loaded model, by its name. As the server's run-time loads, only from `folder` (a
+    relative path is taken inside it). One line (MiniappError) for what cannot be loaded."""
+    if runtime is None:
+        raise MiniappError("no model is loaded yet")
+    registry = _registry(runtime)
+    if isinstance(runtime, MessageRuntime):
+        raise MiniappError("a server's model: the server loads its own adapters")
+    if registry is None:
+        raise MiniappError(
+            f"the {runtime.backend} backend cannot load adapters while it runs; torch can"
+        )
+    if not text.strip():
+        raise MiniappError("give an adapter file (PATH, or NAME=PATH[:SCALE])")
+    spec = parse_lora_flag(text.strip())
+    path = spec.path if spec.path.is_absolute() else folder / spec.path
+    if not path.resolve().is_relative_to(folder.resolve()):
+        raise MiniappError(f"{spec.path}: adapters load from {folder} only (--lora-dir)")
+    return registry.load(spec.name, path, spec.scale)
+
+
+def adapter_loaded(info: AdapterInfo) -> str:
+    mib = info.nbytes / (1024 * 1024)
+    return (
+        f"loaded {info.name}: rank {info.rank}, scale {info.scale:g}, {mib:.1f} MiB, "
+        f"in {info.load_seconds * 1000:.0f} ms"
+    )
 
 
 # ------------------------------------------------------------------ attachments

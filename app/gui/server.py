@@ -18,7 +18,7 @@ MAX_UPLOAD_ENV = "MINIAPP_MAX_UPLOAD"  # e.g. "1mb", to try the limit without a 
 
 
 def settings_from_args(args: argparse.Namespace):
-    from ..host.settings import runtime_kv_type
+    from ..host.settings import lora_specs, runtime_kv_type
     from .controller import ChatSettings
 
     defaults = ChatSettings()
@@ -53,6 +53,8 @@ def settings_from_args(args: argparse.Namespace):
         temperature=args.temperature,
         top_p=args.top_p,
         max_tokens=args.max_tokens,
+        lora=lora_specs(args),  # a bad --lora is one line before the page starts
+        lora_budget_mb=getattr(args, "lora_budget_mb", None),
     )
 
 
@@ -60,7 +62,7 @@ def run_gui(args: argparse.Namespace) -> int:
     import gradio as gr
 
     from ..host.model_host import ModelHost
-    from .controller import Transcriber
+    from .controller import Transcriber, adapter_folder
     from .history import ChatStore
     from .ui import GuiContext, build_ui
 
@@ -71,7 +73,11 @@ def run_gui(args: argparse.Namespace) -> int:
         check_local_backend(args.backend)
         check_exposure(args.host, args.api_key)  # before anything loads
     context = GuiContext(
-        ModelHost(), ChatStore(), Transcriber(args.asr_model, args.threads), settings
+        ModelHost(),
+        ChatStore(),
+        Transcriber(args.asr_model, args.threads),
+        settings,
+        adapter_dir=adapter_folder(getattr(args, "lora_dir", None)),
     )
     context.host.request(settings.runtime_config)  # loads while the page comes up
     api = _start_api(context.host, settings.runtime_config, args) if args.api else None

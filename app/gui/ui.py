@@ -17,6 +17,11 @@ from .controller import (
     IMAGE_SUFFIXES,
     ChatSettings,
     Transcriber,
+    adapter_choices,
+    adapter_folder,
+    adapter_loaded,
+    adapter_note,
+    load_adapter,
     model_choices,
     prepare_user_message,
     stream_answer,
@@ -38,6 +43,10 @@ class GuiContext:
     transcriber: Transcriber
     defaults: ChatSettings
     stops: dict[str, threading.Event] = field(default_factory=dict)
+    adapter_dir: Path = field(default_factory=adapter_folder)  # where the GUI loads adapters
+
+    def __post_init__(self):
+        self.adapter_dir = Path(self.adapter_dir)
 
     def stop_flag(self, conversation_id: str) -> threading.Event:
         return self.stops.setdefault(conversation_id, threading.Event())
@@ -71,7 +80,8 @@ def history_choices(store: ChatStore) -> list[tuple[str, str]]:
 def settings_from(values: list, launched: ChatSettings) -> ChatSettings:
     """Settings from the panel's widgets (ValueError, one line, for a value out of range);
     what the panel does not show (threads, answers at once, KV cache type) stays as
-    `launched`."""
+    `launched`. The launch's --lora adapters are for its model: another model loads
+    without them."""
     (
         model,
         custom,
@@ -85,10 +95,12 @@ def settings_from(values: list, launched: ChatSettings) -> ChatSettings:
         temperature,
         top_p,
         max_tokens,
+        adapters,
     ) = values
+    chosen = (custom or "").strip() or model or ""
     return replace(
         launched,
-        model=(custom or "").strip() or model or "",
+        model=chosen,
         backend=backend,
         device=device,
         spec=spec,
@@ -99,7 +111,17 @@ def settings_from(values: list, launched: ChatSettings) -> ChatSettings:
         temperature=float(temperature),
         top_p=float(top_p),
         max_tokens=_count("max tokens", max_tokens, 1),
+        lora=launched.lora if chosen == launched.model else (),
+        adapters=tuple(adapters or ()),
     )
+
+
+def _with_launch_model(choices: list[tuple[str, str]], model: str) -> list[tuple[str, str]]:
+    """The picker's choices with the launch's --model among them (a GGUF outside the models
+    folder): a value the picker does not offer is refused by Gradio on every message."""
+    if model and model not in {value for _, value in choices}:
+        return [*choices, (Path(model).name, model)]
+    return choices
 
 
 def _blank(value: int | None) -> str:
@@ -173,7 +195,7 @@ def build_ui(ctx: GuiContext) -> gr.Blocks:
                 with gr.Accordion("Settings", open=True):
                     model = gr.Dropdown(
                         label="Model",
-                        choices=model_choices(d),
+                        choices=_with_launch_model(model_choices(d), d.model),
                         value=d.model or None,
                         elem_id="model",
                     )
@@ -181,6 +203,27 @@ def build_ui(ctx: GuiContext) -> gr.Blocks:
                     backend = gr.Radio(list(BACKENDS), value=d.backend, label="Backend")
                     device = gr.Dropdown(list(DEVICE_CHOICES), value=d.device, label="Device")
                     spec = gr.Dropdown(list(SPEC_MODES), value=d.spec, label="Speculative")
+                    adapters = gr.Dropdown(
+                        label="LoRA adapters",
+                        info="none: the base model",
+                        choices=adapter_choices(ctx.host.runtime),
+                        value=[],
+                        multiselect=True,
+                        elem_id="adapters",
+                    )
+                    adapter_notice = gr.Markdown(
+                        adapter_note(ctx.host.runtime), elem_id="adapter-note"
+                    )
+                    with gr.Row():
+                        adapter_path = gr.Textbox(
+                            label="Load an adapter",
+                            placeholder=f"a LoRA GGUF in {ctx.adapter_dir}",
+                            elem_id="adapter-path",
+                            scale=3,
+                        )
+                        load_adapter_button = gr.Button(
+                            "Load", size="sm", elem_id="load-adapter", scale=1
+                        )
                     system = gr.Textbox(
                         label="System prompt",
                         value=d.system_prompt,
@@ -221,6 +264,7 @@ def build_ui(ctx: GuiContext) -> gr.Blocks:
             temperature,
             top_p,
             max_tokens,
+            adapters,
         ]
         _wire(ctx, locals())
     return demo
@@ -367,7 +411,58 @@ def _wire(ctx: GuiContext, w: dict) -> None:
     w["demo"].load(_on_page_load(ctx), None, [w["saved"], w["notice"]])
     timer = gr.Timer(STATUS_POLL_S)
     timer.tick(lambda: ctx.host.status.message, None, w["status"], queue=False)
+    _wire_adapters(ctx, w, timer)
     _wire_microphone(ctx, w)
+
+
+def _wire_adapters(ctx: GuiContext, w: dict, timer: gr.Timer) -> None:
+    """The adapter picker follows the loaded model's adapters (a model loaded, an adapter
+    loaded in another session); the Load button loads one and picks it."""
+    picker, note, path = w["adapters"], w["adapter_notice"], w["adapter_path"]
+    shown = gr.State(None)  # what this page's picker shows (_adapter_key)
+    timer.tick(
+        lambda picked, known: refresh_adapters(ctx, picked, known),
+        [picker, shown],
+        [picker, note, shown],
+        queue=False,
+    )
+    for event in (w["load_adapter_button"].click, path.submit):
+        event(
+            lambda text, picked: load_adapter_from_box(ctx, text, picked),
+            [path, picker],
+            [picker, note, path, shown],
+        )
+
+
+def refresh_adapters(ctx: GuiContext, picked: list | None, known: list | None):
+    """(picker, note, known) for the loaded model's adapters; nothing changes while they
+    are what the page shows, and picks of adapters no longer loaded are dropped."""
+    runtime = ctx.host.runtime
+    now = _adapter_key(runtime)
+    if now == known:
+        return gr.update(), gr.update(), known
+    choices = adapter_choices(runtime)
+    names = {name for _, name in choices}
+    kept = [name for name in picked or () if name in names]
+    return gr.update(choices=choices, value=kept), adapter_note(runtime), now
+
+
+def load_adapter_from_box(ctx: GuiContext, text: str | None, picked: list | None):
+    """(picker, note, box, known): the adapter loaded into the model and picked, or the
+    one-line reason it was not."""
+    runtime = ctx.host.runtime
+    try:
+        info = load_adapter(runtime, text or "", ctx.adapter_dir)
+    except MiniappError as exc:
+        return gr.update(), f"⚠️ {exc}", gr.update(), gr.update()
+    value = [*(name for name in picked or () if name != info.name), info.name]
+    picker = gr.update(choices=adapter_choices(runtime), value=value)
+    return picker, adapter_loaded(info), "", _adapter_key(runtime)
+
+
+def _adapter_key(runtime) -> list:
+    """What the adapter picker shows for this runtime, to see when it changes."""
+    return [[list(choice) for choice in adapter_choices(runtime)], adapter_note(runtime)]
 
 
 def _wire_microphone(ctx: GuiContext, w: dict) -> None:
