@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 
 from miniapp.engine.api import REMOTE_BACKEND, MiniappError, RuntimeConfig, open_runtime
 
-from .settings import runtime_kv_type
+from .settings import lora_specs, runtime_kv_type
 
 KEY_ENVIRONMENT = ("OPENAI_API_KEY", "MINIAPP_API_KEY")
 
@@ -52,6 +52,7 @@ def remote_config(args: argparse.Namespace, sampling: tuple[str, ...] = ()) -> R
         window=getattr(args, "window", None),
         sinks=getattr(args, "sinks", None),
         kv_type=runtime_kv_type(args),
+        lora=lora_specs(args),
         base_url=api_base(url) if url else None,
         api_key=key,
         send_sampling=sampling,
