@@ -1,9 +1,9 @@
 // LoRA updates of a projection, applied unmerged for the rows of a call that carry adapters:
 // the rows of one batch may each run with their own adapters, or none. For each adapter
 // the call uses, its A and B are read once for all of its rows (the gathered low-rank
-// product of Punica's BGMV): u = A x per row, then delta += s B u. B is kept transposed
-// ([rank, outputs]), so that B u sums whole vectors of outputs, rank by rank, with no
-// horizontal sums (a rank is 8 to 64 values: too short for a dot product to pay).
+// product of Punica's BGMV): u = A x per row, then delta += s B u. B is kept in blocks of
+// 32 outputs, each [rank][32], so that B u sums whole vectors of outputs, rank by rank, with
+// no horizontal sums (a rank is 8 to 64 values: too short for a dot product to pay).
 //
 // The delta goes to the GEMM as its `pre` term, added to W x before the epilogue: a gated
 // feed-forward needs silu(gate + delta_gate) * (up + delta_up), which no sum after the
@@ -18,6 +18,7 @@ extern "C" {
 
 constexpr int kMaxLoraParts = 3;  // Q, K and V of a fused projection; gate and up
 constexpr int kLoraProjections = 4;  // Q|K|V, the output projection, gate|up, down
+constexpr int64_t kOutBlock = 32;  // outputs of a block of B (lora.py's OUT_BLOCK)
 enum LoraType { kLoraF32 = 0, kLoraBF16 = 1, kLoraF16 = 2 };
 
 // One adapter's update of one projection: u = A x, then each part p adds
@@ -27,7 +28,9 @@ struct LoraUpdate {
   int64_t rank, k;
   int32_t type;  // of A and B alike (LoraType)
   int32_t n_parts;
-  const void* b[kMaxLoraParts];  // B transposed: [part_rank, out_count] each
+  // B in blocks of kOutBlock outputs: [ceil(out_count / kOutBlock)][part_rank][kOutBlock]
+  // each, a block's rows past out_count zero.
+  const void* b[kMaxLoraParts];
   int64_t out_offset[kMaxLoraParts], out_count[kMaxLoraParts];
   int64_t rank_offset[kMaxLoraParts], part_rank[kMaxLoraParts];
   float factor[kMaxLoraParts];  // alpha / rank of the part, or 1 without an alpha
@@ -62,6 +65,10 @@ constexpr int64_t kRowsPerThread = 4;
 
 inline int64_t type_bytes(int type) { return type == kLoraF32 ? 4 : 2; }
 
+// How far ahead of its reads a stream of A asks for its lines (prefetches past the end of
+// a tensor are harmless: they never fault).
+constexpr int64_t kPrefetchBytes = 1024;
+
 TARGET_AVX2 inline __m256 load8(const void* w, int type, int64_t i) {
   if (type == kLoraF32) return _mm256_loadu_ps(static_cast<const float*>(w) + i);
   const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
@@ -93,7 +100,11 @@ TARGET_AVX2 inline float reduce(const __m256 s[4]) {
 TARGET_AVX2 float dot(const void* w, int type, const float* x, int64_t n) {
   __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
   int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
+  const char* ahead = static_cast<const char*>(w) + kPrefetchBytes;
+  const int64_t step = 32 * type_bytes(type);
+  for (; i + 32 <= n; i += 32, ahead += step) {
+    _mm_prefetch(ahead, _MM_HINT_T0);
+    if (step > 64) _mm_prefetch(ahead + 64, _MM_HINT_T0);
     s0 = _mm256_fmadd_ps(load8(w, type, i), _mm256_loadu_ps(x + i), s0);
     s1 = _mm256_fmadd_ps(load8(w, type, i + 8), _mm256_loadu_ps(x + i + 8), s1);
     s2 = _mm256_fmadd_ps(load8(w, type, i + 16), _mm256_loadu_ps(x + i + 16), s2);
@@ -137,6 +148,8 @@ TARGET_AVX2 void down_project_tile(const LoraUpdate& up, const LoraGroup& g, con
         for (int q = 0; q < 4; ++q) s[j][q] = _mm256_setzero_ps();
       }
       for (int64_t c = 0; c < k; c += 32) {
+        _mm_prefetch(static_cast<const char*>(a) + c * type_bytes(up.type) + kPrefetchBytes,
+                     _MM_HINT_T0);
         for (int q = 0; q < 4; ++q) {
           const __m256 w = load8(a, up.type, c + 8 * q);
           for (int j = 0; j < 4; ++j) {
@@ -151,8 +164,11 @@ TARGET_AVX2 void down_project_tile(const LoraUpdate& up, const LoraGroup& g, con
 }
 
 // delta[rows[i]][out_offset + o] += s_p * sum over r of B_p[o][r] u[i][rank_offset + r], for the
-// outputs [o0, o1) of all parts together (numbered in part order), 8 at a time, and the
-// group's rows i in [i0, i1).
+// outputs [o0, o1) of all parts together (numbered in part order) and the group's rows i in
+// [i0, i1). B comes in blocks of kOutBlock outputs, each [rank][kOutBlock] (see LoraUpdate):
+// a block is one contiguous read (the data comes from memory, evicted by the base weights
+// since the last step, and a plain stream is what the hardware prefetches best), and its
+// sums stay in registers while the ranks go by, each sum adding its terms in the order of r.
 TARGET_AVX2 void up_project(const LoraUpdate& up, const LoraGroup& g, const float* u, float* delta,
                             int64_t ld_delta, int64_t o0, int64_t o1, int64_t i0, int64_t i1) {
   int64_t first = 0;  // the part's first output in the numbering
@@ -163,38 +179,30 @@ TARGET_AVX2 void up_project(const LoraUpdate& up, const LoraGroup& g, const floa
     first += count;
     if (lo >= hi) continue;
     const float scale = g.scale * up.factor[p];
-    const void* bt = up.b[p];
-    for (int64_t i = i0; i < i1; ++i) {
-      const float* ui = u + i * up.rank + up.rank_offset[p];
-      float* out = delta + g.rows[i] * ld_delta + up.out_offset[p];
-      int64_t o = lo;
-      for (; o + 32 <= hi; o += 32) {  // four independent sums: the FMA latency hidden
+    const int64_t block_bytes = rank * kOutBlock * type_bytes(up.type);
+    for (int64_t b = lo / kOutBlock; b * kOutBlock < hi; ++b) {
+      const void* block = static_cast<const uint8_t*>(up.b[p]) + b * block_bytes;
+      for (int64_t at = 0; at < block_bytes; at += 64) {  // the next block, on its way
+        _mm_prefetch(static_cast<const char*>(block) + block_bytes + at, _MM_HINT_T0);
+      }
+      const int64_t from = b * kOutBlock > lo ? b * kOutBlock : lo;
+      const int64_t to = (b + 1) * kOutBlock < hi ? (b + 1) * kOutBlock : hi;
+      for (int64_t i = i0; i < i1; ++i) {
+        const float* ui = u + i * up.rank + up.rank_offset[p];
         __m256 sum[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                          _mm256_setzero_ps()};
         for (int64_t r = 0; r < rank; ++r) {
           const __m256 ur = _mm256_set1_ps(ui[r]);
           for (int q = 0; q < 4; ++q) {
-            sum[q] = _mm256_fmadd_ps(ur, load8(bt, up.type, r * count + o + 8 * q), sum[q]);
+            sum[q] = _mm256_fmadd_ps(ur, load8(block, up.type, r * kOutBlock + 8 * q), sum[q]);
           }
         }
+        alignas(32) float sums[kOutBlock];
         for (int q = 0; q < 4; ++q) {
-          const __m256 scaled = _mm256_mul_ps(_mm256_set1_ps(scale), sum[q]);
-          float* at = out + o + 8 * q;
-          _mm256_storeu_ps(at, _mm256_add_ps(_mm256_loadu_ps(at), scaled));
+          _mm256_store_ps(sums + 8 * q, _mm256_mul_ps(_mm256_set1_ps(scale), sum[q]));
         }
-      }
-      for (; o + 8 <= hi; o += 8) {
-        __m256 sum = _mm256_setzero_ps();
-        for (int64_t r = 0; r < rank; ++r) {
-          sum = _mm256_fmadd_ps(_mm256_set1_ps(ui[r]), load8(bt, up.type, r * count + o), sum);
-        }
-        const __m256 scaled = _mm256_mul_ps(_mm256_set1_ps(scale), sum);
-        _mm256_storeu_ps(out + o, _mm256_add_ps(_mm256_loadu_ps(out + o), scaled));
-      }
-      for (; o < hi; ++o) {  // the same sums, one lane at a time
-        float sum = 0.0f;
-        for (int64_t r = 0; r < rank; ++r) sum = fmaf(ui[r], load1(bt, up.type, r * count + o), sum);
-        out[o] += scale * sum;
+        float* out = delta + g.rows[i] * ld_delta + up.out_offset[p];
+        for (int64_t o = from; o < to; ++o) out[o] += sums[o - b * kOutBlock];
       }
     }
   }
@@ -274,7 +282,12 @@ int miniapp_lora_delta(const LoraCall* call, int projection, const float* x, int
         const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
         down_project(up, g, x, ldx, u, up.rank * t / count, up.rank * (t + 1) / count, 0, n);
 #pragma omp barrier
-        up_project(up, g, u, delta, ld_delta, outputs * t / count, outputs * (t + 1) / count, 0, n);
+        // Whole blocks of B to each thread (parts hold whole blocks where their outputs
+        // are multiples of kOutBlock, as every model's are).
+        const auto split = [&](int64_t c) {
+          return c == count ? outputs : outputs * c / count / kOutBlock * kOutBlock;
+        };
+        up_project(up, g, u, delta, ld_delta, split(t), split(t + 1), 0, n);
       }
     }
   }

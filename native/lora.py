@@ -4,7 +4,7 @@ the path a GPU takes.
 
 A projection's update by one adapter: u = A x, then for each part p (Q, K and V of a fused
 Q|K|V; gate and up) outputs out_offset .. out_offset + out_count get
-scale * factor * B_p u[rank_offset .. rank_offset + rank], B_p kept transposed. Rows
+scale * factor * B_p u[rank_offset .. rank_offset + rank], B_p kept in blocks. Rows
 without an adapter get -0.0, which leaves W x bit for bit as it is when the GEMM adds the
 delta (`BoundGemm.forward`'s `pre`).
 """
@@ -58,24 +58,40 @@ class LoraCallStruct(ctypes.Structure):
     _fields_ = [("groups", _ptr), ("n_groups", _i64), ("layer", _i64)]
 
 
+OUT_BLOCK = 32  # outputs per block of B (kOutBlock in lora.cpp)
+
+
 @dataclass(frozen=True)
 class UpdatePart:
-    """Part p of a projection's update: B transposed, `b_t` [rank, out_count] (contiguous),
+    """Part p of a projection's update: B in blocks of OUT_BLOCK outputs, `b_blocks`
+    [ceil(out_count / OUT_BLOCK), rank, OUT_BLOCK] (contiguous; rows past out_count zero),
     for outputs from `out_offset`, reading u from `rank_offset`; `factor`: alpha / rank,
-    or 1."""
+    or 1. `blocked(b, ...)` lays a B [out_count, rank] out so."""
 
     out_offset: int
     rank_offset: int
-    b_t: torch.Tensor
+    b_blocks: torch.Tensor
     factor: float
-
-    @property
-    def out_count(self) -> int:
-        return self.b_t.shape[1]
+    out_count: int
 
     @property
     def rank(self) -> int:
-        return self.b_t.shape[0]
+        return self.b_blocks.shape[1]
+
+    @property
+    def b(self) -> torch.Tensor:
+        """B [out_count, rank] again (the reference's view)."""
+        blocks, rank, width = self.b_blocks.shape
+        return self.b_blocks.transpose(1, 2).reshape(blocks * width, rank)[: self.out_count]
+
+    @classmethod
+    def blocked(cls, out_offset: int, rank_offset: int, b: torch.Tensor, factor: float):
+        count, rank = b.shape
+        blocks = -(-count // OUT_BLOCK)
+        padded = torch.zeros(blocks * OUT_BLOCK, rank, dtype=b.dtype)
+        padded[:count] = b
+        laid = padded.view(blocks, OUT_BLOCK, rank).transpose(1, 2).contiguous()
+        return cls(out_offset, rank_offset, laid, factor, count)
 
 
 @dataclass(frozen=True)
@@ -87,7 +103,7 @@ class ProjectionUpdate:
 
     @property
     def nbytes(self) -> int:
-        tensors = (self.a, *(part.b_t for part in self.parts))
+        tensors = (self.a, *(part.b_blocks for part in self.parts))
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def fill(self, struct: LoraUpdateStruct) -> None:
@@ -95,7 +111,7 @@ class ProjectionUpdate:
         struct.a, struct.rank, struct.k = self.a.data_ptr(), self.a.shape[0], self.a.shape[1]
         struct.type, struct.n_parts = LORA_TYPES[self.a.dtype], len(self.parts)
         for p, part in enumerate(self.parts):
-            struct.b[p] = part.b_t.data_ptr()
+            struct.b[p] = part.b_blocks.data_ptr()
             struct.out_offset[p], struct.out_count[p] = part.out_offset, part.out_count
             struct.rank_offset[p], struct.part_rank[p] = part.rank_offset, part.rank
             struct.factor[p] = part.factor
@@ -154,5 +170,5 @@ def reference_delta(
         for part in update.parts:
             ranks = u[:, part.rank_offset : part.rank_offset + part.rank]
             outputs = slice(part.out_offset, part.out_offset + part.out_count)
-            delta[rows, outputs] += (scale * part.factor) * (ranks @ part.b_t.float())
+            delta[rows, outputs] += (scale * part.factor) * (ranks @ part.b.float().T)
     return delta

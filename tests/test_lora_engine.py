@@ -237,8 +237,8 @@ def _update(generator, k, parts, rank, dtype):
     a = torch.randn(rank * len(parts), k, generator=generator).to(dtype)
     made = []
     for p, (offset, count) in enumerate(parts):
-        b_t = torch.randn(rank, count, generator=generator).to(dtype)
-        made.append(UpdatePart(offset, p * rank, b_t, 0.5 + p))
+        b = torch.randn(count, rank, generator=generator).to(dtype)
+        made.append(UpdatePart.blocked(offset, p * rank, b, 0.5 + p))
     return ProjectionUpdate(a, tuple(made))
 
 
@@ -335,3 +335,39 @@ def test_doctor_reports_an_adapters_bytes_and_load_time_or_why_not(
     assert first["rank"] == 4 and first["weights"] == 7 * 30  # every projection, 30 layers
     assert first["bytes"] > 0 and first["read_seconds"] > 0 and first["llama_cpp_reads_it"]
     assert "other.gguf" in second["error"] and "\n" not in second["error"]
+
+
+def test_many_rows_split_across_threads_come_out_as_each_row_alone():
+    """A prompt chunk's rows go to threads row by row; a decode row's ranks and outputs are
+    split instead. Either way a row's update is the same bits as the row alone."""
+    import ctypes
+
+    from miniapp.engine.lora.rows import cpu_lora_kernel
+
+    kernel = cpu_lora_kernel()
+    generator = torch.Generator().manual_seed(1)
+    k, n_out, m = 256, 320, 40
+    update = _update(generator, k, [(0, 256), (256, 64)], 16, torch.float16)
+    table = (LoraUpdateStruct * 4)()
+    update.fill(table[3])
+
+    def call(rows):
+        groups = (LoraGroupStruct * 1)()
+        groups[0].updates, groups[0].scale = ctypes.addressof(table), 0.75
+        groups[0].rows, groups[0].n_rows = rows.data_ptr(), rows.numel()
+        return LoraCallStruct(ctypes.addressof(groups), 1, 0), groups, rows
+
+    x = torch.randn(m, k, generator=generator)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        every = call(torch.arange(m))  # kept: the structures point into each other
+        together = kernel.delta(every[0], 3, x, n_out)
+        one = call(torch.tensor([0]))
+        for row in (0, 17, 39):
+            alone = kernel.delta(one[0], 3, x[row : row + 1], n_out)
+            assert torch.equal(alone[0], together[row])
+    finally:
+        torch.set_num_threads(threads)
+    reference = reference_delta([(update, 0.75, torch.arange(m))], x, n_out)
+    torch.testing.assert_close(together, reference, rtol=1e-4, atol=1e-4)

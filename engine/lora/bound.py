@@ -3,9 +3,10 @@
 The torch engine fuses Q, K and V into one projection, and gate and up into another, so an
 adapter's pairs are regrouped the same way: per layer and projection, one A with the parts'
 A stacked by rows (one pass over x for all of them) and each part's B with the outputs it
-updates. The tensors are the adapter's own (stacking copies A once; the adapter file's
-copies are dropped), kept in the type the file stores (f32, f16, bf16): a loaded adapter
-costs its own bytes, and the base model is never copied.
+updates, in blocks of 32 outputs (native/lora.py). The tensors are the adapter's own values
+(laid out once; the adapter file's copies are dropped), in the type the file stores (f32,
+f16, bf16; Q8_0 as f16): a loaded adapter costs its own bytes, and the base model is never
+copied.
 """
 
 from __future__ import annotations
@@ -82,8 +83,10 @@ def _update(adapter: LoraAdapter, parts: Sequence[PartLayout]) -> ProjectionUpda
     a_rows, update_parts, rank_offset = [], [], 0
     for part, pair in present:
         a_rows.append(pair.a.to(dtype))
-        b_t = pair.b.to(dtype).T.contiguous()  # the kernel sums B's columns (see lora.cpp)
-        update_parts.append(UpdatePart(part.out_offset, rank_offset, b_t, adapter.scaling(pair)))
+        b = pair.b.to(dtype)  # laid out in blocks of outputs for the kernel (see lora.cpp)
+        update_parts.append(
+            UpdatePart.blocked(part.out_offset, rank_offset, b, adapter.scaling(pair))
+        )
         rank_offset += pair.rank
     a = a_rows[0].contiguous() if len(a_rows) == 1 else torch.cat(a_rows).contiguous()
     return ProjectionUpdate(a, tuple(update_parts))
