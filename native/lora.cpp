@@ -41,7 +41,7 @@ struct LoraUpdate {
 struct LoraGroup {
   const LoraUpdate* updates;  // the adapter's, [layers][kLoraProjections]
   float scale;
-  int32_t reserved;
+  int32_t position;  // j: groups of one position hold different rows
   const int64_t* rows;  // indices of the call's rows
   int64_t n_rows;
 };
@@ -224,6 +224,42 @@ bool update_fits(const LoraUpdate& up, int64_t k, int64_t n_out) {
   return true;
 }
 
+// One group's update of the projection, on up to `threads` threads (u: its own scratch).
+void run_group(const LoraGroup& g, const LoraCall* call, int projection, const float* x,
+               int64_t ldx, float* u, float* delta, int64_t ld_delta, int threads) {
+  const LoraUpdate& up = g.updates[call->layer * kLoraProjections + projection];
+  if (!up.a || g.n_rows == 0) return;
+  const int64_t outputs = update_outputs(up);
+  const int64_t bytes = (up.rank * up.k + outputs * up.rank) * type_bytes(up.type);
+  const int64_t n = g.n_rows, macs = n * up.rank * (up.k + outputs);
+  const int team = bytes < kMinParallelLoraBytes && macs < kMinParallelLoraMacs ? 1 : threads;
+  if (team <= 1) {
+    down_project(up, g, x, ldx, u, 0, up.rank, 0, n);
+    up_project(up, g, u, delta, ld_delta, 0, outputs, 0, n);
+  } else if (n >= kRowsPerThread * team) {
+#pragma omp parallel num_threads(team)
+    {
+      const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
+      const int64_t i0 = n * t / count, i1 = n * (t + 1) / count;
+      down_project(up, g, x, ldx, u, 0, up.rank, i0, i1);
+      up_project(up, g, u, delta, ld_delta, 0, outputs, i0, i1);
+    }
+  } else {
+#pragma omp parallel num_threads(team)
+    {
+      const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
+      down_project(up, g, x, ldx, u, up.rank * t / count, up.rank * (t + 1) / count, 0, n);
+#pragma omp barrier
+      // Whole blocks of B to each thread (parts hold whole blocks where their outputs are
+      // multiples of kOutBlock, as every model's are).
+      const auto split = [&](int64_t c) {
+        return c == count ? outputs : outputs * c / count / kOutBlock * kOutBlock;
+      };
+      up_project(up, g, u, delta, ld_delta, split(t), split(t + 1), 0, n);
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -255,41 +291,27 @@ int miniapp_lora_delta(const LoraCall* call, int projection, const float* x, int
     any = true;
   }
   if (!any) return 0;
-  float* u = static_cast<float*>(malloc(sizeof(float) * max_work));
+  float* u = static_cast<float*>(malloc(sizeof(float) * max_work * call->n_groups));
   if (!u) return -1;
-  for (int64_t j = 0; j < call->n_groups; ++j) {
-    const LoraGroup& g = call->groups[j];
-    const LoraUpdate& up = g.updates[call->layer * kLoraProjections + projection];
-    if (!up.a || g.n_rows == 0) continue;
-    const int64_t outputs = update_outputs(up);
-    const int64_t bytes = (up.rank * up.k + outputs * up.rank) * type_bytes(up.type);
-    const int64_t n = g.n_rows, macs = n * up.rank * (up.k + outputs);
-    const int team = bytes < kMinParallelLoraBytes && macs < kMinParallelLoraMacs ? 1 : threads;
-    if (team <= 1) {
-      down_project(up, g, x, ldx, u, 0, up.rank, 0, n);
-      up_project(up, g, u, delta, ld_delta, 0, outputs, 0, n);
-    } else if (n >= kRowsPerThread * team) {
-#pragma omp parallel num_threads(team)
-      {
-        const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
-        const int64_t i0 = n * t / count, i1 = n * (t + 1) / count;
-        down_project(up, g, x, ldx, u, 0, up.rank, i0, i1);
-        up_project(up, g, u, delta, ld_delta, 0, outputs, i0, i1);
+  for (int64_t first = 0; first < call->n_groups;) {
+    // A wave: the groups of one position, each on rows of its own.
+    int64_t last = first + 1;
+    while (last < call->n_groups && call->groups[last].position == call->groups[first].position) {
+      ++last;
+    }
+    if (last - first > 1 && threads > 1) {  // several adapters: one to each thread
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+      for (int64_t j = first; j < last; ++j) {
+        run_group(call->groups[j], call, projection, x, ldx, u + j * max_work, delta, ld_delta,
+                  1);
       }
     } else {
-#pragma omp parallel num_threads(team)
-      {
-        const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
-        down_project(up, g, x, ldx, u, up.rank * t / count, up.rank * (t + 1) / count, 0, n);
-#pragma omp barrier
-        // Whole blocks of B to each thread (parts hold whole blocks where their outputs
-        // are multiples of kOutBlock, as every model's are).
-        const auto split = [&](int64_t c) {
-          return c == count ? outputs : outputs * c / count / kOutBlock * kOutBlock;
-        };
-        up_project(up, g, u, delta, ld_delta, split(t), split(t + 1), 0, n);
+      for (int64_t j = first; j < last; ++j) {
+        run_group(call->groups[j], call, projection, x, ldx, u + j * max_work, delta, ld_delta,
+                  threads);
       }
     }
+    first = last;
   }
   free(u);
   return 1;

@@ -48,7 +48,7 @@ class LoraGroupStruct(ctypes.Structure):
     _fields_ = [
         ("updates", _ptr),
         ("scale", _f32),
-        ("reserved", _i32),
+        ("position", _i32),
         ("rows", _ptr),
         ("n_rows", _i64),
     ]

@@ -252,19 +252,21 @@ def test_the_native_kernel_agrees_with_torch_and_rows_are_their_own(dtype):
     k, n_out, m = 96, 80, 7
     first = _update(generator, k, [(0, 48), (48, 16), (64, 16)], 4, dtype)
     second = _update(generator, k, [(8, 40)], 8, dtype)
-    groups = [
+    groups = [  # row 2 carries two adapters: the second group is its second
         (first, 1.5, torch.tensor([0, 2, 3])),
         (second, -0.5, torch.tensor([2, 5])),
         (first, 0.25, torch.tensor([6])),
     ]
+    positions = [0, 1, 1]
     keep = []
     structs = (LoraGroupStruct * len(groups))()
-    for struct, (update, scale, rows) in zip(structs, groups, strict=True):
+    for struct, (update, scale, rows), position in zip(structs, groups, positions, strict=True):
         table = (LoraUpdateStruct * 4)()
         update.fill(table[2])  # as projection 2 of layer 0
         keep += [table, rows]
         struct.updates = __import__("ctypes").addressof(table)
         struct.scale, struct.rows, struct.n_rows = scale, rows.data_ptr(), rows.numel()
+        struct.position = position
     call = LoraCallStruct(__import__("ctypes").addressof(structs), len(groups), 0)
     x = torch.randn(m, k, generator=generator)
     native = kernel.delta(call, 2, x, n_out)

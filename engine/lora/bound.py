@@ -12,8 +12,9 @@ copied.
 from __future__ import annotations
 
 import ctypes
+import mmap
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -58,9 +59,8 @@ class BoundLora:
                 raise AdapterError(
                     adapter.path, f"{tensor}: adapters on this weight are not supported"
                 )
-        self.updates: list[list[ProjectionUpdate | None]] = [
-            [_update(adapter, parts) for parts in projections] for projections in layout
-        ]
+        updates = [[_update(adapter, parts) for parts in projections] for projections in layout]
+        self._memory, self.updates = _packed(updates)
         self.nbytes = sum(u.nbytes for layer in self.updates for u in layer if u is not None)
         self._structs = (LoraUpdateStruct * (len(layout) * PROJECTIONS))()
         for layer, updates in enumerate(self.updates):
@@ -71,6 +71,61 @@ class BoundLora:
 
     def __repr__(self) -> str:
         return f"BoundLora({self.name!r}, rank {self.rank}, {self.nbytes} bytes)"
+
+
+def _packed(updates: list[list[ProjectionUpdate | None]]):
+    """The updates' tensors copied into one buffer, in the order a step reads them (layer
+    by layer, projection by projection), on huge pages where the kernel gives them: a
+    step then reads the adapter as one stream, which the hardware prefetches across its
+    4 KiB pages' bounds (scattered small tensors read at half the speed). Returns the
+    buffer (kept alive with them) and the updates over it."""
+    tensors = [t for layer in updates for u in layer if u is not None for t in _tensors(u)]
+    total = sum(_aligned(t.numel() * t.element_size()) for t in tensors)
+    memory, buffer = _huge_buffer(total)
+    at = 0
+
+    def place(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal at
+        size = tensor.numel() * tensor.element_size()
+        view = buffer[at : at + size].view(tensor.dtype).view(tensor.shape)
+        view.copy_(tensor)
+        at += _aligned(size)
+        return view
+
+    packed = []
+    for layer in updates:
+        packed.append([])
+        for update in layer:
+            if update is not None:
+                parts = tuple(replace(part, b_blocks=place(part.b_blocks)) for part in update.parts)
+                update = ProjectionUpdate(place(update.a), parts)  # A first: read first
+            packed[-1].append(update)
+    return memory, packed
+
+
+def _tensors(update: ProjectionUpdate) -> list[torch.Tensor]:
+    return [update.a, *(part.b_blocks for part in update.parts)]
+
+
+def _aligned(size: int) -> int:
+    return -(-size // 64) * 64
+
+
+HUGE_PAGE = 2 << 20
+
+
+def _huge_buffer(size: int) -> tuple[object, torch.Tensor]:
+    """A zeroed uint8 buffer of `size` bytes, 2 MiB aligned and advised onto transparent
+    huge pages (where Linux offers them; elsewhere plain pages)."""
+    memory = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buffer = torch.frombuffer(memory, dtype=torch.uint8)
+    start = -buffer.data_ptr() % HUGE_PAGE
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            memory.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel without transparent huge pages
+            pass
+    return memory, buffer[start : start + size]
 
 
 def _update(adapter: LoraAdapter, parts: Sequence[PartLayout]) -> ProjectionUpdate | None:

@@ -50,8 +50,10 @@ class PassLora:
         if call is None:
             if self._structs is None:
                 structs = (LoraGroupStruct * len(self.groups))()
-                for struct, (adapter, scale, rows) in zip(structs, self.groups, strict=True):
-                    struct.updates, struct.scale = adapter.native, scale
+                for struct, (adapter, scale, rows, position) in zip(
+                    structs, self.groups, strict=True
+                ):
+                    struct.updates, struct.scale, struct.position = adapter.native, scale, position
                     struct.rows, struct.n_rows = rows.data_ptr(), rows.numel()
                 self._structs = structs
             call = LoraCallStruct(ctypes.addressof(self._structs), len(self.groups), layer)
@@ -65,7 +67,7 @@ class PassLora:
             return self.kernel.delta(self.call(layer), projection, x, n_out)
         groups = [
             (adapter.updates[layer][projection], scale, rows.to(x.device))
-            for adapter, scale, rows in self.groups
+            for adapter, scale, rows, _ in self.groups
         ]
         return reference_delta(groups, x, n_out)
 
@@ -119,9 +121,10 @@ _RECENT: dict[tuple, PassLora] = {}
 _RECENT_KEPT = 32
 
 
-def _groups(sets, spans) -> list[tuple[BoundLora, float, torch.Tensor]]:
-    """(adapter, scale, row indices) per group, in order of the adapters' positions in
-    their sets."""
+def _groups(sets, spans) -> list[tuple[BoundLora, float, torch.Tensor, int]]:
+    """(adapter, scale, row indices, position) per group, in order of the adapters'
+    positions in their sets (the groups of one position hold different rows: the kernel
+    runs them side by side)."""
     depth = max((len(s.entries) for s in sets if s is not None), default=0)
     groups = []
     for position in range(depth):
@@ -133,7 +136,7 @@ def _groups(sets, spans) -> list[tuple[BoundLora, float, torch.Tensor]]:
             entry = rows_of.setdefault((id(adapter), scale), (adapter, []))
             entry[1].extend(range(first, first + count))
         for (_, scale), (adapter, rows) in rows_of.items():
-            groups.append((adapter, scale, torch.tensor(rows, dtype=torch.int64)))
+            groups.append((adapter, scale, torch.tensor(rows, dtype=torch.int64), position))
     return groups
 
 
