@@ -166,9 +166,11 @@ def reference_delta(
             continue
         if delta is None:
             delta = torch.full((x.shape[0], n_out), -0.0, dtype=torch.float32, device=x.device)
-        u = x[rows].float() @ update.a.float().T
+        # (Adapters stay in host memory: a layer on a GPU takes copies of what it uses.)
+        u = x[rows].float() @ update.a.to(x.device, torch.float32).T
         for part in update.parts:
             ranks = u[:, part.rank_offset : part.rank_offset + part.rank]
             outputs = slice(part.out_offset, part.out_offset + part.out_count)
-            delta[rows, outputs] += (scale * part.factor) * (ranks @ part.b.float().T)
+            b = part.b.to(x.device, torch.float32)
+            delta[rows, outputs] += (scale * part.factor) * (ranks @ b.T)
     return delta
