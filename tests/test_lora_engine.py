@@ -373,3 +373,12 @@ def test_many_rows_split_across_threads_come_out_as_each_row_alone():
         torch.set_num_threads(threads)
     reference = reference_delta([(update, 0.75, torch.arange(m))], x, n_out)
     torch.testing.assert_close(together, reference, rtol=1e-4, atol=1e-4)
+
+
+def test_without_the_native_library_torch_applies_the_same_update(tiny, monkeypatch):
+    """The path a GPU (or a CPU without our library) takes: torch's ops, the same maths."""
+    native = _logits(_runtime(tiny), "a", "b")
+    monkeypatch.setenv("MINIAPP_NATIVE", "0")
+    plain_torch = _logits(_runtime(tiny), "a", "b")
+    assert np.abs(plain_torch - native).max() / np.abs(native).max() < 0.02
+    assert (plain_torch.argmax(-1) == native.argmax(-1)).mean() >= 0.98
