@@ -116,7 +116,10 @@ HUGE_PAGE = 2 << 20
 
 def _huge_buffer(size: int) -> tuple[object, torch.Tensor]:
     """A zeroed uint8 buffer of `size` bytes, 2 MiB aligned and advised onto transparent
-    huge pages (where Linux offers them; elsewhere plain pages)."""
+    huge pages (where Linux offers them; elsewhere plain pages). Below a huge page, plain
+    memory: a small adapter would otherwise hold a whole 2 MiB page."""
+    if size < HUGE_PAGE:
+        return None, torch.zeros(size, dtype=torch.uint8)
     memory = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     buffer = torch.frombuffer(memory, dtype=torch.uint8)
     start = -buffer.data_ptr() % HUGE_PAGE
