@@ -6,7 +6,9 @@ hands one adapter's keys and values to another; the native kernel agrees with to
 from __future__ import annotations
 
 import dataclasses
+import gc
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -201,10 +203,15 @@ def test_an_unloaded_adapter_lets_running_answers_finish(tiny):
     expected = _greedy(_runtime(tiny), prompt, [LoraChoice("a")], n=12)
     stream = runtime.generate_tokens(prompt, dataclasses.replace(GREEDY, lora=(LoraChoice("a"),)))
     tokens = [next(stream) for _ in range(4)]
+    held = weakref.ref(runtime.lora.resolve([LoraChoice("a")]).entries[0][0])
     runtime.lora.unload("a")
     tokens += [next(stream) for _ in range(8)]
     stream.close()
     assert tokens == expected
+    _greedy(runtime, [5, 6, 7], n=2)  # a step after the answer ended
+    del stream
+    gc.collect()
+    assert held() is None  # the adapter's memory is freed once its last answer is over
     with pytest.raises(UnknownAdapterError):
         runtime.generate_tokens(prompt, dataclasses.replace(GREEDY, lora=(LoraChoice("a"),)))
 

@@ -47,6 +47,7 @@ class SequenceCaches(list):
     # every pass over these caches applies them, and the prefix pool reuses the caches only
     # for the same adapters.
     lora: AdapterSet | None = None
+    lora_pass: tuple | None = None  # the last pass's grouping of adapters (engine/lora/rows.py)
 
 
 class ModelRunner:

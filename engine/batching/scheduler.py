@@ -207,6 +207,8 @@ class BatchScheduler:
         self._stepping = threading.Lock()  # held by the thread running a step
         self.serving = False  # a thread runs `serve`: consumers wait instead of stepping
         self.kv_bytes_per_token = kv_bytes_per_token(model, policy.kv_type)
+        # Whether a pooled prefix's adapters may still be picked (None: all may).
+        self.adapters_live: Callable[[AdapterSet], bool] | None = None
         self.steps = 0  # forward passes run (for tests and figures)
         self.peak_batch = 0  # most sequences in one step
 
@@ -322,6 +324,18 @@ class BatchScheduler:
             for pooled in self._pool:
                 keep_first(pooled.caches, 0)
                 pooled.tokens = []
+
+    def drop_adapters(self, live: Callable[[AdapterSet], bool]) -> None:
+        """Let go the pooled prefixes computed under adapters that are no longer `live`
+        (unloaded: no request can pick them again, and they hold the adapter's memory),
+        and pool none such from now on."""
+        with self._lock:
+            self.adapters_live = live
+            self._pool = [pooled for pooled in self._pool if self._poolable(pooled.caches)]
+
+    def _poolable(self, caches) -> bool:
+        adapters = getattr(caches, "lora", None)
+        return adapters is None or self.adapters_live is None or self.adapters_live(adapters)
 
     def latest_sequence(self) -> tuple[list[int], list[Cache]] | None:
         """The tokens fed and the caches of the sequence running or finished last (for
@@ -519,6 +533,7 @@ class BatchScheduler:
             sequence.caches, sequence.fed = best.caches, best.tokens[:shared]
         if isinstance(sequence.caches, SequenceCaches):
             sequence.caches.lora = sequence.adapters  # the passes read the adapters here
+            sequence.caches.lora_pass = None
         sequence.pending = prompt[shared:]
         sequence.stream.cached_prompt_tokens = shared
 
@@ -623,7 +638,8 @@ class BatchScheduler:
             self._running.remove(sequence)
         sequence.stream._items.put(error if error is not None else _END)
         whole = len(sequence.fed) == _offset(sequence)
-        if (error is None or pool) and sequence.caches and (whole or pool):
+        poolable = sequence.caches and self._poolable(sequence.caches)
+        if (error is None or pool) and poolable and (whole or pool):
             self._pool.append(_Pooled(sequence.fed, sequence.caches))
             del self._pool[: max(0, len(self._pool) - self.config.pooled_prefixes)]
         sequence.caches = []

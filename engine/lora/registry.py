@@ -115,8 +115,17 @@ class LoraRegistry:
     """Loaded adapters of one base model (`base`, its GGUF). `budget_bytes`: what the
     resident adapters may hold together (None: no bound); the one just used always stays."""
 
-    def __init__(self, base: GGUFFile, binder: Binder, budget_bytes: int | None = None):
+    def __init__(
+        self,
+        base: GGUFFile,
+        binder: Binder,
+        budget_bytes: int | None = None,
+        on_release: Callable[[], None] | None = None,
+    ):
+        """`on_release`: called after an adapter is unloaded or let go past the budget (the
+        engine drops what it kept of it)."""
         self.base, self.binder, self.budget_bytes = base, binder, budget_bytes
+        self.on_release = on_release
         self._entries: dict[str, _Entry] = {}
         self._lock = threading.Lock()
 
@@ -138,8 +147,10 @@ class LoraRegistry:
                 name, path, scale, bound.rank, bound.nbytes, seconds, 1, bound, time.monotonic()
             )
             self._entries[name] = entry
-            self._keep_within_budget(entry)
-            return _info(entry)
+            let_go = self._keep_within_budget(entry)
+        if let_go:
+            self._released()
+        return self.get(name) or _info(entry)
 
     def unload(self, name: str) -> AdapterInfo:
         """Forget the adapter; answers running with it finish with it."""
@@ -147,7 +158,12 @@ class LoraRegistry:
             entry = self._entries.pop(name, None)
         if entry is None:
             raise UnknownAdapterError(f"no adapter named {name!r} is loaded")
+        self._released()
         return _info(entry)
+
+    def _released(self) -> None:
+        if self.on_release is not None:
+            self.on_release()
 
     def list(self) -> list[AdapterInfo]:
         with self._lock:
@@ -161,6 +177,12 @@ class LoraRegistry:
     def __contains__(self, name: str) -> bool:
         with self._lock:
             return name in self._entries
+
+    def holds(self, adapters: AdapterSet) -> bool:
+        """Whether every adapter of the set is still loaded and resident as it was bound."""
+        with self._lock:
+            bound = {id(e.bound) for e in self._entries.values() if e.bound is not None}
+        return all(id(adapter) in bound for adapter, _ in adapters.entries)
 
     @property
     def resident_bytes(self) -> int:
@@ -194,11 +216,15 @@ class LoraRegistry:
             return bound
         bound, seconds = self._read(entry.name, entry.path)  # let go past the budget
         with self._lock:
+            let_go = False
             if entry.bound is None:
                 entry.bound, entry.load_seconds = bound, seconds
                 entry.loads += 1
-                self._keep_within_budget(entry)
-            return entry.bound
+                let_go = self._keep_within_budget(entry)
+            bound = entry.bound
+        if let_go:
+            self._released()
+        return bound
 
     def _read(self, name: str, path: Path) -> tuple[BoundAdapter, float]:
         start = time.perf_counter()
@@ -206,21 +232,22 @@ class LoraRegistry:
         bound = self.binder(name, adapter)
         return bound, time.perf_counter() - start
 
-    def _keep_within_budget(self, keep: _Entry) -> None:
+    def _keep_within_budget(self, keep: _Entry) -> bool:
         """Let the least recently used resident adapters go until the rest fit (called
-        under the lock)."""
+        under the lock); whether any went."""
         if self.budget_bytes is None:
-            return
+            return False
         resident = sorted(
             (e for e in self._entries.values() if e.bound is not None and e is not keep),
             key=lambda e: e.used,
         )
-        total = keep.nbytes + sum(e.nbytes for e in resident)
+        total, let_go = keep.nbytes + sum(e.nbytes for e in resident), False
         for entry in resident:
             if total <= self.budget_bytes:
                 break
-            entry.bound = None
+            entry.bound, let_go = None, True
             total -= entry.nbytes
+        return let_go
 
 
 def _info(entry: _Entry) -> AdapterInfo:

@@ -99,26 +99,23 @@ def _kernel_of(library) -> LoraKernel:
 
 
 def pass_lora(
-    sets: Sequence[AdapterSet | None], spans: Sequence[tuple[int, int]]
+    sets: Sequence[AdapterSet | None], spans: Sequence[tuple[int, int]], holder=None
 ) -> PassLora | None:
     """The pass's adapters, or None when no sequence of it carries any (the common case,
     which then costs the layers nothing). Decode steps repeat the same sets over the same
     spans step after step, so the grouping (and the native call structures) of the last
-    few are kept and handed out again."""
+    pass is kept on `holder` (the first sequence's caches, where they take it) and handed
+    out again; it goes with them."""
     if all(s is None for s in sets):
         return None
     key = (tuple(0 if s is None else id(s) for s in sets), tuple(spans))
-    found = _RECENT.get(key)
-    if found is None:
-        found = PassLora(sets, spans, cpu_lora_kernel())  # holds the sets: their ids stay theirs
-        _RECENT[key] = found
-        while len(_RECENT) > _RECENT_KEPT:
-            del _RECENT[next(iter(_RECENT))]
+    kept = getattr(holder, "lora_pass", None)
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    found = PassLora(sets, spans, cpu_lora_kernel())  # holds the sets: their ids stay theirs
+    if hasattr(holder, "lora_pass"):
+        holder.lora_pass = (key, found)
     return found
-
-
-_RECENT: dict[tuple, PassLora] = {}
-_RECENT_KEPT = 32
 
 
 def _groups(sets, spans) -> list[tuple[BoundLora, float, torch.Tensor, int]]:

@@ -267,7 +267,8 @@ class Block:
         for span, where in fused:
             renumbered.append((RowSpan(at, span.count, span.kind), where))
             at += span.count
-        taken = [index for index in range(len(rows)) if index not in set(rest)]
+        left = set(rest)
+        taken = [index for index in range(len(rows)) if index not in left]
         lora = None if rows.lora is None else rows.lora.subset(taken)
         self._step_fused(part, cos, sin, renumbered, lora, rows.layer)
         x.index_copy_(0, fused_rows, part)

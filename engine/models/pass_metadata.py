@@ -153,5 +153,5 @@ def build_pass_metadata(
             cos = torch.cat([t.cos for t in tables])
             rotations[local] = RopeTables(cos, torch.cat([t.signed_sin for t in tables]), rope)
     sets = [getattr(one, "lora", None) for one in caches]
-    lora = pass_lora(sets, [(span.first, span.count) for span in spans])
+    lora = pass_lora(sets, [(span.first, span.count) for span in spans], caches[0])
     return PassMetadata(spans, caches, rotations, masks, lora)

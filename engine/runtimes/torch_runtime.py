@@ -127,7 +127,7 @@ class TorchRuntime(Runtime):
         # LoRA adapters by name, bound to this model's fused projections on first load.
         self._lora_layout = None
         budget = None if lora_budget_mb is None else lora_budget_mb << 20
-        self.lora = LoraRegistry(gguf, self._bind_adapter, budget)
+        self.lora = LoraRegistry(gguf, self._bind_adapter, budget, self._adapters_released)
         for spec in lora:
             self.lora.load(spec.name, spec.path, spec.scale)
         self.parallel = parallel
@@ -279,6 +279,11 @@ class TorchRuntime(Runtime):
         )
         self._last_stream = stream
         return stream
+
+    def _adapters_released(self) -> None:
+        """An adapter was unloaded or let go: drop what still holds it (pooled prompts
+        computed with it); answers running with it keep it."""
+        self.scheduler.drop_adapters(self.lora.holds)
 
     def _bind_adapter(self, name: str, adapter: LoraAdapter) -> BoundLora:
         if self._lora_layout is None:
