@@ -389,3 +389,19 @@ def test_without_the_native_library_torch_applies_the_same_update(tiny, monkeypa
     plain_torch = _logits(_runtime(tiny), "a", "b")
     assert np.abs(plain_torch - native).max() / np.abs(native).max() < 0.02
     assert (plain_torch.argmax(-1) == native.argmax(-1)).mean() >= 0.98
+
+
+def test_an_f64_adapter_runs_on_torch_and_never_reaches_llama_cpp(tiny, tmp_path):
+    """llama.cpp segfaults on F64 adapter tensors (llama-cpp-python 0.3.36 and llama-server
+    alike): our engine reads them as f32, and the llama.cpp backend refuses the file in one
+    line instead of handing it over."""
+    from miniapp.engine.lora.adapter import AdapterError
+
+    base, _ = tiny
+    double = write_tiny_adapter(tmp_path / "d.gguf", base, seed=1, dtype=np.float64)
+    single = write_tiny_adapter(tmp_path / "s.gguf", base, seed=1, dtype=np.float32)
+    runtime = TorchRuntime(base, n_ctx=256, lora=[LoraSpec("d", double), LoraSpec("s", single)])
+    np.testing.assert_array_equal(_logits(runtime, "d"), _logits(runtime, "s"))
+    with pytest.raises(AdapterError, match=r"d\.gguf: it holds F64 tensors") as raised:
+        LlamaCppRuntime(base, n_ctx=128, lora=[LoraSpec("d", double)])
+    assert "\n" not in str(raised.value)
