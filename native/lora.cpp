@@ -67,7 +67,7 @@ inline int64_t type_bytes(int type) { return type == kLoraF32 ? 4 : 2; }
 
 // How far ahead of its reads a stream of A asks for its lines (prefetches past the end of
 // a tensor are harmless: they never fault).
-constexpr int64_t kPrefetchBytes = 1024;
+constexpr int64_t kPrefetchBytes = 4096;
 
 TARGET_AVX2 inline __m256 load8(const void* w, int type, int64_t i) {
   if (type == kLoraF32) return _mm256_loadu_ps(static_cast<const float*>(w) + i);
@@ -182,8 +182,8 @@ TARGET_AVX2 void up_project(const LoraUpdate& up, const LoraGroup& g, const floa
     const int64_t block_bytes = rank * kOutBlock * type_bytes(up.type);
     for (int64_t b = lo / kOutBlock; b * kOutBlock < hi; ++b) {
       const void* block = static_cast<const uint8_t*>(up.b[p]) + b * block_bytes;
-      for (int64_t at = 0; at < block_bytes; at += 64) {  // the next block, on its way
-        _mm_prefetch(static_cast<const char*>(block) + block_bytes + at, _MM_HINT_T0);
+      for (int64_t at = 0; at < block_bytes; at += 64) {  // a block further on, on its way
+        _mm_prefetch(static_cast<const char*>(block) + kPrefetchBytes + at, _MM_HINT_T0);
       }
       const int64_t from = b * kOutBlock > lo ? b * kOutBlock : lo;
       const int64_t to = (b + 1) * kOutBlock < hi ? (b + 1) * kOutBlock : hi;
