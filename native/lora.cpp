@@ -59,9 +59,10 @@ namespace {
 // Below this many bytes of A and B a second thread costs more than it saves.
 constexpr int64_t kMinParallelLoraBytes = 1 << 17;
 constexpr int64_t kMinParallelLoraMacs = 1 << 18;
-// From this many rows of a group, threads take rows (each its own, whole); below it, they
-// take ranks and outputs of every row (a decode step's few rows).
-constexpr int64_t kRowsPerThread = 4;
+// From this many rows of a group per thread, threads take rows (each its own, whole, each
+// thread reading all of A and B: a prompt chunk, where the sums outweigh the bytes); below
+// it, they take ranks and outputs of every row (a batch's decode rows: each byte read once).
+constexpr int64_t kRowsPerThread = 16;
 
 inline int64_t type_bytes(int type) { return type == kLoraF32 ? 4 : 2; }
 
