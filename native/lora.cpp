@@ -68,7 +68,7 @@ inline int64_t type_bytes(int type) { return type == kLoraF32 ? 4 : 2; }
 
 // How far ahead of its reads a stream of A asks for its lines (prefetches past the end of
 // a tensor are harmless: they never fault).
-constexpr int64_t kPrefetchBytes = 4096;
+constexpr int64_t kPrefetchBytes = 1024;
 
 TARGET_AVX2 inline __m256 load8(const void* w, int type, int64_t i) {
   if (type == kLoraF32) return _mm256_loadu_ps(static_cast<const float*>(w) + i);
