@@ -229,6 +229,14 @@ def test_past_the_budget_the_least_recently_used_adapter_is_let_go_and_read_agai
     assert runtime.lora.get("a").loads == 2 and not runtime.lora.get("b").resident
 
 
+def test_adapters_given_at_open_keep_within_the_budget_too(tiny):
+    base, adapters = tiny
+    specs = [LoraSpec("a", adapters["a"]), LoraSpec("b", adapters["b"])]
+    runtime = TorchRuntime(base, n_ctx=128, spec="off", lora=specs, lora_budget_mb=0)
+    assert [info.resident for info in runtime.lora.list()] == [False, True]
+    assert len(_greedy(runtime, [5, 6, 7], [LoraChoice("a")], n=3)) == 3
+
+
 def test_a_loaded_adapter_costs_its_own_bytes_and_no_copy_of_the_base(tiny):
     base, adapters = tiny
     runtime = TorchRuntime(base, n_ctx=128, spec="off")

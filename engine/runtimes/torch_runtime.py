@@ -128,8 +128,6 @@ class TorchRuntime(Runtime):
         self._lora_layout = None
         budget = None if lora_budget_mb is None else lora_budget_mb << 20
         self.lora = LoraRegistry(gguf, self._bind_adapter, budget, self._adapters_released)
-        for spec in lora:
-            self.lora.load(spec.name, spec.path, spec.scale)
         self.parallel = parallel
         graphs, note = decode_step_path(self.probe, self.device_plan, self.config.n_layers)
         self.runner = ModelRunner(self.model, self.policy, graphs, note)
@@ -144,6 +142,8 @@ class TorchRuntime(Runtime):
             self.model, self.policy, config, self._lone_decoder, self.runner, self._recover_from_oom
         )
         self._last_stream: TokenStream | None = None
+        for spec in lora:  # after the scheduler: past the budget, loads let others go
+            self.lora.load(spec.name, spec.path, spec.scale)
 
     def _placement(self) -> Placement:
         plan = self.device_plan
