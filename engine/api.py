@@ -29,6 +29,9 @@ from .errors import (
 from .kv.types import DEFAULT_KV_TYPE, KV_TYPE_NAMES, kv_type
 from .lora.adapter import AdapterError, read_adapter
 from .lora.registry import (
+    MAX_SCALE as MAX_LORA_SCALE,
+)
+from .lora.registry import (
     AdapterInfo,
     AdapterNameError,
     AdapterSet,
@@ -209,6 +212,7 @@ __all__ = [
     "LoraChoice",
     "LoraRegistry",
     "LoraSpec",
+    "MAX_LORA_SCALE",
     "UnknownAdapterError",
     "check_scale",
     "parse_lora_flag",

@@ -120,22 +120,6 @@ TARGET_AVX2 float dot(const void* w, int type, const float* x, int64_t n) {
 
 TARGET_AVX2 void down_project_tile(const LoraUpdate& up, const LoraGroup& g, const float* x,
                                    int64_t ldx, float* u, int64_t r0, int64_t r1, int64_t i0,
-                                   int64_t i1);
-
-// u[i][r] = A[r] . x[rows[i]] for r in [r0, r1) and the group's rows i in [i0, i1), a tile of
-// rows at a time (their x stays in cache while A's rows pass). Up to four rows share each
-// converted chunk of A; every row's sum runs in the same order as `dot` (a row alone gives
-// the same bits).
-TARGET_AVX2 void down_project(const LoraUpdate& up, const LoraGroup& g, const float* x, int64_t ldx,
-                              float* u, int64_t r0, int64_t r1, int64_t i0, int64_t i1) {
-  constexpr int64_t kTileRows = 32;
-  for (int64_t t0 = i0; t0 < i1; t0 += kTileRows) {
-    down_project_tile(up, g, x, ldx, u, r0, r1, t0, t0 + kTileRows < i1 ? t0 + kTileRows : i1);
-  }
-}
-
-TARGET_AVX2 void down_project_tile(const LoraUpdate& up, const LoraGroup& g, const float* x,
-                                   int64_t ldx, float* u, int64_t r0, int64_t r1, int64_t i0,
                                    int64_t i1) {
   const int64_t row_bytes = up.k * type_bytes(up.type), k = up.k;
   for (int64_t r = r0; r < r1; ++r) {
@@ -161,6 +145,18 @@ TARGET_AVX2 void down_project_tile(const LoraUpdate& up, const LoraGroup& g, con
       for (int j = 0; j < 4; ++j) u[(i + j) * up.rank + r] = reduce(s[j]);
     }
     for (; i < i1; ++i) u[i * up.rank + r] = dot(a, up.type, x + g.rows[i] * ldx, k);
+  }
+}
+
+// u[i][r] = A[r] . x[rows[i]] for r in [r0, r1) and the group's rows i in [i0, i1), a tile of
+// rows at a time (their x stays in cache while A's rows pass). Up to four rows share each
+// converted chunk of A; every row's sum runs in the same order as `dot` (a row alone gives
+// the same bits).
+TARGET_AVX2 void down_project(const LoraUpdate& up, const LoraGroup& g, const float* x, int64_t ldx,
+                              float* u, int64_t r0, int64_t r1, int64_t i0, int64_t i1) {
+  constexpr int64_t kTileRows = 32;
+  for (int64_t t0 = i0; t0 < i1; t0 += kTileRows) {
+    down_project_tile(up, g, x, ldx, u, r0, r1, t0, t0 + kTileRows < i1 ? t0 + kTileRows : i1);
   }
 }
 

@@ -12,12 +12,16 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from miniapp.engine.api import ConstraintError, ConstraintKind, OutputConstraint
+from miniapp.engine.api import (
+    MAX_LORA_SCALE,
+    ConstraintError,
+    ConstraintKind,
+    OutputConstraint,
+)
 
 MAX_CHOICES = 8  # `n`: answers to one request
 MAX_STOPS = 16
 MAX_ADAPTERS = 16  # `lora`: adapters one request runs with
-MAX_LORA_SCALE = 100.0  # the engine's bound (check_scale)
 
 
 class _Body(BaseModel):

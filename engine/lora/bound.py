@@ -46,8 +46,7 @@ class BoundLora:
     an array [layers][PROJECTIONS])."""
 
     def __init__(self, name: str, adapter: LoraAdapter, layout: ModelLayout):
-        self.name, self.path, self.alpha = name, adapter.path, adapter.alpha
-        self.rank = adapter.rank
+        self.name, self.path, self.rank = name, adapter.path, adapter.rank
         where = {
             part.tensor: (layer, projection)
             for layer, projections in enumerate(layout)

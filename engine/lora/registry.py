@@ -103,11 +103,14 @@ def check_name(name: str) -> str:
     return name
 
 
+MAX_SCALE = 100.0  # |scale| past this is a mistake, not a fine-tune's strength
+
+
 def check_scale(scale: float) -> float:
     if not isinstance(scale, int | float) or isinstance(scale, bool) or scale != scale:
         raise MiniappError(f"LoRA scale {scale!r} is not a number")
-    if abs(scale) > 100:
-        raise MiniappError(f"LoRA scale {scale} is out of range (-100..100)")
+    if abs(scale) > MAX_SCALE:
+        raise MiniappError(f"LoRA scale {scale} is out of range (-{MAX_SCALE:g}..{MAX_SCALE:g})")
     return float(scale)
 
 
@@ -148,9 +151,10 @@ class LoraRegistry:
             )
             self._entries[name] = entry
             let_go = self._keep_within_budget(entry)
+            info = _info(entry)
         if let_go:
             self._released()
-        return self.get(name) or _info(entry)
+        return info
 
     def unload(self, name: str) -> AdapterInfo:
         """Forget the adapter; answers running with it finish with it."""
@@ -292,6 +296,7 @@ __all__ = [
     "AdapterSet",
     "LoraRegistry",
     "LoraSpec",
+    "MAX_SCALE",
     "UnknownAdapterError",
     "parse_lora_flag",
 ]
