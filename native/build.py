@@ -19,7 +19,7 @@ from pathlib import Path
 SOURCE = Path(__file__).with_name("int4_gemm.cpp")
 # Compiled with SOURCE into the same library, one file per kernel library: the KV cache's
 # codecs, decode attention, the row operations, the fused decode layer, the kernels on
-# GGML's own blocks and the LoRA updates.
+# GGML's own blocks, the LoRA updates and the mixture-of-experts feed-forward.
 _OTHERS = (
     "kv_codec.cpp",
     "attention.cpp",
@@ -27,6 +27,7 @@ _OTHERS = (
     "decode_layer.cpp",
     "ggml_dot.cpp",
     "lora.cpp",
+    "moe.cpp",
 )
 SOURCES = (SOURCE, *(SOURCE.with_name(name) for name in _OTHERS))
 # What the sources include: part of a build too, so an edit to a header rebuilds the library.

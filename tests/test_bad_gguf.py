@@ -18,7 +18,7 @@ import pytest
 from first_token import load_to_first_token
 from gguf import GGUFReader, GGUFValueType
 from test_bad_input import _assert_one_line_error, _run
-from tiny_gguf import TOKEN_TYPES, VOCAB, write_tiny_model
+from tiny_gguf import QWEN3MOE, TOKEN_TYPES, VOCAB, write_tiny_model
 
 from miniapp.engine.errors import ModelFileError
 
@@ -49,6 +49,10 @@ def _tensor_fields(path: Path, index: int) -> dict[str, int]:
 
 def _model(tmp: Path, metadata: dict | None = None) -> Path:
     return write_tiny_model(tmp / "bad.gguf", metadata=metadata)
+
+
+def _experts(tmp: Path, metadata: dict) -> Path:
+    return write_tiny_model(tmp / "bad.gguf", QWEN3MOE, metadata=metadata)
 
 
 def _cut(fraction: float) -> Callable[[Path], Path]:
@@ -157,6 +161,18 @@ BAD_FILES: dict[str, tuple[Callable[[Path], Path], str]] = {
         lambda tmp: _model(tmp, {"llama.embedding_length": (128, V.UINT32)}),
         "has shape [64, 64], but the metadata gives [64, 128]",
     ),
+    "an expert count the tensors do not have": (
+        lambda tmp: _experts(tmp, {"qwen3moe.expert_count": (6, V.UINT32)}),
+        "tensor blk.0.ffn_gate_inp.weight has shape [8, 64], but the metadata gives [6, 64]",
+    ),
+    "more experts used than there are": (
+        lambda tmp: _experts(tmp, {"qwen3moe.expert_used_count": (9, V.UINT32)}),
+        "expert_used_count is 9, outside 1..8",
+    ),
+    "a mixture of experts without an expert count": (
+        lambda tmp: _experts(tmp, {"qwen3moe.expert_count": None}),
+        "qwen3moe.expert_count is missing or 0",
+    ),
     "a NaN scale": (_nan_scale, "tensor blk.0.attn_q.weight holds NaN or infinite values"),
     "an infinite norm weight": (_infinite_norm, "blk.0.ffn_norm.weight holds NaN or infinite"),
     "more tokens than embeddings": (
@@ -210,6 +226,7 @@ TORCH_CLI_CASES = [
     "a tensor of a terabyte",
     "a count of the wrong type",
     "a NaN scale",
+    "an expert count the tensors do not have",
     "more tokens than embeddings",
     "a template that does not parse",
 ]

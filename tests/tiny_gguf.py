@@ -64,6 +64,16 @@ class TinyModel:
     final_logit_softcap: float = 0.0
     chat_template: str | None = None
     tokenizer: str = "llama"  # or "gpt2" (byte-level BPE)
+    # A mixture of experts in every layer (0: a dense feed-forward): 3-D expert tensors
+    n_experts: int = 0
+    n_experts_used: int = 0
+    expert_ffn_dim: int = 0
+    shared_expert_ffn_dim: int = 0  # qwen2moe's shared expert
+    qk_norm_whole: bool = False  # olmoe: one norm over all query (key) heads
+    router_scale: float = 1.0  # the router's logits' spread (larger: clearer choices)
+    # The final norm's weight (1: logits spread ~sqrt(dim), so peaked that a random token's
+    # log-probability is tens of nats; ~0.15 spreads them like a trained model's)
+    output_norm_scale: float = 1.0
 
     @property
     def vocab(self) -> list[str]:
@@ -75,6 +85,35 @@ LLAMA = TinyModel()
 QWEN2 = TinyModel(architecture="qwen2", qkv_bias=True, tied_output=False)
 QWEN3 = TinyModel(architecture="qwen3", qk_norm=True, head_dim=32)
 PHI3 = TinyModel(architecture="phi3", fused_qkv=True, fused_gate_up=True, tied_output=False)
+# Mixtures of experts, as llama.cpp reads them (OLMoE's key norm spans n_embd: no GQA).
+MIXTRAL = TinyModel(n_experts=4, n_experts_used=2, expert_ffn_dim=96)  # = ffn_dim, as llama's
+QWEN2MOE = TinyModel(
+    architecture="qwen2moe",
+    qkv_bias=True,
+    tied_output=False,
+    n_experts=8,
+    n_experts_used=2,
+    expert_ffn_dim=64,
+    shared_expert_ffn_dim=96,
+)
+QWEN3MOE = TinyModel(
+    architecture="qwen3moe",
+    qk_norm=True,
+    head_dim=32,
+    tied_output=False,
+    n_experts=8,
+    n_experts_used=2,
+    expert_ffn_dim=64,
+)
+OLMOE = TinyModel(
+    architecture="olmoe",
+    n_kv_heads=4,
+    qk_norm_whole=True,
+    tied_output=False,
+    n_experts=8,
+    n_experts_used=4,
+    expert_ffn_dim=96,  # = ffn_dim, as olmoe's
+)
 GEMMA3 = TinyModel(
     architecture="gemma3",
     n_layers=4,
@@ -93,14 +132,14 @@ GEMMA3 = TinyModel(
 def quantize_k(values: np.ndarray, qtype: Q) -> np.ndarray:
     """A plain K-quant quantizer for test data (gguf has none): per sub-block range or
     absolute maximum, sub-block scales quantized against the super-block's. Not llama.cpp's
-    optimised search, but valid blocks that decode close to `values`. uint8 [rows, bytes]."""
-    rows, cols = values.shape
+    optimised search, but valid blocks that decode close to `values`. uint8 [..., bytes]
+    (values [..., cols]: experts' 3-D stacks too)."""
     x = values.astype(np.float32).reshape(-1, 256)
     if qtype == Q.Q6_K:
         blocks = _quantize_q6_k(x)
     else:
         blocks = _quantize_q45_k(x, bits=4 if qtype == Q.Q4_K else 5)
-    return blocks.reshape(rows, -1)
+    return blocks.reshape(*values.shape[:-1], -1)
 
 
 def _quantize_q45_k(x: np.ndarray, bits: int) -> np.ndarray:
@@ -163,8 +202,8 @@ def _add_tensor(writer: GGUFWriter, name: str, values: np.ndarray, qtype: Q) -> 
     elif qtype not in GGUF_QUANTIZABLE:
         # A type we only need to be rejected: random bytes of the right size.
         block, size = quants.GGML_QUANT_SIZES[qtype]
-        rows, cols = values.shape
-        raw = np.random.default_rng(0).integers(0, 256, (rows, cols // block * size), np.uint8)
+        *outer, cols = values.shape
+        raw = np.random.default_rng(0).integers(0, 256, (*outer, cols // block * size), np.uint8)
         writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qtype)
     elif qtype == Q.F32:
         writer.add_tensor(name, values.astype(np.float32))
@@ -196,6 +235,12 @@ def _write_metadata(writer: GGUFWriter, spec: TinyModel) -> None:
         writer.add_float32(f"{arch}.rope.freq_base_swa", spec.local_rope_base)
     if spec.final_logit_softcap:
         writer.add_float32(f"{arch}.final_logit_softcapping", spec.final_logit_softcap)
+    if spec.n_experts:
+        writer.add_expert_count(spec.n_experts)
+        writer.add_expert_used_count(spec.n_experts_used)
+        writer.add_expert_feed_forward_length(spec.expert_ffn_dim)
+    if spec.shared_expert_ffn_dim:
+        writer.add_expert_shared_feed_forward_length(spec.shared_expert_ffn_dim)
     if spec.tokenizer == "gpt2":
         writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre("smollm")
@@ -273,20 +318,26 @@ def write_tiny_model(
         if spec.qk_norm:
             writer.add_tensor(p + "attn_q_norm.weight", vector(hd))
             writer.add_tensor(p + "attn_k_norm.weight", vector(hd))
+        if spec.qk_norm_whole:
+            writer.add_tensor(p + "attn_q_norm.weight", vector(q_rows))
+            writer.add_tensor(p + "attn_k_norm.weight", vector(kv_rows))
         _add_weight(writer, p + "attn_output.weight", weight(d, q_rows, w_attn_out), wt)
         if spec.post_norms:
             writer.add_tensor(p + "post_attention_norm.weight", vector(d))
         writer.add_tensor(p + "ffn_norm.weight", vector(d))
-        if spec.fused_gate_up:
+        if spec.n_experts:
+            _add_experts(writer, _add_weight, spec, p, weight, vector)
+        elif spec.fused_gate_up:
             _add_weight(writer, p + "ffn_up.weight", weight(2 * spec.ffn_dim, d, w_in), wt)
         else:
             _add_weight(writer, p + "ffn_gate.weight", weight(spec.ffn_dim, d, w_in), wt)
             _add_weight(writer, p + "ffn_up.weight", weight(spec.ffn_dim, d, w_in), wt)
-        down = weight(d, spec.ffn_dim, w_ffn_out)
-        _add_weight(writer, p + "ffn_down.weight", down, spec.down_type or wt)
+        if not spec.n_experts:
+            down = weight(d, spec.ffn_dim, w_ffn_out)
+            _add_weight(writer, p + "ffn_down.weight", down, spec.down_type or wt)
         if spec.post_norms:
             writer.add_tensor(p + "post_ffw_norm.weight", vector(d))
-    writer.add_tensor("output_norm.weight", vector(d))
+    writer.add_tensor("output_norm.weight", spec.output_norm_scale * vector(d))
     if not spec.tied_output:
         # An untied head near the embedding, as trained models' heads are: a purely random
         # one makes many near-tied logits, where rounding noise decides the top token.
@@ -297,6 +348,27 @@ def write_tiny_model(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _add_experts(writer, add_weight, spec: TinyModel, p: str, weight, vector) -> None:
+    """A layer's router, experts [n_experts, rows, cols] and any shared expert."""
+    d, e, ffn, wt = spec.dim, spec.n_experts, spec.expert_ffn_dim, spec.weight_type
+    router = weight(e, d, spec.router_scale / np.sqrt(d))
+    writer.add_tensor(p + "ffn_gate_inp.weight", router.astype(np.float32))
+
+    def stacked(rows: int, cols: int) -> np.ndarray:
+        return np.stack([weight(rows, cols, 1 / np.sqrt(cols)) for _ in range(e)])
+
+    add_weight(writer, p + "ffn_gate_exps.weight", stacked(ffn, d), wt)
+    add_weight(writer, p + "ffn_up_exps.weight", stacked(ffn, d), wt)
+    add_weight(writer, p + "ffn_down_exps.weight", stacked(d, ffn), spec.down_type or wt)
+    if spec.shared_expert_ffn_dim:
+        shared = spec.shared_expert_ffn_dim
+        writer.add_tensor(p + "ffn_gate_inp_shexp.weight", vector(d, 0.0, 1 / np.sqrt(d)))
+        add_weight(writer, p + "ffn_gate_shexp.weight", weight(shared, d, 1 / np.sqrt(d)), wt)
+        add_weight(writer, p + "ffn_up_shexp.weight", weight(shared, d, 1 / np.sqrt(d)), wt)
+        down = weight(d, shared, 1 / np.sqrt(shared))
+        add_weight(writer, p + "ffn_down_shexp.weight", down, spec.down_type or wt)
 
 
 LORA_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")

@@ -8,7 +8,7 @@ from ..errors import UnsupportedModelError
 from ..modelfile.checks import check_model_file
 from ..modelfile.gguf_file import GGUFFile
 from ..ops.quant import SUPPORTED_TYPES
-from . import gemma3, llama, phi3, qwen
+from . import gemma3, llama, olmoe, phi3, qwen
 from .config import DecoderConfig, check_config
 from .decoder import DecoderModel
 from .loading import build_decoder
@@ -20,6 +20,9 @@ CONFIGS: dict[str, Callable[[GGUFFile], DecoderConfig]] = {
     "qwen3": qwen.qwen3_config,
     "phi3": phi3.config_from_gguf,
     "gemma3": gemma3.config_from_gguf,
+    "qwen2moe": qwen.qwen2moe_config,
+    "qwen3moe": qwen.qwen3moe_config,
+    "olmoe": olmoe.config_from_gguf,
 }
 
 SUPPORTED_ARCHITECTURES = tuple(sorted(CONFIGS))

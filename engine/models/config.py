@@ -20,6 +20,20 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class ExpertConfig:
+    """A mixture-of-experts feed-forward: each token runs `used` of `count` SiLU-gated experts
+    of `ffn_dim`, chosen by a softmax router, their outputs weighted by the router's
+    probabilities (divided by their sum where `normalize`), plus, where `shared_ffn_dim`,
+    a shared expert every token runs, scaled by a sigmoid gate (Qwen2-MoE)."""
+
+    count: int
+    used: int
+    ffn_dim: int
+    normalize: bool
+    shared_ffn_dim: int = 0
+
+
+@dataclass(frozen=True)
 class DecoderConfig:
     architecture: str
     n_layers: int
@@ -36,11 +50,14 @@ class DecoderConfig:
     attention_scale: float | None = None  # default 1/sqrt(head_dim)
     embed_scale: float = 1.0  # Gemma multiplies embeddings by sqrt(dim)
     qk_norm: bool = False  # RMSNorm of each query and key head before RoPE
+    # OLMoE: the same norm over all query heads together and all key heads together
+    qk_norm_whole: bool = False
     post_norms: bool = False  # Gemma's norms on the attention and FFN outputs
     sliding_window: int = 0  # tokens a local layer sees (0: no local layers)
     local_layers: tuple[bool, ...] = ()  # which layers use the sliding window
     local_rope: RopeConfig | None = None  # RoPE of the local layers, if different
     final_logit_softcap: float = 0.0
+    experts: ExpertConfig | None = None  # a mixture-of-experts feed-forward in every layer
 
     def is_local(self, layer: int) -> bool:
         return bool(self.local_layers) and self.local_layers[layer]
@@ -119,6 +136,27 @@ class MetadataReader:
             context_length=self.whole("context_length", 4096),
         )
 
+    def experts(
+        self, default_ffn: int, normalize: bool, shared: bool = False
+    ) -> ExpertConfig | None:
+        """The mixture-of-experts keys (None without `expert_count`): how many experts, how
+        many a token uses, each one's width (`default_ffn` where the file does not say), and
+        the shared expert's width where the architecture has one. Whether the chosen
+        experts' weights are normalised is the architecture's, as llama.cpp's graph has it."""
+        count = self.whole("expert_count", 0)
+        if count == 0:
+            return None
+        if isinstance(self.get("expert_used_count"), list):
+            raise self.unsupported("per-layer expert counts are not supported yet")
+        shared_ffn = self.whole("expert_shared_feed_forward_length", default_ffn) if shared else 0
+        return ExpertConfig(
+            count=count,
+            used=self.whole("expert_used_count", required=True),
+            ffn_dim=self.whole("expert_feed_forward_length", default_ffn),
+            normalize=normalize,
+            shared_ffn_dim=shared_ffn,
+        )
+
     def rope(self, interleaved: bool, head_dim: int) -> RopeConfig:
         scaling = self.text("rope.scaling.type", "none")
         factor = self.real("rope.scaling.factor", 1.0) or 1.0
@@ -140,6 +178,7 @@ class MetadataReader:
 MAX_LAYERS = 4096
 MAX_WIDTH = 1 << 20
 MAX_CONTEXT = 1 << 24
+MAX_EXPERTS = 4096  # the largest open models route over 256-512
 
 
 def check_config(config: DecoderConfig, path) -> None:
@@ -161,6 +200,18 @@ def check_config(config: DecoderConfig, path) -> None:
     for key, (value, most) in counts.items():
         if not 1 <= value <= most:
             raise bad(f"{key} is {value}, outside 1..{most}")
+    experts = config.experts
+    if experts is not None:
+        if not 1 <= experts.count <= MAX_EXPERTS:
+            raise bad(f"expert_count is {experts.count}, outside 1..{MAX_EXPERTS}")
+        if not 1 <= experts.used <= experts.count:
+            raise bad(f"expert_used_count is {experts.used}, outside 1..{experts.count}")
+        for key, value in (
+            ("expert_feed_forward_length", experts.ffn_dim),
+            ("expert_shared_feed_forward_length", experts.shared_ffn_dim or 1),
+        ):
+            if not 1 <= value <= MAX_WIDTH:
+                raise bad(f"{key} is {value}, outside 1..{MAX_WIDTH}")
     if config.n_heads % config.n_kv_heads:
         raise bad(f"{config.n_heads} query heads do not share {config.n_kv_heads} KV heads")
     for rope in (config.rope, config.local_rope):

@@ -68,7 +68,11 @@ class Attention:
         wo: Linear,
         qk_norm_weight: torch.Tensor | None,
     ):
+        """`qk_norm_weight`: [n_heads + n_kv_heads, head_dim], one norm per head; or, with
+        `config.qk_norm_whole` (OLMoE), [(n_heads + n_kv_heads) * head_dim]: one norm over all
+        query heads together and one over all key heads."""
         self.wqkv, self.wo = wqkv, wo
+        self.qk_norm_whole = config.qk_norm_whole
         self.n_heads, self.n_kv_heads = config.n_heads, config.n_kv_heads
         self.head_dim = config.head_dim
         # Q and K sit side by side in the fused projection, so one matmul rotates both.
@@ -97,7 +101,9 @@ class Attention:
         # in fp32 than in bf16 at decode sizes, and the cache keeps full precision.
         heads = project(self.wqkv, x, rows, QKV).float().view(n_tokens, -1, self.head_dim)
         qk = heads[:, : self.n_rotated]
-        if self.qk_norm_weight is not None:
+        if self.qk_norm_whole:
+            qk = self._norm_whole(qk)
+        elif self.qk_norm_weight is not None:
             qk = rms_normalize(qk, self.norm_eps) * self.qk_norm_weight
         # [tokens, heads, head_dim] -> [heads, tokens, head_dim]
         qk = self._rotate(qk, rotation).transpose(0, 1)
@@ -108,6 +114,15 @@ class Attention:
         else:
             out = self._attend_sequences(qk, v, rows)
         return project(self.wo, out[0].transpose(0, 1).reshape(n_tokens, -1), rows, OUT)
+
+    def _norm_whole(self, qk: torch.Tensor) -> torch.Tensor:
+        """[tokens, heads, head_dim]: the queries normed as one vector, the keys as another."""
+        n_tokens, q_width = qk.shape[0], self.n_heads * self.head_dim
+        q = rms_normalize(qk[:, : self.n_heads].reshape(n_tokens, -1), self.norm_eps)
+        k = rms_normalize(qk[:, self.n_heads :].reshape(n_tokens, -1), self.norm_eps)
+        weight = self.qk_norm_weight
+        normed = torch.cat([q * weight[:q_width], k * weight[q_width:]], dim=1)
+        return normed.view(n_tokens, self.n_rotated, self.head_dim)
 
     def _rotate(self, qk: torch.Tensor, rotation: RopeTables) -> torch.Tensor:
         """RoPE over [tokens, heads, head_dim]: in place by the native row kernel on the CPU
@@ -197,6 +212,10 @@ class FeedForward:
         self.gelu = activation == "gelu_tanh"
         # Our own CPU kernel applies the SiLU gating itself (one call instead of four ops).
         self.fused = getattr(w_gate_up, "gated", False)
+
+    def bytes_per_token(self) -> int:
+        """Bytes of weights one decode step reads here."""
+        return self.w_gate_up.nbytes + self.w_down.nbytes
 
     def forward(self, x: torch.Tensor, rows: LayerRows | None = None) -> torch.Tensor:
         """`rows`: the pass's rows at this layer, for their LoRA adapters (None: none)."""
@@ -403,11 +422,12 @@ class DecoderModel:
         """Bytes of weights one decode step reads: every layer's linears and the output head
         (an embedding look-up reads one row, left out). Plain decoding cannot run faster
         than memory bandwidth divided by this."""
-        linears = [self.output]
+        total = self.output.nbytes
         for block in self.layers:
-            attention, feed_forward = block.attention, block.feed_forward
-            linears += [attention.wqkv, attention.wo, feed_forward.w_gate_up, feed_forward.w_down]
-        return sum(linear.nbytes for linear in linears)
+            attention = block.attention
+            total += attention.wqkv.nbytes + attention.wo.nbytes
+            total += block.feed_forward.bytes_per_token()
+        return total
 
     def make_caches(self, policy: CachePolicy) -> list[Cache]:
         """One cache per layer, on the layer's device, as the policy says."""
@@ -538,6 +558,8 @@ def fused_layer(block: Block, rope: Rope) -> NativeDecodeLayer | None:
     (SmolLM2, Qwen2 and the other llama-shaped models; Gemma 3 keeps the layer-by-layer
     path)."""
     attention, feed_forward = block.attention, block.feed_forward
+    if not isinstance(feed_forward, FeedForward):  # a mixture of experts
+        return None
     library = cpu_int4_kernel().library
     linears = (attention.wqkv, attention.wo, feed_forward.w_gate_up, feed_forward.w_down)
     norms = (block.attn_norm, block.ffn_norm)
@@ -546,6 +568,7 @@ def fused_layer(block: Block, rope: Rope) -> NativeDecodeLayer | None:
         or not fused_layers_enabled()
         or attention.native is None
         or attention.qk_norm_weight is not None
+        or attention.qk_norm_whole
         or block.post_attn_norm is not None
         or block.post_ffn_norm is not None
         or not feed_forward.fused

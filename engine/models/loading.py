@@ -4,7 +4,11 @@ once, on the device its `Placement` says), and a tensor the model would not use 
 from __future__ import annotations
 
 import torch
+from gguf.constants import GGMLQuantizationType
 
+from ...native import ggml as native_ggml
+from ...native import int4 as native_int4
+from ...native.moe import NativeExperts
 from ..errors import ModelFileError, UnsupportedModelError
 from ..lora.bound import PartLayout
 from ..modelfile.gguf_file import GGUFFile, TensorInfo
@@ -18,8 +22,10 @@ from ..ops.layers import (
     linear_from_raw,
 )
 from ..ops.quant import all_finite, dequantize_rows
+from ..platform.kernels import cpu_int4_kernel, ggml_interleave_enabled
 from .config import DecoderConfig
 from .decoder import Attention, Block, DecoderModel, FeedForward
+from .experts import MixtureFeedForward, Router, SharedExpert, TorchExpert, TorchExperts
 from .placement import CPU_PLACEMENT, Placement
 
 _CHECK_BYTES = 16 << 20  # the slice of a tensor checked for non-finite scales at once
@@ -54,7 +60,7 @@ def _build_block(
     weights: WeightReader, config: DecoderConfig, i: int, target: WeightTarget
 ) -> Block:
     p = f"blk.{i}."
-    eps, dim, ffn_dim = config.norm_eps, config.dim, config.ffn_dim
+    eps, dim = config.norm_eps, config.dim
     q_rows, kv_rows = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
     if weights.has(p + "attn_qkv.weight"):
         qkv_rows = [q_rows + 2 * kv_rows]
@@ -64,7 +70,11 @@ def _build_block(
         biases = [p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"]
         wqkv = weights.linear(names, dim, [q_rows, kv_rows, kv_rows], biases, target)
     qk_norm = None
-    if config.qk_norm:
+    if config.qk_norm_whole:  # OLMoE: one weight across all query heads, one across keys
+        q_norm = weights.vector(p + "attn_q_norm.weight", q_rows)
+        k_norm = weights.vector(p + "attn_k_norm.weight", kv_rows)
+        qk_norm = torch.cat([q_norm, k_norm]).to(target.device).contiguous()
+    elif config.qk_norm:
         q_norm = weights.vector(p + "attn_q_norm.weight", config.head_dim)
         k_norm = weights.vector(p + "attn_k_norm.weight", config.head_dim)
         qk_norm = torch.cat(
@@ -73,15 +83,10 @@ def _build_block(
         qk_norm = qk_norm.to(target.device).contiguous()
     wo = weights.linear([p + "attn_output.weight"], q_rows, [dim], p + "attn_output.bias", target)
     attention = Attention(config, wqkv, wo, qk_norm)
-    gated = config.activation == "silu"  # the kernel may fuse silu(gate) * up
-    if weights.has(p + "ffn_gate.weight"):
-        names = [p + "ffn_gate.weight", p + "ffn_up.weight"]
-        gate_up = weights.linear(names, dim, [ffn_dim, ffn_dim], target=target, gated=gated)
-    else:  # Phi-3 stores gate and up as one tensor of 2 * ffn_dim rows, gate first
-        names = [p + "ffn_up.weight"]
-        gate_up = weights.linear(names, dim, [2 * ffn_dim], target=target, gated=gated)
-    down = weights.linear([p + "ffn_down.weight"], ffn_dim, [dim], target=target)
-    ffn = FeedForward(gate_up, down, config.ffn_dim, config.activation)
+    if config.experts is not None:
+        ffn = _build_mixture(weights, config, p, target)
+    else:
+        ffn = _build_feed_forward(weights, config, p, target, config.ffn_dim)
 
     def norm(name: str) -> RMSNorm:
         return RMSNorm(weights.vector(p + name, dim).to(target.device), eps)
@@ -91,6 +96,64 @@ def _build_block(
     return Block(
         norm("attn_norm.weight"), attention, norm("ffn_norm.weight"), ffn, post_attn, post_ffn
     )
+
+
+def _build_feed_forward(
+    weights: WeightReader,
+    config: DecoderConfig,
+    p: str,
+    target: WeightTarget,
+    ffn_dim: int,
+    suffix: str = "",
+) -> FeedForward:
+    """A dense gated feed-forward: the layer's own, or (suffix "_shexp") a shared expert."""
+    dim = config.dim
+    gated = config.activation == "silu"  # the kernel may fuse silu(gate) * up
+    if weights.has(p + f"ffn_gate{suffix}.weight"):
+        names = [p + f"ffn_gate{suffix}.weight", p + f"ffn_up{suffix}.weight"]
+        gate_up = weights.linear(names, dim, [ffn_dim, ffn_dim], target=target, gated=gated)
+    else:  # Phi-3 stores gate and up as one tensor of 2 * ffn_dim rows, gate first
+        names = [p + f"ffn_up{suffix}.weight"]
+        gate_up = weights.linear(names, dim, [2 * ffn_dim], target=target, gated=gated)
+    down = weights.linear([p + f"ffn_down{suffix}.weight"], ffn_dim, [dim], target=target)
+    return FeedForward(gate_up, down, ffn_dim, config.activation)
+
+
+def _build_mixture(
+    weights: WeightReader, config: DecoderConfig, p: str, target: WeightTarget
+) -> MixtureFeedForward:
+    """The router, the experts (from the 3-D ffn_*_exps tensors) and any shared expert."""
+    experts, dim = config.experts, config.dim
+    router_weight = weights.matrix(p + "ffn_gate_inp.weight", experts.count, dim)
+    router = Router(router_weight.to(target.device))
+    # Experts stay on the CPU where the placement keeps them there (--cpu-moe).
+    expert_target = target if not target.experts_on_cpu else CPU_INT4
+    built = weights.experts(p, experts.count, experts.ffn_dim, dim, expert_target)
+    shared = None
+    if experts.shared_ffn_dim:
+        shared_ffn = _build_feed_forward(
+            weights, config, p, target, experts.shared_ffn_dim, suffix="_shexp"
+        )
+        gate = weights.vector(p + "ffn_gate_inp_shexp.weight", dim).to(target.device)
+        shared = SharedExpert(shared_ffn, gate)
+    expert_device = expert_target.device if expert_target.device != target.device else None
+    return MixtureFeedForward(router, built, experts.used, experts.normalize, shared, expert_device)
+
+
+def _native_expert_types(gate, up, down, dim: int, ffn_dim: int) -> bool:
+    """Whether the native MoE kernel reads these expert types: the GGML kernel's, with gate
+    and up of one type (its SiLU epilogue pairs their rows)."""
+    return (
+        gate == up
+        and gate in _GGML_EXPERT_TYPES
+        and down in _GGML_EXPERT_TYPES
+        and native_ggml.takes(gate, dim)
+        and native_ggml.takes(down, ffn_dim)
+    )
+
+
+# Expert weights go to the GGML kernel in any type it reads (there is no int4 path for them).
+_GGML_EXPERT_TYPES = frozenset(GGMLQuantizationType(t) for t in native_ggml.BLOCKS if t < 100)
 
 
 def lora_layout(gguf: GGUFFile, config: DecoderConfig) -> list[list[list[PartLayout]]]:
@@ -119,6 +182,8 @@ def lora_layout(gguf: GGUFFile, config: DecoderConfig) -> list[list[list[PartLay
             gate_up = [PartLayout(p + "ffn_up.weight", 0, 2 * ffn)]
         out = [PartLayout(p + "attn_output.weight", 0, dim)]
         down = [PartLayout(p + "ffn_down.weight", 0, dim)]
+        if config.experts is not None:  # adapters on the attention projections only
+            gate_up, down = [], []
         layout.append([qkv, out, gate_up, down])
     return layout
 
@@ -189,10 +254,59 @@ class WeightReader:
         ]
         return torch.cat(parts)
 
+    def experts(
+        self, p: str, count: int, ffn_dim: int, dim: int, target: WeightTarget
+    ) -> NativeExperts | TorchExperts:
+        """A layer's experts from its ffn_gate_exps, ffn_up_exps [count, ffn_dim, dim] and
+        ffn_down_exps [count, dim, ffn_dim]: for the native MoE kernel where it takes their
+        types (each expert's rows in the file's blocks, interleaved as the dense weights
+        are), else as torch linears."""
+        names = [p + f"ffn_{part}_exps.weight" for part in ("gate", "up", "down")]
+        shapes = [(count, ffn_dim, dim), (count, ffn_dim, dim), (count, dim, ffn_dim)]
+        gate, up, down = (
+            (self.gguf.raw(info), info.ggml_type)
+            for info in (self._take(n, s) for n, s in zip(names, shapes, strict=True))
+        )
+        library = cpu_int4_kernel().library if target.on_cpu and not target.dense else None
+        if library is not None and _native_expert_types(gate[1], up[1], down[1], dim, ffn_dim):
+            isa = native_ggml.ISA_AVX2 if library.isa == native_int4.ISA_AVX2 else 0
+            interleave = ggml_interleave_enabled()
+            release = self.gguf.release_view
+
+            def packed(parts, k, gated):
+                return native_ggml.PackedGgml(
+                    library, parts, k, None, gated, isa, interleave=interleave, release=release
+                )
+
+            gate_up_weights, down_weights = [], []
+            for e in range(count):
+                rows = slice(e * ffn_dim, (e + 1) * ffn_dim)
+                parts = [(gate[0][rows], gate[1]), (up[0][rows], up[1])]
+                gate_up_weights.append(packed(parts, dim, True))
+                back = [(down[0][e * dim : (e + 1) * dim], down[1])]
+                down_weights.append(packed(back, ffn_dim, False))
+            self.gguf.release()
+            return NativeExperts(library, gate_up_weights, down_weights)
+        built = []
+        for e in range(count):
+            rows = slice(e * ffn_dim, (e + 1) * ffn_dim)
+            parts = [(gate[0][rows], gate[1]), (up[0][rows], up[1])]
+            gate_up = linear_from_raw(parts, dim, target=target)
+            back = [(down[0][e * dim : (e + 1) * dim], down[1])]
+            down_linear = linear_from_raw(back, ffn_dim, target=target)
+            built.append(TorchExpert(gate_up, down_linear, ffn_dim))
+        self.gguf.release()
+        return TorchExperts(built)
+
     def raw_weight(self, name: str) -> RawWeight:
         """A tensor's stored rows and type, as memory-mapped (no copy)."""
         info = self.gguf.tensor(name)
         return self.gguf.raw(info), info.ggml_type
+
+    def matrix(self, name: str, rows: int, cols: int) -> torch.Tensor:
+        """A small weight dequantized to fp32 [rows, cols] (a router)."""
+        info = self._take(name, (rows, cols))
+        return dequantize_rows(self.gguf.raw(info), info.ggml_type, cols).clone()
 
     def vector(self, name: str, size: int) -> torch.Tensor:
         info = self._take(name, (size,))

@@ -60,6 +60,9 @@ class WeightTarget:
 
     device: torch.device = torch.device("cpu")
     dense: bool = False
+    # A mixture of experts' experts stay on the CPU (llama.cpp's --cpu-moe): the rest of the
+    # layer on `device`.
+    experts_on_cpu: bool = False
 
     @property
     def on_cpu(self) -> bool:
