@@ -238,11 +238,17 @@ def _pair(ours: float, theirs: float, fmt: str = "{:.1f}") -> str:
 
 def step_file_bytes(gguf: GGUFFile) -> int:
     """The file's bytes of the weights a decode step reads: every tensor but the embedding
-    table, which serves as the output head too where the file has no output.weight."""
+    table, which serves as the output head too where the file has no output.weight; of a
+    mixture of experts' expert tensors, the share a token routes to (used of count)."""
     tied = "output.weight" not in gguf.tensors
-    return sum(
-        info.nbytes for name, info in gguf.tensors.items() if name != "token_embd.weight" or tied
-    )
+    count, used = gguf.arch_value("expert_count") or 0, gguf.arch_value("expert_used_count") or 0
+    total = 0
+    for name, info in gguf.tensors.items():
+        if name == "token_embd.weight" and not tied:
+            continue
+        routed = name.endswith("_exps.weight") and count > 0
+        total += info.nbytes * used // count if routed else info.nbytes
+    return total
 
 
 def read_bandwidth(threads: int | None, gib: int = 1, repeats: int = 7) -> float:

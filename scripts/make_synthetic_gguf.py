@@ -1,9 +1,16 @@
 """Synthetic GGUF checkpoints at the sizes no wheel ships: random weights in the type mix
-llama-quantize gives a Q4_K_M file, at Qwen2.5-3B's or Qwen2.5-7B's shapes, for measuring
-speed and memory (the answers are noise; the bytes a step reads are a real model's).
+llama-quantize gives a Q4_K_M file, at Qwen2.5-3B's or Qwen2.5-7B's shapes, or at
+OLMoE-1B-7B's (a mixture of 64 experts, 8 a token), for measuring speed and memory (the
+answers are noise; the bytes a step reads are a real model's).
 
     python scripts/make_synthetic_gguf.py qwen2.5-3b ~/models/synthetic-3b-q4_k_m.gguf
     python scripts/make_synthetic_gguf.py qwen2.5-7b ~/models/synthetic-7b-q4_k_m.gguf
+    python scripts/make_synthetic_gguf.py olmoe-1b-7b ~/models/synthetic-olmoe-q4_k_m.gguf
+
+The OLMoE-shaped file has Qwen's vocabulary (151,936 tokens where OLMoE has 50,304), so its
+embedding and output head are 3x OLMoE's; the rest is OLMoE's shapes. Its router is F32, as
+llama-quantize leaves ffn_gate_inp, with weights of spread 1/sqrt(dim), so random tokens
+spread over all experts (the hardest case for batching: little overlap between rows).
 
 The tokenizer (and chat template) is copied from a real Qwen2.5 file, by default the
 optional bundled `qwen2.5-coder-1.5b` (`python -m miniapp.engine.modelfile.store install
@@ -19,6 +26,7 @@ Tensors are generated and written one at a time (memory stays at one tensor).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,11 +48,27 @@ class Shape:
     head_dim: int = 128
     rope_base: float = 1000000.0
     eps: float = 1e-6
+    architecture: str = "qwen2"  # qwen2 (Q/K/V biases) or olmoe (experts, whole Q/K norms)
+    experts: int = 0  # olmoe: experts of `ffn` rows each, `experts_used` a token
+    experts_used: int = 0
 
 
 SHAPES = {
     "qwen2.5-3b": Shape(dim=2048, layers=36, heads=16, kv_heads=2, ffn=11008, tied=True),
     "qwen2.5-7b": Shape(dim=3584, layers=28, heads=28, kv_heads=4, ffn=18944, tied=False),
+    "olmoe-1b-7b": Shape(
+        dim=2048,
+        layers=16,
+        heads=16,
+        kv_heads=16,
+        ffn=1024,
+        tied=False,
+        rope_base=10000.0,
+        eps=1e-5,
+        architecture="olmoe",
+        experts=64,
+        experts_used=8,
+    ),
 }
 # A weight's spread per unit of its block scale d: Q4_K's codes (0-15) times 6-bit scales,
 # less 6-bit minimums; Q6_K's codes (-32..31) times the scales drawn here (-32..31).
@@ -58,7 +82,8 @@ def more_bits(layer: int, layers: int) -> bool:
 
 
 def tensors(shape: Shape, vocab: int) -> list[tuple[str, tuple[int, ...], Q]]:
-    """(name, [rows, cols] or [size], type) of every tensor, in file order."""
+    """(name, [rows, cols], [experts, rows, cols] or [size], type) of every tensor, in file
+    order."""
     d, hd = shape.dim, shape.head_dim
     q_rows, kv_rows = shape.heads * hd, shape.kv_heads * hd
     out = [("token_embd.weight", (vocab, d), Q.Q4_K)]
@@ -68,21 +93,40 @@ def tensors(shape: Shape, vocab: int) -> list[tuple[str, tuple[int, ...], Q]]:
         out += [
             (p + "attn_norm.weight", (d,), Q.F32),
             (p + "attn_q.weight", (q_rows, d), Q.Q4_K),
-            (p + "attn_q.bias", (q_rows,), Q.F32),
             (p + "attn_k.weight", (kv_rows, d), Q.Q4_K),
-            (p + "attn_k.bias", (kv_rows,), Q.F32),
             (p + "attn_v.weight", (kv_rows, d), wide),
-            (p + "attn_v.bias", (kv_rows,), Q.F32),
+        ]
+        if shape.experts:  # OLMoE: norms over the whole Q and K, no biases
+            out += [(p + "attn_q_norm.weight", (q_rows,), Q.F32)]
+            out += [(p + "attn_k_norm.weight", (kv_rows,), Q.F32)]
+        else:
+            out += [(p + f"attn_{x}.bias", (r,), Q.F32) for x, r in _qkv_biases(q_rows, kv_rows)]
+        out += [
             (p + "attn_output.weight", (d, q_rows), Q.Q4_K),
             (p + "ffn_norm.weight", (d,), Q.F32),
-            (p + "ffn_gate.weight", (shape.ffn, d), Q.Q4_K),
-            (p + "ffn_up.weight", (shape.ffn, d), Q.Q4_K),
-            (p + "ffn_down.weight", (d, shape.ffn), wide),
         ]
+        if shape.experts:
+            e = shape.experts
+            out += [
+                (p + "ffn_gate_inp.weight", (e, d), Q.F32),
+                (p + "ffn_gate_exps.weight", (e, shape.ffn, d), Q.Q4_K),
+                (p + "ffn_up_exps.weight", (e, shape.ffn, d), Q.Q4_K),
+                (p + "ffn_down_exps.weight", (e, d, shape.ffn), wide),
+            ]
+        else:
+            out += [
+                (p + "ffn_gate.weight", (shape.ffn, d), Q.Q4_K),
+                (p + "ffn_up.weight", (shape.ffn, d), Q.Q4_K),
+                (p + "ffn_down.weight", (d, shape.ffn), wide),
+            ]
     out.append(("output_norm.weight", (d,), Q.F32))
     if not shape.tied:
         out.append(("output.weight", (vocab, d), Q.Q6_K))
     return out
+
+
+def _qkv_biases(q_rows: int, kv_rows: int) -> list[tuple[str, int]]:
+    return [("q", q_rows), ("k", kv_rows), ("v", kv_rows)]
 
 
 def random_rows(rows: int, cols: int, qtype: Q, rng: np.random.Generator) -> np.ndarray:
@@ -121,8 +165,8 @@ def copy_tokenizer(source: Path, writer: GGUFWriter) -> int:
 
 
 def write(shape: Shape, out: Path, tokenizer: Path, seed: int = 0) -> None:
-    """A qwen2 file of `shape` at `out`, with the tokenizer of the GGUF `tokenizer`."""
-    writer = GGUFWriter(str(out), "qwen2")
+    """A file of `shape` at `out`, with the tokenizer of the GGUF `tokenizer`."""
+    writer = GGUFWriter(str(out), shape.architecture)
     writer.add_name("synthetic Q4_K_M (random weights)")
     writer.add_file_type(15)  # MOSTLY_Q4_K_M
     writer.add_quantization_version(2)
@@ -134,27 +178,33 @@ def write(shape: Shape, out: Path, tokenizer: Path, seed: int = 0) -> None:
     writer.add_head_count_kv(shape.kv_heads)
     writer.add_rope_freq_base(shape.rope_base)
     writer.add_layer_norm_rms_eps(shape.eps)
+    if shape.experts:
+        writer.add_expert_count(shape.experts)
+        writer.add_expert_used_count(shape.experts_used)
     vocab = copy_tokenizer(tokenizer, writer)
     plan = tensors(shape, vocab)
     for name, dims, qtype in plan:
         if qtype == Q.F32:
-            writer.add_tensor_info(name, dims, np.dtype(np.float32), 4 * dims[0])
+            writer.add_tensor_info(name, dims, np.dtype(np.float32), 4 * math.prod(dims))
         else:
             per_block, size = GGML_QUANT_SIZES[qtype]
-            row_bytes = dims[1] // per_block * size
-            writer.add_tensor_info(
-                name, (dims[0], row_bytes), np.dtype(np.uint8), dims[0] * row_bytes, raw_dtype=qtype
-            )
+            *outer, cols = dims
+            row_bytes = cols // per_block * size
+            nbytes = math.prod(outer) * row_bytes
+            byte_shape = (*outer, row_bytes)
+            writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), nbytes, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
     for name, dims, qtype in plan:
-        if qtype == Q.F32:
+        if qtype == Q.F32 and name.endswith("ffn_gate_inp.weight"):  # a router
+            data = rng.normal(0, 1 / np.sqrt(dims[1]), dims).astype(np.float32)
+        elif qtype == Q.F32:
             bias = name.endswith(".bias")
             data = (rng.normal(0, 0.02, dims) if bias else np.ones(dims)).astype(np.float32)
         else:
-            data = random_rows(dims[0], dims[1], qtype, rng)
+            data = random_rows(math.prod(dims[:-1]), dims[-1], qtype, rng)
         writer.write_tensor_data(data)
     writer.close()
 
