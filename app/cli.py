@@ -196,9 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "mode",
         nargs="?",
-        choices=["serve", "lora"],
+        choices=["serve", "lora", "moe"],
         help="serve: many clients at once on the batching engine (see --clients); lora: "
-        "what a LoRA adapter costs (load, decode, mixed batches), beside llama.cpp",
+        "what a LoRA adapter costs (load, decode, mixed batches), beside llama.cpp; moe: a "
+        "mixture of experts' steps (1-8 sequences, verification rows), the bytes each reads",
     )
     _add_model_args(bench, ctx_default=None, backends=BACKENDS)
     _add_kv_type_arg(bench, " (our engine's; llama.cpp, the yardstick, keeps its f16)")
@@ -643,6 +644,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from .bench_lora import run_bench_lora
 
         return run_bench_lora(args)
+    if command == "bench" and args.mode == "moe":
+        from .bench_moe import run_bench_moe
+
+        return run_bench_moe(args)
     if command == "bench" and args.mode == "serve":
         from .bench_serve import run_bench_serve
 
