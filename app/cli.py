@@ -80,6 +80,12 @@ def _add_model_args(
         help="torch engine: auto (a GPU if torch sees one, else the CPU), cuda, rocm or cpu",
     )
     parser.add_argument(
+        "--cpu-moe",
+        action="store_true",
+        help="torch engine on a GPU: keep a mixture of experts' experts on the CPU, attention "
+        "and shared weights on the GPU (also chosen when the experts do not fit)",
+    )
+    parser.add_argument(
         "--ctx", type=_positive_int, default=ctx_default, help="context size in tokens"
     )
     parser.add_argument(
@@ -260,6 +266,11 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="devices, kernels and the path a model would take")
     doctor.add_argument("--model", help="GGUF path or bundled model name")
     doctor.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
+    doctor.add_argument(
+        "--cpu-moe",
+        action="store_true",
+        help="plan a mixture of experts with its experts on the CPU",
+    )
     doctor.add_argument(
         "--ctx", type=_positive_int, default=DEFAULT_CTX, help="context for the estimate"
     )

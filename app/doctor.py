@@ -34,7 +34,7 @@ def run_doctor(args: argparse.Namespace) -> int:
     gguf = GGUFFile(model)
     kind = kv_type(args.kv_type)
     footprint = estimate_footprint(gguf, args.ctx, kind)  # its KV as --kv-type stores it
-    plan = plan_device(args.device, probe, footprint)
+    plan = plan_device(args.device, probe, footprint, getattr(args, "cpu_moe", False))
     cpu, int4_kernel, attention = cpu_features(), cpu_int4_kernel(), cpu_attention_kernel()
     report = {
         "versions": probe.versions(),
@@ -61,6 +61,10 @@ def run_doctor(args: argparse.Namespace) -> int:
         "llama_cpp": _llama_cpp_report(probe, footprint),
         "audio_inputs": _audio_inputs(),
         "lora": [_adapter_report(gguf, Path(path)) for path in getattr(args, "lora", [])],
+        "experts": {
+            "count": gguf.arch_value("expert_count") or 0,
+            "used": gguf.arch_value("expert_used_count") or 0,
+        },
     }
     if args.json:
         print(json.dumps(report))
@@ -176,6 +180,13 @@ def _print_report(report: dict) -> None:
         f"model {report['model']}: weights {footprint['int4_bytes'] / GIB:.2f} GiB as packed, "
         f"{footprint['bf16_bytes'] / GIB:.2f} GiB as bf16, KV {footprint['kv_bytes'] / GIB:.2f} GiB"
     )
+    if footprint["expert_int4_bytes"]:
+        experts = report["experts"]
+        print(
+            f"mixture of experts: {experts['used']} of {experts['count']} experts a token; "
+            f"the experts are {footprint['expert_int4_bytes'] / GIB:.2f} GiB of the weights, "
+            f"{'on the CPU' if plan['experts_on_cpu'] else 'with the rest of each layer'}"
+        )
     f32 = kv["per_type"]["f32"]
     versus = f" (f32: {f32 / KIB:.1f} KiB a token)" if kv["type"] != "f32" else ""
     print(

@@ -120,6 +120,8 @@ class RuntimeConfig:
     # answer. `lora_budget_mb`: memory the torch engine's resident adapters may hold.
     lora: tuple[LoraSpec, ...] = ()
     lora_budget_mb: int | None = None
+    # A mixture of experts on a GPU keeps its experts on the CPU (llama.cpp's --cpu-moe).
+    cpu_moe: bool = False
 
     @property
     def remote(self) -> bool:
@@ -153,6 +155,7 @@ class RuntimeConfig:
                 ("--device " + self.device, self.device != "auto"),
                 ("--kv-type", self.kv_type is not None),
                 ("--lora", bool(self.lora)),
+                ("--cpu-moe", self.cpu_moe),
             )
             if given
         ]
@@ -193,6 +196,7 @@ def open_runtime(config: RuntimeConfig) -> Runtime | MessageRuntime:
         max_queue=config.max_queue,
         lora=config.lora,
         lora_budget_mb=config.lora_budget_mb,
+        cpu_moe=config.cpu_moe,
     )
 
 

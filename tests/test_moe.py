@@ -5,23 +5,41 @@ its float64 reference, and rows that come out the same however they are batched.
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from generation_helpers import first_tokens
 from gguf import quants
 from gguf.constants import GGMLQuantizationType as Q
-from tiny_gguf import MIXTRAL, OLMOE, QWEN2MOE, QWEN3MOE, quantize_k, write_tiny_model
+from test_bad_input import _assert_one_line_error, _run
+from tiny_gguf import (
+    MIXTRAL,
+    OLMOE,
+    QWEN2MOE,
+    QWEN3MOE,
+    quantize_k,
+    write_tiny_adapter,
+    write_tiny_model,
+)
 
+from miniapp.engine.errors import MiniappError
 from miniapp.engine.kv.types import storable_kv_types
+from miniapp.engine.lora.registry import LoraSpec
 from miniapp.engine.modelfile.gguf_file import GGUFFile
 from miniapp.engine.models import CachePolicy, build_model, check_supported
 from miniapp.engine.models.experts import MixtureFeedForward, route
+from miniapp.engine.ops.layers import DenseLinear
 from miniapp.engine.ops.quant import dequantize_rows
+from miniapp.engine.platform.devices import GIB, ModelFootprint, SimulatedProbe, plan_device
 from miniapp.engine.platform.kernels import cpu_int4_kernel
 from miniapp.engine.runtimes.llamacpp_runtime import LlamaCppRuntime
 from miniapp.engine.runtimes.torch_runtime import TorchRuntime
+from miniapp.engine.speculative import DraftController
+from miniapp.engine.tokens.sampling import GREEDY, LoraChoice
 from miniapp.native.ggml import SUPER_BLOCK_TYPES, PackedGgml
 from miniapp.native.moe import NativeExperts, reference_moe
 from miniapp.native.reference import ggml_matmul
@@ -274,3 +292,127 @@ def test_a_decode_step_reads_the_chosen_experts_and_the_shared_weights(moe_model
     per_token = moe_model.weight_bytes_per_token()
     dense_all = sum(experts.expert_bytes(e) for e in range(experts.n_experts))
     assert per_token < moe_model.config.n_layers * dense_all  # a fraction of the experts
+
+
+# ------------------------------------------------------------------ with the rest of the engine
+
+
+def test_speculative_decoding_on_a_mixture_gives_the_plain_answer(tmp_path):
+    """Verification rows route each on its own: drafting changes no token."""
+    spec = dataclasses.replace(QWEN3MOE, **Q4_K_M, n_layers=4)
+    path = write_tiny_model(tmp_path / "moe.gguf", spec)
+    runtime = TorchRuntime(path, n_ctx=256, spec="off")
+    prompt = TOKENS[:40]
+    plain = first_tokens(runtime, prompt, 40, GREEDY)
+    runtime.reset()
+    runtime.spec_mode = runtime.spec_mode.__class__("lookup")
+    runtime.draft_controller = DraftController(max_draft=4, min_gain=0.0)
+    drafted = first_tokens(runtime, prompt, 40, GREEDY)
+    assert drafted == plain
+
+
+def test_an_adapter_on_the_attention_of_a_mixture_matches_llama_cpp(tmp_path):
+    spec = dataclasses.replace(
+        QWEN3MOE,
+        weight_type=Q.F32,
+        embed_type=Q.F32,
+        router_scale=DECISIVE,
+        output_norm_scale=SPREAD,
+    )
+    base = write_tiny_model(tmp_path / "base.gguf", spec)
+    targets = ("attn_q", "attn_k", "attn_v", "attn_output")
+    adapter = write_tiny_adapter(tmp_path / "a.gguf", base, alpha=1.0, seed=3, targets=targets)
+    ours = TorchRuntime(base, n_ctx=256, lora=[LoraSpec("a", adapter)])
+    theirs = LlamaCppRuntime(base, n_ctx=256, logits_all=True, lora=[LoraSpec("a", adapter)])
+    blocks = ours.logit_blocks(TOKENS, lora=[LoraChoice("a")])
+    adapted = np.concatenate([rows for _, rows in blocks])
+    oracle = theirs.logits(TOKENS)
+    assert np.abs(adapted - ours.logits(TOKENS)).max() > 0.05 * np.abs(oracle).max()
+    assert np.abs(adapted - oracle).max() / np.abs(oracle).max() <= FLOAT_BOUND
+
+
+def test_an_adapter_on_the_experts_is_refused_in_one_line(tmp_path):
+    base = write_tiny_model(tmp_path / "base.gguf", QWEN3MOE)
+    rng = np.random.default_rng(0)
+    experts = {
+        "blk.0.ffn_up_exps.weight.lora_a": rng.normal(size=(8, 4, 64)).astype(np.float32),
+        "blk.0.ffn_up_exps.weight.lora_b": rng.normal(size=(8, 64, 4)).astype(np.float32),
+    }
+    adapter = write_tiny_adapter(tmp_path / "a.gguf", base, targets=("attn_q",), tensors=experts)
+    runtime = TorchRuntime(base, n_ctx=256)
+    with pytest.raises(MiniappError) as refused:
+        runtime.lora.load("experts", adapter)
+    message = str(refused.value)
+    assert "\n" not in message and "ffn_up_exps" in message, message
+
+
+# ------------------------------------------------------------------ placement (--cpu-moe)
+
+# An OLMoE-like file: 4 GiB packed of which 3.6 GiB are experts, 16 layers.
+MOE_FOOTPRINT = ModelFootprint(
+    int4_bytes=4 * GIB,
+    bf16_bytes=13 * GIB,
+    kv_bytes=GIB // 4,
+    n_layers=16,
+    expert_int4_bytes=int(3.6 * GIB),
+    expert_bf16_bytes=12 * GIB,
+)
+DENSE_FOOTPRINT = dataclasses.replace(MOE_FOOTPRINT, expert_int4_bytes=0, expert_bf16_bytes=0)
+
+
+def test_experts_that_do_not_fit_stay_on_the_cpu_and_every_layer_goes_to_the_gpu():
+    plan = plan_device("auto", SimulatedProbe("cuda:RTX 4060:4:8.9"), MOE_FOOTPRINT)
+    assert plan.on_gpu and plan.experts_on_cpu and plan.gpu_layers == 16
+    assert "the experts (3.60 GiB) on the CPU" in plan.reason
+    assert plan.fallbacks[0].step == "int4 weights on cuda:0"  # it tried all of it first
+    # A dense model of the same size is split by layers instead.
+    dense = plan_device("auto", SimulatedProbe("cuda:RTX 4060:4:8.9"), DENSE_FOOTPRINT)
+    assert not dense.experts_on_cpu and dense.gpu_layers < 16
+
+
+def test_cpu_moe_keeps_the_experts_on_the_cpu_even_where_all_would_fit():
+    probe = SimulatedProbe("cuda:H100:80:9.0")
+    assert not plan_device("auto", probe, MOE_FOOTPRINT).experts_on_cpu
+    plan = plan_device("auto", probe, MOE_FOOTPRINT, cpu_moe=True)
+    assert plan.experts_on_cpu and plan.gpu_layers == 16 and "--cpu-moe" in plan.reason
+    assert not plan_device("auto", probe, DENSE_FOOTPRINT, cpu_moe=True).experts_on_cpu
+
+
+def test_a_simulated_gpu_runs_attention_there_and_the_experts_on_the_cpu(tmp_path):
+    """A GPU without the int4 kernel (dense bf16 there): with --cpu-moe the experts stay in
+    their file blocks for the CPU kernel, and the answers are the CPU's up to rounding."""
+    path = write_tiny_model(tmp_path / "moe.gguf", dataclasses.replace(QWEN3MOE, **Q4_K_M))
+    probe = SimulatedProbe("cuda:V100:32:7.0")
+    split = TorchRuntime(path, n_ctx=256, spec="off", probe=probe, cpu_moe=True)
+    whole = TorchRuntime(path, n_ctx=256, spec="off", probe=probe)
+    cpu = TorchRuntime(path, n_ctx=256, spec="off", device="cpu")
+    assert split.device_plan.experts_on_cpu and not whole.device_plan.experts_on_cpu
+    assert isinstance(split.model.layers[0].attention.wqkv, DenseLinear)
+    assert isinstance(split.model.layers[0].feed_forward.experts, NativeExperts)
+    assert not isinstance(whole.model.layers[0].feed_forward.experts, NativeExperts)
+    ours, reference = split.logits(TOKENS), cpu.logits(TOKENS)
+    spread = (reference.max(-1) - reference.min(-1)).mean()
+    assert np.abs(ours - reference).max() < 0.1 * spread
+    assert (ours.argmax(-1) == reference.argmax(-1)).mean() >= 0.95
+
+
+def test_cpu_moe_on_the_llama_cpp_backend_is_one_line_exit_2(miniapp_exe, tmp_path):
+    path = write_tiny_model(tmp_path / "moe.gguf", QWEN3MOE)
+    done = _run(miniapp_exe, "chat", "--backend", "llamacpp", "--cpu-moe", "--model", str(path))
+    _assert_one_line_error(done, "--cpu-moe applies to the torch backend")
+
+
+def test_doctor_says_where_the_experts_go(miniapp_exe, tmp_path):
+    path = write_tiny_model(tmp_path / "moe.gguf", QWEN3MOE)
+    env = {**os.environ, "MINIAPP_SIMULATE_GPU": "cuda:RTX 4060:8:8.9"}
+    done = subprocess.run(
+        [miniapp_exe, "doctor", "--model", str(path), "--cpu-moe"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "mixture of experts: 2 of 8 experts a token" in done.stdout
+    assert "the experts (0.00 GiB) on the CPU: --cpu-moe" in done.stdout
+    assert "decode step: eager steps: each layer's experts run on the CPU" in done.stdout

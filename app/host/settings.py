@@ -80,6 +80,11 @@ class Settings(BaseModel):
         None, "--backend openai: the server's model (default: its first)", ("chat", "gui")
     )
     device: Device = _field("auto", "torch engine: auto (a GPU if torch sees one), cuda, rocm, cpu")
+    cpu_moe: bool = _field(
+        False,
+        "torch engine on a GPU: keep a mixture of experts' experts on the CPU, attention and "
+        "shared weights on the GPU (also chosen when the experts do not fit)",
+    )
     threads: int | None = _field(None, "CPU threads (default: all)", gt=0)
     ctx: int = _field(DEFAULT_CTX, "context size in tokens", gt=0)
     window: int | None = _field(
@@ -257,7 +262,9 @@ def add_flags(parser: argparse.ArgumentParser, command: str) -> None:
         info = Settings.model_fields[name]
         options: dict[str, Any] = {"help": info.description, "default": argparse.SUPPRESS}
         choices = _choices(info.annotation)
-        if name in _FLAG_TYPES:
+        if info.annotation is bool:  # a switch: present is true
+            options["action"] = "store_true"
+        elif name in _FLAG_TYPES:
             options.update(type=_FLAG_TYPES[name], metavar="TYPE")
         elif choices:
             options["choices"] = choices
@@ -313,6 +320,7 @@ def local_runtime_config(args: argparse.Namespace, model: str | None = None) -> 
         max_queue=getattr(args, "queue", None),
         lora=lora_specs(args),
         lora_budget_mb=getattr(args, "lora_budget_mb", None),
+        cpu_moe=getattr(args, "cpu_moe", False),
     )
 
 

@@ -23,4 +23,12 @@ def estimate_footprint(gguf, ctx: int, kv: KVSetting = F32) -> ModelFootprint:
     dim = int(gguf.arch_value("embedding_length", 0))
     head_dim = int(gguf.arch_value("attention.key_length", dim // max(n_heads, 1)))
     kv_bytes = bytes_per_token(kv, n_layers, kv_heads, head_dim) * ctx
-    return ModelFootprint(int4_bytes, bf16_bytes, kv_bytes, n_layers)
+    experts = [info for name, info in gguf.tensors.items() if name.endswith("_exps.weight")]
+    return ModelFootprint(
+        int4_bytes,
+        bf16_bytes,
+        kv_bytes,
+        n_layers,
+        expert_int4_bytes=sum(info.nbytes for info in experts),
+        expert_bf16_bytes=sum(2 * info.n_elements for info in experts),
+    )

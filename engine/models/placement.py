@@ -90,16 +90,18 @@ class CachePolicy:
 class Placement:
     """Where each part of the model lives: the first `gpu_layers` layers on `gpu` (with the
     final norm and output head when every layer is there), the rest and the token embedding
-    on the CPU. GPU weights are 4-bit for the device's int4 kernel, or dense bf16."""
+    on the CPU. GPU weights are 4-bit for the device's int4 kernel, or dense bf16. With
+    `experts_on_cpu`, a mixture of experts keeps its experts on the CPU (--cpu-moe)."""
 
     gpu: torch.device | None = None
     gpu_layers: int = 0
     dense_on_gpu: bool = False
+    experts_on_cpu: bool = False
 
     def layer_target(self, layer: int) -> WeightTarget:
         if self.gpu is None or layer >= self.gpu_layers:
             return CPU_INT4
-        return WeightTarget(self.gpu, self.dense_on_gpu)
+        return WeightTarget(self.gpu, self.dense_on_gpu, self.experts_on_cpu)
 
     def head_target(self, n_layers: int) -> WeightTarget:
         return self.layer_target(0) if self.gpu_layers >= n_layers else CPU_INT4

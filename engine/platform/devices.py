@@ -90,6 +90,10 @@ class ModelFootprint:
     bf16_bytes: int  # weights dequantized to bf16
     kv_bytes: int  # KV cache at the chosen context
     n_layers: int
+    # A mixture of experts' expert tensors, within the totals above (0: a dense model): what
+    # stays on the CPU when only the rest goes to a GPU (llama.cpp's --cpu-moe).
+    expert_int4_bytes: int = 0
+    expert_bf16_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -105,14 +109,19 @@ class DevicePlan:
     gpu_layers: int  # layers on the GPU (0 on the CPU; all of them when the model fits)
     reason: str  # why this path, in one line
     fallbacks: list[Fallback] = field(default_factory=list)
+    experts_on_cpu: bool = False  # a mixture of experts' experts stay on the CPU
 
     @property
     def on_gpu(self) -> bool:
         return self.device != "cpu"
 
 
-def plan_device(requested: str, probe: DeviceProbe, footprint: ModelFootprint) -> DevicePlan:
-    """The best path for `--device requested`, walking the fallback chain."""
+def plan_device(
+    requested: str, probe: DeviceProbe, footprint: ModelFootprint, cpu_moe: bool = False
+) -> DevicePlan:
+    """The best path for `--device requested`, walking the fallback chain. A mixture of
+    experts whose experts do not fit keeps them on the CPU and the rest of every layer on
+    the GPU before it splits layers; `cpu_moe` (--cpu-moe) asks for that from the start."""
     if requested not in DEVICE_CHOICES:
         choices = ", ".join(DEVICE_CHOICES)
         raise MiniappError(f"unknown device '{requested}' (choose from {choices})")
@@ -129,6 +138,10 @@ def plan_device(requested: str, probe: DeviceProbe, footprint: ModelFootprint) -
     budget = _usable_bytes(gpu)
     fallbacks: list[Fallback] = []
     kernel = probe.check_int4(gpu)
+    weights = "int4" if kernel.ok else "bf16"
+    moe = footprint.expert_int4_bytes > 0
+    if cpu_moe and moe:
+        return _experts_on_cpu(gpu, weights, footprint, budget, fallbacks, "--cpu-moe")
     int4_total = footprint.int4_bytes + footprint.kv_bytes
     bf16_total = footprint.bf16_bytes + footprint.kv_bytes
     if kernel.ok and int4_total <= budget:
@@ -141,17 +154,47 @@ def plan_device(requested: str, probe: DeviceProbe, footprint: ModelFootprint) -
     if not kernel.ok and bf16_total <= budget:
         reason = f"{gpu.name}: dequantized bf16 weights"
         return DevicePlan(gpu.label, "bf16", footprint.n_layers, reason, fallbacks)
-    weights = "int4" if kernel.ok else "bf16"
+    if not kernel.ok:
+        fallbacks.append(Fallback(f"bf16 weights on {gpu.label}", _no_room(bf16_total, budget)))
+    if moe:
+        plan = _experts_on_cpu(gpu, weights, footprint, budget, fallbacks, "they do not fit")
+        if plan.on_gpu:
+            return plan
     weight_bytes = footprint.int4_bytes if kernel.ok else footprint.bf16_bytes
     per_layer = (weight_bytes + footprint.kv_bytes) / footprint.n_layers
     layers = min(int(max(budget, 0) // per_layer), footprint.n_layers)
-    if not kernel.ok:
-        fallbacks.append(Fallback(f"bf16 weights on {gpu.label}", _no_room(bf16_total, budget)))
     if layers > 0:
         reason = f"{gpu.name}: {layers} of {footprint.n_layers} layers fit, the rest on the CPU"
         return DevicePlan(gpu.label, weights, layers, reason, fallbacks)
     fallbacks.append(Fallback(f"any layer on {gpu.label}", _no_room(per_layer, budget)))
     return _cpu_plan(f"{gpu.name} has no room for even one layer", fallbacks)
+
+
+def _experts_on_cpu(
+    gpu: GpuInfo,
+    weights: str,
+    footprint: ModelFootprint,
+    budget: float,
+    fallbacks: list[Fallback],
+    why: str,
+) -> DevicePlan:
+    """Every layer's attention, router and shared weights on the GPU, the experts on the CPU
+    (each token reads a few of them there); the CPU alone where even the rest does not fit."""
+    if weights == "int4":
+        experts, total = footprint.expert_int4_bytes, footprint.int4_bytes
+    else:
+        experts, total = footprint.expert_bf16_bytes, footprint.bf16_bytes
+    needed = total - experts + footprint.kv_bytes
+    if needed <= budget:
+        reason = (
+            f"{gpu.name}: attention and shared weights on the GPU ({weights}), the experts "
+            f"({experts / GIB:.2f} GiB) on the CPU: {why}"
+        )
+        return DevicePlan(gpu.label, weights, footprint.n_layers, reason, fallbacks, True)
+    fallbacks.append(
+        Fallback(f"the weights but the experts on {gpu.label}", _no_room(needed, budget))
+    )
+    return _cpu_plan(f"{gpu.name} has no room even without the experts", fallbacks)
 
 
 def _usable_bytes(gpu: GpuInfo) -> int:
@@ -181,6 +224,8 @@ def decode_step_path(probe: DeviceProbe, plan: DevicePlan, n_layers: int):
         return None, "eager steps on the CPU"
     if plan.gpu_layers < n_layers:
         return None, "eager steps: the model is split between the GPU and the CPU"
+    if plan.experts_on_cpu:
+        return None, "eager steps: each layer's experts run on the CPU"
     setting = os.environ.get(GRAPH_ENV, "").strip().lower()
     if setting in _OFF:
         return None, f"eager steps: graphs switched off by {GRAPH_ENV}={setting}"

@@ -35,6 +35,7 @@ def open_local_runtime(
     max_queue: int | None = None,
     lora: Sequence[LoraSpec] = (),
     lora_budget_mb: int | None = None,
+    cpu_moe: bool = False,
 ) -> Runtime:
     """`sinks` and `window` shape the torch engine's sliding-window cache (see TorchRuntime);
     llama.cpp's Python binding has no equivalent, so it stops at a full context instead.
@@ -43,7 +44,8 @@ def open_local_runtime(
     default), and further ones are refused (QueueFullError). `kv`: how the KV cache stores
     keys and values (kv_types.py; None: the torch engine's default for the model, llama.cpp's
     own f16). `lora`: adapters loaded with the model (the torch engine keeps them for
-    requests to pick, within `lora_budget_mb`; llama.cpp applies them to every answer)."""
+    requests to pick, within `lora_budget_mb`; llama.cpp applies them to every answer).
+    `cpu_moe`: a mixture of experts on a GPU keeps its experts on the CPU (torch engine)."""
     kind = None if kv is None else kv_type(kv)  # a bad name is one line, before any loading
     if backend == "torch":
         from .torch_runtime import TorchRuntime
@@ -61,6 +63,7 @@ def open_local_runtime(
             kv=kind,
             lora=lora,
             lora_budget_mb=lora_budget_mb,
+            cpu_moe=cpu_moe,
             **({} if max_queue is None else {"max_queue": max_queue}),
         )
     if backend == "llamacpp":
@@ -70,6 +73,11 @@ def open_local_runtime(
             raise MiniappError("--window and --sinks apply to the torch backend only")
         if device != "auto":
             raise MiniappError("--device applies to the torch backend (llama.cpp picks its own)")
+        if cpu_moe:
+            raise MiniappError(
+                "--cpu-moe applies to the torch backend (this llama.cpp binding cannot place "
+                "tensors)"
+            )
         if spec not in ("off", "auto"):
             raise MiniappError("--spec early-exit, head and lookup apply to the torch backend only")
         if parallel > 1:

@@ -96,6 +96,7 @@ class TorchRuntime(Runtime):
         kv: KVSetting | str | None = None,
         lora: Sequence[LoraSpec] = (),
         lora_budget_mb: int | None = None,
+        cpu_moe: bool = False,
     ):
         if parallel < 1:
             raise MiniappError(f"--parallel {parallel}: run at least one generation at a time")
@@ -111,7 +112,7 @@ class TorchRuntime(Runtime):
         self.kv_type = asked or default_kv_type(head_dim)
         self.kv_type.check(head_dim)
         footprint = estimate_footprint(gguf, n_ctx, self.kv_type)
-        self.device_plan = plan_device(device, self.probe, footprint)
+        self.device_plan = plan_device(device, self.probe, footprint, cpu_moe)
         self.model = self._load()
         self._weight_bytes = self.model.weight_bytes_per_token()
         self.chat_template = gguf.metadata.get("tokenizer.chat_template")
@@ -150,7 +151,8 @@ class TorchRuntime(Runtime):
         if not plan.on_gpu:
             return Placement()
         gpu = torch.device(self.probe.torch_device(plan))
-        return Placement(gpu, plan.gpu_layers, dense_on_gpu=plan.weights == "bf16")
+        dense = plan.weights == "bf16"
+        return Placement(gpu, plan.gpu_layers, dense, experts_on_cpu=plan.experts_on_cpu)
 
     def _load(self) -> DecoderModel:
         """Build the model where the plan says, falling back to the CPU if that fails."""
