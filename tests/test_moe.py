@@ -5,9 +5,11 @@ its float64 reference, and rows that come out the same however they are batched.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 
+import jsonschema
 import numpy as np
 import pytest
 import torch
@@ -416,3 +418,46 @@ def test_doctor_says_where_the_experts_go(miniapp_exe, tmp_path):
     assert "mixture of experts: 2 of 8 experts a token" in done.stdout
     assert "the experts (0.00 GiB) on the CPU: --cpu-moe" in done.stdout
     assert "decode step: eager steps: each layer's experts run on the CPU" in done.stdout
+
+
+# ------------------------------------------------------------------ through the server
+
+FLAG = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+    "required": ["ok", "n"],
+    "additionalProperties": False,
+}
+
+
+def test_the_server_answers_several_clients_in_json_with_a_mixture(miniapp_exe, tmp_path):
+    """A mixture of experts behind `miniapp serve`, batched (--parallel 2) and constrained
+    by a JSON schema, through the official openai client."""
+    import concurrent.futures
+
+    import openai
+    from first_token import SEED_TEMPLATE
+    from test_serve import running_server, wait_ready
+
+    spec = dataclasses.replace(QWEN3MOE, tokenizer="gpt2", chat_template=SEED_TEMPLATE)
+    path = write_tiny_model(tmp_path / "moe.gguf", spec)
+    with running_server(miniapp_exe, "--model", str(path), "--parallel", "2") as (_, url):
+        wait_ready(url)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        schema = {"type": "json_schema", "json_schema": {"name": "flag", "schema": FLAG}}
+
+        def ask(word: str) -> dict:
+            answer = client.chat.completions.create(
+                model="moe",
+                messages=[{"role": "user", "content": f"Say {word} as JSON."}],
+                temperature=0,
+                max_tokens=40,
+                response_format=schema,
+            )
+            return json.loads(answer.choices[0].message.content)
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(ask, ["yes", "no", "maybe", "yes"]))
+    for answer in answers:
+        jsonschema.validate(answer, FLAG)
+    assert answers[0] == answers[3]  # the same question, batched or not: the same answer
