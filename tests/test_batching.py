@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from tiny_gguf import GEMMA3, LLAMA, write_tiny_model
+from tiny_gguf import GEMMA3, LLAMA, QWEN3MOE, write_tiny_model
 
 from miniapp.engine.batching.scheduler import BatchConfig, BatchScheduler, QueueFullError
 from miniapp.engine.chat.generation import GenerationRequest, generate
@@ -38,7 +38,7 @@ POLICY = CachePolicy(ctx=256, sinks=4)
 SMALL_RING = CachePolicy(ctx=40, sinks=4, window=24)
 
 
-@pytest.fixture(scope="module", params=[LLAMA, GEMMA3], ids=["llama", "gemma3"])
+@pytest.fixture(scope="module", params=[LLAMA, GEMMA3, QWEN3MOE], ids=["llama", "gemma3", "moe"])
 def model(request, tmp_path_factory):
     path = write_tiny_model(tmp_path_factory.mktemp("batching") / "tiny.gguf", request.param)
     return build_model(GGUFFile(path))
