@@ -18,6 +18,7 @@
 //
 // The pure-torch reference is `moe.reference_moe` (tests compare against it).
 
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -76,9 +77,66 @@ bool group_by_expert(const int32_t* ids, int64_t m, int64_t k, int64_t n_experts
   return true;
 }
 
+// llama.cpp clamps the sum of the chosen weights to the smallest normal fp16 before dividing.
+constexpr float kMinWeightSum = 6.103515625e-5f;
+
+// Row r's choice: the router's logits (float64 dot products in column order, rounded to
+// fp32, so a row's logits never depend on its batch), their softmax in fp32 (as torch's
+// and llama.cpp's: probabilities that round equal tie), the k most probable experts (ties
+// to the lower id), their probabilities as weights, divided by their sum where
+// `normalize`. False where no expert could be chosen (a NaN in x).
+bool route_row(const float* router, int64_t n_experts, const float* x, int64_t dim, int64_t k,
+               bool normalize, int32_t* ids, float* weights, float* probs) {
+  float top = -INFINITY;
+  for (int64_t e = 0; e < n_experts; ++e) {
+    const float* w = router + e * dim;
+    double dot = 0.0;
+    for (int64_t c = 0; c < dim; ++c) dot += static_cast<double>(w[c]) * x[c];
+    probs[e] = static_cast<float>(dot);
+    top = std::max(top, probs[e]);
+  }
+  float total = 0.0f;
+  for (int64_t e = 0; e < n_experts; ++e) total += probs[e] = expf(probs[e] - top);
+  for (int64_t e = 0; e < n_experts; ++e) probs[e] /= total;
+  float chosen = 0.0f;
+  for (int64_t j = 0; j < k; ++j) {
+    int64_t best = -1;
+    for (int64_t e = 0; e < n_experts; ++e) {
+      if (probs[e] >= 0.0f && (best < 0 || probs[e] > probs[best])) best = e;
+    }
+    if (best < 0) return false;
+    ids[j] = static_cast<int32_t>(best);
+    weights[j] = probs[best];
+    chosen += probs[best];
+    probs[best] = -1.0f;  // taken
+  }
+  if (normalize) {
+    const float sum = std::max(chosen, kMinWeightSum);
+    for (int64_t j = 0; j < k; ++j) weights[j] /= sum;
+  }
+  return true;
+}
+
 }  // namespace
 
 extern "C" {
+
+// Each row's k experts and their weights (see route_row): router fp32 [n_experts, dim],
+// x fp32 [m, dim] with row stride ldx; ids int32 [m, k] and weights fp32 [m, k] written.
+// Returns 0, or -1 for arguments it does not take.
+int miniapp_moe_route(const float* router, int64_t n_experts, const float* x, int64_t ldx,
+                      int64_t m, int64_t dim, int64_t k, int normalize, int32_t* ids,
+                      float* weights) {
+  if (n_experts <= 0 || k <= 0 || k > n_experts || dim <= 0 || m < 0 || ldx < dim) return -1;
+  std::vector<float> probs(n_experts);
+  for (int64_t r = 0; r < m; ++r) {
+    if (!route_row(router, n_experts, x + r * ldx, dim, k, normalize != 0, ids + r * k,
+                   weights + r * k, probs.data())) {
+      return -1;
+    }
+  }
+  return 0;
+}
 
 // y [m, dim] = the weighted sum of each row's k chosen experts (see the top of this file).
 // gate_up[e]: expert e's gate|up (n = ffn outputs, SiLU-gated); down[e]: its down (n = dim).

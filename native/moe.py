@@ -43,6 +43,36 @@ class NativeExperts:
         self._call.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64]
         self._call.argtypes += [_ptr, _i32]
         self._call.restype = _i32
+        self._route = library.cdll.miniapp_moe_route
+        self._route.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i32, _ptr, _ptr]
+        self._route.restype = _i32
+
+    def route(
+        self, router: torch.Tensor, x: torch.Tensor, k: int, normalize: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's k experts (int32 [m, k], most probable first, ties to the lower id) and
+        their weights (fp32 [m, k]) from the router's fp32 [n_experts, dim] weights, as
+        `experts.route` computes them from float64 logits (the reference)."""
+        if x.dtype is not torch.float32 or x.stride(-1) != 1:
+            x = x.float().contiguous()
+        m = x.shape[0]
+        ids = torch.empty(m, k, dtype=torch.int32)
+        weights = torch.empty(m, k)
+        status = self._route(
+            router.data_ptr(),
+            router.shape[0],
+            x.data_ptr(),
+            x.stride(0),
+            m,
+            x.shape[1],
+            k,
+            int(normalize),
+            ids.data_ptr(),
+            weights.data_ptr(),
+        )
+        if status != 0:
+            raise RuntimeError("the native router chose no expert (non-finite activations?)")
+        return ids, weights
 
     def expert_bytes(self, expert: int) -> int:
         """Bytes of weights one expert's two products read."""

@@ -157,6 +157,26 @@ def test_normalised_top_k_weights_sum_to_one_and_plain_ones_are_the_probabilitie
     assert torch.isfinite(weights).all()
 
 
+def test_the_native_router_chooses_as_the_reference_does_ties_included():
+    library = cpu_int4_kernel().library
+    built = _expert_weights(library, (Q.Q8_0, Q.Q8_0), 64, 64, 8, seed=6)
+    experts = NativeExperts(library, [b[0] for b in built], [b[1] for b in built])
+    generator = torch.Generator().manual_seed(8)
+    router = torch.randn(8, 64, generator=generator)
+    router[4] = router[2] = router[1]  # three experts that always tie
+    x = torch.randn(40, 64, generator=generator)
+    x[:5] *= 1e-9  # nearly uniform probabilities: the ties decide
+    for normalize in (False, True):
+        ids, weights = experts.route(router, x, 3, normalize)
+        expected_ids, expected = route((x.double() @ router.double().T).float(), 3, normalize)
+        assert torch.equal(ids.long(), expected_ids)
+        assert torch.allclose(weights, expected, rtol=1e-6, atol=1e-7)
+    tied = ids[:, :3].tolist()
+    assert all(row.index(1) < row.index(2) < row.index(4) for row in tied if 4 in row)
+    with pytest.raises(RuntimeError):
+        experts.route(router, torch.full((1, 64), float("nan")), 3, False)
+
+
 # ------------------------------------------------------------------ the native kernel
 
 

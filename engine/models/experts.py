@@ -40,17 +40,21 @@ def route(logits: torch.Tensor, used: int, normalize: bool) -> tuple[torch.Tenso
 
 
 class Router:
-    """The router's logits, fp32 [n, count], computed in float64 and rounded: a float32 matmul
-    rounds differently for different numbers of rows, and a row's choice of experts must not
-    depend on what else shares its pass (batched and verification rows equal lone runs).
-    The router is small (count x dim), so this costs little."""
+    """The router: fp32 weights [count, dim]. Its logits are float64 dot products rounded to
+    fp32: a float32 matmul rounds differently for different numbers of rows, and a row's
+    choice of experts must not depend on what else shares its pass (batched and
+    verification rows equal lone runs). The native kernel routes from `weight` itself;
+    `forward` is the torch path's (and the reference's) float64 matmul."""
 
     def __init__(self, weight: torch.Tensor):
-        self.weight = weight.double().contiguous()  # [count, dim]
-        self.nbytes = weight.numel() * 4  # a file's F32 router, what a step reads
+        self.weight = weight.float().contiguous()  # [count, dim]
+        self.nbytes = self.weight.numel() * 4  # a file's F32 router, what a step reads
+        self._double: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (x.double() @ self.weight.T).float()
+        if self._double is None:
+            self._double = self.weight.double()
+        return (x.double() @ self._double.T).float()
 
     __call__ = forward
 
@@ -142,13 +146,18 @@ class MixtureFeedForward:
         self.router, self.experts, self.used, self.normalize = router, experts, used, normalize
         self.shared = shared
         self.expert_device = expert_device
+        # The native kernel routes too where the experts and the router share the CPU.
+        self._native_route = isinstance(experts, NativeExperts) and router.weight.is_cpu
         # The last pass's choices [n, used] (tests and the byte count of a step read them).
         self.last_ids: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, rows=None) -> torch.Tensor:
         """`rows` (the pass's rows, for LoRA) is accepted for the FeedForward interface:
         adapters on experts are refused when an adapter is bound."""
-        ids, weights = route(self.router.forward(x), self.used, self.normalize)
+        if self._native_route and x.is_cpu:
+            ids, weights = self.experts.route(self.router.weight, x, self.used, self.normalize)
+        else:
+            ids, weights = route(self.router.forward(x), self.used, self.normalize)
         self.last_ids = ids
         device = x.device
         if self.expert_device is not None and self.expert_device != device:
