@@ -1,11 +1,13 @@
 """Synthetic GGUF checkpoints at the sizes no wheel ships: random weights in the type mix
-llama-quantize gives a Q4_K_M file, at Qwen2.5-3B's or Qwen2.5-7B's shapes, or at
-OLMoE-1B-7B's (a mixture of 64 experts, 8 a token), for measuring speed and memory (the
-answers are noise; the bytes a step reads are a real model's).
+llama-quantize gives a Q4_K_M file, at Qwen2.5-3B's or Qwen2.5-7B's shapes, or at the
+mixtures of experts OLMoE-1B-7B's (64 experts, 8 a token) and Qwen3-30B-A3B's (128 experts,
+8 a token), for measuring speed and memory (the answers are noise; the bytes a step reads
+are a real model's).
 
     python scripts/make_synthetic_gguf.py qwen2.5-3b ~/models/synthetic-3b-q4_k_m.gguf
     python scripts/make_synthetic_gguf.py qwen2.5-7b ~/models/synthetic-7b-q4_k_m.gguf
     python scripts/make_synthetic_gguf.py olmoe-1b-7b ~/models/synthetic-olmoe-q4_k_m.gguf
+    python scripts/make_synthetic_gguf.py qwen3-30b-a3b ~/models/synthetic-30b-a3b-q4_k_m.gguf
 
 The OLMoE-shaped file has Qwen's vocabulary (151,936 tokens where OLMoE has 50,304), so its
 embedding and output head are 3x OLMoE's; the rest is OLMoE's shapes. Its router is F32, as
@@ -48,7 +50,9 @@ class Shape:
     head_dim: int = 128
     rope_base: float = 1000000.0
     eps: float = 1e-6
-    architecture: str = "qwen2"  # qwen2 (Q/K/V biases) or olmoe (experts, whole Q/K norms)
+    # qwen2 (Q/K/V biases), olmoe (experts, whole Q/K norms) or qwen3moe (experts, per-head
+    # Q/K norms)
+    architecture: str = "qwen2"
     experts: int = 0  # olmoe: experts of `ffn` rows each, `experts_used` a token
     experts_used: int = 0
 
@@ -67,6 +71,19 @@ SHAPES = {
         eps=1e-5,
         architecture="olmoe",
         experts=64,
+        experts_used=8,
+    ),
+    # Qwen3-30B-A3B: 128 experts of 768 rows, 8 a token, per-head Q/K norms (about 17 GB)
+    "qwen3-30b-a3b": Shape(
+        dim=2048,
+        layers=48,
+        heads=32,
+        kv_heads=4,
+        ffn=768,
+        tied=False,
+        eps=1e-6,
+        architecture="qwen3moe",
+        experts=128,
         experts_used=8,
     ),
 }
@@ -96,9 +113,12 @@ def tensors(shape: Shape, vocab: int) -> list[tuple[str, tuple[int, ...], Q]]:
             (p + "attn_k.weight", (kv_rows, d), Q.Q4_K),
             (p + "attn_v.weight", (kv_rows, d), wide),
         ]
-        if shape.experts:  # OLMoE: norms over the whole Q and K, no biases
+        if shape.architecture == "olmoe":  # norms over the whole Q and K, no biases
             out += [(p + "attn_q_norm.weight", (q_rows,), Q.F32)]
             out += [(p + "attn_k_norm.weight", (kv_rows,), Q.F32)]
+        elif shape.architecture == "qwen3moe":  # a norm per head, no biases
+            out += [(p + "attn_q_norm.weight", (hd,), Q.F32)]
+            out += [(p + "attn_k_norm.weight", (hd,), Q.F32)]
         else:
             out += [(p + f"attn_{x}.bias", (r,), Q.F32) for x, r in _qkv_biases(q_rows, kv_rows)]
         out += [
@@ -181,6 +201,9 @@ def write(shape: Shape, out: Path, tokenizer: Path, seed: int = 0) -> None:
     if shape.experts:
         writer.add_expert_count(shape.experts)
         writer.add_expert_used_count(shape.experts_used)
+        writer.add_expert_feed_forward_length(shape.ffn)
+        writer.add_key_length(shape.head_dim)
+        writer.add_value_length(shape.head_dim)
     vocab = copy_tokenizer(tokenizer, writer)
     plan = tensors(shape, vocab)
     for name, dims, qtype in plan:
