@@ -75,8 +75,8 @@ def _perplexity(logits: np.ndarray, tokens: list[int]) -> float:
     return float(torch.exp(-chosen.mean()))
 
 
-def _both(path) -> tuple[np.ndarray, np.ndarray]:
-    ours = TorchRuntime(path, n_ctx=256).logits(TOKENS)
+def _both(path, kv: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    ours = TorchRuntime(path, n_ctx=256, kv=kv).logits(TOKENS)
     oracle = LlamaCppRuntime(path, n_ctx=256, logits_all=True).logits(TOKENS)
     return ours, oracle
 
@@ -93,7 +93,8 @@ def test_float_moe_models_match_llama_cpp_on_every_token(tmp_path, arch):
         router_scale=DECISIVE,
         output_norm_scale=SPREAD,
     )
-    ours, oracle = _both(write_tiny_model(tmp_path / "moe.gguf", spec))
+    # llama.cpp's f16 cache on our side too: what differs is then the mixture's arithmetic.
+    ours, oracle = _both(write_tiny_model(tmp_path / "moe.gguf", spec), kv="f16")
     per_token = np.abs(ours - oracle).max(-1) / np.abs(oracle).max()
     assert per_token.max() <= FLOAT_BOUND, (per_token.argmax(), per_token.max())
     gap = abs(_perplexity(ours, TOKENS) / _perplexity(oracle, TOKENS) - 1)
@@ -113,7 +114,8 @@ def test_quantized_moe_perplexity_is_within_1_percent_of_llama_cpp(tmp_path, arc
             widths["expert_ffn_dim"] = widths["ffn_dim"]
         if spec.shared_expert_ffn_dim:
             widths["shared_expert_ffn_dim"] = 256
-        spec = dataclasses.replace(spec, **widths)
+        # 4x as wide: logits spread 2x as much, so the final norm's weight halves
+        spec = dataclasses.replace(spec, **widths, output_norm_scale=SPREAD / 2)
     path = write_tiny_model(tmp_path / "moe.gguf", spec)
     model = build_model(GGUFFile(path))
     assert all(isinstance(b.feed_forward.experts, NativeExperts) for b in model.layers)
