@@ -44,7 +44,7 @@ class NativeExperts:
         self._call.argtypes += [_ptr, _i32]
         self._call.restype = _i32
         self._route = library.cdll.miniapp_moe_route
-        self._route.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i32, _ptr, _ptr]
+        self._route.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i32, _ptr, _ptr, _i32]
         self._route.restype = _i32
 
     def route(
@@ -69,6 +69,7 @@ class NativeExperts:
             int(normalize),
             ids.data_ptr(),
             weights.data_ptr(),
+            torch.get_num_threads(),
         )
         if status != 0:
             raise RuntimeError("the native router chose no expert (non-finite activations?)")
