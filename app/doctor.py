@@ -57,7 +57,9 @@ def run_doctor(args: argparse.Namespace) -> int:
         "footprint": asdict(footprint),
         "kv_cache": _kv_cache_report(gguf, kind, args.ctx, footprint.kv_bytes),
         "plan": asdict(plan),
-        "decode_step": decode_step_path(probe, plan, footprint.n_layers)[1],
+        "decode_step": decode_step_path(
+            probe, plan, footprint.n_layers, footprint.expert_int4_bytes > 0
+        )[1],
         "llama_cpp": _llama_cpp_report(probe, footprint),
         "audio_inputs": _audio_inputs(),
         "lora": [_adapter_report(gguf, Path(path)) for path in getattr(args, "lora", [])],

@@ -36,7 +36,13 @@ from miniapp.engine.models import CachePolicy, build_model, check_supported
 from miniapp.engine.models.experts import MixtureFeedForward, route
 from miniapp.engine.ops.layers import DenseLinear
 from miniapp.engine.ops.quant import dequantize_rows
-from miniapp.engine.platform.devices import GIB, ModelFootprint, SimulatedProbe, plan_device
+from miniapp.engine.platform.devices import (
+    GIB,
+    ModelFootprint,
+    SimulatedProbe,
+    decode_step_path,
+    plan_device,
+)
 from miniapp.engine.platform.kernels import cpu_int4_kernel
 from miniapp.engine.runtimes.llamacpp_runtime import LlamaCppRuntime
 from miniapp.engine.runtimes.torch_runtime import TorchRuntime
@@ -400,6 +406,15 @@ def test_cpu_moe_keeps_the_experts_on_the_cpu_even_where_all_would_fit():
     plan = plan_device("auto", probe, MOE_FOOTPRINT, cpu_moe=True)
     assert plan.experts_on_cpu and plan.gpu_layers == 16 and "--cpu-moe" in plan.reason
     assert not plan_device("auto", probe, DENSE_FOOTPRINT, cpu_moe=True).experts_on_cpu
+
+
+def test_a_mixture_on_a_gpu_steps_eagerly_since_each_step_routes_anew():
+    probe = SimulatedProbe("cuda:H100:80:9.0")
+    plan = plan_device("auto", probe, MOE_FOOTPRINT)
+    runner, why = decode_step_path(probe, plan, 16, moe=True)
+    assert runner is None and "mixture of experts" in why
+    split = plan_device("auto", probe, MOE_FOOTPRINT, cpu_moe=True)
+    assert "experts run on the CPU" in decode_step_path(probe, split, 16, moe=True)[1]
 
 
 def test_a_simulated_gpu_runs_attention_there_and_the_experts_on_the_cpu(tmp_path):

@@ -218,14 +218,18 @@ def _no_such_gpu(requested: str, versions: dict[str, str | None]) -> str:
     )
 
 
-def decode_step_path(probe: DeviceProbe, plan: DevicePlan, n_layers: int):
-    """How decode steps will run for this plan: (runner or None, reason)."""
+def decode_step_path(probe: DeviceProbe, plan: DevicePlan, n_layers: int, moe: bool = False):
+    """How decode steps will run for this plan: (runner or None, reason). `moe`: the model
+    is a mixture of experts, whose routing picks each step's weights on the host (a
+    captured graph would replay one step's choice)."""
     if not plan.on_gpu:
         return None, "eager steps on the CPU"
     if plan.gpu_layers < n_layers:
         return None, "eager steps: the model is split between the GPU and the CPU"
     if plan.experts_on_cpu:
         return None, "eager steps: each layer's experts run on the CPU"
+    if moe:
+        return None, "eager steps: a mixture of experts chooses each step's experts on the host"
     setting = os.environ.get(GRAPH_ENV, "").strip().lower()
     if setting in _OFF:
         return None, f"eager steps: graphs switched off by {GRAPH_ENV}={setting}"

@@ -130,7 +130,9 @@ class TorchRuntime(Runtime):
         budget = None if lora_budget_mb is None else lora_budget_mb << 20
         self.lora = LoraRegistry(gguf, self._bind_adapter, budget, self._adapters_released)
         self.parallel = parallel
-        graphs, note = decode_step_path(self.probe, self.device_plan, self.config.n_layers)
+        graphs, note = decode_step_path(
+            self.probe, self.device_plan, self.config.n_layers, self.config.experts is not None
+        )
         self.runner = ModelRunner(self.model, self.policy, graphs, note)
         self.runner.on_graph_failure = self._record_graph_failure
         config = BatchConfig(
