@@ -70,6 +70,20 @@ int miniapp_add_rms_norm(float* x, int64_t ldx, const float* add, int64_t ld_add
 int miniapp_rope(float* x, int64_t ldx, int64_t rows, int64_t heads, int64_t head_dim,
                  int64_t rotary_dim, int interleaved, const float* cos_table,
                  const float* signed_sin);
+int miniapp_qk_norm(float* qkv, int64_t ld, int64_t tokens, int64_t n_heads, int64_t kv_heads,
+                    int64_t head_dim, const float* q_weight, const float* k_weight, int whole,
+                    float eps);
+
+// ------------------------------------------------------- mixtures of experts (moe.cpp)
+
+struct GgmlWeight;  // a weight in GGML's blocks (ggml_dot.cpp)
+int miniapp_moe_route(const float* router, int64_t n_experts, const float* x, int64_t ldx,
+                      int64_t m, int64_t dim, int64_t k, int normalize, int32_t* ids,
+                      float* weights, int threads);
+int miniapp_moe_ffn(const GgmlWeight* const* gate_up, const GgmlWeight* const* down,
+                    int64_t n_experts, int64_t ffn, const float* x, int64_t ldx, int64_t m,
+                    int64_t dim, const int32_t* ids, const float* weights, int64_t k, float* y,
+                    int threads);
 
 }  // extern "C"
 

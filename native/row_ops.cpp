@@ -41,6 +41,32 @@ int miniapp_add_rms_norm(float* x, int64_t ldx, const float* add, int64_t ld_add
   return 0;
 }
 
+// The query and key norms of `tokens` rows of a fused Q|K|V projection (row stride ld
+// floats: n_heads query heads, then kv_heads key heads, of head_dim each), in place: with
+// `whole` 0 each head is RMS-normed alone with its weight [head_dim] (Qwen3, Gemma 3); with
+// `whole` 1 all query heads are one vector, normed with q_weight [n_heads * head_dim], and all
+// key heads another, with k_weight [kv_heads * head_dim] (OLMoE). The row norm above does
+// the arithmetic. Returns 0, or -1 for shapes it does not take.
+int miniapp_qk_norm(float* qkv, int64_t ld, int64_t tokens, int64_t n_heads, int64_t kv_heads,
+                    int64_t head_dim, const float* q_weight, const float* k_weight, int whole,
+                    float eps) {
+  if (tokens < 0 || n_heads <= 0 || kv_heads <= 0 || head_dim <= 0) return -1;
+  for (int64_t r = 0; r < tokens; ++r) {
+    float* q = qkv + r * ld;
+    float* k = q + n_heads * head_dim;
+    if (whole) {
+      miniapp_add_rms_norm(q, 0, nullptr, 0, q_weight, 1, n_heads * head_dim, eps, q, 0);
+      miniapp_add_rms_norm(k, 0, nullptr, 0, k_weight, 1, kv_heads * head_dim, eps, k, 0);
+    } else {
+      miniapp_add_rms_norm(q, head_dim, nullptr, 0, q_weight, n_heads, head_dim, eps, q,
+                           head_dim);
+      miniapp_add_rms_norm(k, head_dim, nullptr, 0, k_weight, kv_heads, head_dim, eps, k,
+                           head_dim);
+    }
+  }
+  return 0;
+}
+
 // RoPE in place: each of `rows` rows of x (row stride ldx floats) holds `heads` heads of
 // head_dim values one after another; every head of row r becomes x * cos[r] + partner(x) *
 // signed_sin[r], with the tables fp32 [rows, head_dim] (contiguous) as engine/layers.py's

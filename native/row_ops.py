@@ -24,6 +24,49 @@ class NativeRowOps:
         rope.argtypes = [ptr, i64, i64, i64, i64, i64, i32, ptr, ptr]
         rope.restype = i32
         self._rope = rope
+        qk_norm = library.cdll.miniapp_qk_norm
+        qk_norm.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i32, f32]
+        qk_norm.restype = i32
+        self._qk_norm = qk_norm
+
+    def qk_norm_(
+        self,
+        qkv: torch.Tensor,
+        n_heads: int,
+        kv_heads: int,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        whole: bool,
+        eps: float,
+    ) -> torch.Tensor:
+        """The query and key norms of a fused Q|K|V projection fp32 [tokens, heads, head_dim]
+        (heads and values contiguous within a token), in place: each head alone with its
+        weight [head_dim], or (`whole`) all query heads as one vector with q_weight
+        [n_heads * head_dim] and all key heads with k_weight [kv_heads * head_dim]."""
+        tokens, _, head_dim = qkv.shape
+        if qkv.dtype is not torch.float32 or qkv.stride(2) != 1 or qkv.stride(1) != head_dim:
+            raise ValueError("Q/K norm rows need fp32 heads one after another")
+        q_size, k_size = (n_heads, kv_heads) if whole else (1, 1)
+        for weight, heads in ((q_weight, q_size), (k_weight, k_size)):
+            if weight.dtype is not torch.float32 or not weight.is_contiguous():
+                raise ValueError("Q/K norm weights must be fp32 and contiguous")
+            if weight.numel() != heads * head_dim:
+                raise ValueError(f"a Q/K norm weight of {weight.numel()} values")
+        status = self._qk_norm(
+            qkv.data_ptr(),
+            qkv.stride(0),
+            tokens,
+            n_heads,
+            kv_heads,
+            head_dim,
+            q_weight.data_ptr(),
+            k_weight.data_ptr(),
+            int(whole),
+            eps,
+        )
+        if status:
+            raise ValueError(f"native Q/K norm refused {tuple(qkv.shape)}")
+        return qkv
 
     def rms_norm(
         self,

@@ -1,5 +1,5 @@
 """The native row operations of a decode step (`native/row_ops.py`: RMS norm after an
-optional residual add, RoPE in place) against their float64 references, and rows that come
+optional residual add, the query and key norms, RoPE in place) against their float64 references, and rows that come
 out bit-identical alone or in a batch."""
 
 from __future__ import annotations
@@ -88,3 +88,23 @@ def test_bad_shapes_are_refused(ops):
 def _tables(rope: Rope, start: int, rows: int):
     tables = rope.tables(start, rows)
     return tables.cos, tables.signed_sin
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["per-head", "whole"])
+def test_qk_norms_match_the_reference_and_leave_the_values_alone(ops, whole):
+    tokens, heads, kv_heads, head_dim = 3, 4, 2, 16
+    qkv = _randn(tokens, heads + 2 * kv_heads, head_dim) * 3
+    q_weight = _randn(heads * head_dim if whole else head_dim, seed=1)
+    k_weight = _randn(kv_heads * head_dim if whole else head_dim, seed=2)
+    got = ops.qk_norm_(qkv.clone(), heads, kv_heads, q_weight, k_weight, whole, 1e-6)
+    q, k = qkv[:, :heads], qkv[:, heads : heads + kv_heads]
+    if whole:
+        want_q = reference.rms_norm(q.reshape(tokens, -1), q_weight, 1e-6).view(q.shape)
+        want_k = reference.rms_norm(k.reshape(tokens, -1), k_weight, 1e-6).view(k.shape)
+    else:
+        want_q = reference.rms_norm(q, q_weight, 1e-6)
+        want_k = reference.rms_norm(k, k_weight, 1e-6)
+    want = torch.cat([want_q, want_k], dim=1)
+    normed = got[:, : heads + kv_heads].double()
+    assert (normed - want).abs().max() <= NORM_TOLERANCE * want.abs().max()
+    assert torch.equal(got[:, heads + kv_heads :], qkv[:, heads + kv_heads :])

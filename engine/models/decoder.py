@@ -82,6 +82,16 @@ class Attention:
         # [n_heads + n_kv_heads, head_dim]: the query norm's weight per query head, then the
         # key norm's per key head, so one normalisation covers both.
         self.qk_norm_weight = qk_norm_weight
+        # The same norms as the native row kernel takes them: the query heads' weight and
+        # the key heads' (one head's, or all heads' with qk_norm_whole).
+        self.q_norm = self.k_norm = None
+        if qk_norm_weight is not None:
+            if self.qk_norm_whole:
+                q_width = config.n_heads * config.head_dim
+                q_norm, k_norm = qk_norm_weight[:q_width], qk_norm_weight[q_width:]
+            else:
+                q_norm, k_norm = qk_norm_weight[0], qk_norm_weight[config.n_heads]
+            self.q_norm, self.k_norm = q_norm.contiguous(), k_norm.contiguous()
         native = cpu_attention_kernel()
         takes = native is not None and native.takes(
             config.n_heads, config.n_kv_heads, config.head_dim
@@ -100,11 +110,23 @@ class Attention:
         # Attention runs in fp32: torch's CPU attention and small bmm are several times faster
         # in fp32 than in bf16 at decode sizes, and the cache keeps full precision.
         heads = project(self.wqkv, x, rows, QKV).float().view(n_tokens, -1, self.head_dim)
+        if self.qk_norm_weight is not None and self._native_rows(heads):
+            # In place, by the kernel the fused layer calls: both paths give the same bits.
+            self.row_ops.qk_norm_(
+                heads,
+                self.n_heads,
+                self.n_kv_heads,
+                self.q_norm,
+                self.k_norm,
+                self.qk_norm_whole,
+                self.norm_eps,
+            )
         qk = heads[:, : self.n_rotated]
-        if self.qk_norm_whole:
-            qk = self._norm_whole(qk)
-        elif self.qk_norm_weight is not None:
-            qk = rms_normalize(qk, self.norm_eps) * self.qk_norm_weight
+        if self.qk_norm_weight is not None and not self._native_rows(heads):
+            if self.qk_norm_whole:
+                qk = self._norm_whole(qk)
+            else:
+                qk = rms_normalize(qk, self.norm_eps) * self.qk_norm_weight
         # [tokens, heads, head_dim] -> [heads, tokens, head_dim]
         qk = self._rotate(qk, rotation).transpose(0, 1)
         v = heads[:, self.n_rotated :].transpose(0, 1)
@@ -114,6 +136,14 @@ class Attention:
         else:
             out = self._attend_sequences(qk, v, rows)
         return project(self.wo, out[0].transpose(0, 1).reshape(n_tokens, -1), rows, OUT)
+
+    def _native_rows(self, heads: torch.Tensor) -> bool:
+        return (
+            self.row_ops is not None
+            and heads.is_cpu
+            and heads.dtype is torch.float32
+            and heads.is_contiguous()
+        )
 
     def _norm_whole(self, qk: torch.Tensor) -> torch.Tensor:
         """[tokens, heads, head_dim]: the queries normed as one vector, the keys as another."""
