@@ -1,6 +1,6 @@
 """The native row operations of a decode step (`native/row_ops.py`: RMS norm after an
-optional residual add, the query and key norms, RoPE in place) against their float64 references, and rows that come
-out bit-identical alone or in a batch."""
+optional residual add, the query and key norms, RoPE in place) against their float64
+references, and rows that come out bit-identical alone or in a batch."""
 
 from __future__ import annotations
 
