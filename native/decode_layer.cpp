@@ -6,13 +6,26 @@
 // functions, on the same values, in the same order as the layer-by-layer path
 // (engine/models/decoder.py), so the residual stream comes out bit for bit the same. Every
 // kernel computes a row on its own, so a row of a several-token call equals that token's
-// own decode step.
+// own decode step. Query and key norms (Qwen3's per head, OLMoE's over all heads) and a
+// mixture of experts in place of the feed-forward (its router and experts, moe.cpp) run
+// here too, by the same kernels the layer-by-layer path calls.
 
 #include "kv_codec.h"
 
 extern "C" {
 
 constexpr int64_t kMaxLayerRows = 64;  // rows a call takes (a batched step's, at most)
+
+// A mixture of experts' feed-forward (moe.cpp): each row's k of n_experts experts.
+struct MoeLayer {
+  const GgmlWeight* const* gate_up;  // [n_experts], SiLU-gated
+  const GgmlWeight* const* down;
+  int64_t n_experts, ffn, k;
+  const float* router;  // fp32 [n_experts, dim]
+  int32_t normalize;  // the chosen weights divided by their sum
+  int32_t* ids;  // [kMaxLayerRows, k]: the call's choices, written (the engine reads them)
+  float* weights;  // [kMaxLayerRows, k]: their weights, scratch
+};
 
 struct DecodeLayerWeights {
   const Int4Weight* qkv;
@@ -25,6 +38,11 @@ struct DecodeLayerWeights {
   float scale;  // of the attention scores
   int64_t dim, n_heads, kv_heads, head_dim, rotary_dim, ffn_dim;
   int32_t interleaved;  // RoPE pairs (2i, 2i + 1), else (i, i + rotary_dim / 2)
+  // Query and key norms after the Q|K|V projection (miniapp_qk_norm); q_norm null: none.
+  const float* q_norm;
+  const float* k_norm;
+  int32_t qk_norm_whole;
+  const MoeLayer* moe;  // or null: gate_up and down are the feed-forward
 };
 
 struct DecodeLayerStep {
@@ -105,6 +123,10 @@ int miniapp_decode_layer_batch(const DecodeLayerWeights* w, const DecodeLayerSte
   int status = miniapp_add_rms_norm(x, w->dim, nullptr, 0, w->attn_norm, m, w->dim, w->eps,
                                     normed, w->dim);
   status = status ? status : project(w->qkv, kLoraQkv, normed, w->dim, qkv_width, qkv);
+  if (!status && w->q_norm) {
+    status = miniapp_qk_norm(qkv, qkv_width, m, w->n_heads, w->kv_heads, d, w->q_norm,
+                             w->k_norm, w->qk_norm_whole, w->eps);
+  }
   status = status ? status
                   : miniapp_rope(qkv, qkv_width, m, w->n_heads + w->kv_heads, d, w->rotary_dim,
                                  w->interleaved, cos, signed_sin);
@@ -142,9 +164,19 @@ int miniapp_decode_layer_batch(const DecodeLayerWeights* w, const DecodeLayerSte
   status = status ? status
                   : miniapp_add_rms_norm(x, w->dim, projected, w->dim, w->ffn_norm, m, w->dim,
                                          w->eps, normed, w->dim);
-  status = status ? status
-                  : project(w->gate_up, kLoraGateUp, normed, w->dim, 2 * w->ffn_dim, gated);
-  status = status ? status : project(w->down, kLoraDown, gated, w->ffn_dim, w->dim, fed);
+  if (w->moe) {
+    const MoeLayer* e = w->moe;
+    status = status ? status
+                    : miniapp_moe_route(e->router, e->n_experts, normed, w->dim, m, w->dim, e->k,
+                                        e->normalize, e->ids, e->weights, threads);
+    status = status ? status
+                    : miniapp_moe_ffn(e->gate_up, e->down, e->n_experts, e->ffn, normed, w->dim,
+                                      m, w->dim, e->ids, e->weights, e->k, fed, threads);
+  } else {
+    status = status ? status
+                    : project(w->gate_up, kLoraGateUp, normed, w->dim, 2 * w->ffn_dim, gated);
+    status = status ? status : project(w->down, kLoraDown, gated, w->ffn_dim, w->dim, fed);
+  }
   if (!status) {
     for (int64_t i = 0; i < m * w->dim; ++i) x[i] += fed[i];
   }

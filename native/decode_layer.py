@@ -1,10 +1,11 @@
 """One decoder layer's one-token step, or a verification's few rows, in one native call
 (`miniapp_decode_layer` in `decode_layer.cpp`): RMS norm, the fused Q|K|V projection, RoPE, the
 new keys and values written into the cache's storage, attention over the cache, the output
-projection, the residual add and norm, the SiLU-gated feed-forward and the last residual
-add. The same kernels the layer runs one by one from Python, in the same order, so the
-result is bit-identical; the engine uses it for decode steps and verification rows of
-layers shaped for it (engine/models/decoder.py).
+projection, the residual add and norm, the SiLU-gated feed-forward (or a mixture of
+experts: its router and experts) and the last residual add; with Q/K norms between the
+projection and RoPE where the layer has them. The same kernels the layer runs one by one
+from Python, in the same order, so the result is bit-identical; the engine uses it for
+decode steps and verification rows of layers shaped for it (engine/models/decoder.py).
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import torch
 
 from .attention import TiledKeys
 from .int4 import Library, PackedInt4
+from .moe import NativeExperts
 
 _i64, _f32, _i32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int32, ctypes.c_void_p
+MAX_ROWS = 64  # rows a call takes (kMaxLayerRows)
 
 
 class _Weights(ctypes.Structure):
@@ -37,7 +40,49 @@ class _Weights(ctypes.Structure):
         ("rotary_dim", _i64),
         ("ffn_dim", _i64),
         ("interleaved", _i32),
+        ("q_norm", _ptr),
+        ("k_norm", _ptr),
+        ("qk_norm_whole", _i32),
+        ("moe", _ptr),
     ]
+
+
+class _MoeLayer(ctypes.Structure):
+    """MoeLayer in decode_layer.cpp."""
+
+    _fields_ = [
+        ("gate_up", _ptr),
+        ("down", _ptr),
+        ("n_experts", _i64),
+        ("ffn", _i64),
+        ("k", _i64),
+        ("router", _ptr),
+        ("normalize", _i32),
+        ("ids", _ptr),
+        ("weights", _ptr),
+    ]
+
+
+@dataclass(frozen=True)
+class QkNorms:
+    """Query and key norm weights (fp32, contiguous): one head's each, or with `whole` all
+    query heads' [n_heads * head_dim] and all key heads' [kv_heads * head_dim]."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    whole: bool
+
+
+@dataclass(frozen=True)
+class MoeFeedForward:
+    """A mixture of experts in place of the gated feed-forward: the experts (moe.py), the
+    router's fp32 weights [n_experts, dim], the experts a token uses, and whether their
+    weights are divided by their sum."""
+
+    experts: NativeExperts
+    router: torch.Tensor
+    used: int
+    normalize: bool
 
 
 class _Step(ctypes.Structure):
@@ -91,21 +136,24 @@ class NativeDecodeLayer:
         shape: LayerShape,
         qkv: PackedInt4,
         out: PackedInt4,
-        gate_up: PackedInt4,
-        down: PackedInt4,
+        gate_up: PackedInt4 | None,
+        down: PackedInt4 | None,
         attn_norm: torch.Tensor,
         ffn_norm: torch.Tensor,
+        qk_norms: QkNorms | None = None,
+        moe: MoeFeedForward | None = None,
     ):
-        if not gate_up.shape.gated:
+        """`gate_up` and `down`: the gated feed-forward, or None with `moe` instead."""
+        if moe is None and (gate_up is None or not gate_up.shape.gated):
             raise ValueError("the fused step takes a SiLU-gated feed-forward")
         attn_norm, ffn_norm = attn_norm.contiguous(), ffn_norm.contiguous()
         # Kept alive with the structure that points at them.
-        self._held = (qkv, out, gate_up, down, attn_norm, ffn_norm)
+        self._held = (qkv, out, gate_up, down, attn_norm, ffn_norm, qk_norms, moe)
         self._weights = _Weights(
             qkv._address,
             out._address,
-            gate_up._address,
-            down._address,
+            None if gate_up is None else gate_up._address,
+            None if down is None else down._address,
             attn_norm.data_ptr(),
             ffn_norm.data_ptr(),
             shape.eps,
@@ -115,9 +163,31 @@ class NativeDecodeLayer:
             shape.kv_heads,
             shape.head_dim,
             shape.rotary_dim,
-            gate_up.shape.outputs,
+            0 if gate_up is None else gate_up.shape.outputs,
             int(shape.interleaved),
         )
+        if qk_norms is not None:
+            self._weights.q_norm = qk_norms.q.data_ptr()
+            self._weights.k_norm = qk_norms.k.data_ptr()
+            self._weights.qk_norm_whole = int(qk_norms.whole)
+        self.choices: torch.Tensor | None = None  # a mixture's choices, [MAX_ROWS, used]
+        if moe is not None:
+            router = moe.router.float().contiguous()
+            self.choices = torch.zeros(MAX_ROWS, moe.used, dtype=torch.int32)
+            self._choice_weights = torch.zeros(MAX_ROWS, moe.used)
+            self._moe = _MoeLayer(
+                ctypes.addressof(moe.experts._gate_up),
+                ctypes.addressof(moe.experts._down),
+                moe.experts.n_experts,
+                moe.experts.ffn,
+                moe.used,
+                router.data_ptr(),
+                int(moe.normalize),
+                self.choices.data_ptr(),
+                self._choice_weights.data_ptr(),
+            )
+            self._held += (router,)
+            self._weights.moe = ctypes.addressof(self._moe)
         self._step = _Step()
         self._function = library.cdll.miniapp_decode_layer
         self._function.argtypes = [_ptr, _ptr, _ptr, _ptr, ctypes.c_int]

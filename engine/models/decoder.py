@@ -17,8 +17,15 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from ...native.decode_layer import LayerShape, NativeDecodeLayer, SequenceRows
+from ...native.decode_layer import (
+    LayerShape,
+    MoeFeedForward,
+    NativeDecodeLayer,
+    QkNorms,
+    SequenceRows,
+)
 from ...native.lora import DOWN, GATE_UP, OUT, QKV
+from ...native.moe import NativeExperts
 from ..kv.cache import Cache, Slots
 from ..kv.codec import TILE_ROWS
 from ..lora.rows import PassLora
@@ -48,6 +55,7 @@ from .attention_backends import (
 )
 from .config import DecoderConfig, RopeConfig
 from .exact_rows import RowMasks
+from .experts import MixtureFeedForward
 from .pass_metadata import LayerRows, PassMetadata, RowKind, RowSpan, build_pass_metadata
 from .placement import CPU, CPU_PLACEMENT, PREFILL_CHUNK, CachePolicy, Placement
 
@@ -376,6 +384,9 @@ class Block:
         for _, (_, taken) in fused:
             if taken.written is not None:
                 taken.written()
+        if self.fused.choices is not None:  # a mixture: what the rows chose, as its own pass
+            rows = sum(span.count for span, _ in fused)
+            self.feed_forward.last_ids = self.fused.choices[:rows].clone()
 
     def _forward_layer_by_layer(self, x, rotation: RopeTables, rows: LayerRows):
         attended = self.attention.forward(self.attn_norm.forward(x), rotation, rows)
@@ -583,28 +594,31 @@ class DecoderModel:
 
 def fused_layer(block: Block, rope: Rope) -> NativeDecodeLayer | None:
     """The native one-call step for a block, where its shape is one the call takes: on the
-    CPU with the native kernels, a fused Q|K|V and SiLU-gated feed-forward run by our kernels
-    (biases only where the GGML kernel adds them inside), no Q/K norms and no post-norms
-    (SmolLM2, Qwen2 and the other llama-shaped models; Gemma 3 keeps the layer-by-layer
-    path)."""
+    CPU with the native kernels, a fused Q|K|V run by our kernels (biases only where the
+    GGML kernel adds them inside), any Q/K norms, no post-norms, and a SiLU-gated
+    feed-forward run by our kernels or a mixture of experts run by the native MoE kernel
+    without a shared expert (SmolLM2, Qwen2, Qwen3, OLMoE, Qwen3-MoE, Mixtral and the
+    other llama-shaped models; Gemma 3 and Qwen2-MoE keep the layer-by-layer path)."""
     attention, feed_forward = block.attention, block.feed_forward
-    if not isinstance(feed_forward, FeedForward):  # a mixture of experts
-        return None
     library = cpu_int4_kernel().library
-    linears = (attention.wqkv, attention.wo, feed_forward.w_gate_up, feed_forward.w_down)
     norms = (block.attn_norm, block.ffn_norm)
+    moe = _fused_mixture(feed_forward)
+    if moe is None and not (isinstance(feed_forward, FeedForward) and feed_forward.fused):
+        return None
+    linears = [attention.wqkv, attention.wo]
+    if moe is None:
+        linears += [feed_forward.w_gate_up, feed_forward.w_down]
     if (
         library is None
         or not fused_layers_enabled()
         or attention.native is None
-        or attention.qk_norm_weight is not None
-        or attention.qk_norm_whole
+        or (attention.qk_norm_weight is not None and attention.row_ops is None)
         or block.post_attn_norm is not None
         or block.post_ffn_norm is not None
-        or not feed_forward.fused
         or not all(_plain_native(linear) for linear in linears)
         or not all(isinstance(norm, RMSNorm) and norm.native is not None for norm in norms)
         or block.attn_norm.eps != block.ffn_norm.eps
+        or attention.norm_eps != block.attn_norm.eps
     ):
         return None
     shape = LayerShape(
@@ -617,9 +631,41 @@ def fused_layer(block: Block, rope: Rope) -> NativeDecodeLayer | None:
         eps=block.attn_norm.eps,
         scale=attention.scale,
     )
-    packed = (linear.native for linear in linears)
+    qk_norms = None
+    if attention.qk_norm_weight is not None:
+        qk_norms = QkNorms(attention.q_norm, attention.k_norm, attention.qk_norm_whole)
+    gate_up, down = (None, None) if moe is not None else (linears[2].native, linears[3].native)
     return NativeDecodeLayer(
-        library, shape, *packed, block.attn_norm.doubled_weight, block.ffn_norm.doubled_weight
+        library,
+        shape,
+        linears[0].native,
+        linears[1].native,
+        gate_up,
+        down,
+        block.attn_norm.doubled_weight,
+        block.ffn_norm.doubled_weight,
+        qk_norms=qk_norms,
+        moe=moe,
+    )
+
+
+def _fused_mixture(feed_forward) -> MoeFeedForward | None:
+    """A mixture of experts as the fused step takes it: native experts and routing on the
+    CPU, no shared expert; None for anything else."""
+    if not isinstance(feed_forward, MixtureFeedForward):
+        return None
+    if (
+        not isinstance(feed_forward.experts, NativeExperts)
+        or feed_forward.shared is not None
+        or feed_forward.expert_device is not None
+        or not feed_forward.router.weight.is_cpu
+    ):
+        return None
+    return MoeFeedForward(
+        feed_forward.experts,
+        feed_forward.router.weight,
+        feed_forward.used,
+        feed_forward.normalize,
     )
 
 
