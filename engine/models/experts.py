@@ -7,9 +7,11 @@ probability (ties go to the lower expert number here, so a row's choice is deter
 their probabilities as weights, divided by their sum where the architecture normalises them
 (the sum clamped below at 2^-14, as llama.cpp's is).
 
-The experts run in one native call on the CPU (`native/moe.py`: each chosen expert's weights
-read once a call, whatever rows chose it); elsewhere (a GPU, float weights, no native
-library) one expert at a time in torch, over the rows that chose it.
+On the CPU the native kernel routes (`NativeExperts.route`) and runs the experts in one
+call (`native/moe.py`: each chosen expert's weights read once a call, whatever rows chose
+it), and the fused decode layer calls the same two (decoder.py); elsewhere (a GPU, float
+weights, no native library) torch routes, and runs one expert at a time over the rows that
+chose it.
 """
 
 from __future__ import annotations
@@ -131,8 +133,6 @@ class MixtureFeedForward:
 
     `expert_device`: where the experts run (the CPU when a GPU model keeps them there,
     llama.cpp's --cpu-moe); the router and the shared expert run on x's device."""
-
-    fused = False  # the fused native layer takes dense feed-forwards only
 
     def __init__(
         self,

@@ -269,7 +269,11 @@ class WeightReader:
         )
         library = cpu_int4_kernel().library if target.on_cpu and not target.dense else None
         if library is not None and _native_expert_types(gate[1], up[1], down[1], dim, ffn_dim):
-            isa = native_ggml.ISA_AVX2 if library.isa == native_int4.ISA_AVX2 else 0
+            isa = (
+                native_ggml.ISA_AVX2
+                if library.isa == native_int4.ISA_AVX2
+                else native_ggml.ISA_AUTO
+            )
             interleave = ggml_interleave_enabled()
             release = self.gguf.release_view
 
