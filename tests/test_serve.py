@@ -375,6 +375,41 @@ def test_error_bodies_have_openais_shape(server):
     assert error(httpx.get(server + "/v1/nothing-here"), 404)["message"] == "no such endpoint"
 
 
+def test_tokenize_and_detokenize_speak_llama_servers_and_vllms_shapes(server):
+    from miniapp.engine.api import Tokenizer, resolve_model
+
+    tokenizer = Tokenizer(resolve_model(MODEL))
+    text = "<|im_start|>user\nHéllo, wörld!<|im_end|>"
+    expected = tokenizer.encode(text, add_bos=False)
+
+    def post(path, body):
+        response = httpx.post(server + path, json=body)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    assert post("/tokenize", {"content": text}) == {"tokens": expected}
+    literal = post("/tokenize", {"content": text, "parse_special": False})["tokens"]
+    assert len(literal) > len(expected)  # the markers spelt out, not read as control tokens
+    pieces = post("/tokenize", {"content": text, "with_pieces": True})["tokens"]
+    assert [p["id"] for p in pieces] == expected
+    spelt = b"".join(
+        bytes(p["piece"]) if isinstance(p["piece"], list) else p["piece"].encode() for p in pieces
+    )
+    assert spelt.decode() == text
+    vllm = post("/tokenize", {"model": MODEL, "prompt": "Hello"})
+    assert vllm["count"] == len(vllm["tokens"]) and vllm["max_model_len"] == 1024
+    back = post("/detokenize", {"tokens": expected})
+    assert back["content"] == back["prompt"] == text
+    for path, body, param in (
+        ("/detokenize", {"tokens": [10**9]}, "tokens"),
+        ("/tokenize", {}, "content"),
+        ("/tokenize", {"content": "a", "prompt": "b"}, "content"),
+    ):
+        response = httpx.post(server + path, json=body)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == param
+
+
 def test_a_key_guards_the_api_but_not_health(guarded):
     assert httpx.get(guarded + "/health").status_code == 200
     denied = openai.OpenAI(base_url=guarded + "/v1", api_key="wrong", max_retries=0)

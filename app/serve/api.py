@@ -2,7 +2,7 @@
 
 Routes: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions,
 GET /metrics; LoRA adapters' POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter and
-GET /lora-adapters (lora.py).
+GET /lora-adapters (lora.py); POST /tokenize and POST /detokenize (tokens.py).
 Streams are server-sent events in OpenAI's chunk shape, ending with `data: [DONE]`.
 """
 
@@ -45,6 +45,7 @@ from .middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from .models import model_listing, warm_listing
 from .protocol import ChatCompletionRequest, CompletionRequest, Sampling
 from .service import Job, Relay, ServedModel, check_fits, finish_reason, seeded, token_limit
+from .tokens import tokens_router
 from .tools import CallStream, ToolPlan, messages_for
 
 log = logging.getLogger("miniapp.serve")
@@ -80,6 +81,7 @@ def create_app(served: ServedModel, options: ServeOptions) -> FastAPI:
     metrics = ServeMetrics(served)
     app.include_router(metrics_router(metrics))
     app.include_router(lora_router(served, adapters_folder(options.lora_dir)))
+    app.include_router(tokens_router(served))
 
     @app.get("/health")
     async def health() -> JSONResponse:
