@@ -25,7 +25,6 @@ from ...native.decode_layer import (
     SequenceRows,
 )
 from ...native.lora import DOWN, GATE_UP, OUT, QKV
-from ...native.moe import NativeExperts
 from ..kv.cache import Cache, Slots
 from ..kv.codec import TILE_ROWS
 from ..lora.rows import PassLora
@@ -118,7 +117,10 @@ class Attention:
         # Attention runs in fp32: torch's CPU attention and small bmm are several times faster
         # in fp32 than in bf16 at decode sizes, and the cache keeps full precision.
         heads = project(self.wqkv, x, rows, QKV).float().view(n_tokens, -1, self.head_dim)
-        if self.qk_norm_weight is not None and self._native_rows(heads):
+        qk = heads[:, : self.n_rotated]
+        if self.qk_norm_weight is None:
+            pass
+        elif self._native_rows(heads):
             # In place, by the kernel the fused layer calls: both paths give the same bits.
             self.row_ops.qk_norm_(
                 heads,
@@ -129,12 +131,10 @@ class Attention:
                 self.qk_norm_whole,
                 self.norm_eps,
             )
-        qk = heads[:, : self.n_rotated]
-        if self.qk_norm_weight is not None and not self._native_rows(heads):
-            if self.qk_norm_whole:
-                qk = self._norm_whole(qk)
-            else:
-                qk = rms_normalize(qk, self.norm_eps) * self.qk_norm_weight
+        elif self.qk_norm_whole:
+            qk = self._norm_whole(qk)
+        else:
+            qk = rms_normalize(qk, self.norm_eps) * self.qk_norm_weight
         # [tokens, heads, head_dim] -> [heads, tokens, head_dim]
         qk = self._rotate(qk, rotation).transpose(0, 1)
         v = heads[:, self.n_rotated :].transpose(0, 1)
@@ -654,12 +654,7 @@ def _fused_mixture(feed_forward) -> MoeFeedForward | None:
     CPU, no shared expert; None for anything else."""
     if not isinstance(feed_forward, MixtureFeedForward):
         return None
-    if (
-        not isinstance(feed_forward.experts, NativeExperts)
-        or feed_forward.shared is not None
-        or feed_forward.expert_device is not None
-        or not feed_forward.router.weight.is_cpu
-    ):
+    if not feed_forward.native_route or feed_forward.shared is not None:
         return None
     return MoeFeedForward(
         feed_forward.experts,

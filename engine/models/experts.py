@@ -146,15 +146,16 @@ class MixtureFeedForward:
         self.router, self.experts, self.used, self.normalize = router, experts, used, normalize
         self.shared = shared
         self.expert_device = expert_device
-        # The native kernel routes too where the experts and the router share the CPU.
-        self._native_route = isinstance(experts, NativeExperts) and router.weight.is_cpu
+        # The native kernel routes too where the experts and the router share the CPU (then
+        # the experts run where x is, and the fused decode layer may take the mixture).
+        self.native_route = isinstance(experts, NativeExperts) and router.weight.is_cpu
         # The last pass's choices [n, used] (tests and the byte count of a step read them).
         self.last_ids: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, rows=None) -> torch.Tensor:
         """`rows` (the pass's rows, for LoRA) is accepted for the FeedForward interface:
         adapters on experts are refused when an adapter is bound."""
-        if self._native_route and x.is_cpu:
+        if self.native_route and x.is_cpu:
             ids, weights = self.experts.route(self.router.weight, x, self.used, self.normalize)
         else:
             ids, weights = route(self.router.forward(x), self.used, self.normalize)

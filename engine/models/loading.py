@@ -7,7 +7,6 @@ import torch
 from gguf.constants import GGMLQuantizationType
 
 from ...native import ggml as native_ggml
-from ...native import int4 as native_int4
 from ...native.moe import NativeExperts
 from ..errors import ModelFileError, UnsupportedModelError
 from ..lora.bound import PartLayout
@@ -20,9 +19,10 @@ from ..ops.layers import (
     RMSNorm,
     WeightTarget,
     linear_from_raw,
+    packed_ggml,
 )
 from ..ops.quant import all_finite, dequantize_rows
-from ..platform.kernels import cpu_int4_kernel, ggml_interleave_enabled
+from ..platform.kernels import cpu_int4_kernel
 from .config import DecoderConfig
 from .decoder import Attention, Block, DecoderModel, FeedForward
 from .experts import MixtureFeedForward, Router, SharedExpert, TorchExpert, TorchExperts
@@ -269,26 +269,14 @@ class WeightReader:
         )
         library = cpu_int4_kernel().library if target.on_cpu and not target.dense else None
         if library is not None and _native_expert_types(gate[1], up[1], down[1], dim, ffn_dim):
-            isa = (
-                native_ggml.ISA_AVX2
-                if library.isa == native_int4.ISA_AVX2
-                else native_ggml.ISA_AUTO
-            )
-            interleave = ggml_interleave_enabled()
             release = self.gguf.release_view
-
-            def packed(parts, k, gated):
-                return native_ggml.PackedGgml(
-                    library, parts, k, None, gated, isa, interleave=interleave, release=release
-                )
-
             gate_up_weights, down_weights = [], []
             for e in range(count):
                 rows = slice(e * ffn_dim, (e + 1) * ffn_dim)
                 parts = [(gate[0][rows], gate[1]), (up[0][rows], up[1])]
-                gate_up_weights.append(packed(parts, dim, True))
+                gate_up_weights.append(packed_ggml(library, parts, dim, None, True, release))
                 back = [(down[0][e * dim : (e + 1) * dim], down[1])]
-                down_weights.append(packed(back, ffn_dim, False))
+                down_weights.append(packed_ggml(library, back, ffn_dim, release=release))
             self.gguf.release()
             return NativeExperts(library, gate_up_weights, down_weights)
         built = []

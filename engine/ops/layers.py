@@ -345,13 +345,24 @@ def _ggml_linear(
         parts = [(raw[:half], ggml_type), (raw[half:], ggml_type)]
     if len(parts) > native_ggml.MAX_PARTS or (gated and len(parts) != 2):
         return None
+    return GgmlLinear(packed_ggml(library, parts, n_cols, bias, gated, release))
+
+
+def packed_ggml(
+    library: native_int4.Library,
+    parts: list[RawWeight],
+    n_cols: int,
+    bias: torch.Tensor | None = None,
+    gated: bool = False,
+    release: Callable[[torch.Tensor], None] | None = None,
+) -> native_ggml.PackedGgml:
+    """File rows bound for the GGML kernel on the path this CPU runs, interleaved where the
+    setting says (a dense linear's weights, an expert's)."""
     # The int4 kernel's path says what this CPU (or a simulated one) runs: AVX2 there too.
     isa = native_ggml.ISA_AVX2 if library.isa == native_int4.ISA_AVX2 else native_ggml.ISA_AUTO
     interleave = ggml_interleave_enabled()
-    return GgmlLinear(
-        native_ggml.PackedGgml(
-            library, parts, n_cols, bias, gated, isa, interleave=interleave, release=release
-        )
+    return native_ggml.PackedGgml(
+        library, parts, n_cols, bias, gated, isa, interleave=interleave, release=release
     )
 
 
