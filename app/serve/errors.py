@@ -1,6 +1,10 @@
 """Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}` with the
 status OpenAI's API gives for the same problem, so clients raise their usual exceptions
-(`openai.BadRequestError`, `AuthenticationError`, `NotFoundError`, ...)."""
+(`openai.BadRequestError`, `AuthenticationError`, `NotFoundError`, ...).
+
+Under Anthropic's paths (/v1/messages...) the same errors take Anthropic's shape instead,
+`{"type": "error", "error": {"type", "message"}}` with its types for each status, so that
+the `anthropic` client raises its own exceptions (`shaped_response`)."""
 
 from __future__ import annotations
 
@@ -24,8 +28,9 @@ class ApiError(Exception):
         self.status, self.message, self.kind = status, message, kind
         self.code, self.param, self.headers = code, param, headers
 
-    def response(self) -> JSONResponse:
-        return error_response(
+    def response(self, path: str = "") -> JSONResponse:
+        return shaped_response(
+            path,
             self.status,
             self.message,
             kind=self.kind,
@@ -54,6 +59,42 @@ def error_response(
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
     return JSONResponse(error_body(message, kind, code, param), status_code=status, headers=headers)
+
+
+ANTHROPIC_PATHS = "/v1/messages"
+# Anthropic's error type for each status (its API documents these); others are api_error.
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_body(status: int, message: str) -> dict:
+    kind = ANTHROPIC_TYPES.get(status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def shaped_response(
+    path: str,
+    status: int,
+    message: str,
+    *,
+    kind: str = INVALID_REQUEST,
+    code: str | None = None,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    """The error in the shape of the API that `path` belongs to."""
+    if path.startswith(ANTHROPIC_PATHS):
+        return JSONResponse(anthropic_body(status, message), status_code=status, headers=headers)
+    return error_response(status, message, kind=kind, code=code, param=param, headers=headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:

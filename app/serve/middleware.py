@@ -1,5 +1,5 @@
 """ASGI middleware: the API key (401) and the request-body limit (413), both answered in
-OpenAI's error shape before a handler runs."""
+the path's API's error shape (OpenAI's, or Anthropic's) before a handler runs."""
 
 from __future__ import annotations
 
@@ -7,13 +7,14 @@ import hmac
 
 from starlette.exceptions import HTTPException
 
-from .errors import error_response
+from .errors import shaped_response
 
 OPEN_PATHS = frozenset({"/health"})  # answered without a key (load balancers probe it)
 
 
 class ApiKeyMiddleware:
-    """With a key, every request but the open paths needs `Authorization: Bearer KEY`."""
+    """With a key, every request but the open paths needs `Authorization: Bearer KEY`, or
+    `x-api-key: KEY` as Anthropic's clients send it."""
 
     def __init__(self, app, api_key: str | None):
         self.app, self.api_key = app, api_key
@@ -28,12 +29,17 @@ class ApiKeyMiddleware:
         scheme, _, token = given.partition(" ")
         if scheme.lower() == "bearer" and hmac.compare_digest(token.strip(), self.api_key):
             return await self.app(scope, receive, send)
+        header_key = headers.get(b"x-api-key")
+        if header_key is not None:
+            given = header_key.decode("latin-1")
+            if hmac.compare_digest(given.strip(), self.api_key):
+                return await self.app(scope, receive, send)
         message = (
             "Incorrect API key provided."
             if given
             else "You didn't provide an API key: send Authorization: Bearer KEY."
         )
-        response = error_response(401, message, code="invalid_api_key")
+        response = shaped_response(scope["path"], 401, message, code="invalid_api_key")
         await response(scope, receive, send)
 
 
@@ -54,7 +60,7 @@ class BodyLimitMiddleware:
         headers = dict(scope.get("headers") or [])
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            response = error_response(413, self.message(), code="request_too_large")
+            response = shaped_response(scope["path"], 413, self.message(), code="request_too_large")
             return await response(scope, receive, send)
         seen = 0
 
