@@ -19,6 +19,7 @@ from miniapp.engine.api import (
     DEFAULT_KV_TYPE,
     DEVICE_CHOICES,
     LOCAL_BACKENDS,
+    POOLING_CHOICES,
     SPEC_MODES,
     MiniappError,
 )
@@ -418,6 +419,12 @@ def _add_api_flags(parser: argparse.ArgumentParser) -> None:
         default=50.0,
         metavar="MB",
         help="larger API request bodies get 413 (default 50 MB)",
+    )
+    parser.add_argument(
+        "--pooling",
+        choices=POOLING_CHOICES,
+        help="/v1/embeddings: how a text's token states are pooled (default: as the GGUF's "
+        "pooling_type says, else mean)",
     )
     parser.add_argument(
         "--cors-origin",

@@ -76,6 +76,7 @@ from .runtimes.base import (
     VisionRuntime,
     default_threads,
 )
+from .runtimes.embedding import POOLING_CHOICES, Pooling
 from .tokens.constraints import ConstraintError, ConstraintKind, OutputConstraint, closing_reserve
 from .tokens.events import (
     Finished,
@@ -209,6 +210,8 @@ def list_server_models(base_url: str, api_key: str | None = None) -> list:
 
 
 __all__ = [
+    "POOLING_CHOICES",
+    "Pooling",
     "AdapterError",
     "AdapterInfo",
     "AdapterNameError",

@@ -410,6 +410,92 @@ def test_tokenize_and_detokenize_speak_llama_servers_and_vllms_shapes(server):
         assert response.json()["error"]["param"] == param
 
 
+EMBEDDED = [
+    "The cat sat on the mat.",
+    "Paris is the capital of France.",
+    "def add(a, b): return a + b",
+    "hello",
+    "Embeddings map text to vectors.",
+    "Ünïcödé ✓",
+    "A long text. " * 40,
+    "x",
+]
+
+
+def test_embeddings_are_unit_vectors_the_same_alone_in_a_batch_and_as_base64(client):
+    import base64
+
+    import numpy as np
+
+    batch = client.embeddings.create(model=MODEL, input=EMBEDDED)
+    vectors = np.array([item.embedding for item in batch.data], dtype=np.float32)
+    assert [item.index for item in batch.data] == list(range(len(EMBEDDED)))
+    assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    alone = client.embeddings.create(model=MODEL, input=EMBEDDED[6])
+    assert np.array_equal(np.array(alone.data[0].embedding, dtype=np.float32), vectors[6])
+    packed = client.embeddings.create(model=MODEL, input=EMBEDDED[1], encoding_format="base64")
+    decoded = np.frombuffer(base64.b64decode(packed.data[0].embedding), dtype="<f4")
+    assert np.array_equal(decoded, vectors[1])
+    tokens = httpx.post(server_of(client) + "/tokenize", json={"content": EMBEDDED[3]}).json()
+    by_ids = client.embeddings.create(model=MODEL, input=tokens["tokens"])
+    assert np.array_equal(np.array(by_ids.data[0].embedding, dtype=np.float32), vectors[3])
+    assert batch.usage.prompt_tokens > len(EMBEDDED)
+    assert len({v.tobytes() for v in vectors}) == len(EMBEDDED)  # each text its own vector
+
+
+def server_of(client: openai.OpenAI) -> str:
+    return str(client.base_url).rstrip("/").removesuffix("/v1")
+
+
+def test_bad_embedding_requests_are_400s_naming_the_field(client):
+    for options, param in (
+        ({"input": "hi", "dimensions": 8}, "dimensions"),
+        ({"input": ""}, "input"),
+        ({"input": []}, "input"),
+        ({"input": "word " * 2000}, "input"),
+        ({"input": "hi", "encoding_format": "int8"}, "encoding_format"),
+    ):
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.embeddings.create(model=MODEL, **options)
+        assert raised.value.body["param"] == param, raised.value.body
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model="no-such-model", input="hi")
+
+
+def test_rerank_scores_each_document_alone_and_sorts_them(server):
+    query = "What is the capital of France?"
+    documents = [
+        "Bananas are a yellow fruit rich in potassium.",
+        "Paris is the capital and largest city of France.",
+        "The stock market fell on Tuesday.",
+    ]
+
+    def rerank(docs, **options):
+        body = {"model": MODEL, "query": query, "documents": docs, **options}
+        response = httpx.post(server + "/v1/rerank", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    answer = rerank(documents)
+    results = answer["results"]
+    scores = [r["relevance_score"] for r in results]
+    assert sorted(r["index"] for r in results) == [0, 1, 2]
+    assert scores == sorted(scores, reverse=True) and all(0 < s < 1 for s in scores)
+    assert all(r["document"]["text"] == documents[r["index"]] for r in results)
+    assert answer["usage"]["prompt_tokens"] > 0
+    # A document's score does not depend on the others, or on its place among them.
+    alone = rerank([documents[2]], return_documents=False)["results"]
+    assert alone == [
+        {"index": 0, "relevance_score": scores[[r["index"] for r in results].index(2)]}
+    ]
+    top = httpx.post(
+        server + "/rerank", json={"query": query, "documents": documents, "top_n": 1}
+    ).json()["results"]
+    assert [r["index"] for r in top] == [results[0]["index"]]
+    missing = httpx.post(server + "/v1/rerank", json={"query": query, "documents": []})
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "documents"
+
+
 def test_a_key_guards_the_api_but_not_health(guarded):
     assert httpx.get(guarded + "/health").status_code == 200
     denied = openai.OpenAI(base_url=guarded + "/v1", api_key="wrong", max_retries=0)

@@ -22,6 +22,7 @@ from miniapp.engine.api import SamplingParams
 from ..host.model_host import LoadState
 from .answers import AnswerService, reply
 from .audio import audio_router
+from .embeddings import embeddings_router
 from .errors import ApiError, bad_request, error_response, shaped_response
 from .images import ServedImages
 from .lora import adapters_folder, lora_router
@@ -45,6 +46,7 @@ class ServeOptions:
     asr_model: str | None = None  # transcriptions: a faster-whisper folder (None: bundled)
     threads: int | None = None  # CPU threads for transcription (None: all)
     lora_dir: str | None = None  # where run-time adapter loads may read (None: models/adapters)
+    pooling: str | None = None  # /v1/embeddings' pooling (None: as the model's file says)
 
 
 def create_app(served: ServedModel, options: ServeOptions) -> FastAPI:
@@ -65,6 +67,7 @@ def create_app(served: ServedModel, options: ServeOptions) -> FastAPI:
     app.include_router(metrics_router(metrics))
     app.include_router(lora_router(served, adapters_folder(options.lora_dir)))
     app.include_router(tokens_router(served))
+    app.include_router(embeddings_router(served, options.pooling))
 
     @app.get("/health")
     async def health() -> JSONResponse:

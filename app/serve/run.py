@@ -89,6 +89,7 @@ def start_api(
         asr_model=args.asr_model,
         threads=args.threads,
         lora_dir=getattr(args, "lora_dir", None),
+        pooling=getattr(args, "pooling", None),
     )
     server = _start_uvicorn(create_app(served, options), address, port)
     bound = server.servers[0].sockets[0].getsockname()[1]

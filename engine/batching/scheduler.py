@@ -388,10 +388,21 @@ class BatchScheduler:
                         return
                 with self._stepping:
                     self.step()
+                if self._behind_other_work():
+                    return
         except BaseException:
             with self._lock:
                 self._driven = False  # consumers step for themselves again
             raise
+
+    def _behind_other_work(self) -> bool:
+        """Whether this job went to the back of the driver's queue, behind work that waits
+        there (another model's steps, an embedding pass): one step each in turn, rather than
+        this model's answers holding the thread until they are all done."""
+        driver = self.driver
+        if driver is None or not getattr(driver, "has_waiting_work", False):
+            return False
+        return driver.post(self._drain)  # still driven: the job carries on from there
 
     def _serve_until(self, stop: threading.Event) -> None:
         while not stop.is_set():

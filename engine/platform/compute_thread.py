@@ -58,6 +58,16 @@ class ComputeThread:
             except queue.Empty:
                 return
 
+    @property
+    def has_waiting_work(self) -> bool:
+        """Whether handed-over work waits (a long job, such as a batching engine's step
+        loop, lets it run between its steps: another model's steps, an embedding pass)."""
+        return not self._jobs.empty()
+
+    def call(self, job: Callable[[], T]) -> T:
+        """`job()`, run on the serving thread; its result, or its exception, here."""
+        return list(self.iterate(_once(job)))[0]
+
     def post(self, job: Callable[[], None]) -> bool:
         """Run `job` on the serving thread, without waiting for it; False (and nothing
         queued) while nothing serves. A batching engine posts its step loop here."""
@@ -106,3 +116,7 @@ class ComputeThread:
             while not finished.wait(timeout=0.5):
                 if self._thread is None:  # serving ended before the producer ran
                     self._drain()
+
+
+def _once(job: Callable[[], T]) -> Iterator[T]:
+    yield job()

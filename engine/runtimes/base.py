@@ -18,6 +18,7 @@ from ..tokens.events import GenerationStats, SpeculationStats
 from ..tokens.sampling import SamplingParams
 from ..tokens.stream import TokenStream
 from ..tokens.tokenizer import Tokenizer
+from .embedding import Pooling, model_pooling
 
 DEFAULT_CTX = 4096
 DEFAULT_SINKS = 4  # StreamingLLM's number of attention-sink tokens (the torch engine's cache)
@@ -127,6 +128,16 @@ class Runtime(ABC):
     def logits(self, tokens: Sequence[int]) -> np.ndarray:
         """fp32 [len(tokens), vocab]: every row at once (small inputs only)."""
         return np.concatenate([rows for _, rows in self.logit_blocks(tokens)])
+
+    def embed(self, prompts: Sequence[Sequence[int]], pooling: Pooling) -> np.ndarray:
+        """Each prompt's final-normed hidden states, pooled and at unit length: fp32
+        [len(prompts), dim] (engine/runtimes/embedding.py). A prompt's vector is the same
+        whatever other prompts come with it."""
+        raise MiniappError(f"the {self.backend} backend does not compute embeddings")
+
+    def default_pooling(self) -> Pooling:
+        """The pooling the model's file asks for, else mean pooling."""
+        return model_pooling(self.model_path, self.architecture) or Pooling.MEAN
 
     def forget(self, start: int, end: int) -> bool:
         """Drop fed tokens start..end-1 from the context without evaluating anything again;

@@ -62,6 +62,7 @@ from .base import (
     RuntimeInfo,
     default_threads,
 )
+from .embedding import PooledRows, Pooling
 
 log = logging.getLogger("miniapp.engine")
 
@@ -364,6 +365,46 @@ class TorchRuntime(Runtime):
             yield row, self.model.logits(hidden).numpy()
             row += len(hidden)
 
+    @torch.inference_mode()
+    def embed(self, prompts: Sequence[Sequence[int]], pooling: Pooling) -> np.ndarray:
+        """Prompts share passes (up to EMBED_PASS_ROWS rows a pass): each feeds its next
+        chunk as exact rows, so each row comes out as the prompt alone would compute it."""
+        if any(not p for p in prompts):
+            raise MiniappError("an empty text has no embedding")
+        dim = self.model.config.dim
+        pooled = [PooledRows(pooling, dim) for _ in prompts]
+        order = iter(range(len(prompts)))
+        running: list[tuple[int, list[Cache]]] = []  # (prompt, its caches) being fed
+        fed = [0] * len(prompts)
+        while True:
+            rows = sum(len(prompts[i]) - fed[i] for i, _ in running)
+            for index in order:  # admit prompts while the pass has room
+                policy = CachePolicy(len(prompts[index]), streaming=False, kv_type=self.kv_type)
+                running.append((index, SequenceCaches(self.model.make_caches(policy))))
+                rows += len(prompts[index])
+                if rows >= EMBED_PASS_ROWS:
+                    break
+            if not running:
+                break
+            segments = []
+            for index, caches in running:
+                size = self.model.max_chunk(caches, exact_rows=True)
+                segments.append((list(prompts[index][fed[index] : fed[index] + size]), caches))
+            hidden = self._exact_rows(segments).float().cpu().numpy()
+            first = 0
+            for (index, _), (tokens, _) in zip(running, segments, strict=True):
+                pooled[index].add(hidden[first : first + len(tokens)])
+                first += len(tokens)
+                fed[index] += len(tokens)
+            running = [(i, c) for i, c in running if fed[i] < len(prompts[i])]
+        return np.stack([p.vector() for p in pooled])
+
+    def _exact_rows(self, segments: list[tuple[list[int], list[Cache]]]) -> torch.Tensor:
+        if len(segments) == 1:
+            tokens, caches = segments[0]
+            return self.model.hidden_states(torch.tensor(tokens), caches, exact_rows=True)
+        return self.model.hidden_segments(segments)
+
     def _hidden_chunks(self, tokens: Sequence[int], caches) -> Iterator[torch.Tensor]:
         """Final hidden states for `tokens` (perplexity: the whole text at once), in chunks
         the caches can take at once."""
@@ -373,6 +414,9 @@ class TorchRuntime(Runtime):
             chunk = torch.tensor(tokens[done : done + size])
             yield self.model.hidden_states(chunk, caches)
             done += len(chunk)
+
+
+EMBED_PASS_ROWS = 512  # rows one embedding pass feeds at most (a few texts share it)
 
 
 def _kv_budget() -> int | None:
