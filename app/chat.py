@@ -7,8 +7,9 @@ empty line records until the next Enter (push-to-talk). Spoken messages keep the
 --json / --json-schema FILE constrain every answer to JSON (engine/tokens/constraints.py).
 Images (--image, /image) go with the next message: as OCR text, or to a vision model
 (chat_images.py). LoRA adapters (--lora, /lora) pick the fine-tune each answer runs with
-(chat_lora.py). The conversation itself (history, template, fitting the context, the
-vision switch) is engine/chat/conversation.py's.
+(chat_lora.py). `/model NAME` switches to another installed model on the same model host
+as the GUI's picker (chat_models.py). The conversation itself (history, template, fitting
+the context, the vision switch) is engine/chat/conversation.py's.
 """
 
 from __future__ import annotations
@@ -38,13 +39,13 @@ from miniapp.engine.api import (
     ReasoningDelta,
     SamplingParams,
     TextDelta,
-    open_runtime,
     resolve_model,
 )
 from miniapp.engine.images import ImageAttachment
 
 from .chat_images import ChatImages, image_paths, pictures_of, print_prompt, with_image_labels
 from .chat_lora import ChatAdapters, startup_adapters
+from .chat_models import ChatModels
 from .host.settings import local_runtime_config
 from .transcribe import VoiceInput, spoken_file
 
@@ -57,6 +58,7 @@ HELP = """commands:
   /lora use NAME[:SCALE][,NAME...]
                 answer with these loaded adapters from now on
   /lora off     answer with the base model (/lora unload NAME lets one go)
+  /model [NAME] list the installed models, or go on with NAME (the conversation is kept)
   /reset        start a new conversation (attached images are dropped too)
   /stats        speed of the last answer
   /exit         quit (also Ctrl-D)
@@ -110,11 +112,13 @@ class ChatTurns:
         images: ChatImages,
         show_prompt: bool,
         adapters: ChatAdapters | None = None,
+        models: ChatModels | None = None,
     ):
         self.conversation = conversation
         self.images = images
         self.show_prompt = show_prompt
         self.adapters = adapters or ChatAdapters("none")
+        self.models = models  # None: a server's model (--backend openai)
 
     def send(
         self, text: str | Message, should_stop: Callable[[], bool]
@@ -139,6 +143,23 @@ class ChatTurns:
         self.conversation.reset()
         self.images.reset()
 
+    def model_command(self, argument: str) -> str:
+        """`/model` lists the installed models; `/model NAME` goes on with that one."""
+        if self.models is None:
+            return "the server picks its model (--remote-model NAME when starting)"
+        if not argument:
+            return self.models.listing()
+        try:
+            runtime = self.models.switch(argument)
+        except MiniappError as exc:
+            return f"error: {exc}"
+        old = self.conversation
+        self.conversation = Conversation(
+            runtime, old.system_prompt, old.request, history=old.messages
+        )
+        self.adapters = ChatAdapters(runtime.backend)  # adapters belong to the model left
+        return f"(now answering with {self.models.spec.label}; the conversation goes on)"
+
 
 def run_chat(args: argparse.Namespace) -> int:
     remote = _open_remote(args) if args.backend == REMOTE_BACKEND else None
@@ -151,18 +172,15 @@ def run_chat(args: argparse.Namespace) -> int:
     images = _startup_images(model_path, args, remote)
     spoken = spoken_file(args.audio, args.asr_model, args.threads) if args.audio else None
     piped = None if interactive else _piped_message(spoken, images)
+    models = None
     if remote is not None:
         conversation = Conversation(remote, args.system, request)
     else:
         # The text model opens on first use: a piped message with pictures for a vision
         # model never loads it.
-        conversation = Conversation(
-            lambda: _open_runtime(args, model_path, interactive),
-            args.system,
-            request,
-            vision=images.open_vision,
-        )
-    turns = ChatTurns(conversation, images, args.show_prompt, adapters)
+        models = ChatModels(local_runtime_config(args, str(model_path)), interactive)
+        conversation = Conversation(models.open, args.system, request, vision=images.open_vision)
+    turns = ChatTurns(conversation, images, args.show_prompt, adapters, models)
     if piped is not None:
         _say_spoken(spoken)
         if request.sampling.constraint is not None:
@@ -210,18 +228,6 @@ def _piped_message(spoken: Message | None, images: ChatImages) -> str | Message:
     if not text and not images.pending:  # pictures alone are a message
         raise MiniappError("no input on stdin")
     return text
-
-
-def _open_runtime(args: argparse.Namespace, model_path: Path, interactive: bool):
-    if interactive:
-        print(f"loading {model_path.name} on {args.backend}...", file=sys.stderr, flush=True)
-    runtime = open_runtime(local_runtime_config(args, str(model_path)))
-    info = runtime.info()
-    plan = info.device_plan
-    if interactive and plan is not None:
-        cache = f"; {info.kv_summary}" if info.kv_summary else ""
-        print(f"running on {plan.device} ({plan.reason}){cache}", file=sys.stderr, flush=True)
-    return runtime
 
 
 def _answer_piped(turns: ChatTurns, message: str | Message, show_stats: bool) -> int:
@@ -310,6 +316,8 @@ def _command(turns: ChatTurns, text: str) -> str | None:
         _image_command(turns.images, argument)
     elif name == "/lora":
         print(turns.adapters.command(turns.conversation.runtime, argument))
+    elif name == "/model":
+        print(turns.model_command(argument.strip()))
     elif name == "/help":
         print(HELP)
     else:

@@ -203,10 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "mode",
         nargs="?",
-        choices=["serve", "lora", "moe"],
+        choices=["serve", "lora", "moe", "embeddings"],
         help="serve: many clients at once on the batching engine (see --clients); lora: "
         "what a LoRA adapter costs (load, decode, mixed batches), beside llama.cpp; moe: a "
-        "mixture of experts' steps (1-8 sequences, verification rows), the bytes each reads",
+        "mixture of experts' steps (1-8 sequences, verification rows), the bytes each reads; "
+        "embeddings: texts a second through /v1/embeddings beside llama-server's",
     )
     _add_model_args(bench, ctx_default=None, backends=BACKENDS)
     _add_kv_type_arg(bench, " (our engine's; llama.cpp, the yardstick, keeps its f16)")
@@ -397,6 +398,21 @@ def _add_serve_parser(sub) -> None:
         type=_positive_int,
         metavar="N",
         help="requests that may wait for a free slot; more get 503 (default 64)",
+    )
+    serve.add_argument(
+        "--max-models",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="models kept loaded at once: a request naming another installed model loads "
+        "it, the least recently used going first (default 1)",
+    )
+    serve.add_argument(
+        "--idle-unload",
+        type=_positive_float,
+        metavar="SECONDS",
+        help="unload a model no request has used for this long; the next request loads it "
+        "again (default: never)",
     )
     _add_api_flags(serve)
 
@@ -662,6 +678,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from .bench_lora import run_bench_lora
 
         return run_bench_lora(args)
+    if command == "bench" and args.mode == "embeddings":
+        from .bench_embeddings import run_bench_embeddings
+
+        return run_bench_embeddings(args)
     if command == "bench" and args.mode == "moe":
         from .bench_moe import run_bench_moe
 

@@ -201,6 +201,40 @@ def open_runtime(config: RuntimeConfig) -> Runtime | MessageRuntime:
     )
 
 
+def estimate_memory(config: RuntimeConfig) -> int | None:
+    """Bytes of memory opening this model would take, from its file alone (its weights as
+    stored and a full context's KV cache); None for a server's model, or an unreadable
+    file (opening it then says why)."""
+    if config.remote:
+        return None
+    from .kv.footprint import estimate_footprint
+
+    try:
+        gguf = GGUFFile(resolve_model(config.model))
+        footprint = estimate_footprint(gguf, config.ctx, kv_type(config.kv_type or "f16"))
+    except (MiniappError, OSError, ValueError):
+        return None
+    return footprint.int4_bytes + footprint.kv_bytes
+
+
+def free_memory() -> int | None:
+    """Memory the OS could give this process now, or None where unknown."""
+    from .platform.memory import available_memory_bytes
+
+    return available_memory_bytes()
+
+
+def release_memory() -> None:
+    """After a model is let go: collect its objects (its parts refer to each other, so only
+    the cycle collector frees them) and give the freed pages back to the OS."""
+    import gc
+
+    from .platform.memory import return_free_memory
+
+    gc.collect()
+    return_free_memory()
+
+
 def list_server_models(base_url: str, api_key: str | None = None) -> list:
     """The models an OpenAI-compatible server lists (RemoteModel: id, context length where
     the server says it). An unreachable server or a refused key is one line."""
@@ -211,6 +245,9 @@ def list_server_models(base_url: str, api_key: str | None = None) -> list:
 
 __all__ = [
     "POOLING_CHOICES",
+    "estimate_memory",
+    "free_memory",
+    "release_memory",
     "Pooling",
     "AdapterError",
     "AdapterInfo",

@@ -89,6 +89,26 @@ def test_multi_turn_stats_reset_and_exit(chat):
     assert chat.exitstatus == 0
 
 
+def test_model_lists_the_installed_models_and_switches_as_the_gui_picker_does(chat, miniapp_exe):
+    listing = _ask(chat, "/model")
+    assert "* smollm2-135m-instruct" in listing and "  gemma3-270m" in listing
+    assert "error: no installed model is named 'nope'" in _ask(chat, "/model nope")
+    assert "now answering with gemma3-270m" in _ask(chat, "/model gemma3-270m")
+    question = "What is the capital of France?"
+    answered = _ask(chat, question).replace("\r", "").split("\n", 1)[1].strip()
+    alone = subprocess.run(
+        [miniapp_exe, "chat", "--model", "gemma3-270m", "--temperature", "0"]
+        + ["--max-tokens", "48"],
+        input=question + "\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert alone.returncode == 0, alone.stderr
+    assert answered == alone.stdout.strip()
+    assert "* gemma3-270m" in _ask(chat, "/model")
+
+
 def test_ctrl_c_stops_the_answer_not_the_app(long_chat):
     chat = long_chat
     chat.sendline("Write a very long story about a dragon, with many chapters.")

@@ -36,10 +36,30 @@ from .logprobs import chat_logprobs, completion_logprobs
 from .lora import Picked, pick_adapters
 from .metrics import ServeMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, Sampling
-from .service import Job, Relay, ServedModel, check_fits, finish_reason, seeded, token_limit
+from .service import (
+    Job,
+    Lease,
+    Relay,
+    ServedModel,
+    check_fits,
+    finish_reason,
+    seeded,
+    token_limit,
+)
 from .tools import CallStream, ToolPlan, messages_for
 
 FINGERPRINT = "miniapp"
+
+
+@dataclass
+class _ChatPlan:
+    """What a chat request's answers run with, before they are started."""
+
+    picked: Picked
+    tools: ToolPlan | None
+    constraint: OutputConstraint | None
+    messages: list[Message]
+    prompt: list[int] | None = None  # None: pictures, for the vision model
 
 
 class AnswerService:
@@ -57,9 +77,30 @@ class AnswerService:
 
     async def start_chat(self, body: ChatCompletionRequest) -> tuple[Relay, Answer]:
         """The chat's answers, accepted by the engine (what refuses them raises here)."""
-        served, defaults = self.served, self.defaults
         _refuse(body.refused())
-        runtime = served.runtime()
+        lease = self.served.acquire(body.model)
+        try:
+            return await self._start_chat(body, lease)
+        except BaseException:
+            lease.end()
+            raise
+
+    async def count_chat_tokens(self, body: ChatCompletionRequest) -> int:
+        """The prompt's tokens as start_chat would build them (the same checks, template
+        and tools' description), for token-counting endpoints."""
+        _refuse(body.refused())
+        with self.served.using(body.model) as lease:
+            plan = await self._plan_chat(body, lease)
+        if plan.prompt is None:
+            raise bad_request(
+                "counting the tokens of pictures is not supported: this model reads them with "
+                "its vision projector, whose prompt is built as it answers",
+                "messages",
+            )
+        return len(plan.prompt)
+
+    async def _plan_chat(self, body: ChatCompletionRequest, lease: Lease) -> _ChatPlan:
+        served, runtime = self.served, lease.runtime
         picked = pick_adapters(served, runtime, body.model, body.lora)
         tools = ToolPlan.of(body)
         template = served.template(runtime)
@@ -67,32 +108,59 @@ class AnswerService:
             tools = tools.for_template(template)
         constraint = tools.constraint() if tools else _output_constraint(body)
         messages = messages_for(tools, template, await self.images.messages(body.messages))
+        plan = _ChatPlan(picked, tools, constraint, messages)
         if any(m.pictures for m in messages):
+            if not lease.default:
+                raise bad_request(
+                    f"pictures go to the server's own model ({served.model_id}), not to "
+                    "models loaded on demand",
+                    "model",
+                    code="unsupported_parameter",
+                )
+            return plan  # the vision model builds its prompt as it answers
+        plan.prompt = served.chat_prompt(
+            runtime, messages, tools.template_tools() if tools else None
+        )
+        check_fits(runtime, plan.prompt, "messages")
+        return plan
+
+    async def _start_chat(self, body: ChatCompletionRequest, lease: Lease) -> tuple[Relay, Answer]:
+        served, runtime = self.served, lease.runtime
+        plan = await self._plan_chat(body, lease)
+        picked, tools, prompt = plan.picked, plan.tools, plan.prompt
+        if prompt is None:
             pictured = _jobs_with_pictures(
-                served, self.images, body, messages, defaults, constraint, picked
+                served, self.images, body, plan.messages, self.defaults, plan.constraint, picked
             )
-            answer = Answer("chatcmpl", served.model_id, body, None, runtime.tokenizer, tools=tools)
-            return await self._started(runtime, pictured, answer), answer
-        prompt = served.chat_prompt(runtime, messages, tools.template_tools() if tools else None)
-        check_fits(runtime, prompt, "messages")
+            answer = Answer("chatcmpl", lease.model_id, body, None, runtime.tokenizer, tools=tools)
+            return await self._started(lease, pictured, answer), answer
         limit = token_limit(runtime, prompt, body.token_limit())
-        base = _generation_request(body, defaults, limit, constraint, picked.choices)
+        base = _generation_request(body, self.defaults, limit, plan.constraint, picked.choices)
         jobs = [Job(i, prompt, seeded(base, i)) for i in range(body.n)]
         answer = Answer(
             "chatcmpl",
-            picked.model or served.model_id,
+            picked.model or lease.model_id,
             body,
             len(prompt),
             runtime.tokenizer,
             tools=tools,
             adapters=picked.names,
         )
-        return await self._started(runtime, jobs, answer), answer
+        return await self._started(lease, jobs, answer), answer
 
     async def start_completion(self, body: CompletionRequest) -> tuple[Relay, Answer]:
-        served = self.served
         _refuse(body.refused())
-        runtime = served.runtime()
+        lease = self.served.acquire(body.model)
+        try:
+            return await self._start_completion(body, lease)
+        except BaseException:
+            lease.end()
+            raise
+
+    async def _start_completion(
+        self, body: CompletionRequest, lease: Lease
+    ) -> tuple[Relay, Answer]:
+        served, runtime = self.served, lease.runtime
         picked = pick_adapters(served, runtime, body.model, body.lora)
         constraint = _output_constraint(body)
         jobs, prompt_tokens, echoes = [], 0, {}
@@ -111,18 +179,19 @@ class AnswerService:
                     )
         answer = Answer(
             "cmpl",
-            picked.model or served.model_id,
+            picked.model or lease.model_id,
             body,
             prompt_tokens,
             runtime.tokenizer,
             echoes,
             adapters=picked.names,
         )
-        return await self._started(runtime, jobs, answer), answer
+        return await self._started(lease, jobs, answer), answer
 
-    async def _started(self, runtime, jobs: list[Job], answer: Answer) -> Relay:
+    async def _started(self, lease: Lease, jobs: list[Job], answer: Answer) -> Relay:
+        """The relay, started and accepted; it ends the lease when it closes."""
         observer = self.metrics.observer(len(jobs), answer.adapters)
-        relay = Relay(self.served.host, runtime, jobs, observer)
+        relay = Relay(self.served.host, lease.runtime, jobs, observer, lease)
         relay.start()
         try:
             await relay.accepted()

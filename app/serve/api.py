@@ -3,6 +3,8 @@
 Routes: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions,
 GET /metrics; LoRA adapters' POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter and
 GET /lora-adapters (lora.py); POST /tokenize and POST /detokenize (tokens.py).
+OpenAI's Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id} (responses.py).
+Anthropic's Messages API: POST /v1/messages and POST /v1/messages/count_tokens (anthropic.py).
 Streams are server-sent events in OpenAI's chunk shape, ending with `data: [DONE]`.
 """
 
@@ -21,6 +23,7 @@ from miniapp.engine.api import SamplingParams
 
 from ..host.model_host import LoadState
 from .answers import AnswerService, reply
+from .anthropic import anthropic_router
 from .audio import audio_router
 from .embeddings import embeddings_router
 from .errors import ApiError, bad_request, error_response, shaped_response
@@ -30,6 +33,7 @@ from .metrics import ServeMetrics, metrics_router
 from .middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from .models import model_listing, warm_listing
 from .protocol import ChatCompletionRequest, CompletionRequest
+from .responses import responses_router
 from .service import ServedModel
 from .tokens import tokens_router
 
@@ -67,12 +71,16 @@ def create_app(served: ServedModel, options: ServeOptions) -> FastAPI:
     app.include_router(metrics_router(metrics))
     app.include_router(lora_router(served, adapters_folder(options.lora_dir)))
     app.include_router(tokens_router(served))
+    app.include_router(responses_router(answers))
+    app.include_router(anthropic_router(answers))
     app.include_router(embeddings_router(served, options.pooling))
 
     @app.get("/health")
     async def health() -> JSONResponse:
         status = served.host.status
-        if served.host.runtime is None or status.state is LoadState.LOADING:
+        # Unloaded after idling is healthy: the next request loads the model again.
+        starting = status.state is LoadState.FAILED and served.host.runtime is None
+        if status.state is LoadState.LOADING or starting:
             return error_response(
                 503, status.message, kind="unavailable_error", code="model_loading"
             )

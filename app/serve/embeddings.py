@@ -71,11 +71,9 @@ class RerankRequest(_Body):
 def embeddings_router(served: ServedModel, pooling: str | None) -> APIRouter:
     router = APIRouter()
 
-    # Plain functions: FastAPI runs them on worker threads, which wait for the engine's thread.
     @router.post("/v1/embeddings")
     def embeddings(body: EmbeddingsRequest) -> JSONResponse:
         served.check_model(body.model)
-        runtime = served.runtime()
         if body.dimensions is not None:
             raise bad_request(
                 "this model does not support 'dimensions' (its file does not say it was "
@@ -83,9 +81,11 @@ def embeddings_router(served: ServedModel, pooling: str | None) -> APIRouter:
                 "dimensions",
                 code="unsupported_parameter",
             )
-        prompts = _prompts(runtime, body.inputs())
-        chosen = Pooling(pooling) if pooling else runtime.default_pooling()
-        vectors = _on_engine(served, lambda: runtime.embed(prompts, chosen))
+        with served.using(body.model) as lease:
+            runtime = lease.runtime
+            prompts = _prompts(runtime, body.inputs())
+            chosen = Pooling(pooling) if pooling else runtime.default_pooling()
+            vectors = _on_engine(served, lambda: runtime.embed(prompts, chosen))
         data = [
             {"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}
             for i, v in enumerate(vectors)
@@ -95,20 +95,22 @@ def embeddings_router(served: ServedModel, pooling: str | None) -> APIRouter:
             {
                 "object": "list",
                 "data": data,
-                "model": served.model_id,
+                "model": lease.model_id,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
             }
         )
 
+    # Plain functions: FastAPI runs them on worker threads, which wait for the engine's thread.
     def rerank(body: RerankRequest) -> JSONResponse:
         if body.model is not None:
             served.check_model(body.model)
-        runtime = served.runtime()
-        prompts = [_judgement_prompt(served, runtime, body.query, d) for d in body.documents]
-        yes, no = _answer_ids(runtime, "yes"), _answer_ids(runtime, "no")
-        scores = _on_engine(
-            served, lambda: [_yes_probability(runtime, p, yes, no) for p in prompts]
-        )
+        with served.using(body.model) as lease:
+            runtime = lease.runtime
+            prompts = [_judgement_prompt(served, runtime, body.query, d) for d in body.documents]
+            yes, no = _answer_ids(runtime, "yes"), _answer_ids(runtime, "no")
+            scores = _on_engine(
+                served, lambda: [_yes_probability(runtime, p, yes, no) for p in prompts]
+            )
         ranked = sorted(range(len(scores)), key=lambda i: (-scores[i], i))[: body.top_n]
         results = []
         for index in ranked:
@@ -121,7 +123,7 @@ def embeddings_router(served: ServedModel, pooling: str | None) -> APIRouter:
             {
                 "id": "rerank",
                 "object": "list",
-                "model": served.model_id,
+                "model": lease.model_id,
                 "results": results,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
             }

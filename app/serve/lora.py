@@ -104,11 +104,12 @@ class Picked:
 def pick_adapters(
     served: ServedModel, runtime: Runtime, model: str, field: list[LoraPick] | None
 ) -> Picked:
-    """The adapters a request asks for by `model` and `lora`. The base model's own names
-    come first; an adapter not loaded (by name or id) is a 404, a name given twice a 400."""
+    """The adapters a request asks for by `model` and `lora`. Models' names come first
+    (the default's, or another installed model's); an adapter not loaded (by name or id)
+    is a 404, a name given twice a 400."""
     loaded = served_adapters(served, runtime)
     by_model = None
-    if model not in served.aliases:
+    if served.spec_for(model) is None:  # not a model's name: an adapter's
         if model not in {adapter.name for adapter in loaded}:
             served.check_model(model, [adapter.name for adapter in loaded])
         by_model = model

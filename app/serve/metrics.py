@@ -31,7 +31,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from miniapp.engine.api import Finished, FinishReason
 
@@ -161,6 +161,7 @@ class ServeMetrics:
         for name, (text, read) in figures.items():
             Gauge(name, text, registry=self.registry).set_function(read)
         self.registry.register(_AdapterFigures(self))
+        self.registry.register(_ModelFigures(self))
 
     # -- what the gauges read at scrape time
 
@@ -220,6 +221,29 @@ class _AdapterFigures:
             families["seconds"].add_metric([info.name], info.load_seconds)
             families["loads"].add_metric([info.name], info.loads)
         yield from families.values()
+
+
+class _ModelFigures:
+    """Models loaded on demand: how often each was loaded, and whether it is resident now."""
+
+    def __init__(self, metrics: ServeMetrics):
+        self.metrics = metrics
+
+    def collect(self):
+        host = self.metrics.served.host
+        loads = CounterMetricFamily(
+            "miniapp_model_loads",
+            "Loads begun of each model, since the server started",
+            labels=("model",),
+        )
+        for label, count in sorted(host.loads.items()):
+            loads.add_metric([label], count)
+        resident = GaugeMetricFamily(
+            "miniapp_models_resident", "Models loaded and kept in memory now"
+        )
+        resident.add_metric([], sum(1 for s in host.resident_specs().values() if s == "ready"))
+        yield loads
+        yield resident
 
 
 class _TurnCounts:

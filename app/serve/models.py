@@ -1,7 +1,8 @@
-"""`GET /v1/models`: the loaded model first, then its loaded LoRA adapters (each a model a
-request may name, with `parent`: the base, as vLLM lists them), then the models folder's
-other GGUFs, each with its context length (the loaded one's as it runs, the others' as
-trained).
+"""`GET /v1/models`: the default model first, then its loaded LoRA adapters (each a model a
+request may name, with `parent`: the base, as vLLM lists them), then the other installed
+models (bundled, and the models folder's GGUFs), which a request may name too: each with its
+context length (a resident model's as it runs, the others' as trained), `loaded` and
+`state` ("loaded", "loading" or "not-loaded", as LM Studio says).
 
 Each file's context length is read once (per size and modification time), by a scan that
 stops at that key, off the event loop; the server reads them in the background as it
@@ -13,22 +14,30 @@ import threading
 from functools import lru_cache
 from pathlib import Path
 
-from miniapp.engine.api import MiniappError, installed_models, read_scalar
+from miniapp.engine.api import MiniappError, installed_models, read_scalar, resolve_model
 
+from ..host.model_host import LoadState
 from .lora import served_adapters
+
+_STATES = {LoadState.READY: "loaded", LoadState.LOADING: "loading"}
 
 
 def model_listing(served) -> list[dict]:
+    states = {
+        resolve_model(spec.model).resolve(): state
+        for spec, state in served.host.resident_specs().items()
+    }
     runtime = served.host.runtime
-    loaded = Path(runtime.model_path).resolve() if runtime is not None else None
+    default = served.model_path.resolve()
     context = runtime.n_ctx if runtime else None
-    listed = [_entry(served.model_id, context, True, loaded)]
+    listed = [_entry(served.model_id, context, states.get(default), default)]
     for adapter in served_adapters(served, runtime):
-        entry = _entry(adapter.name, context, True, adapter.path)
+        entry = _entry(adapter.name, context, states.get(default), adapter.path)
         listed.append(entry | {"parent": served.model_id, "root": str(adapter.path)})
     for name, path in installed_models():
-        if path.resolve() != loaded:
-            listed.append(_entry(name, _trained_context(path), False, path))
+        resolved = path.resolve()
+        if resolved != default:
+            listed.append(_entry(name, _trained_context(path), states.get(resolved), path))
     return listed
 
 
@@ -41,14 +50,15 @@ def warm_listing() -> None:
     ).start()
 
 
-def _entry(name: str, context: int | None, loaded: bool, path: Path | None) -> dict:
+def _entry(name: str, context: int | None, state: LoadState | None, path: Path) -> dict:
     return {
         "id": name,
         "object": "model",
         "created": _created(path),
         "owned_by": "miniapp",
-        "context_length": context,
-        "loaded": loaded,
+        "context_length": context or _trained_context(path),
+        "loaded": state is LoadState.READY,
+        "state": _STATES.get(state, "not-loaded"),
     }
 
 

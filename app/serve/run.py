@@ -40,7 +40,7 @@ def run_serve(args: argparse.Namespace) -> int:
     check_model(model_path, args.backend)
     chat_template_source(args.chat_template_file)  # a bad file stops us before loading
     spec = local_runtime_config(args)
-    host = ModelHost()
+    host = ModelHost(max_models=args.max_models, idle_unload_s=args.idle_unload)
     host.request(spec)
     server = start_api(host, spec, args, args.host, args.port)
     stop = threading.Event()

@@ -12,12 +12,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from miniapp.engine.api import (
-    BUNDLED,
     ChatTemplate,
     ContextFullError,
     Finished,
@@ -35,10 +36,33 @@ from miniapp.engine.api import (
     resolve_model,
 )
 
-from ..host.model_host import LoadState, ModelHost, ModelLoadError
+from ..host.model_host import (
+    LoadState,
+    ModelHost,
+    ModelLoadError,
+    ModelLoading,
+    installed_model_spec,
+    model_name,
+)
 from .errors import ApiError, bad_request
 
 RETRY_AFTER_S = 1  # what a client told "busy" (503) should wait before trying again
+
+
+@dataclass
+class Lease:
+    """A model held for one request: never let go while leased (see ModelHost.acquire)."""
+
+    runtime: Runtime
+    model_id: str  # what the answers call it
+    default: bool  # the server's own model (its adapters and pictures apply)
+    release: Callable[[], None] = field(repr=False)
+    _done: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def end(self) -> None:
+        """Release once, however often called."""
+        if self._done.acquire(blocking=False):
+            self.release()
 
 
 @dataclass(frozen=True)
@@ -54,13 +78,15 @@ class Job:
 
 
 class ServedModel:
-    """The one model this server answers with, loaded by the shared ModelHost: the model
-    asked for at start, or, beside the GUI, whichever model the GUI loaded since."""
+    """The models this server answers with, loaded by the shared ModelHost: its default,
+    the model asked for at start (or, beside the GUI, whichever model the GUI loaded since),
+    and any other installed model a request names, loaded on demand with the same settings
+    (`acquire`)."""
 
     def __init__(self, host: ModelHost, spec: RuntimeConfig, template_source: str | None = None):
         self.host, self._asked = host, spec
-        self._template_source = template_source  # instead of the model's own template
-        self._templates: dict[int, ChatTemplate] = {}
+        self._template_source = template_source  # instead of the default model's template
+        self._templates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     @property
     def spec(self) -> RuntimeConfig:
@@ -69,8 +95,7 @@ class ServedModel:
     @property
     def model_id(self) -> str:
         """What /v1/models calls it: a bundled model's name, or the GGUF's file name."""
-        name = self.spec.model
-        return name if name in BUNDLED else Path(name).name
+        return model_name(self.spec)
 
     @property
     def model_path(self) -> Path:
@@ -82,21 +107,69 @@ class ServedModel:
         path = Path(self.spec.model)
         return {self.model_id, self.spec.model, path.name, path.stem}
 
+    def spec_for(self, name: str | None) -> RuntimeConfig | None:
+        """The model a request names: the default (by any of its names, or no name), or
+        another installed model opened with the default's settings; None for neither."""
+        if name is None or name in self.aliases:
+            return self.spec
+        return installed_model_spec(self.spec, name)
+
+    def acquire(self, name: str | None) -> Lease:
+        """The named model (an adapter's name: the default), leased for one request: 503
+        with Retry-After while it loads or cannot load beside the models answering now."""
+        spec = self.spec_for(name)
+        if spec is None:  # an adapter's name, or a 404 before anything loads
+            self.check_model(name, self._adapter_names())
+            spec = self.spec
+        try:
+            runtime = self.host.acquire(spec)
+        except ModelLoading as exc:
+            raise ApiError(
+                503,
+                f"the model is not ready: {exc}",
+                kind="server_error",
+                code="model_loading",
+                headers={"Retry-After": str(exc.retry_after)},
+            ) from None
+        except ModelLoadError as exc:
+            raise bad_request(str(exc), "model") from None
+        default = spec == self.spec
+        return Lease(runtime, model_name(spec), default, lambda: self.host.release(runtime))
+
+    def _adapter_names(self) -> set[str]:
+        """Adapters a request may name for the default model: those it was started with,
+        and, while it is loaded, those loaded since."""
+        names = {spec.name for spec in self.spec.lora}
+        registry = getattr(self.host.runtime, "lora", None)
+        if registry is not None:
+            names |= {adapter.name for adapter in registry.list()}
+        return names
+
+    @contextmanager
+    def using(self, name: str | None) -> Iterator[Lease]:
+        """The named model, leased for the length of a `with` block."""
+        lease = self.acquire(name)
+        try:
+            yield lease
+        finally:
+            lease.end()
+
     def check_model(self, name: str, adapters: Sequence[str] = ()) -> None:
-        """404 for a name that is neither this model's nor one of `adapters`' (loaded LoRA
-        adapters, which a request may name instead, see lora.py)."""
-        if name not in self.aliases and name not in adapters:
+        """404 for a name that is neither an installed model's nor one of `adapters`'
+        (loaded LoRA adapters, which a request may name instead, see lora.py)."""
+        if self.spec_for(name) is None and name not in adapters:
             also = f" and the adapters {', '.join(adapters)}" if adapters else ""
             raise ApiError(
                 404,
-                f"The model '{name}' does not exist or is not loaded (this "
-                f"server runs '{self.model_id}'{also})",
+                f"The model '{name}' does not exist (this server runs '{self.model_id}'"
+                f"{also}, and the installed models /v1/models lists)",
                 code="model_not_found",
                 param="model",
             )
 
     def runtime(self) -> Runtime:
-        """The loaded runtime; 503 while it loads (or if it failed to)."""
+        """The default model's runtime, not leased (its adapters' endpoints); 503 while it
+        loads (or if it failed to, or was unloaded)."""
         status = self.host.status
         runtime = self.host.runtime
         if runtime is None or status.state is LoadState.LOADING:
@@ -110,12 +183,15 @@ class ServedModel:
         return runtime
 
     def template(self, runtime: Runtime) -> ChatTemplate:
-        """The runtime's chat template: `--chat-template-file` if given, else the model's."""
-        template = self._templates.get(id(runtime))
+        """The runtime's chat template: for the default model `--chat-template-file` if
+        given, else the model's own (kept while the runtime lives)."""
+        template = self._templates.get(runtime)
         if template is None:
-            source = self._template_source or runtime.chat_template
+            source = runtime.chat_template
+            if self._template_source and Path(runtime.model_path) == self.model_path:
+                source = self._template_source
             template = ChatTemplate.for_model(source, runtime.tokenizer, runtime.architecture)
-            self._templates = {id(runtime): template}
+            self._templates[runtime] = template
         return template
 
     def chat_prompt(
@@ -204,9 +280,11 @@ class Relay:
         runtime: Runtime,
         jobs: list[Job],
         observer: RelayObserver | None = None,
+        lease: Lease | None = None,
     ):
         self.host, self.runtime, self.jobs = host, runtime, jobs
         self.observer = observer or RelayObserver()
+        self.lease = lease  # ended when the relay closes
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
         self._cancel = threading.Event()
@@ -260,6 +338,8 @@ class Relay:
     def close(self) -> None:
         self._cancel.set()
         self.observer.closed()
+        if self.lease is not None:
+            self.lease.end()
         with self._lock:
             streams = list(self._streams)
         for stream in streams:  # a batched sequence is dropped at the next step

@@ -47,7 +47,8 @@ def tokens_router(served: ServedModel) -> APIRouter:
     def tokenize(body: TokenizeRequest) -> JSONResponse:
         if (body.content is None) == (body.prompt is None):
             raise bad_request("give the text as `content` (or vLLM's `prompt`), once", "content")
-        runtime = served.runtime()
+        with served.using(body.model) as lease:
+            runtime = lease.runtime
         tokenizer = runtime.tokenizer
         vllm = body.prompt is not None
         if vllm:
@@ -71,7 +72,8 @@ def tokens_router(served: ServedModel) -> APIRouter:
 
     @router.post("/detokenize")
     def detokenize(body: DetokenizeRequest) -> JSONResponse:
-        tokenizer = served.runtime().tokenizer
+        with served.using(body.model) as lease:
+            tokenizer = lease.runtime.tokenizer
         vocab = tokenizer.n_vocab
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
         if bad is not None:

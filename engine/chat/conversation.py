@@ -110,7 +110,7 @@ class Conversation:
                     answer.append(event.text)
                 elif isinstance(event, Finished):
                     if prefill is not None:
-                        event = Finished(event.reason, prefill.applied_to(event.stats))
+                        event = replace(event, stats=prefill.applied_to(event.stats))
                     self.last_stats = event.stats
                 yield event
         finally:

@@ -20,6 +20,7 @@ class StopMatcher:
     def __init__(self, stops: Sequence[str]):
         self.stops = tuple(s for s in stops if s)
         self._pending = ""
+        self.matched: str | None = None  # the stop string found, once one is
 
     def push(self, text: str) -> tuple[str, bool]:
         """Returns (text safe to show, whether a stop string was hit)."""
@@ -28,6 +29,7 @@ class StopMatcher:
             at = self._pending.find(stop)
             if at >= 0:
                 safe, self._pending = self._pending[:at], ""
+                self.matched = stop
                 return safe, True
         hold = self._longest_partial_stop()
         cut = len(self._pending) - hold
@@ -134,4 +136,4 @@ def generate(
         speculation=tokens.speculation,
         queued_s=tokens.queued_s,
     )
-    yield Finished(reason, stats)
+    yield Finished(reason, stats, stop=stops.matched)

@@ -46,6 +46,7 @@ class ComputeThread:
                 except queue.Empty:
                     continue
                 job()
+                del job  # waiting for the next, this frame must not keep the last one's model
         finally:
             self._thread = None
             self._drain()

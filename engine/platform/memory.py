@@ -39,6 +39,15 @@ def limit_heap_fragmentation() -> None:
     mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
 
 
+def return_free_memory() -> None:
+    """Give the allocator's free pages back to the OS, in every thread's arena (after a
+    model is let go: its many small blocks were spread over the threads that made them)."""
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
+        pass
+
+
 def available_memory_bytes() -> int | None:
     """Memory the OS could give this process now (free and reclaimable), or None if unknown."""
     try:

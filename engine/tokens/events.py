@@ -104,6 +104,7 @@ class GenerationStats:
 class Finished:
     reason: FinishReason
     stats: GenerationStats
+    stop: str | None = None  # the stop string that ended the answer (reason STOP_STRING)
 
 
 GenerationEvent = TextDelta | ReasoningDelta | Finished
