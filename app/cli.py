@@ -198,6 +198,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_asr_eval_parser(eval_sub)
     _add_json_eval_parser(eval_sub)
+    rerank = eval_sub.add_parser(
+        "rerank",
+        help="how well the model ranks documents by relevance (what /v1/rerank serves): "
+        "top-1 and MRR on a small written set",
+    )
+    rerank.add_argument(
+        "--model", help="GGUF path or bundled model name (default: smollm2-135m-instruct)"
+    )
+    rerank.add_argument("--threads", type=_positive_int, help="CPU threads (default: all)")
+    rerank.add_argument("--json", action="store_true", help="print one JSON object")
 
     bench = sub.add_parser("bench", help="our engine vs llama.cpp, side by side")
     bench.add_argument(
@@ -670,9 +680,15 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return run_config(args)
     if command == "eval":
-        from .evaluate import run_asr, run_compare, run_json, run_ppl
+        from .evaluate import run_asr, run_compare, run_json, run_ppl, run_rerank
 
-        handlers = {"ppl": run_ppl, "compare": run_compare, "asr": run_asr, "json": run_json}
+        handlers = {
+            "ppl": run_ppl,
+            "compare": run_compare,
+            "asr": run_asr,
+            "json": run_json,
+            "rerank": run_rerank,
+        }
         return handlers[args.eval_command](args)
     if command == "bench" and args.mode == "lora":
         from .bench_lora import run_bench_lora

@@ -216,6 +216,26 @@ def run_json(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_rerank(args: argparse.Namespace) -> int:
+    """`miniapp eval rerank`: top-1 and MRR of the model's relevance judgements (the scores
+    /v1/rerank serves) on the written set, beside chance."""
+    from miniapp.engine.evaluation.rerank_eval import evaluate_rerank
+
+    model = resolve_model(args.model)
+    runtime = open_runtime(RuntimeConfig(str(model), ctx=1024, threads=args.threads, spec="off"))
+    result = evaluate_rerank(runtime, model.name)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+        return 0
+    print(
+        f"{model.name}: {result.queries} queries, 4 documents each; top-1 {result.top1:.2f} "
+        f"(chance 0.25), MRR {result.mrr:.2f} (chance 0.52); mean score of the answering "
+        f"documents {result.relevant_score:.3f}, of the others {result.other_score:.3f}; "
+        f"{result.seconds:.1f} s"
+    )
+    return 0
+
+
 def _json_eval_table(model: str, threads: int | None, load: dict, r) -> str:
     drafts = (
         f", drafts accepted {r.accepted}/{r.drafted} constrained, "

@@ -18,6 +18,7 @@ from pathlib import Path
 from .batching import QueueFullError
 from .chat.conversation import Conversation
 from .chat.generation import generate
+from .chat.relevance import judgement_prompt, relevance
 from .errors import (
     ContextFullError,
     DeviceUnavailableError,
@@ -246,6 +247,8 @@ def list_server_models(base_url: str, api_key: str | None = None) -> list:
 __all__ = [
     "POOLING_CHOICES",
     "estimate_memory",
+    "judgement_prompt",
+    "relevance",
     "free_memory",
     "release_memory",
     "Pooling",

@@ -84,3 +84,26 @@ def test_an_empty_text_has_no_embedding(model):
     _, runtime = model
     with pytest.raises(MiniappError, match="empty text"):
         runtime.embed([[]], Pooling.MEAN)
+
+
+def test_relevance_is_the_probability_of_yes_against_no_at_the_answers_first_token(model):
+    from miniapp.engine.api import ChatTemplate, judgement_prompt, relevance
+
+    _, runtime = model
+    template = ChatTemplate.for_model(
+        runtime.chat_template, runtime.tokenizer, runtime.architecture
+    )
+    documents = ["Paris is the capital of France.", "Bananas are yellow."]
+    prompts = [
+        judgement_prompt(runtime, template, "What is France's capital?", d) for d in documents
+    ]
+    scores = relevance(runtime, prompts)
+    encode = runtime.tokenizer.encode
+    for prompt, score in zip(prompts, scores, strict=True):
+        row = runtime.logits(prompt)[-1].astype(np.float64)
+        yes = {encode(w, add_bos=False)[0] for w in ("yes", "Yes")}
+        no = {encode(w, add_bos=False)[0] for w in ("no", "No")}
+        mass = {t: np.exp(row[t] - row.max()) for t in yes | no}
+        expected = sum(mass[t] for t in yes) / sum(mass.values())
+        assert abs(score - expected) < 1e-9 and 0 < score < 1
+    assert scores[0] != scores[1]

@@ -9,16 +9,14 @@ a guess. An embedding model (Qwen3-Embedding, for one) gives vectors made for se
 model's are usable for rough similarity only.
 
 Rerank asks the model, for each document, whether it answers the query, and scores it by
-the probability of "yes" against "no" in the model's next token (the method reranker
-models such as Qwen3-Reranker are trained for). Scores are meaningful from those models
-and, more roughly, from instruction-tuned chat models of a billion parameters or more; a
-small model such as the bundled SmolLM2-135M ranks little better than chance.
+the probability of "yes" against "no" in the model's next token (engine/chat/relevance.py;
+the method reranker models such as Qwen3-Reranker are trained for). Which models give
+meaningful scores: `miniapp eval rerank` measures it (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
 import base64
-import math
 from typing import Literal
 
 import numpy as np
@@ -26,17 +24,13 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from miniapp.engine.api import Message, MiniappError, Pooling, Runtime
+from miniapp.engine.api import MiniappError, Pooling, Runtime, judgement_prompt, relevance
 
 from .errors import bad_request
 from .service import ServedModel, check_fits
 
 MAX_INPUTS = 2048  # texts one embeddings request may send (OpenAI's own limit)
 MAX_DOCUMENTS = 256  # documents one rerank request may score
-RERANK_SYSTEM = (
-    "You judge search results. Given a query and a document, reply yes if the document "
-    "is relevant to the query and answers it, and no otherwise. Reply with one word."
-)
 
 
 class _Body(BaseModel):
@@ -107,10 +101,7 @@ def embeddings_router(served: ServedModel, pooling: str | None) -> APIRouter:
         with served.using(body.model) as lease:
             runtime = lease.runtime
             prompts = [_judgement_prompt(served, runtime, body.query, d) for d in body.documents]
-            yes, no = _answer_ids(runtime, "yes"), _answer_ids(runtime, "no")
-            scores = _on_engine(
-                served, lambda: [_yes_probability(runtime, p, yes, no) for p in prompts]
-            )
+            scores = _on_engine(served, lambda: relevance(runtime, prompts))
         ranked = sorted(range(len(scores)), key=lambda i: (-scores[i], i))[: body.top_n]
         results = []
         for index in ranked:
@@ -170,27 +161,6 @@ def _encoded(vector: np.ndarray, encoding: str) -> list[float] | str:
 
 
 def _judgement_prompt(served: ServedModel, runtime: Runtime, query: str, document: str):
-    messages = [
-        Message("system", RERANK_SYSTEM),
-        Message("user", f"Query: {query}\n\nDocument: {document}\n\nRelevant (yes or no)?"),
-    ]
-    prompt = served.chat_prompt(runtime, messages)
+    prompt = judgement_prompt(runtime, served.template(runtime), query, document)
     check_fits(runtime, prompt, "documents")
     return prompt
-
-
-def _answer_ids(runtime: Runtime, word: str) -> list[int]:
-    """The first token of the word as an answer would begin, lower- and capitalised."""
-    encode = runtime.tokenizer.encode
-    ids = {encode(form, add_bos=False)[0] for form in (word, word.capitalize())}
-    return sorted(ids)
-
-
-def _yes_probability(runtime: Runtime, prompt: list[int], yes: list[int], no: list[int]) -> float:
-    """P(yes) among the yes and no tokens at the answer's first position."""
-    _, logits = next(runtime.logit_blocks(prompt, first=len(prompt) - 1))
-    row = np.asarray(logits[-1], dtype=np.float64)
-    top = max(row[yes].max(), row[no].max())
-    yes_mass = sum(math.exp(row[t] - top) for t in yes)
-    no_mass = sum(math.exp(row[t] - top) for t in no)
-    return yes_mass / (yes_mass + no_mass)
