@@ -21,6 +21,7 @@ import jsonschema
 import pytest
 from PIL import Image, ImageDraw
 from test_serve import MODEL, running_server, wait_ready
+from tool_schemas import TIME_ARGUMENTS, TIME_TEXT, WEATHER_ARGUMENTS, WEATHER_TEXT
 
 GREEDY = {"temperature": 0}
 SYSTEM = "You are a helpful assistant who answers briefly."
@@ -32,27 +33,10 @@ CONVERSATION = [
 ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
 WEATHER = {
     "name": "get_weather",
-    "description": "The current weather in a city.",
-    "input_schema": {
-        "type": "object",
-        "properties": {
-            "city": {"type": "string", "maxLength": 40},
-            "unit": {"enum": ["celsius", "fahrenheit"]},
-        },
-        "required": ["city", "unit"],
-        "additionalProperties": False,
-    },
+    "description": WEATHER_TEXT,
+    "input_schema": WEATHER_ARGUMENTS,
 }
-TIME = {
-    "name": "get_time",
-    "description": "The local time in a time zone.",
-    "input_schema": {
-        "type": "object",
-        "properties": {"zone": {"type": "string", "maxLength": 40}},
-        "required": ["zone"],
-        "additionalProperties": False,
-    },
-}
+TIME = {"name": "get_time", "description": TIME_TEXT, "input_schema": TIME_ARGUMENTS}
 # One call of get_time: the tests that use tools share its grammar, compiled once.
 ONE_TIME_CALL = {"type": "tool", "name": "get_time", "disable_parallel_tool_use": True}
 STREAM_ORDER = [

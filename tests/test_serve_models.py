@@ -112,6 +112,12 @@ def test_a_model_not_loaded_is_503_with_retry_after_while_it_loads(two_model_ser
     assert states(base)[OTHER] in ("loading", "loaded")
     unknown = httpx.post(base + "/v1/chat/completions", json=body | {"model": "no-such-model"})
     assert unknown.status_code == 404
+    # Anthropic's API says the same in its own shape (its clients retry an overloaded_error).
+    wait_unloaded(base)
+    message = {"model": OTHER, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    refused = httpx.post(base + "/v1/messages", json=message)
+    assert refused.status_code == 503 and int(refused.headers["Retry-After"]) >= 1
+    assert refused.json()["error"]["type"] == "overloaded_error", refused.text
 
 
 def test_two_models_asked_in_turn_by_four_clients_load_once_per_idle_period(two_model_server):

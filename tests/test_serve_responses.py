@@ -15,36 +15,23 @@ import jsonschema
 import openai
 import pytest
 from test_serve import MODEL, running_server, wait_ready
+from tool_schemas import TIME_ARGUMENTS, TIME_TEXT, WEATHER_ARGUMENTS, WEATHER_TEXT
 
 from miniapp.app.serve.errors import ApiError
 from miniapp.app.serve.responses import ResponseStore, StoredResponse
 
-WEATHER_PARAMETERS = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 40},
-        "unit": {"enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
 WEATHER = {
     "type": "function",
     "name": "get_weather",
-    "description": "The current weather in a city.",
-    "parameters": WEATHER_PARAMETERS,
+    "description": WEATHER_TEXT,
+    "parameters": WEATHER_ARGUMENTS,
     "strict": True,
 }
 TIME = {
     "type": "function",
     "name": "get_time",
-    "description": "The local time in a time zone.",
-    "parameters": {
-        "type": "object",
-        "properties": {"zone": {"type": "string", "maxLength": 40}},
-        "required": ["zone"],
-        "additionalProperties": False,
-    },
+    "description": TIME_TEXT,
+    "parameters": TIME_ARGUMENTS,
 }
 PLACE = {
     "type": "object",
@@ -200,7 +187,7 @@ def test_a_named_function_gives_a_call_whose_arguments_fit_its_schema_plain_and_
     (call,) = plain.output
     assert call.type == "function_call" and call.name == "get_weather"
     assert call.call_id.startswith("call_") and call.id.startswith("fc_")
-    jsonschema.validate(json.loads(call.arguments), WEATHER_PARAMETERS)
+    jsonschema.validate(json.loads(call.arguments), WEATHER_ARGUMENTS)
     assert plain.output_text == ""
 
     kinds, pieces = [], []

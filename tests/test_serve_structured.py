@@ -17,6 +17,7 @@ import jsonschema
 import openai
 import pytest
 from test_serve import MODEL, running_server, wait_ready
+from tool_schemas import TIME_ARGUMENTS, TIME_TEXT, WEATHER_ARGUMENTS, WEATHER_TEXT
 
 PLACE = {
     "type": "object",
@@ -32,30 +33,13 @@ WEATHER = {
     "type": "function",
     "function": {
         "name": "get_weather",
-        "description": "The current weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 40},
-                "unit": {"enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
+        "description": WEATHER_TEXT,
+        "parameters": WEATHER_ARGUMENTS,
     },
 }
 TIME = {
     "type": "function",
-    "function": {
-        "name": "get_time",
-        "description": "The local time in a time zone.",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"type": "string", "maxLength": 40}},
-            "required": ["zone"],
-            "additionalProperties": False,
-        },
-    },
+    "function": {"name": "get_time", "description": TIME_TEXT, "parameters": TIME_ARGUMENTS},
 }
 ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
 

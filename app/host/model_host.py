@@ -72,6 +72,7 @@ class ModelLoading(MiniappError):
 class _Resident:
     spec: RuntimeConfig
     runtime: Runtime | MessageRuntime
+    memory: int  # the planner's estimate of what it holds (0: unknown)
     leases: int = 0  # requests answering with it now
     last_used: float = field(default_factory=time.monotonic)
 
@@ -186,24 +187,36 @@ class ModelHost:
         failed is a ModelLoadError, once (the next request tries again). Never waits: the
         server's event loop calls it."""
         with self._changed:
-            resident = self._resident.get(wanted)
-            if resident is not None:
-                resident.leases += 1
-                resident.last_used = time.monotonic()
-                self._resident.move_to_end(wanted)
-                return resident.runtime
+            runtime = self._lease(wanted)
+        if runtime is not None:
+            return runtime
+        need = estimate_memory(wanted) or 0  # reads the file's header: outside the lock
+        with self._changed:
+            runtime = self._lease(wanted)  # it may have loaded meanwhile
+            if runtime is not None:
+                return runtime
             if wanted in self._loading:
                 failure = self._loading[wanted]
                 if failure is not None:  # reported once: the next request tries again
                     del self._loading[wanted]
                     raise ModelLoadError(f"{wanted.label} failed to load: {failure}")
                 raise ModelLoading(f"{wanted.label} is loading")
-            evicted = self._make_room(wanted)
+            evicted = self._make_room(wanted, need)
             self._loading[wanted] = None
         threading.Thread(
             target=self._load_in_background, args=(wanted, evicted), daemon=True
         ).start()
         raise ModelLoading(f"{wanted.label} is loading")
+
+    def _lease(self, wanted: RuntimeConfig) -> Runtime | MessageRuntime | None:
+        """The resident model's runtime, leased; None if it is not resident (lock held)."""
+        resident = self._resident.get(wanted)
+        if resident is None:
+            return None
+        resident.leases += 1
+        resident.last_used = time.monotonic()
+        self._resident.move_to_end(wanted)
+        return resident.runtime
 
     def release(self, runtime: Runtime | MessageRuntime) -> None:
         """The lease from `acquire` ends (a model kept past max_models for it may go now)."""
@@ -225,11 +238,10 @@ class ModelHost:
                 states.setdefault(spec, LoadState.LOADING if failure is None else LoadState.FAILED)
             return states
 
-    def _make_room(self, wanted: RuntimeConfig) -> list[_Resident]:
+    def _make_room(self, wanted: RuntimeConfig, need: int) -> list[_Resident]:
         """Let go of the least recently used idle models until `wanted` fits, by count and
         by the planner's memory estimate (called with the lock held); ModelLoading when the
         models it would have to displace are all answering."""
-        need = estimate_memory(wanted) or 0
         free = self._memory()
         evicted: list[_Resident] = []
         idle = [r for r in self._resident.values() if r.leases == 0]
@@ -240,15 +252,12 @@ class ModelHost:
                 return True
             if free is None or not need:
                 return False
-            freed = sum(estimate_memory(r.spec) or 0 for r in evicted)
-            return free + freed < need
+            return free + sum(r.memory for r in evicted) < need
 
         while short() and idle:
             evicted.append(idle.pop(0))
         if short():
-            if free is not None and need > free + sum(
-                estimate_memory(r.spec) or 0 for r in self._resident.values()
-            ):
+            if free is not None and need > free + sum(r.memory for r in self._resident.values()):
                 reason = (
                     f"{wanted.label} needs about {need >> 20} MiB and would not fit in memory "
                     "even with every other model unloaded"
@@ -291,7 +300,8 @@ class ModelHost:
             return
         with self._changed:
             self._loading.pop(wanted, None)
-            resident = self._resident[wanted] = _Resident(wanted, runtime)
+            resident = _Resident(wanted, runtime, estimate_memory(wanted) or 0)
+            self._resident[wanted] = resident
             if wanted in (self._wanted, self._current):
                 self._make_current(resident)
             self._changed.notify_all()

@@ -78,12 +78,7 @@ class AnswerService:
     async def start_chat(self, body: ChatCompletionRequest) -> tuple[Relay, Answer]:
         """The chat's answers, accepted by the engine (what refuses them raises here)."""
         _refuse(body.refused())
-        lease = self.served.acquire(body.model)
-        try:
-            return await self._start_chat(body, lease)
-        except BaseException:
-            lease.end()
-            raise
+        return await self._leased(body.model, lambda lease: self._start_chat(body, lease))
 
     async def count_chat_tokens(self, body: ChatCompletionRequest) -> int:
         """The prompt's tokens as start_chat would build them (the same checks, template
@@ -150,9 +145,14 @@ class AnswerService:
 
     async def start_completion(self, body: CompletionRequest) -> tuple[Relay, Answer]:
         _refuse(body.refused())
-        lease = self.served.acquire(body.model)
+        return await self._leased(body.model, lambda lease: self._start_completion(body, lease))
+
+    async def _leased(self, model: str, start) -> tuple[Relay, Answer]:
+        """`start(lease)` on the named model; the relay it starts ends the lease when it
+        closes, and a request refused before that ends it here."""
+        lease = self.served.acquire(model)
         try:
-            return await self._start_completion(body, lease)
+            return await start(lease)
         except BaseException:
             lease.end()
             raise

@@ -49,18 +49,6 @@ def error_body(
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def error_response(
-    status: int,
-    message: str,
-    *,
-    kind: str = INVALID_REQUEST,
-    code: str | None = None,
-    param: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> JSONResponse:
-    return JSONResponse(error_body(message, kind, code, param), status_code=status, headers=headers)
-
-
 ANTHROPIC_PATHS = "/v1/messages"
 # Anthropic's error type for each status (its API documents these); others are api_error.
 ANTHROPIC_TYPES = {
@@ -91,10 +79,18 @@ def shaped_response(
     param: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
-    """The error in the shape of the API that `path` belongs to."""
+    """The error in the shape of the API that `path` belongs to (OpenAI's, or Anthropic's
+    under /v1/messages)."""
     if path.startswith(ANTHROPIC_PATHS):
-        return JSONResponse(anthropic_body(status, message), status_code=status, headers=headers)
-    return error_response(status, message, kind=kind, code=code, param=param, headers=headers)
+        body = anthropic_body(status, message)
+    else:
+        body = error_body(message, kind, code, param)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def error_response(status: int, message: str, **fields) -> JSONResponse:
+    """The error in OpenAI's shape."""
+    return shaped_response("", status, message, **fields)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:

@@ -112,7 +112,10 @@ class ServedModel:
         another installed model opened with the default's settings; None for neither."""
         if name is None or name in self.aliases:
             return self.spec
-        return installed_model_spec(self.spec, name)
+        spec = installed_model_spec(self.spec, name)
+        if spec is not None and resolve_model(spec.model).resolve() == self.model_path.resolve():
+            return self.spec  # the default's file by another of its names: not a second copy
+        return spec
 
     def acquire(self, name: str | None) -> Lease:
         """The named model (an adapter's name: the default), leased for one request: 503
