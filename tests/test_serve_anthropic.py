@@ -369,6 +369,12 @@ def _metric(base: str, name: str) -> float:
     return float(re.search(rf"^{name} (\S+)$", text, re.MULTILINE).group(1))
 
 
+def test_the_models_list_answers_anthropics_client_in_its_shape(claude):
+    listed = list(claude.models.list())
+    assert listed[0].id == MODEL and listed[0].type == "model"
+    assert listed[0].max_input_tokens == 1024 and listed[0].lifecycle == "active"
+
+
 def test_a_client_that_leaves_a_stream_cancels_its_answer(base):
     cancelled = 'miniapp_requests_finished_total{finish_reason="cancelled"}'
     before = _metric(base, cancelled)

@@ -31,7 +31,7 @@ from .images import ServedImages
 from .lora import adapters_folder, lora_router
 from .metrics import ServeMetrics, metrics_router
 from .middleware import ApiKeyMiddleware, BodyLimitMiddleware
-from .models import model_listing, warm_listing
+from .models import anthropic_listing, model_listing, warm_listing
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .responses import responses_router
 from .service import ServedModel
@@ -90,8 +90,11 @@ def create_app(served: ServedModel, options: ServeOptions) -> FastAPI:
 
     # A plain function: FastAPI runs it on a worker thread (a GGUF's metadata may be read).
     @app.get("/v1/models")
-    def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": model_listing(served)})
+    def models(request: Request) -> JSONResponse:
+        listed = model_listing(served)
+        if "anthropic-version" in request.headers:  # Anthropic's clients ask in their shape
+            return JSONResponse(anthropic_listing(listed))
+        return JSONResponse({"object": "list", "data": listed})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):

@@ -11,6 +11,7 @@ starts."""
 from __future__ import annotations
 
 import threading
+from datetime import UTC, datetime
 from functools import lru_cache
 from pathlib import Path
 
@@ -39,6 +40,24 @@ def model_listing(served) -> list[dict]:
         if resolved != default:
             listed.append(_entry(name, _trained_context(path), states.get(resolved), path))
     return listed
+
+
+def anthropic_listing(listed: list[dict]) -> dict:
+    """The same models as a page of Anthropic's GET /v1/models (its clients, Claude Code's
+    model picker, send `anthropic-version`)."""
+    data = [
+        {
+            "type": "model",
+            "id": entry["id"],
+            "display_name": entry["id"],
+            "created_at": datetime.fromtimestamp(entry["created"], UTC).isoformat(),
+            "lifecycle": "active",
+            "max_input_tokens": entry["context_length"],
+        }
+        for entry in listed
+    ]
+    first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
+    return {"data": data, "has_more": False, "first_id": first, "last_id": last}
 
 
 def warm_listing() -> None:
