@@ -440,6 +440,12 @@ def _add_api_flags(parser: argparse.ArgumentParser) -> None:
         help="API requests must send Authorization: Bearer KEY (or MINIAPP_API_KEY)",
     )
     parser.add_argument(
+        "--api-key-file",
+        metavar="FILE",
+        help="named keys with quotas (TOML: [keys.NAME] key, requests_per_minute, "
+        "tokens_per_minute, max_concurrent); past a quota, 429 with Retry-After",
+    )
+    parser.add_argument(
         "--max-body-mb",
         type=_positive_float,
         default=50.0,

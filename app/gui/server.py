@@ -71,7 +71,7 @@ def run_gui(args: argparse.Namespace) -> int:
         from ..serve.run import check_exposure, check_local_backend
 
         check_local_backend(args.backend)
-        check_exposure(args.host, args.api_key)  # before anything loads
+        check_exposure(args.host, args.api_key or args.api_key_file)  # before anything loads
     context = GuiContext(
         ModelHost(),
         ChatStore(),

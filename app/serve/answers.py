@@ -36,6 +36,7 @@ from .logprobs import chat_logprobs, completion_logprobs
 from .lora import Picked, pick_adapters
 from .metrics import ServeMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, Sampling
+from .quotas import admit_current
 from .service import (
     Job,
     Lease,
@@ -189,9 +190,12 @@ class AnswerService:
         return await self._started(lease, jobs, answer), answer
 
     async def _started(self, lease: Lease, jobs: list[Job], answer: Answer) -> Relay:
-        """The relay, started and accepted; it ends the lease when it closes."""
+        """The relay, started and accepted once the key's quota admits it (a 429 if not);
+        it ends the lease and settles the quota when it closes."""
+        reserved = sum(len(job.prompt) + job.request.max_tokens for job in jobs)
+        use = admit_current(reserved)
         observer = self.metrics.observer(len(jobs), answer.adapters)
-        relay = Relay(self.served.host, lease.runtime, jobs, observer, lease)
+        relay = Relay(self.served.host, lease.runtime, jobs, observer, lease, use)
         relay.start()
         try:
             await relay.accepted()

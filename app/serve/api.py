@@ -33,6 +33,7 @@ from .metrics import ServeMetrics, metrics_router
 from .middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from .models import anthropic_listing, model_listing, warm_listing
 from .protocol import ChatCompletionRequest, CompletionRequest
+from .quotas import KeyTable
 from .responses import responses_router
 from .service import ServedModel
 from .tokens import tokens_router
@@ -51,11 +52,12 @@ class ServeOptions:
     threads: int | None = None  # CPU threads for transcription (None: all)
     lora_dir: str | None = None  # where run-time adapter loads may read (None: models/adapters)
     pooling: str | None = None  # /v1/embeddings' pooling (None: as the model's file says)
+    keys: KeyTable | None = None  # --api-key-file: named keys, each with its quota
 
 
 def create_app(served: ServedModel, options: ServeOptions) -> FastAPI:
     app = FastAPI(title="miniapp", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(ApiKeyMiddleware, api_key=options.api_key)
+    app.add_middleware(ApiKeyMiddleware, api_key=options.api_key, keys=options.keys)
     app.add_middleware(BodyLimitMiddleware, limit=options.body_limit)
     if options.cors_origins:  # added last, so outermost: a 401 or 413 carries its headers too
         app.add_middleware(

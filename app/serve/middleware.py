@@ -8,39 +8,66 @@ import hmac
 from starlette.exceptions import HTTPException
 
 from .errors import shaped_response
+from .quotas import CURRENT_USE, KeyQuota, KeyTable, KeyUse
 
 OPEN_PATHS = frozenset({"/health"})  # answered without a key (load balancers probe it)
 
 
 class ApiKeyMiddleware:
-    """With a key, every request but the open paths needs `Authorization: Bearer KEY`, or
-    `x-api-key: KEY` as Anthropic's clients send it."""
+    """With a key, or a key file (quotas.py), every request but the open paths needs
+    `Authorization: Bearer KEY`, or `x-api-key: KEY` as Anthropic's clients send it. A key
+    from the file puts its quota in reach of the request's handlers (quotas.CURRENT_USE)
+    and its `x-ratelimit-*` figures in the response's headers."""
 
-    def __init__(self, app, api_key: str | None):
-        self.app, self.api_key = app, api_key
+    def __init__(self, app, api_key: str | None, keys: KeyTable | None = None):
+        self.app, self.api_key, self.keys = app, api_key, keys
 
     async def __call__(self, scope, receive, send):
-        if self.api_key is None or scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        guarded = self.api_key is not None or self.keys is not None
+        if not guarded or scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
         if scope.get("method") == "OPTIONS":  # CORS preflights carry no credentials
             return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
-        given = headers.get(b"authorization", b"").decode("latin-1")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip(), self.api_key):
+        presented = _presented_key(dict(scope.get("headers") or []))
+        if presented and self.api_key and hmac.compare_digest(presented, self.api_key):
             return await self.app(scope, receive, send)
-        header_key = headers.get(b"x-api-key")
-        if header_key is not None:
-            given = header_key.decode("latin-1")
-            if hmac.compare_digest(given.strip(), self.api_key):
-                return await self.app(scope, receive, send)
+        quota = self.keys.find(presented) if (presented and self.keys) else None
+        if quota is not None:
+            return await self._with_quota(quota, scope, receive, send)
         message = (
             "Incorrect API key provided."
-            if given
+            if presented
             else "You didn't provide an API key: send Authorization: Bearer KEY."
         )
         response = shaped_response(scope["path"], 401, message, code="invalid_api_key")
         await response(scope, receive, send)
+
+    async def _with_quota(self, quota: KeyQuota, scope, receive, send):
+        use = KeyUse(quota)
+        token = CURRENT_USE.set(use)
+
+        async def send_with_figures(message):
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                present = {name.lower() for name, _ in headers}
+                for name, value in quota.headers().items():
+                    if name.encode() not in present:
+                        headers.append((name.encode(), value.encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_figures)
+        finally:
+            CURRENT_USE.reset(token)
+
+
+def _presented_key(headers: dict[bytes, bytes]) -> str:
+    """The key a request sends: as a bearer token, or in x-api-key."""
+    scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return headers.get(b"x-api-key", b"").decode("latin-1").strip()
 
 
 class BodyLimitMiddleware:

@@ -26,6 +26,7 @@ from miniapp.engine.api import (
 from ..host.model_host import ModelHost
 from ..host.settings import local_runtime_config
 from .api import ServeOptions, create_app
+from .quotas import KeyTable, read_key_file
 from .service import ServedModel
 
 STARTUP_TIMEOUT_S = 30.0
@@ -33,7 +34,8 @@ STARTUP_TIMEOUT_S = 30.0
 
 def run_serve(args: argparse.Namespace) -> int:
     check_local_backend(args.backend)
-    check_exposure(args.host, args.api_key)
+    key_table(args.api_key_file)  # a bad key file stops us before loading
+    check_exposure(args.host, args.api_key or args.api_key_file)
     model_path = resolve_model(args.model)
     if not model_path.is_file():
         raise MiniappError(f"{args.model}: model file not found")
@@ -90,6 +92,7 @@ def start_api(
         threads=args.threads,
         lora_dir=getattr(args, "lora_dir", None),
         pooling=getattr(args, "pooling", None),
+        keys=key_table(getattr(args, "api_key_file", None)),
     )
     server = _start_uvicorn(create_app(served, options), address, port)
     bound = server.servers[0].sockets[0].getsockname()[1]
@@ -99,6 +102,11 @@ def start_api(
         flush=True,
     )
     return server
+
+
+def key_table(path: str | None) -> KeyTable | None:
+    """`--api-key-file`'s keys and quotas (a one-line error for a file that cannot be used)."""
+    return KeyTable(read_key_file(path)) if path else None
 
 
 def chat_template_source(path: str | None) -> str | None:
@@ -132,7 +140,7 @@ def check_exposure(host: str, api_key: str | None) -> None:
         return
     raise MiniappError(
         f"--host {host} lets other machines reach the API: give --api-key KEY "
-        "(or MINIAPP_API_KEY) too, or bind 127.0.0.1"
+        "(or MINIAPP_API_KEY) or --api-key-file FILE too, or bind 127.0.0.1"
     )
 
 

@@ -45,6 +45,7 @@ from ..host.model_host import (
     model_name,
 )
 from .errors import ApiError, bad_request
+from .quotas import KeyUse, settle
 
 RETRY_AFTER_S = 1  # what a client told "busy" (503) should wait before trying again
 
@@ -284,10 +285,13 @@ class Relay:
         jobs: list[Job],
         observer: RelayObserver | None = None,
         lease: Lease | None = None,
+        key_use: KeyUse | None = None,
     ):
         self.host, self.runtime, self.jobs = host, runtime, jobs
         self.observer = observer or RelayObserver()
         self.lease = lease  # ended when the relay closes
+        self.key_use = key_use  # its key's quota, settled when the relay closes
+        self.tokens_used = 0  # prompts and answers, as the finished answers count them
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
         self._cancel = threading.Event()
@@ -343,6 +347,7 @@ class Relay:
         self.observer.closed()
         if self.lease is not None:
             self.lease.end()
+        settle(self.key_use, self.tokens_used)
         with self._lock:
             streams = list(self._streams)
         for stream in streams:  # a batched sequence is dropped at the next step
@@ -377,6 +382,8 @@ class Relay:
                 for event in relay(events):
                     if isinstance(event, Finished):
                         self.observer.finished(job.index, event)
+                        with self._lock:
+                            self.tokens_used += len(job.prompt) + event.stats.generated_tokens
                     self._put((job.index, event))
                 self._put((job.index, self._DONE))
         except BaseException as exc:  # noqa: BLE001 - raised in the event loop instead
