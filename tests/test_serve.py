@@ -496,6 +496,18 @@ def test_rerank_scores_each_document_alone_and_sorts_them(server):
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "documents"
 
 
+def test_a_request_id_is_echoed_or_made_on_every_answer(server, guarded):
+    given = {"x-request-id": "client-id-42"}
+    answer = httpx.post(server + "/tokenize", json={"content": "hi"}, headers=given)
+    assert answer.headers["x-request-id"] == "client-id-42"
+    made = httpx.get(server + "/v1/models").headers["x-request-id"]
+    assert len(made) == 32 and made != httpx.get(server + "/v1/models").headers["x-request-id"]
+    refused = httpx.get(guarded + "/v1/models", headers=given)  # no key: still named
+    assert refused.status_code == 401 and refused.headers["x-request-id"] == "client-id-42"
+    odd = httpx.get(server + "/v1/models", headers={"x-request-id": "no spaces <allowed>"})
+    assert odd.headers["x-request-id"] != "no spaces <allowed>"
+
+
 def test_a_key_guards_the_api_but_not_health(guarded):
     assert httpx.get(guarded + "/health").status_code == 200
     denied = openai.OpenAI(base_url=guarded + "/v1", api_key="wrong", max_retries=0)

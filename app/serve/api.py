@@ -30,7 +30,7 @@ from .errors import ApiError, bad_request, error_response, shaped_response
 from .images import ServedImages
 from .lora import adapters_folder, lora_router
 from .metrics import ServeMetrics, metrics_router
-from .middleware import ApiKeyMiddleware, BodyLimitMiddleware
+from .middleware import REQUEST_ID, ApiKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from .models import anthropic_listing, model_listing, warm_listing
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .quotas import KeyTable
@@ -59,6 +59,7 @@ def create_app(served: ServedModel, options: ServeOptions) -> FastAPI:
     app = FastAPI(title="miniapp", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(ApiKeyMiddleware, api_key=options.api_key, keys=options.keys)
     app.add_middleware(BodyLimitMiddleware, limit=options.body_limit)
+    app.add_middleware(RequestIdMiddleware)  # outside the key check: a 401 carries it too
     if options.cors_origins:  # added last, so outermost: a 401 or 413 carries its headers too
         app.add_middleware(
             CORSMiddleware,
@@ -132,7 +133,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def crashed(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("request failed")
+        log.exception("request %s failed", REQUEST_ID.get())
         message = f"internal error: {type(exc).__name__}: {exc}"
         return shaped_response(request.url.path, 500, message, kind="server_error")
 

@@ -1,9 +1,13 @@
 """ASGI middleware: the API key (401) and the request-body limit (413), both answered in
-the path's API's error shape (OpenAI's, or Anthropic's) before a handler runs."""
+the path's API's error shape (OpenAI's, or Anthropic's) before a handler runs; and each
+request's id (`X-Request-Id`)."""
 
 from __future__ import annotations
 
 import hmac
+import re
+import uuid
+from contextvars import ContextVar
 
 from starlette.exceptions import HTTPException
 
@@ -101,3 +105,39 @@ class BodyLimitMiddleware:
             return message
 
         await self.app(scope, counted_receive, send)
+
+
+REQUEST_ID: ContextVar[str | None] = ContextVar("miniapp_request_id", default=None)
+_CLIENT_ID = re.compile(r"^[\w.:/+=-]{1,128}$")  # what a client's own id may look like
+
+
+class RequestIdMiddleware:
+    """Every request has an id: the client's `X-Request-Id` (as vLLM takes it), or one made
+    here. The response carries it back, and the request's log lines and traces name it
+    (REQUEST_ID)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope.get("headers") or []).get(b"x-request-id", b"").decode("latin-1")
+        request_id = given if _CLIENT_ID.match(given) else uuid.uuid4().hex
+        token = REQUEST_ID.set(request_id)
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                headers = [
+                    (name, value)
+                    for name, value in message.get("headers", [])
+                    if name.lower() != b"x-request-id"
+                ]
+                headers.append((b"x-request-id", request_id.encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            REQUEST_ID.reset(token)
