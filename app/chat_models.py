@@ -29,7 +29,7 @@ class ChatModels:
         """The current model's runtime, loaded (and reported on a terminal) if need be."""
         if self.interactive and self.host.loaded_spec != self.spec:
             print(f"loading {self.spec.label} on {self.spec.backend}...", file=sys.stderr)
-        runtime = self.host.wait_for(self.spec)
+        runtime = self.host.load_here(self.spec)
         info = runtime.info()
         if self.interactive and info.device_plan is not None:
             cache = f"; {info.kv_summary}" if info.kv_summary else ""

@@ -149,7 +149,7 @@ class ModelHost:
             if self._loading.get(wanted, "") is None:
                 return  # loading on demand already: it becomes current when loaded
             self._loading[wanted] = None
-        threading.Thread(target=self._load_in_background, args=(wanted,), daemon=True).start()
+        threading.Thread(target=self._load, args=(wanted,), daemon=True).start()
 
     def _make_current(self, resident: _Resident) -> None:
         self._current, self._wanted = resident.spec, None
@@ -178,6 +178,27 @@ class ModelHost:
             resident.last_used = time.monotonic()
             return resident.runtime
 
+    def load_here(self, wanted: RuntimeConfig) -> Runtime:
+        """wait_for, loading on the calling thread: the terminal's main thread, where the
+        engine answers (as it always loaded there)."""
+        with self._changed:
+            resident = self._resident.get(wanted)
+            if resident is not None:
+                self._make_current(resident)
+                return resident.runtime
+            self._wanted, self._started = wanted, time.monotonic()
+            self._status = ModelStatus(
+                LoadState.LOADING, f"loading {wanted.label} on {wanted.backend}"
+            )
+            self._loading[wanted] = None
+        self._load(wanted)
+        with self._changed:
+            resident = self._resident.get(wanted)
+            if resident is None:
+                self._loading.pop(wanted, None)  # said here; not again to a later acquire
+                raise ModelLoadError(self._status.message)
+            return resident.runtime
+
     # -- models on demand (the server)
 
     def acquire(self, wanted: RuntimeConfig) -> Runtime | MessageRuntime:
@@ -203,9 +224,7 @@ class ModelHost:
                 raise ModelLoading(f"{wanted.label} is loading")
             evicted = self._make_room(wanted, need)
             self._loading[wanted] = None
-        threading.Thread(
-            target=self._load_in_background, args=(wanted, evicted), daemon=True
-        ).start()
+        threading.Thread(target=self._load, args=(wanted, evicted), daemon=True).start()
         raise ModelLoading(f"{wanted.label} is loading")
 
     def _lease(self, wanted: RuntimeConfig) -> Runtime | MessageRuntime | None:
@@ -277,11 +296,10 @@ class ModelHost:
 
     # -- loading and letting go
 
-    def _load_in_background(
-        self, wanted: RuntimeConfig, displaced: list[_Resident] | None = None
-    ) -> None:
+    def _load(self, wanted: RuntimeConfig, displaced: list[_Resident] | None = None) -> None:
         """Close the models it displaces, load the model and make it resident (and current,
-        if an interface wants it); past max_models, the least recently used idle models go."""
+        if an interface wants it); past max_models, the least recently used idle models go.
+        Run on a thread of its own, or by load_here on the caller's."""
         self._close(displaced or [])
         try:
             self.loads[wanted.label] += 1
