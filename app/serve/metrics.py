@@ -35,6 +35,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from miniapp.engine.api import Finished, FinishReason
 
+from ..host.model_host import LoadState
 from .service import RelayObserver, ServedModel, finish_reason
 
 # Seconds, for a CPU engine: a first token comes tens of ms after a short cached prompt, tens
@@ -241,7 +242,8 @@ class _ModelFigures:
         resident = GaugeMetricFamily(
             "miniapp_models_resident", "Models loaded and kept in memory now"
         )
-        resident.add_metric([], sum(1 for s in host.resident_specs().values() if s == "ready"))
+        states = host.resident_specs().values()
+        resident.add_metric([], sum(1 for state in states if state is LoadState.READY))
         yield loads
         yield resident
 

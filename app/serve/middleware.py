@@ -50,20 +50,30 @@ class ApiKeyMiddleware:
         use = KeyUse(quota)
         token = CURRENT_USE.set(use)
 
-        async def send_with_figures(message):
-            if message["type"] == "http.response.start":
-                headers = list(message.get("headers", []))
-                present = {name.lower() for name, _ in headers}
-                for name, value in quota.headers().items():
-                    if name.encode() not in present:
-                        headers.append((name.encode(), value.encode()))
-                message = {**message, "headers": headers}
-            await send(message)
-
+        # A 429's own figures (set where it was refused) stand; others get the key's now.
+        send_with_figures = _adding_headers(send, quota.headers, replace=False)
         try:
             await self.app(scope, receive, send_with_figures)
         finally:
             CURRENT_USE.reset(token)
+
+
+def _adding_headers(send, extra, replace: bool):
+    """`send` with the headers `extra()` gives added to the response's start; `replace`:
+    instead of any the app set under those names (else the app's stand)."""
+
+    async def sending(message):
+        if message["type"] == "http.response.start":
+            added = {name.lower().encode(): value.encode() for name, value in extra().items()}
+            headers = list(message.get("headers", []))
+            present = {name.lower() for name, _ in headers}
+            if replace:
+                headers = [(name, value) for name, value in headers if name.lower() not in added]
+            headers += [(n, v) for n, v in added.items() if replace or n not in present]
+            message = {**message, "headers": headers}
+        await send(message)
+
+    return sending
 
 
 def _presented_key(headers: dict[bytes, bytes]) -> str:
@@ -126,17 +136,7 @@ class RequestIdMiddleware:
         request_id = given if _CLIENT_ID.match(given) else uuid.uuid4().hex
         token = REQUEST_ID.set(request_id)
 
-        async def send_with_id(message):
-            if message["type"] == "http.response.start":
-                headers = [
-                    (name, value)
-                    for name, value in message.get("headers", [])
-                    if name.lower() != b"x-request-id"
-                ]
-                headers.append((b"x-request-id", request_id.encode()))
-                message = {**message, "headers": headers}
-            await send(message)
-
+        send_with_id = _adding_headers(send, lambda: {"x-request-id": request_id}, replace=True)
         try:
             await self.app(scope, receive, send_with_id)
         finally:

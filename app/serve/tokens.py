@@ -43,44 +43,19 @@ class DetokenizeRequest(_Body):
 def tokens_router(served: ServedModel) -> APIRouter:
     router = APIRouter()
 
+    # The lease is held while the tokenizer is used: a model let go meanwhile (llama.cpp's
+    # runtime frees its vocabulary on close) must not be read.
     @router.post("/tokenize")
     def tokenize(body: TokenizeRequest) -> JSONResponse:
         if (body.content is None) == (body.prompt is None):
             raise bad_request("give the text as `content` (or vLLM's `prompt`), once", "content")
         with served.using(body.model) as lease:
-            runtime = lease.runtime
-        tokenizer = runtime.tokenizer
-        vllm = body.prompt is not None
-        if vllm:
-            add, text = body.add_special_tokens is not False, body.prompt
-        else:
-            add, text = body.add_special, body.content
-        ids = tokenizer.encode(
-            text, add_bos=add and tokenizer.add_bos, parse_special=body.parse_special
-        )
-        if body.with_pieces:
-            tokens = [
-                {"id": t, "piece": _piece(tokenizer.token_bytes(t, special=True))} for t in ids
-            ]
-        else:
-            tokens = ids
-        if vllm:
-            return JSONResponse(
-                {"count": len(ids), "max_model_len": runtime.n_ctx, "tokens": tokens}
-            )
-        return JSONResponse({"tokens": tokens})
+            return _tokenized(body, lease.runtime)
 
     @router.post("/detokenize")
     def detokenize(body: DetokenizeRequest) -> JSONResponse:
         with served.using(body.model) as lease:
-            tokenizer = lease.runtime.tokenizer
-        vocab = tokenizer.n_vocab
-        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise bad_request(f"token id {bad} is not in 0..{vocab - 1}", "tokens")
-        text = b"".join(tokenizer.token_bytes(t, special=True) for t in body.tokens)
-        content = text.decode("utf-8", "replace")
-        return JSONResponse({"content": content, "prompt": content})
+            return _detokenized(body, lease.runtime.tokenizer)
 
     return router
 
@@ -92,3 +67,32 @@ def _piece(data: bytes) -> str | list[int]:
         return data.decode("utf-8")
     except UnicodeDecodeError:
         return list(data)
+
+
+def _tokenized(body: TokenizeRequest, runtime) -> JSONResponse:
+    tokenizer = runtime.tokenizer
+    vllm = body.prompt is not None
+    if vllm:
+        add, text = body.add_special_tokens is not False, body.prompt
+    else:
+        add, text = body.add_special, body.content
+    ids = tokenizer.encode(
+        text, add_bos=add and tokenizer.add_bos, parse_special=body.parse_special
+    )
+    if body.with_pieces:
+        tokens = [{"id": t, "piece": _piece(tokenizer.token_bytes(t, special=True))} for t in ids]
+    else:
+        tokens = ids
+    if vllm:
+        return JSONResponse({"count": len(ids), "max_model_len": runtime.n_ctx, "tokens": tokens})
+    return JSONResponse({"tokens": tokens})
+
+
+def _detokenized(body: DetokenizeRequest, tokenizer) -> JSONResponse:
+    vocab = tokenizer.n_vocab
+    bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} is not in 0..{vocab - 1}", "tokens")
+    text = b"".join(tokenizer.token_bytes(t, special=True) for t in body.tokens)
+    content = text.decode("utf-8", "replace")
+    return JSONResponse({"content": content, "prompt": content})
