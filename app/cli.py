@@ -446,6 +446,49 @@ def _add_api_flags(parser: argparse.ArgumentParser) -> None:
         "tokens_per_minute, max_concurrent); past a quota, 429 with Retry-After",
     )
     parser.add_argument(
+        "--request-timeout",
+        type=_positive_float,
+        metavar="SECONDS",
+        help="stop a request still running after this long (504; a stream ends with an error "
+        "event) and free its slot (default: none)",
+    )
+    parser.add_argument(
+        "--stall-timeout",
+        type=_positive_float,
+        default=30.0,
+        metavar="SECONDS",
+        help="a client that reads none of its stream for this long is dropped, as a "
+        "disconnect is, and its slot freed (default 30)",
+    )
+    parser.add_argument(
+        "--breaker-threshold",
+        type=_positive_int,
+        default=5,
+        metavar="N",
+        help="after N engine failures in a row, answer 503 at once (the circuit breaker "
+        "opens) until a probe request succeeds (default 5)",
+    )
+    parser.add_argument(
+        "--breaker-pause",
+        type=_positive_float,
+        default=10.0,
+        metavar="SECONDS",
+        help="how long an open breaker refuses before it lets one probe request through "
+        "(default 10)",
+    )
+    parser.add_argument(
+        "--otlp-endpoint",
+        metavar="URL",
+        help="send each request's OpenTelemetry spans to this OTLP/HTTP collector, e.g. "
+        "http://127.0.0.1:4318/v1/traces (default: no tracing)",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default="text",
+        help="json: one JSON line per request on stderr (id, key, status, tokens, timings)",
+    )
+    parser.add_argument(
         "--max-body-mb",
         type=_positive_float,
         default=50.0,

@@ -122,6 +122,25 @@ def test_a_waiting_sequence_knows_its_place_and_the_queue_has_a_bound(model):
     assert second.queued_s > 0 and first.queued_s < second.queued_s
 
 
+def test_free_slots_go_to_the_most_urgent_priority_then_to_clients_in_turn(model):
+    scheduler = BatchScheduler(model, POLICY, BatchConfig(slots=1))
+    first = scheduler.submit(_prompts(1)[0], GREEDY, 10_000)
+    next(first)  # it holds the one slot while the others queue
+
+    def submit(name: str, client: str, priority: int = 0):
+        params = replace(GREEDY, client=client, priority=priority)
+        return name, scheduler.submit([1, 5, len(name)], params, 2)
+
+    # Client a's burst arrives first; b's one request and an urgent one of c's after it.
+    queued = [submit("a1", "a"), submit("a2", "a"), submit("a3", "a"), submit("b1", "b")]
+    queued.append(submit("c1", "c", priority=-1))
+    first.close()
+    for _, stream in queued:
+        assert len(list(stream)) == 2
+    admitted = [name for name, stream in sorted(queued, key=lambda item: item[1].queued_s)]
+    assert admitted == ["c1", "a1", "b1", "a2", "a3"]
+
+
 def test_a_prefix_left_by_a_finished_sequence_is_reused_exactly(model):
     prompt = _prompts(1, seed=3)[0]
     scheduler = BatchScheduler(model, POLICY)

@@ -30,13 +30,15 @@ from miniapp.engine.api import (
     TokenLogprob,
 )
 
+from .breaker import CircuitBreaker, Verdict
 from .errors import bad_request
 from .images import ServedImages, vision_producer
 from .logprobs import chat_logprobs, completion_logprobs
 from .lora import Picked, pick_adapters
 from .metrics import ServeMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, Sampling
-from .quotas import admit_current
+from .quotas import admit_current, current_key_name
+from .records import CURRENT_RECORD, Observers
 from .service import (
     Job,
     Lease,
@@ -72,9 +74,11 @@ class AnswerService:
         images: ServedImages,
         metrics: ServeMetrics,
         defaults: SamplingParams,
+        breaker: CircuitBreaker | None = None,
     ):
         self.served, self.images, self.metrics = served, images, metrics
         self.defaults = defaults  # the settings' sampling, for what a request leaves unset
+        self.breaker = breaker  # refuses at once while the engine keeps failing
 
     async def start_chat(self, body: ChatCompletionRequest) -> tuple[Relay, Answer]:
         """The chat's answers, accepted by the engine (what refuses them raises here)."""
@@ -149,12 +153,20 @@ class AnswerService:
         return await self._leased(body.model, lambda lease: self._start_completion(body, lease))
 
     async def _leased(self, model: str, start) -> tuple[Relay, Answer]:
-        """`start(lease)` on the named model; the relay it starts ends the lease when it
-        closes, and a request refused before that ends it here."""
-        lease = self.served.acquire(model)
+        """`start(lease)` on the named model, once the circuit breaker lets it through;
+        the relay it starts ends the lease when it closes, and a request refused before
+        that ends it here."""
+        verdict = Verdict(self.breaker, self.breaker.admit() if self.breaker else False)
+        try:
+            lease = self.served.acquire(model)
+        except BaseException:
+            verdict.abandoned()
+            raise
+        lease.verdict = verdict
         try:
             return await start(lease)
         except BaseException:
+            verdict.abandoned()
             lease.end()
             raise
 
@@ -195,7 +207,14 @@ class AnswerService:
         reserved = sum(len(job.prompt) + job.request.max_tokens for job in jobs)
         use = admit_current(reserved)
         observer = self.metrics.observer(len(jobs), answer.adapters)
+        record = CURRENT_RECORD.get()
+        if record is not None:
+            record.model, record.adapters = answer.model, answer.adapters
+            record.stream, record.priority = bool(answer.body.stream), answer.body.priority
+            observer = Observers(observer, record.timings([len(job.prompt) for job in jobs]))
         relay = Relay(self.served.host, lease.runtime, jobs, observer, lease, use)
+        if record is not None:
+            record.on_stop(relay.close)
         relay.start()
         try:
             await relay.accepted()
@@ -259,6 +278,8 @@ def _generation_request(
         logprobs=body.logprob_count(),
         constraint=constraint,
         lora=lora,
+        priority=body.priority,
+        client=current_key_name(),
     )
     return GenerationRequest(
         max_tokens=max_tokens,

@@ -25,18 +25,27 @@ from ..host.model_host import LoadState
 from .answers import AnswerService, reply
 from .anthropic import anthropic_router
 from .audio import audio_router
+from .breaker import BreakerState, CircuitBreaker
 from .embeddings import embeddings_router
 from .errors import ApiError, bad_request, error_response, shaped_response
 from .images import ServedImages
 from .lora import adapters_folder, lora_router
 from .metrics import ServeMetrics, metrics_router
-from .middleware import REQUEST_ID, ApiKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
+from .middleware import (
+    REQUEST_ID,
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    DeadlineMiddleware,
+    RequestIdMiddleware,
+)
 from .models import anthropic_listing, model_listing, warm_listing
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .quotas import KeyTable
+from .records import CURRENT_RECORD
 from .responses import responses_router
 from .service import ServedModel
 from .tokens import tokens_router
+from .tracing import request_sinks
 
 log = logging.getLogger("miniapp.serve")
 DEFAULT_BODY_LIMIT = 50 * 1024 * 1024  # bytes (--max-body-mb): a few large images as base64
@@ -53,13 +62,28 @@ class ServeOptions:
     lora_dir: str | None = None  # where run-time adapter loads may read (None: models/adapters)
     pooling: str | None = None  # /v1/embeddings' pooling (None: as the model's file says)
     keys: KeyTable | None = None  # --api-key-file: named keys, each with its quota
+    request_timeout: float | None = None  # seconds a request may run (None: no limit)
+    stall_timeout: float = 30.0  # seconds a client may leave its stream unread
+    breaker_threshold: int = 5  # engine failures in a row that open the circuit breaker
+    breaker_pause: float = 10.0  # seconds an open breaker refuses before a probe
+    otlp_endpoint: str | None = None  # where spans go (None: no tracing)
+    log_format: str = "text"  # "json": one line per request
 
 
 def create_app(served: ServedModel, options: ServeOptions) -> FastAPI:
-    app = FastAPI(title="miniapp", docs_url=None, redoc_url=None, openapi_url=None)
+    # The OpenAPI schema is published (/openapi.json) for clients' generators and fuzzers.
+    app = FastAPI(title="miniapp", docs_url=None, redoc_url=None)
     app.add_middleware(ApiKeyMiddleware, api_key=options.api_key, keys=options.keys)
     app.add_middleware(BodyLimitMiddleware, limit=options.body_limit)
-    app.add_middleware(RequestIdMiddleware)  # outside the key check: a 401 carries it too
+    app.add_middleware(
+        DeadlineMiddleware,
+        request_timeout=options.request_timeout,
+        stall_timeout=options.stall_timeout,
+    )
+    # Outside the key check: a 401 carries the id too, and is traced and logged.
+    app.add_middleware(
+        RequestIdMiddleware, sinks=request_sinks(options.otlp_endpoint, options.log_format)
+    )
     if options.cors_origins:  # added last, so outermost: a 401 or 413 carries its headers too
         app.add_middleware(
             CORSMiddleware,
@@ -68,8 +92,9 @@ def create_app(served: ServedModel, options: ServeOptions) -> FastAPI:
             allow_headers=["*"],
         )
     _add_error_handlers(app)
-    metrics = ServeMetrics(served)
-    answers = AnswerService(served, ServedImages(served), metrics, options.defaults)
+    breaker = CircuitBreaker(options.breaker_threshold, options.breaker_pause)
+    metrics = ServeMetrics(served, breaker)
+    answers = AnswerService(served, ServedImages(served), metrics, options.defaults, breaker)
     app.include_router(audio_router(served, options))
     app.include_router(metrics_router(metrics))
     app.include_router(lora_router(served, adapters_folder(options.lora_dir)))
@@ -86,6 +111,15 @@ def create_app(served: ServedModel, options: ServeOptions) -> FastAPI:
         if status.state is LoadState.LOADING or starting:
             return error_response(
                 503, status.message, kind="unavailable_error", code="model_loading"
+            )
+        if breaker.state is not BreakerState.CLOSED:  # load balancers send work elsewhere
+            refusal = breaker.refusal()
+            return error_response(
+                503,
+                refusal.message,
+                kind="unavailable_error",
+                code=refusal.code,
+                headers=refusal.headers,
             )
         return JSONResponse({"status": "ok"})
 
@@ -118,24 +152,36 @@ def create_app(served: ServedModel, options: ServeOptions) -> FastAPI:
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        _record_error(exc.message)
         return exc.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _validation_error(exc).response(request.url.path)
+        error = _validation_error(exc)
+        _record_error(error.message)
+        return error.response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         status = exc.status_code
         message = {404: "no such endpoint", 405: "method not allowed"}.get(status, exc.detail)
         code = {413: "request_too_large"}.get(status, str(status))
+        _record_error(str(message))
         return shaped_response(request.url.path, status, str(message), code=code)
 
     @app.exception_handler(Exception)
     async def crashed(request: Request, exc: Exception) -> JSONResponse:
         log.exception("request %s failed", REQUEST_ID.get())
         message = f"internal error: {type(exc).__name__}: {exc}"
+        _record_error(message)
         return shaped_response(request.url.path, 500, message, kind="server_error")
+
+
+def _record_error(message: str) -> None:
+    """The request's record (its trace and log line) says why it failed."""
+    record = CURRENT_RECORD.get()
+    if record is not None:
+        record.error = message
 
 
 def _validation_error(exc: RequestValidationError) -> ApiError:

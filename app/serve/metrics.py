@@ -36,6 +36,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from miniapp.engine.api import Finished, FinishReason
 
 from ..host.model_host import LoadState
+from .breaker import BreakerState, CircuitBreaker
 from .service import RelayObserver, ServedModel, finish_reason
 
 # Seconds, for a CPU engine: a first token comes tens of ms after a short cached prompt, tens
@@ -77,8 +78,8 @@ def metrics_router(metrics: ServeMetrics) -> APIRouter:
 class ServeMetrics:
     """One app's figures, and the observers that record them."""
 
-    def __init__(self, served: ServedModel):
-        self.served = served
+    def __init__(self, served: ServedModel, breaker: CircuitBreaker | None = None):
+        self.served, self.breaker = served, breaker
         self.registry = CollectorRegistry()
         self.turns = _TurnCounts()
         self._define_counters()
@@ -163,6 +164,8 @@ class ServeMetrics:
             Gauge(name, text, registry=self.registry).set_function(read)
         self.registry.register(_AdapterFigures(self))
         self.registry.register(_ModelFigures(self))
+        if self.breaker is not None:
+            self.registry.register(_BreakerFigures(self.breaker))
 
     # -- what the gauges read at scrape time
 
@@ -319,3 +322,27 @@ class RequestObserver(RelayObserver):
         if self._closed or finished.reason is FinishReason.CANCELLED:
             return "cancelled"
         return finish_reason(finished)
+
+
+class _BreakerFigures:
+    """The circuit breaker: its state now (one series per state, 1 for the current one) and
+    how often it opened."""
+
+    def __init__(self, breaker: CircuitBreaker):
+        self.breaker = breaker
+
+    def collect(self):
+        current = self.breaker.state
+        state = GaugeMetricFamily(
+            "miniapp_breaker_state",
+            "The circuit breaker's state (1 for the current one): closed, open, half_open",
+            labels=("state",),
+        )
+        for each in BreakerState:
+            state.add_metric([each.value], 1.0 if each is current else 0.0)
+        yield state
+        trips = CounterMetricFamily(
+            "miniapp_breaker_trips", "Times the circuit breaker opened since the server started"
+        )
+        trips.add_metric([], self.breaker.trips)
+        yield trips

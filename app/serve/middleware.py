@@ -4,15 +4,22 @@ request's id (`X-Request-Id`)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
+import logging
 import re
 import uuid
+from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 
 from starlette.exceptions import HTTPException
 
-from .errors import shaped_response
+from .errors import ANTHROPIC_PATHS, shaped_response
 from .quotas import CURRENT_USE, KeyQuota, KeyTable, KeyUse
+from .records import CURRENT_RECORD, RequestRecord, now_ns
+
+log = logging.getLogger("miniapp.serve")
 
 OPEN_PATHS = frozenset({"/health"})  # answered without a key (load balancers probe it)
 
@@ -49,6 +56,9 @@ class ApiKeyMiddleware:
     async def _with_quota(self, quota: KeyQuota, scope, receive, send):
         use = KeyUse(quota)
         token = CURRENT_USE.set(use)
+        record = CURRENT_RECORD.get()
+        if record is not None:
+            record.key_name = quota.limits.name
 
         # A 429's own figures (set where it was refused) stand; others get the key's now.
         send_with_figures = _adding_headers(send, quota.headers, replace=False)
@@ -124,20 +134,121 @@ _CLIENT_ID = re.compile(r"^[\w.:/+=-]{1,128}$")  # what a client's own id may lo
 class RequestIdMiddleware:
     """Every request has an id: the client's `X-Request-Id` (as vLLM takes it), or one made
     here. The response carries it back, and the request's log lines and traces name it
-    (REQUEST_ID)."""
+    (REQUEST_ID). Each request's record (records.py) is made here, filled in by what runs
+    inside, and handed to each of `sinks` (its trace, its log line) once the response ends."""
 
-    def __init__(self, app):
-        self.app = app
+    def __init__(self, app, sinks: Sequence[Callable[[RequestRecord], None]] = ()):
+        self.app, self.sinks = app, tuple(sinks)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         given = dict(scope.get("headers") or []).get(b"x-request-id", b"").decode("latin-1")
         request_id = given if _CLIENT_ID.match(given) else uuid.uuid4().hex
-        token = REQUEST_ID.set(request_id)
+        record = RequestRecord(request_id, scope.get("method", ""), scope["path"])
+        tokens = REQUEST_ID.set(request_id), CURRENT_RECORD.set(record)
 
-        send_with_id = _adding_headers(send, lambda: {"x-request-id": request_id}, replace=True)
+        async def send_recorded(message):
+            if message["type"] == "http.response.start" and record.status is None:
+                record.status = message["status"]
+                record.response_started_ns = now_ns()
+            await send(message)
+
+        send_with_id = _adding_headers(
+            send_recorded, lambda: {"x-request-id": request_id}, replace=True
+        )
         try:
             await self.app(scope, receive, send_with_id)
+        except BaseException as exc:
+            record.error = record.error or f"{type(exc).__name__}: {exc}"
+            raise
         finally:
-            REQUEST_ID.reset(token)
+            record.ended_ns = now_ns()
+            REQUEST_ID.reset(tokens[0])
+            CURRENT_RECORD.reset(tokens[1])
+            for sink in self.sinks:
+                _told(sink, record)
+
+
+def _told(sink, record: RequestRecord) -> None:
+    """A sink that fails is logged, never the request's failure."""
+    try:
+        sink(record)
+    except Exception:  # noqa: BLE001
+        log.exception("recording request %s failed", record.request_id)
+
+
+class ClientStalled(Exception):
+    """The client read none of its response for the stall timeout."""
+
+
+class DeadlineMiddleware:
+    """`--request-timeout`: a request still running after it is stopped, its answers with
+    it: a 504 in the API's shape if nothing was sent yet, else the stream ends with an error
+    event. `--stall-timeout`: a client that leaves its response unread that long (its
+    socket's buffers full) is dropped as a disconnect is, so its answers stop and free their
+    slots instead of waiting on it. Both stop the answers through the request's record."""
+
+    def __init__(self, app, request_timeout: float | None, stall_timeout: float | None):
+        self.app, self.request_timeout, self.stall_timeout = app, request_timeout, stall_timeout
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not (self.request_timeout or self.stall_timeout):
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def guarded_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            if message["type"] != "http.response.body" or not self.stall_timeout:
+                return await send(message)
+            try:  # a timer per chunk, not a task: streams send one per token
+                async with asyncio.timeout(self.stall_timeout):
+                    await send(message)
+            except TimeoutError:
+                raise ClientStalled from None
+
+        try:
+            async with asyncio.timeout(self.request_timeout):
+                await self.app(scope, receive, guarded_send)
+        except TimeoutError:
+            _stop_answers()
+            await self._timed_out(scope, receive, send, started)
+        except BaseException as exc:  # a task group may wrap the stall in an ExceptionGroup
+            if not _is_stall(exc):
+                raise
+            _stop_answers()
+            log.warning("request %s: the client stopped reading; dropped", REQUEST_ID.get())
+
+    async def _timed_out(self, scope, receive, send, started: bool) -> None:
+        message = (
+            f"the request ran past the server's --request-timeout of {self.request_timeout:g} s "
+            "and was stopped"
+        )
+        log.warning("request %s: %s", REQUEST_ID.get(), message)
+        record = CURRENT_RECORD.get()
+        if record is not None:
+            record.error = message
+        if not started:
+            response = shaped_response(scope["path"], 504, message, code="request_timeout")
+            return await response(scope, receive, send)
+        body = shaped_response(scope["path"], 504, message, code="request_timeout").body
+        event = b"event: error\n" if scope["path"].startswith(ANTHROPIC_PATHS) else b""
+        last = {"type": "http.response.body", "body": event + b"data: " + body + b"\n\n"}
+        with contextlib.suppress(Exception):  # the client may be gone, or stalled too
+            async with asyncio.timeout(1.0):
+                await send(last | {"more_body": False})
+
+
+def _stop_answers() -> None:
+    record = CURRENT_RECORD.get()
+    if record is not None:
+        record.stop_answers()
+
+
+def _is_stall(exc: BaseException) -> bool:
+    if isinstance(exc, ClientStalled):
+        return True
+    if isinstance(exc, BaseExceptionGroup):
+        return any(_is_stall(inner) for inner in exc.exceptions)
+    return False

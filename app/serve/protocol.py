@@ -169,6 +169,8 @@ class Sampling(_Body):
     min_p: float | None = Field(None, ge=0, le=1)
     repeat_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks)
+    # vLLM's: among waiting requests the lowest goes first (a running one is not preempted).
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
     response_format: ResponseFormat | None = None
     # Other servers' names for constraints: llama-server's GBNF `grammar`, vLLM's
     # `guided_regex` and `guided_choice`.

@@ -221,6 +221,12 @@ class KeyTable:
         return found
 
 
+def current_key_name() -> str | None:
+    """The name of the key the current request came with (None: no key file's key)."""
+    use = CURRENT_USE.get()
+    return use.quota.limits.name if use is not None and use.quota is not None else None
+
+
 def admit_current(tokens: int) -> KeyUse | None:
     """Admit the current request's answers against its key's quota (a 429 if past it);
     None when its key has none. The caller settles the returned use when they end."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -30,6 +31,9 @@ from .quotas import KeyTable, read_key_file
 from .service import ServedModel
 
 STARTUP_TIMEOUT_S = 30.0
+# Bytes of a connection's unsent answer held by the kernel (which doubles it for its own
+# bookkeeping) and by asyncio, each: a few hundred SSE chunks. Ample on loopback and a LAN.
+SEND_BUFFER_BYTES = 32 * 1024
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -93,6 +97,12 @@ def start_api(
         lora_dir=getattr(args, "lora_dir", None),
         pooling=getattr(args, "pooling", None),
         keys=key_table(getattr(args, "api_key_file", None)),
+        request_timeout=getattr(args, "request_timeout", None),
+        stall_timeout=getattr(args, "stall_timeout", 30.0),
+        breaker_threshold=getattr(args, "breaker_threshold", 5),
+        breaker_pause=getattr(args, "breaker_pause", 10.0),
+        otlp_endpoint=getattr(args, "otlp_endpoint", None),
+        log_format=getattr(args, "log_format", "text"),
     )
     server = _start_uvicorn(create_app(served, options), address, port)
     bound = server.servers[0].sockets[0].getsockname()[1]
@@ -157,11 +167,30 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+def _http_protocol():
+    """uvicorn's HTTP protocol with small send buffers for each connection: the kernel's
+    (fixed, which turns off its autotuning, up to megabytes on loopback) and asyncio's. A
+    client that stops reading then fills them within tens of kilobytes, its sends block, and
+    `--stall-timeout` can drop it."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class SmallBuffers(AutoHTTPProtocol):
+        def connection_made(self, transport):
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+            transport.set_write_buffer_limits(high=SEND_BUFFER_BYTES)
+            super().connection_made(transport)
+
+    return SmallBuffers
+
+
 def _start_uvicorn(app, host: str, port: int):
     import uvicorn
 
     config = uvicorn.Config(
         app,
+        http=_http_protocol(),
         host=host,
         port=port,
         log_level="warning",

@@ -44,6 +44,7 @@ from ..host.model_host import (
     installed_model_spec,
     model_name,
 )
+from .breaker import Verdict
 from .errors import ApiError, bad_request
 from .quotas import KeyUse, settle
 
@@ -58,6 +59,7 @@ class Lease:
     model_id: str  # what the answers call it
     default: bool  # the server's own model (its adapters and pictures apply)
     release: Callable[[], None] = field(repr=False)
+    verdict: Verdict = field(default_factory=lambda: Verdict(None, False), repr=False)
     _done: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def end(self) -> None:
@@ -346,6 +348,7 @@ class Relay:
         self._cancel.set()
         self.observer.closed()
         if self.lease is not None:
+            self.lease.verdict.abandoned()  # unless the engine already gave one
             self.lease.end()
         settle(self.key_use, self.tokens_used)
         with self._lock:
@@ -381,13 +384,19 @@ class Relay:
                     )
                 for event in relay(events):
                     if isinstance(event, Finished):
+                        self._verdict().succeeded()
                         self.observer.finished(job.index, event)
                         with self._lock:
                             self.tokens_used += len(job.prompt) + event.stats.generated_tokens
                     self._put((job.index, event))
                 self._put((job.index, self._DONE))
         except BaseException as exc:  # noqa: BLE001 - raised in the event loop instead
+            if engine_failure(exc):
+                self._verdict().failed(f"{type(exc).__name__}: {exc}")
             self._put(exc)
+
+    def _verdict(self) -> Verdict:
+        return self.lease.verdict if self.lease is not None else Verdict(None, False)
 
     def _run_in_turn(self) -> None:
         """One answer at a time on a runtime that does not batch, on the compute thread."""
@@ -439,6 +448,14 @@ class _ObservedTokens:
         # A client that leaves has the relay close the stream while `generate` closes it too.
         if self._unclosed.acquire(blocking=False):
             self._observer.ended(self._index)
+
+
+def engine_failure(exc: BaseException) -> bool:
+    """Whether an error raised while generating is the engine's own (out of memory, a native
+    fault), rather than the request's (a bad constraint, a full queue) or a stop."""
+    if isinstance(exc, (ApiError, MiniappError)):
+        return False
+    return isinstance(exc, Exception)
 
 
 def _raise_if_error(item) -> None:

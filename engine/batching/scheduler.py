@@ -1,10 +1,14 @@
 """Many sequences at once on the torch engine: continuous batching.
 
-The scheduler owns the sequences: waiting in a FIFO queue, or running in one of `slots`
-slots. Each step is one forward pass over the rows of every running sequence: the next token
-of each decoding sequence, plus a bounded chunk of the prompts still being evaluated
-(chunked prefill), so a long prompt never freezes the streams that are running. Every
-sequence has its own caches, sampler and limits.
+The scheduler owns the sequences: waiting in a queue, or running in one of `slots` slots. A
+free slot goes to the waiting sequence with the most urgent priority (the lowest number, as
+vLLM's), then to the client (a server's API key) admitted least recently, so that clients
+take turns; within one client, first come, first served.
+
+Each step is one forward pass over the rows of every running sequence: the next token of
+each decoding sequence, plus a bounded chunk of the prompts still being evaluated (chunked
+prefill), so a long prompt never freezes the streams that are running. Every sequence has
+its own caches, sampler and limits.
 
 Each row is computed exactly as a decode step of its sequence alone would compute it (the
 matmuls are row-exact, attention runs each sequence over its own keys, prompt chunks go
@@ -39,6 +43,7 @@ from typing import Protocol
 import torch
 
 from ..errors import MiniappError
+from ..faults import check_injected_fault
 from ..kv.cache import Cache, common_prefix, keep_first, reusable_length
 from ..kv.types import KVSetting, bytes_per_token
 from ..lora.registry import AdapterSet
@@ -170,6 +175,8 @@ class _Sequence:
     decoder: SpeculativeDecoder | None = None  # while it runs alone and drafts
     drafts: bool = True  # False once the factory said drafting is off (or logprobs are asked)
     adapters: AdapterSet | None = None  # its LoRA adapters; its caches carry them
+    priority: int = 0  # lower goes first (params.priority)
+    client: str | None = None  # whose turn it is (params.client)
 
     @property
     def prefilling(self) -> bool:
@@ -202,6 +209,8 @@ class BatchScheduler:
         self._driven = False  # the driver holds a job that steps until no work is left
         self._lock = threading.Condition()
         self._waiting: deque[_Sequence] = deque()
+        self._admissions = 0  # sequences admitted so far
+        self._last_turn: dict[str | None, int] = {}  # client -> its latest admission's number
         self._running: list[_Sequence] = []
         self._pool: list[_Pooled] = []  # most recently finished last
         self._stepping = threading.Lock()  # held by the thread running a step
@@ -268,6 +277,8 @@ class BatchScheduler:
             history=list(prompt),
             drafts=params.logprobs is None,
             adapters=adapters,
+            priority=params.priority,
+            client=params.client,
         )
         if params.logprobs is not None:
             stream.logprobs = []
@@ -424,6 +435,7 @@ class BatchScheduler:
             alone = self._drafting_alone()
             batch = [(alone, alone.pending)] if alone else self._next_batch()
         try:
+            check_injected_fault()
             if alone is not None:
                 self._run_alone(alone)
             else:
@@ -474,14 +486,27 @@ class BatchScheduler:
             sequence.stream._items.put(_END)
 
     def _admit(self) -> None:
-        """First come, first served, while a slot is free and the head's KV fits."""
+        """The next in turn (`_next_in_turn`), while a slot is free and its KV fits."""
         while self._waiting and len(self._running) < self.config.slots:
-            if not self._room_for(self._waiting[0]):
+            sequence = self._next_in_turn()
+            if not self._room_for(sequence):
                 return
-            sequence = self._waiting.popleft()
+            self._waiting.remove(sequence)
+            self._admissions += 1
+            self._last_turn[sequence.client] = self._admissions
             sequence.stream.queued_s = time.perf_counter() - sequence.stream.submitted_at
             self._give_caches(sequence)
             self._running.append(sequence)
+
+    def _next_in_turn(self) -> _Sequence:
+        """The most urgent priority's waiting sequences; of those, the first of the client
+        whose latest admission is the oldest (a client never admitted goes first)."""
+        urgent = min(sequence.priority for sequence in self._waiting)
+        first_of_client: dict[str | None, _Sequence] = {}
+        for sequence in self._waiting:  # in arrival order
+            if sequence.priority == urgent:
+                first_of_client.setdefault(sequence.client, sequence)
+        return min(first_of_client.values(), key=lambda s: self._last_turn.get(s.client, 0))
 
     def kv_bytes_reserved(self) -> int:
         """KV memory the running sequences may reach, and what pooled prefixes hold. Safe
@@ -567,7 +592,8 @@ class BatchScheduler:
         chunk_rows = config.prefill_chunk
         if not batch:
             budget = chunk_rows = config.idle_prefill_rows
-        for sequence in self._running:
+        # The most urgent prompts first (a stable sort: then in order of admission).
+        for sequence in sorted(self._running, key=lambda s: s.priority):
             if sequence.prefilling and budget > 0:
                 limit = min(chunk_rows, budget, self.runner.max_chunk(sequence.caches))
                 chunk = sequence.pending[:limit]

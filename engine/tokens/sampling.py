@@ -40,6 +40,11 @@ class SamplingParams:
     # LoRA adapters the answer runs with, applied in this order (the torch engine's loaded
     # adapters, engine/lora). Empty: the base model alone.
     lora: tuple[LoraChoice, ...] = ()
+    # Not sampling, but carried with it to the batching scheduler, which orders waiting
+    # answers by them: the lowest `priority` first (vLLM's convention), then round-robin
+    # across `client`s (a server's API keys), so one client's burst cannot starve the others.
+    priority: int = 0
+    client: str | None = None
 
     @property
     def greedy(self) -> bool:
