@@ -17,6 +17,8 @@ import openai
 import pytest
 from test_serve import MODEL, running_server, wait_ready
 
+from miniapp.app.serve.breaker import BreakerState, CircuitBreaker, Verdict
+from miniapp.app.serve.errors import ApiError
 from miniapp.app.serve.middleware import DeadlineMiddleware
 from miniapp.app.serve.records import CURRENT_RECORD, RequestRecord
 from miniapp.engine.faults import FAULT_FILE_VARIABLE
@@ -163,3 +165,50 @@ def test_priority_is_taken_as_vllms_field_and_must_be_an_integer(server):
     assert chat(server, priority=-5).status_code == 200
     refused = chat(server, priority="high")
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "priority"
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_breaker_counts_only_failures_in_a_row_and_lets_one_probe_through_at_a_time():
+    clock = FakeClock()
+    breaker = CircuitBreaker(threshold=2, pause=10, clock=clock)
+    breaker.failed("oom", probe=False)
+    breaker.succeeded(probe=False)  # a success in between: the count starts again
+    breaker.failed("oom", probe=False)
+    assert breaker.state is BreakerState.CLOSED and breaker.admit() is False
+    breaker.failed("native fault", probe=False)
+    assert breaker.state is BreakerState.OPEN and breaker.trips == 1
+    with pytest.raises(ApiError) as refused:
+        breaker.admit()
+    assert refused.value.status == 503 and "native fault" in refused.value.message
+    assert refused.value.headers == {"Retry-After": "10"}
+    clock.now = 10.0
+    assert breaker.admit() is True  # the probe
+    with pytest.raises(ApiError):
+        breaker.admit()  # the others wait for the probe's verdict
+    breaker.abandoned(probe=True)  # its client left: the next request probes instead
+    assert breaker.admit() is True
+    breaker.failed("still failing", probe=True)  # open again, for another pause
+    assert breaker.state is BreakerState.OPEN and breaker.trips == 2
+    clock.now = 19.5
+    assert breaker.retry_after() == 1
+    clock.now = 20.0
+    assert breaker.admit() is True
+    breaker.succeeded(probe=True)
+    assert breaker.state is BreakerState.CLOSED and breaker.admit() is False
+
+
+def test_a_verdict_reaches_the_breaker_once_whatever_follows():
+    breaker = CircuitBreaker(threshold=1, pause=10, clock=FakeClock())
+    verdict = Verdict(breaker, probe=False)
+    verdict.succeeded()
+    verdict.failed("late")  # the same request's later report is ignored
+    assert breaker.state is BreakerState.CLOSED
+    Verdict(breaker, probe=False).failed("oom")
+    assert breaker.state is BreakerState.OPEN

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -48,6 +49,7 @@ from .breaker import Verdict
 from .errors import ApiError, bad_request
 from .quotas import KeyUse, settle
 
+log = logging.getLogger("miniapp.serve")
 RETRY_AFTER_S = 1  # what a client told "busy" (503) should wait before trying again
 
 
@@ -489,6 +491,9 @@ def api_error_for(exc: BaseException) -> ApiError | BaseException:
         return bad_request(str(exc), code="context_length_exceeded")
     if isinstance(exc, MiniappError):
         return bad_request(str(exc))
+    if engine_failure(exc):  # answered in the API's shape, the connection kept
+        log.error("the engine failed", exc_info=exc)
+        return ApiError(500, f"the engine failed: {type(exc).__name__}: {exc}", kind="server_error")
     return exc
 
 
