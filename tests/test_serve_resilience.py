@@ -78,9 +78,16 @@ def test_the_breaker_opens_after_engine_failures_refuses_at_once_and_closes_afte
 ):
     fault_file.touch()
     try:
-        for _ in range(2):  # the threshold: each fails in the engine
-            failed = chat(server)
-            assert failed.status_code == 500 and "fault was injected" in failed.text
+        # The threshold: two that fail in the engine, streamed (once the stream has begun:
+        # an error event ends it) and plain (a 500).
+        client = openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0)
+        stream = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, stream=True
+        )
+        with pytest.raises(openai.APIError, match="fault was injected"):
+            list(stream)
+        failed = chat(server)
+        assert failed.status_code == 500 and "fault was injected" in failed.text
         started = time.perf_counter()
         refused = chat(server)
         refused_in = time.perf_counter() - started

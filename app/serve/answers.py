@@ -31,7 +31,7 @@ from miniapp.engine.api import (
 )
 
 from .breaker import CircuitBreaker, Verdict
-from .errors import bad_request
+from .errors import ApiError, bad_request
 from .images import ServedImages, vision_producer
 from .logprobs import chat_logprobs, completion_logprobs
 from .lora import Picked, pick_adapters
@@ -460,7 +460,23 @@ async def until_disconnected(relay: Relay, request: Request) -> AsyncIterator:
 
 async def _stream(relay: Relay, answer: Answer) -> AsyncIterator[str]:
     """Server-sent events. Cancelled (the client went away), the relay's `finally` stops
-    every generation."""
+    every generation. An error once streaming (the engine failed) is the last event, in
+    the error shape, as OpenAI's streams end on one."""
+    try:
+        async for chunk in _chunks(relay, answer):
+            yield chunk
+    except ApiError as exc:
+        _record_stream_error(exc.message)
+        yield sse(exc.body())
+
+
+def _record_stream_error(message: str) -> None:
+    record = CURRENT_RECORD.get()
+    if record is not None:
+        record.error = message
+
+
+async def _chunks(relay: Relay, answer: Answer) -> AsyncIterator[str]:
     finished: dict[int, Finished] = {}
     usage_field = {"usage": None} if answer.body.include_usage else {}
     offsets = dict.fromkeys((job.index for job in relay.jobs), 0)  # characters sent, per choice
