@@ -109,8 +109,9 @@ FUZZ_MINUTES ?= 10
 fuzz: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python tests/fuzz_gguf.py --minutes $(FUZZ_MINUTES)
 
-# Eight clients send good and bad requests to `miniapp serve` for a set time; the server must
-# come out as it went in (tests/soak_serve.py says what is checked).
+# Eight clients send good and bad requests to `miniapp serve` with one key while a second key
+# floods at 10x its quota, for a set time; the server must come out as it went in
+# (tests/soak_serve.py says what is checked).
 SOAK_MINUTES ?= 20
 soak: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python tests/soak_serve.py --minutes $(SOAK_MINUTES)

@@ -4,12 +4,15 @@ set time, and the server must come out of it as it went in.
 Each client (a thread with its own seeded random mix) sends, over and over: chats of varied
 lengths, plain and streamed; streams it abandons after the first chunk; raw completions;
 malformed JSON; bodies over the size limit; unknown fields and unknown models; transcriptions
-of audio that is not audio. Meanwhile the server's resident memory is sampled.
+of audio that is not audio. They send with the polite key of the server's key file (no
+limits); beside them a second key floods at 10x its quota from 8 connections
+(tests/flood_clients.py). Meanwhile the server's resident memory is sampled.
 
 What must hold afterwards (`SoakFigures.problems`):
 - no status of 500 or above other than 503 (the queue's bound, with its code);
 - every completed answer valid: its finish reason, its token counts, its streamed chunks;
 - no answer left running or waiting (the /metrics gauges read 0);
+- every flood response a complete 200 or a 429 with Retry-After and rate_limit_exceeded;
 - peak RSS in the last quarter at most 5% above the peak in the second (the first quarter is
   warm-up: the first answers grow the allocator's pools and the prefix cache);
 - generated tokens per second in the last quarter at least 0.9x the first quarter's.
@@ -26,6 +29,7 @@ import argparse
 import json
 import random
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -35,11 +39,19 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
+from flood_clients import FLOOD_FACTOR, Flood, FloodFigures, key_file_text  # noqa: E402
 from test_serve import running_server, wait_ready  # noqa: E402
 
 CLIENTS = 8
 BODY_LIMIT_MB = 1
 SERVER_FLAGS = ("--parallel", "4", "--queue", "8", "--max-body-mb", str(BODY_LIMIT_MB))
+POLITE_KEY, FLOOD_KEY = "sk-soak-polite", "sk-soak-flood"
+# A small quota, so that the flood is refused for both reasons: its two answers at once are
+# busy, and its requests a minute run out after the first few. (With 30 a minute and one
+# answer at once, a busy 2-core machine only ever refused it for the first.)
+FLOOD_LIMITS = {"requests_per_minute": 6, "tokens_per_minute": 3000, "max_concurrent": 2}
+KEYS = {"polite": {"key": POLITE_KEY}, "flood": {"key": FLOOD_KEY, **FLOOD_LIMITS}}
+POLITE_HEADERS = {"Authorization": f"Bearer {POLITE_KEY}"}
 WORDS = (
     "the quick brown fox jumps over a lazy dog while seven small birds sing about "
     "rivers mountains and the long road home"
@@ -69,6 +81,7 @@ class SoakFigures:
     invalid: list[str] = field(default_factory=list)
     left_running: float = -1.0
     left_waiting: float = -1.0
+    flood: FloodFigures = field(default_factory=FloodFigures)
 
     def quarter(self, samples: list[tuple[float, int]], index: int) -> list[int]:
         start, end = self.seconds * index / 4, self.seconds * (index + 1) / 4
@@ -88,6 +101,7 @@ class SoakFigures:
     def problems(self) -> list[str]:
         found = [f"{n} x {status} on {kind}" for (kind, status), n in self.server_errors().items()]
         found += self.invalid[:5]
+        found += self.flood.problems()
         if self.left_running or self.left_waiting:
             found.append(f"left {self.left_running:g} running, {self.left_waiting:g} waiting")
         if self.rss_growth() > 0.05:
@@ -117,6 +131,7 @@ class SoakFigures:
             f"throughput, last quarter over first: {self.throughput_ratio():.2f}x",
             f"left running/waiting: {self.left_running:g}/{self.left_waiting:g}",
             f"invalid answers: {len(self.invalid)}",
+            self.flood.summary(),
         ]
         return "\n".join(lines)
 
@@ -124,11 +139,14 @@ class SoakFigures:
 class _Client:
     def __init__(self, base: str, seed: int, figures: SoakFigures, lock: threading.Lock):
         self.random = random.Random(seed)
-        self.model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
+        self.model = _model(base)
         self.figures, self.lock = figures, lock
         self.last_code = ""  # the error code of the last 503
         self.http = httpx.Client(
-            base_url=base, timeout=120, event_hooks={"response": [self._note_refusal]}
+            base_url=base,
+            headers=POLITE_HEADERS,
+            timeout=120,
+            event_hooks={"response": [self._note_refusal]},
         )
 
     def run(self, until: float) -> None:
@@ -279,6 +297,10 @@ class _Client:
         return response.status_code
 
 
+def _model(base: str) -> str:
+    return httpx.get(base + "/v1/models", headers=POLITE_HEADERS).json()["data"][0]["id"]
+
+
 def _resident_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -295,30 +317,41 @@ def _gauge(metrics: str, name: str) -> float:
 
 def soak(exe: str, seconds: float, clients: int = CLIENTS) -> SoakFigures:
     """Runs the soak against a server of its own and returns what it measured."""
-    with running_server(exe, *SERVER_FLAGS) as (proc, base):
-        wait_ready(base)
-        started = time.monotonic()
-        figures = SoakFigures(seconds, started)
-        until = started + seconds
-        lock = threading.Lock()
-        workers = [
-            threading.Thread(target=_Client(base, seed, figures, lock).run, args=(until,))
-            for seed in range(clients)
-        ]
-        for worker in workers:
-            worker.start()
-        while (now := time.monotonic()) < until:
-            figures.rss.append((now - started, _resident_bytes(proc.pid)))
-            time.sleep(0.5)
-        for worker in workers:
-            worker.join()
-        time.sleep(1.0)  # abandoned streams are noticed at their next token
-        metrics = httpx.get(base + "/metrics").text
-        figures.left_running = _gauge(metrics, "miniapp_requests_running")
-        figures.left_waiting = _gauge(metrics, "miniapp_requests_waiting")
-        if proc.poll() is not None:
-            figures.invalid.append(f"the server exited with {proc.returncode}")
-        return figures
+    with tempfile.TemporaryDirectory(prefix="soak-keys-") as folder:
+        key_file = Path(folder) / "keys.toml"
+        key_file.write_text(key_file_text(KEYS))
+        flags = (*SERVER_FLAGS, "--api-key-file", str(key_file))
+        with running_server(exe, *flags) as (proc, base):
+            wait_ready(base)
+            return _soak_server(proc, base, seconds, clients)
+
+
+def _soak_server(proc, base: str, seconds: float, clients: int) -> SoakFigures:
+    started = time.monotonic()
+    figures = SoakFigures(seconds, started)
+    until = started + seconds
+    lock = threading.Lock()
+    workers = [
+        threading.Thread(target=_Client(base, seed, figures, lock).run, args=(until,))
+        for seed in range(clients)
+    ]
+    flood = Flood(base, FLOOD_KEY, _model(base), FLOOD_FACTOR * FLOOD_LIMITS["requests_per_minute"])
+    figures.flood = flood.figures
+    workers.append(threading.Thread(target=flood.run, args=(until,)))
+    for worker in workers:
+        worker.start()
+    while (now := time.monotonic()) < until:
+        figures.rss.append((now - started, _resident_bytes(proc.pid)))
+        time.sleep(0.5)
+    for worker in workers:
+        worker.join()
+    time.sleep(1.0)  # abandoned streams are noticed at their next token
+    metrics = httpx.get(base + "/metrics", headers=POLITE_HEADERS).text
+    figures.left_running = _gauge(metrics, "miniapp_requests_running")
+    figures.left_waiting = _gauge(metrics, "miniapp_requests_waiting")
+    if proc.poll() is not None:
+        figures.invalid.append(f"the server exited with {proc.returncode}")
+    return figures
 
 
 def main() -> None:

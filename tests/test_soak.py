@@ -1,5 +1,6 @@
 """The serving soak's short version (tests/soak_serve.py; `make soak` runs it for 20
-minutes): one minute of eight clients sending good and bad requests."""
+minutes): one minute of eight clients sending good and bad requests with one key, while a
+second key floods at 10x its quota."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ def test_a_minute_of_mixed_requests_leaves_the_server_as_it_was(miniapp_exe):
     assert not figures.server_errors(), figures.summary()
     assert not figures.invalid, figures.invalid[:5]
     assert figures.left_running == 0 and figures.left_waiting == 0
+    assert not figures.flood.problems(), figures.flood.problems()
+    # The flood is both answered (within its quota) and refused (past it).
+    assert figures.flood.statuses[200] and figures.flood.statuses[429], figures.flood.summary()
     kinds = {kind for kind, status in figures.statuses}
     assert kinds == {
         "chat",

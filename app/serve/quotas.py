@@ -160,11 +160,12 @@ class KeyQuota:
             if self._tokens is not None:
                 waits["tokens"] = self._tokens.wait_for(tokens)
             if limits.max_concurrent is not None and self.running >= limits.max_concurrent:
+                # When a running answer ends is not known: a second, or the minute's wait.
                 raise self._refused(
                     f"key '{limits.name}' already has {self.running} answers running, its "
                     f"max_concurrent",
                     "requests",
-                    1.0,
+                    max(1.0, *waits.values()),
                 )
             kind = max(waits, key=waits.get)
             if waits[kind] > 0:
