@@ -11,7 +11,8 @@ MODELS_STAMP := $(VENV)/.models
 # browser tests; libgl1, libglib2.0-0: OpenCV under the OCR; fonts-dejavu-core: text images.
 SYSTEM_PACKAGES := espeak-ng sox libportaudio2 chromium libgl1 libglib2.0-0 fonts-dejavu-core
 
-.PHONY: setup system-packages run test package package-test lint bench llama-server fuzz soak clean
+.PHONY: setup system-packages run test package package-test lint bench llama-server fuzz fuzz-api soak \
+	clean
 
 setup: system-packages $(STAMP) $(MODELS_STAMP)
 
@@ -108,6 +109,12 @@ llama-server: $(STAMP)
 FUZZ_MINUTES ?= 10
 fuzz: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python tests/fuzz_gguf.py --minutes $(FUZZ_MINUTES)
+
+# Schema-driven fuzzing of `miniapp serve`: schemathesis generates requests for every operation
+# of its /openapi.json, valid and not, for a set time (tests/fuzz_api.py says what is checked).
+FUZZ_API_MINUTES ?= 20
+fuzz-api: setup
+	HF_HUB_OFFLINE=1 $(BIN)/python tests/fuzz_api.py --minutes $(FUZZ_API_MINUTES)
 
 # Eight clients send good and bad requests to `miniapp serve` with one key while a second key
 # floods at 10x its quota, for a set time; the server must come out as it went in

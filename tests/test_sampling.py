@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from miniapp.engine.tokens.sampler import Sampler, apply_presence_frequency, apply_repeat_penalty
@@ -64,3 +66,15 @@ def test_presence_and_frequency_penalties_follow_openais_rule_over_the_recent_to
     params = SamplingParams(temperature=0, presence_penalty=2.0, repeat_last_n=2)
     assert Sampler(params)(torch.tensor([3.0, 2.0, 0.0]), [0]) == 1
     assert Sampler(params)(torch.tensor([3.0, 2.0, 0.0]), [0, 2, 2]) == 0  # 0 is out of range
+
+
+def test_settings_at_the_edge_of_float32_still_draw_the_likely_token():
+    # Found by fuzzing the API: each of these once made every draw fail (a 500).
+    logits = torch.tensor([30.0, 29.0, -5.0, 12.0])
+    edges = [
+        SamplingParams(temperature=1.0, top_k=0, top_p=5e-324, min_p=0.0),  # rounds to 0
+        SamplingParams(temperature=1e-40, top_k=0, top_p=1.0, min_p=0.0),  # logits overflow
+        SamplingParams(temperature=1.0, top_k=1, repeat_penalty=5e-324),  # divides by ~0
+    ]
+    for params in edges:
+        assert Sampler(replace(params, seed=1))(logits, [0]) == 0, params

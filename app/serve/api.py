@@ -167,7 +167,9 @@ def _add_error_handlers(app: FastAPI) -> None:
         message = {404: "no such endpoint", 405: "method not allowed"}.get(status, exc.detail)
         code = {413: "request_too_large"}.get(status, str(status))
         _record_error(str(message))
-        return shaped_response(request.url.path, status, str(message), code=code)
+        return shaped_response(  # a 405's Allow header kept
+            request.url.path, status, str(message), code=code, headers=exc.headers
+        )
 
     @app.exception_handler(Exception)
     async def crashed(request: Request, exc: Exception) -> JSONResponse:

@@ -93,10 +93,16 @@ class _Unsupported(BaseModel):
 
 def _kind(default: str | None, served: tuple[str, ...]):
     """A discriminator: an object's `type` (default if it has none), "unsupported" if we do
-    not serve that type."""
+    not serve that type; None for what is no object at all (a number, a string), which
+    pydantic then refuses as a 400 naming the item."""
 
-    def kind(value: Any) -> str:
-        given = value.get("type", default) if isinstance(value, dict) else value.type
+    def kind(value: Any) -> str | None:
+        if isinstance(value, dict):
+            given = value.get("type", default)
+        elif isinstance(value, BaseModel):  # an item already parsed (a stored output)
+            given = getattr(value, "type", default)
+        else:
+            return None
         return given if given in served else "unsupported"
 
     return kind
@@ -179,7 +185,12 @@ InputItem = Annotated[
     | Annotated[FunctionCallItem, Tag("function_call")]
     | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
     | Annotated[_Unsupported, Tag("unsupported")],
-    Discriminator(_kind("message", ("message", "function_call", "function_call_output"))),
+    Discriminator(
+        _kind("message", ("message", "function_call", "function_call_output")),
+        custom_error_type="item_type",
+        custom_error_message="an input item must be an object: a message, a function call "
+        "or a function call's output",
+    ),
 ]
 _ITEMS = TypeAdapter(list[InputItem])
 
@@ -211,7 +222,11 @@ class FunctionTool(_Body):
 
 ToolSpec = Annotated[
     Annotated[FunctionTool, Tag("function")] | Annotated[_Unsupported, Tag("unsupported")],
-    Discriminator(_kind(None, ("function",))),
+    Discriminator(
+        _kind(None, ("function",)),
+        custom_error_type="tool_type",
+        custom_error_message="a tool must be an object with its type",
+    ),
 ]
 
 

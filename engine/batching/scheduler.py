@@ -72,6 +72,11 @@ MIN_PREFILL_ROWS = 4
 IDLE_PREFILL_ROWS = 256
 
 
+class SamplingError(MiniappError):
+    """A sequence's next token could not be drawn with its settings (a request's fault,
+    never its batch's: the other sequences of the step go on)."""
+
+
 class QueueFullError(MiniappError):
     """More requests wait than the queue holds; try again shortly (a server answers 503 with
     Retry-After)."""
@@ -644,7 +649,13 @@ class BatchScheduler:
             sequence.fed.extend(tokens)
             del sequence.pending[: len(tokens)]
         for sequence, row in zip(wanting, logits, strict=True):
-            self._sample(sequence, row)
+            try:
+                self._sample(sequence, row)
+            except Exception as exc:  # noqa: BLE001 - its own settings: the others go on
+                with self._lock:
+                    self._finish(
+                        sequence, SamplingError(f"this answer could not be sampled: {exc}")
+                    )
 
     def _sample(self, sequence: _Sequence, logits: torch.Tensor) -> None:
         token = sequence.sampler(logits, sequence.history)

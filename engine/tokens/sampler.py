@@ -83,7 +83,16 @@ class Sampler:
         probs = torch.softmax(values, dim=-1)
         keep = _top_p_mask(probs, p.top_p) & _min_p_mask(probs, p.min_p)
         values, ids = values[keep], ids[keep]
+        if p.temperature < SHIFTED_BELOW_TEMPERATURE:  # logits / a tiny temperature overflow
+            return torch.softmax((values - values[0]) / p.temperature, dim=-1), ids
         return torch.softmax(values / p.temperature, dim=-1), ids
+
+
+# Below this temperature the candidates' logits are shifted by the best one's before they
+# are divided (values[0]: they are sorted), so that none overflows; above it they are divided
+# as they are, which keeps the draws of ordinary settings as they have always been.
+SHIFTED_BELOW_TEMPERATURE = 1e-3
+MIN_REPEAT_PENALTY = 1e-6
 
 
 def sampler_for(params: SamplingParams, tokenizer: Tokenizer, prompt_tokens: int) -> Sampler:
@@ -112,6 +121,7 @@ def apply_repeat_penalty(
 ) -> torch.Tensor:
     """llama.cpp's rule: divide positive logits of recent tokens by the penalty, multiply others."""
     ids = torch.tensor(sorted(set(recent)), dtype=torch.long)
+    penalty = max(penalty, MIN_REPEAT_PENALTY)  # a logit divided by ~0 is infinite
     logits = logits.clone()
     chosen = logits[ids]
     logits[ids] = torch.where(chosen > 0, chosen / penalty, chosen * penalty)
@@ -140,7 +150,9 @@ def _top_p_mask(sorted_probs: torch.Tensor, top_p: float) -> torch.Tensor:
     if top_p >= 1.0:
         return torch.ones_like(sorted_probs, dtype=torch.bool)
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-    return mass_before < top_p
+    keep = mass_before < top_p
+    keep[0] = True  # a top_p that float32 rounds to 0 keeps nothing else
+    return keep
 
 
 def _min_p_mask(sorted_probs: torch.Tensor, min_p: float) -> torch.Tensor:
