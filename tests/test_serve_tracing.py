@@ -14,6 +14,7 @@ import threading
 import time
 from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -28,6 +29,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from miniapp.app.serve.records import AnswerTiming, RequestRecord
 from miniapp.app.serve.tracing import log_fields, outcome, span_sink, tracer_provider
+from miniapp.engine.faults import FAULT_FILE_VARIABLE
 
 MODEL = "smollm2-135m-instruct"
 START_TIMEOUT_S = 120.0
@@ -139,7 +141,13 @@ def receiver():
 
 
 @pytest.fixture(scope="module")
-def server(miniapp_exe, receiver):
+def fault_file(tmp_path_factory) -> Path:
+    """While this file exists, every step of the server's engine fails (engine/faults.py)."""
+    return tmp_path_factory.mktemp("faults") / "fail-every-step"
+
+
+@pytest.fixture(scope="module")
+def server(miniapp_exe, receiver, fault_file):
     """Two slots and one waiting place (a fourth request is refused by the engine); its
     stderr kept line by line."""
     flags = ["--threads", "1", "--parallel", "2", "--queue", "1"]
@@ -149,7 +157,7 @@ def server(miniapp_exe, receiver):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=os.environ.copy(),
+        env=os.environ | {FAULT_FILE_VARIABLE: str(fault_file)},
     )
     stderr: list[str] = []
     threading.Thread(target=keep_lines, args=(proc.stderr, stderr), daemon=True).start()
@@ -355,6 +363,29 @@ def test_bad_requests_are_refused_with_an_error_status(client, server, receiver)
     assert root.attributes["http.response.status_code"] == 404
     assert root.attributes["miniapp.outcome"] == "refused" and root.status == ERROR_CODE
     assert log_line(server, made_id)["outcome"] == "refused"
+
+
+def test_an_answer_the_engine_fails_is_a_failed_tree_naming_the_failure(
+    server, receiver, fault_file
+):
+    fault_file.touch()
+    try:
+        failed = httpx.post(
+            server.base + "/v1/chat/completions",
+            json=question("Hi", 4),
+            headers={"X-Request-Id": "engine-fails-1"},
+            timeout=60,
+        )
+    finally:
+        fault_file.unlink()
+    assert failed.status_code == 500, failed.text
+    root, children = tree(receiver.trace_of("engine-fails-1"))
+    assert root.attributes["miniapp.outcome"] == "failed"
+    assert root.attributes["http.response.status_code"] == 500
+    assert root.status == ERROR_CODE and "fault was injected" in root.description
+    assert "queue" in children and "decode" not in children  # it failed at its first step
+    logged = log_line(server, "engine-fails-1")
+    assert logged["outcome"] == "failed" and "fault was injected" in logged["error"]
 
 
 def test_an_answer_the_engines_full_queue_refuses_stops_at_its_queue(server, receiver):
