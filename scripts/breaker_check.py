@@ -25,7 +25,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from test_serve import MODEL, running_server, wait_ready  # noqa: E402
 
-from miniapp.engine.faults import FAULT_FILE_VARIABLE  # noqa: E402
+from miniapp.engine.platform.faults import FAULT_FILE_VARIABLE  # noqa: E402
 
 THRESHOLD = 3
 

@@ -21,7 +21,7 @@ from miniapp.app.serve.breaker import BreakerState, CircuitBreaker, Verdict
 from miniapp.app.serve.errors import ApiError
 from miniapp.app.serve.middleware import DeadlineMiddleware
 from miniapp.app.serve.records import CURRENT_RECORD, RequestRecord
-from miniapp.engine.faults import FAULT_FILE_VARIABLE
+from miniapp.engine.platform.faults import FAULT_FILE_VARIABLE
 
 REQUEST_TIMEOUT_S = 4
 BREAKER_PAUSE_S = 2

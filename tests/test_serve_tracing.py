@@ -26,13 +26,12 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
+from test_serve import MODEL, wait_ready
 
 from miniapp.app.serve.records import AnswerTiming, RequestRecord
 from miniapp.app.serve.tracing import log_fields, outcome, span_sink, tracer_provider
-from miniapp.engine.faults import FAULT_FILE_VARIABLE
+from miniapp.engine.platform.faults import FAULT_FILE_VARIABLE
 
-MODEL = "smollm2-135m-instruct"
-START_TIMEOUT_S = 120.0
 ARRIVAL_TIMEOUT_S = 15.0  # spans are exported every 0.5 s; a log line is written at once
 SERVER_KIND, ERROR_CODE = 2, 2  # OTLP's SPAN_KIND_SERVER and STATUS_CODE_ERROR
 STAGES = {"receive", "queue", "prefill", "decode", "stream"}
@@ -142,7 +141,7 @@ def receiver():
 
 @pytest.fixture(scope="module")
 def fault_file(tmp_path_factory) -> Path:
-    """While this file exists, every step of the server's engine fails (engine/faults.py)."""
+    """While this file exists, every step of the server's engine fails (platform/faults.py)."""
     return tmp_path_factory.mktemp("faults") / "fail-every-step"
 
 
@@ -179,15 +178,6 @@ def server(miniapp_exe, receiver, fault_file):
 def keep_lines(stream, lines: list[str]) -> None:
     for line in stream:
         lines.append(line)
-
-
-def wait_ready(base: str) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if httpx.get(base + "/health").status_code == 200:
-            return
-        time.sleep(0.2)
-    raise AssertionError("the server never became ready")
 
 
 @pytest.fixture(scope="module")

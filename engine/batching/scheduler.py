@@ -43,11 +43,11 @@ from typing import Protocol
 import torch
 
 from ..errors import MiniappError
-from ..faults import check_injected_fault
 from ..kv.cache import Cache, common_prefix, keep_first, reusable_length
 from ..kv.types import KVSetting, bytes_per_token
 from ..lora.registry import AdapterSet
 from ..models import CachePolicy, DecoderModel
+from ..platform.faults import check_injected_fault
 from ..speculative import SpeculativeDecoder
 from ..tokens.constraints import TokenGuide
 from ..tokens.events import SpeculationStats
