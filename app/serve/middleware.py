@@ -168,6 +168,7 @@ class RequestIdMiddleware:
             CURRENT_RECORD.reset(tokens[1])
             for sink in self.sinks:
                 _told(sink, record)
+            record.close()
 
 
 def _told(sink, record: RequestRecord) -> None:

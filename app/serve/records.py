@@ -93,6 +93,14 @@ class RequestRecord:
         for stop in stoppers:
             stop()
 
+    def close(self) -> None:
+        """The request is over: forget the stoppers. A record can outlive its request (an
+        asyncio timer made during it keeps a copy of its context, and so the record), and
+        the stoppers hold the answers' relays, and through them the model's runtime, which
+        an idle unload must be able to free."""
+        with self._lock:
+            self._stoppers.clear()
+
 
 class AnswerTimings(RelayObserver):
     """A relay's reports, written into its request's record (thread-safe: each hook writes

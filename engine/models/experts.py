@@ -119,7 +119,9 @@ class SharedExpert:
         self.gate = gate.double().reshape(-1, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = torch.sigmoid((x.double() @ self.gate).float())
+        # The sigmoid in float64 too: torch's vectorised float32 sigmoid and its scalar tail
+        # round differently, so a row's scale would depend on its place in the pass.
+        scale = torch.sigmoid(x.double() @ self.gate).float()
         return self.feed_forward.forward(x).float().mul_(scale)
 
     @property
