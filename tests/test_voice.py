@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from latency_budget import COMMIT_HYPOTHESES, latency_budget
 from speech_synth import CLEAN_SENTENCES, joined, require_tools, synthesize
 
 from miniapp.engine.errors import ModelFileError
@@ -86,11 +87,15 @@ def test_streaming_commits_early_on_one_clock(asr):
     assert np.mean(starts + ends) <= BOUNDARY_MAE_TARGET_S
     latencies = [w.committed_at - w.end for w in words]
     assert min(latencies) > 0  # nothing is committed before it was heard
-    assert np.median(latencies) <= COMMIT_LATENCY_TARGET_S, latencies
+    hypothesis_s = float(np.median(transcriber.hypothesis_costs))
+    budget = latency_budget(COMMIT_LATENCY_TARGET_S, hypothesis_s, COMMIT_HYPOTHESES)
+    assert np.median(latencies) <= budget, (latencies, hypothesis_s)
     assert any(isinstance(e, PartialText) and e.text for e in events)
     ends_of_utterance = [e for e in events if isinstance(e, EndOfUtterance)]
     assert len(ends_of_utterance) == 1 and list(ends_of_utterance[0].words) == words
-    assert transcriber.compute_s < speech.duration  # faster than real time
+    # It keeps up: on a CPU too slow for a hypothesis every chunk, hypotheses come further
+    # apart instead of using more than `max_busy` of the stream's time.
+    assert transcriber.compute_s < speech.duration
 
 
 def test_one_clock_across_buffer_trims_and_utterances(asr):

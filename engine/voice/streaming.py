@@ -62,6 +62,10 @@ class StreamingConfig:
     min_cut_gap_s: float = 0.15  # a pause at least this long is a place to cut
     idle_keep_s: float = 0.5  # while nobody speaks, keep this much (a word may be starting)
     prompt_chars: int = 200  # committed text before the buffer, given as Whisper's prompt
+    # At most this share of the stream's time goes to hypotheses: where one takes longer
+    # than a chunk (a slow CPU), the next waits for enough new audio instead of starting at
+    # once, so the stream keeps up, and the chat model keeps part of the CPU.
+    max_busy: float = 0.9
 
 
 class WallClock:
@@ -112,6 +116,7 @@ class StreamingTranscriber:
         self._partial = ""
         self._spans: list[Span] = []  # speech in the buffer, as of the last iteration
         self._speech_end = 0.0  # stream time at which the latest speech heard ended
+        self.hypothesis_costs: list[float] = []  # seconds each hypothesis took
 
     @property
     def received_s(self) -> float:
@@ -162,6 +167,8 @@ class StreamingTranscriber:
             return []
         if not self._has_new_speech(spans):
             return []  # no speech since everything heard was committed: nothing can change
+        if self._too_soon():
+            return []
         events = self._transcribe_and_agree()
         self._trim()
         return events
@@ -180,7 +187,21 @@ class StreamingTranscriber:
             return True
         return bool(spans) and self._sample(spans[-1].end) > self._decoded_to
 
+    def _too_soon(self) -> bool:
+        """Whether a hypothesis now would take more than `max_busy` of the stream's time:
+        it costs about what the latest did, and what it adds is the audio since then."""
+        new_audio_s = self.received_s - self._decoded_to / SAMPLE_RATE
+        latest = self.hypothesis_costs[-1] if self.hypothesis_costs else 0.0
+        return new_audio_s * self.config.max_busy < latest
+
     def _transcribe_and_agree(self) -> list[VoiceEvent]:
+        started = time.perf_counter()
+        try:
+            return self._hypothesis()
+        finally:
+            self.hypothesis_costs.append(time.perf_counter() - started)
+
+    def _hypothesis(self) -> list[VoiceEvent]:
         prompt = " ".join(self._prompt)
         words = self.asr.transcribe(
             self._buffer, prompt=prompt, offset=self._offset, beam_size=self.config.beam_size
