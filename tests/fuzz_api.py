@@ -60,7 +60,7 @@ from schemathesis.core.failures import FailureGroup
 from schemathesis.specs.openapi.checks import response_headers_conformance, unsupported_method
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_serve import START_TIMEOUT_S, wait_ready  # noqa: E402
+from test_serve import START_TIMEOUT_S, stop_server, wait_ready  # noqa: E402
 
 KEY = "sk-fuzz-0123456789"
 # Generous: the quota's admission and settling run on every answer, its 429s almost never.
@@ -535,11 +535,7 @@ def fuzz_server(exe: str, log_path: Path) -> Iterator[tuple[subprocess.Popen, st
             wait_ready(base)
             yield proc, base
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)
 
 
 def _announced_url(proc: subprocess.Popen, log_path: Path) -> str:

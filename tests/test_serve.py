@@ -39,11 +39,16 @@ def running_server(miniapp_exe: str, *flags: str) -> Iterator[tuple[subprocess.P
         threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep the pipe drained
         yield proc, base
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """Ask the server to stop; kill it if it has not within 15 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def read_line(proc: subprocess.Popen, timeout_s: float) -> str:

@@ -26,7 +26,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
-from test_serve import MODEL, wait_ready
+from test_serve import MODEL, stop_server, wait_ready
 
 from miniapp.app.serve.records import AnswerTiming, RequestRecord
 from miniapp.app.serve.tracing import log_fields, outcome, span_sink, tracer_provider
@@ -168,11 +168,7 @@ def server(miniapp_exe, receiver, fault_file):
         wait_ready(base)
         yield SimpleNamespace(base=base, stderr=stderr)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
 
 
 def keep_lines(stream, lines: list[str]) -> None:
