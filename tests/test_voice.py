@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from latency_budget import COMMIT_HYPOTHESES, latency_budget
@@ -96,6 +98,34 @@ def test_streaming_commits_early_on_one_clock(asr):
     # It keeps up: on a CPU too slow for a hypothesis every chunk, hypotheses come further
     # apart instead of using more than `max_busy` of the stream's time.
     assert transcriber.compute_s < speech.duration
+
+
+class _SlowerCPU:
+    """The recogniser on a CPU where each hypothesis costs `extra_s` more."""
+
+    def __init__(self, asr, extra_s: float):
+        self.asr, self.extra_s = asr, extra_s
+
+    @property
+    def alignment_lag_s(self) -> float:
+        return self.asr.alignment_lag_s
+
+    def transcribe(self, audio, **options):
+        time.sleep(self.extra_s)
+        return self.asr.transcribe(audio, **options)
+
+
+def test_on_a_cpu_too_slow_for_a_hypothesis_a_chunk_hypotheses_space_out_and_keep_up(asr):
+    speech = synthesize(CLEAN_SENTENCES[2], seed=2)
+    events, transcriber = _stream(_SlowerCPU(asr, extra_s=0.45), speech.audio)
+    costs = list(transcriber.hypothesis_costs)
+    assert min(costs) > 0.45
+    # Back to back, hypotheses would take all of the stream's time and more.
+    busy = StreamingConfig().max_busy
+    assert transcriber.compute_s <= busy * speech.duration + max(costs), (costs, speech.duration)
+    words = _committed(events)
+    assert word_error_rate(speech.text, " ".join(w.word for w in words)) == 0
+    _assert_one_clock(words)
 
 
 def test_one_clock_across_buffer_trims_and_utterances(asr):

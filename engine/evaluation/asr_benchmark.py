@@ -81,9 +81,9 @@ class _TimedASR:
     def alignment_lag_s(self) -> float:
         return self.asr.alignment_lag_s
 
-    def transcribe(self, audio, prompt: str = "", offset: float = 0.0, **options):
+    def transcribe(self, audio, prompt: str = "", offset: float = 0.0, beam_size: int = 1):
         started = self.clock()
-        words = self.asr.transcribe(audio, prompt=prompt, offset=offset, **options)
+        words = self.asr.transcribe(audio, prompt=prompt, offset=offset, beam_size=beam_size)
         heard_to = offset + len(audio) / SAMPLE_RATE
         self.calls.append(_Call(started, self.clock(), heard_to, tuple(words)))
         return words

@@ -4,7 +4,8 @@
 `process_iter` (every `chunk_s` of new audio) re-transcribes its buffer (the audio since the
 last trim) with the committed text as the prompt. LocalAgreement-2 commits the words two
 hypotheses in a row agree on, once a little audio follows them; a word Whisper is unsure of
-also waits for speech after it.
+also waits for speech after it. On a CPU where a hypothesis costs more than a chunk,
+hypotheses come further apart (`max_busy`) instead of back to back.
 Everything not yet committed is shown as partial text. Silero VAD skips the work while nobody
 speaks and ends an utterance after a long pause. The buffer is cut in a pause between
 committed words once it grows long, so its cost stays bounded.
@@ -116,7 +117,8 @@ class StreamingTranscriber:
         self._partial = ""
         self._spans: list[Span] = []  # speech in the buffer, as of the last iteration
         self._speech_end = 0.0  # stream time at which the latest speech heard ended
-        self.hypothesis_costs: list[float] = []  # seconds each hypothesis took
+        # Seconds each recent hypothesis took (the pacing reads the latest).
+        self.hypothesis_costs: deque[float] = deque(maxlen=1000)
 
     @property
     def received_s(self) -> float:
