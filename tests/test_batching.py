@@ -282,8 +282,8 @@ def test_a_compute_thread_runs_every_step_while_clients_wait_on_their_streams(mo
     assert stepped_on == {threading.current_thread().name}
 
 
-def _answer(runtime, prompt, request) -> tuple[str, GenerationStats]:
-    events = list(generate(runtime, prompt, request))
+def _answer(runtime, prompt, request, on_tokens=None) -> tuple[str, GenerationStats]:
+    events = list(generate(runtime, prompt, request, on_tokens=on_tokens))
     finished = events[-1]
     assert isinstance(finished, Finished)
     return "".join(e.text for e in events if isinstance(e, TextDelta)), finished.stats
@@ -300,9 +300,11 @@ def test_the_torch_runtime_with_parallel_answers_several_callers_at_once(tmp_pat
     request = GenerationRequest(max_tokens=16, ignore_end_of_turn=True)
     expected = [_answer(one_at_a_time, p, request)[0] for p in prompts]
     results: dict[int, tuple[str, GenerationStats]] = {}
+    all_queued = threading.Barrier(3)  # no one reads (and steps) before all three are queued
 
     def caller(i: int) -> None:
-        results[i] = _answer(together, prompts[i], request)
+        queued = lambda _stream: all_queued.wait(timeout=120)  # noqa: E731
+        results[i] = _answer(together, prompts[i], request, on_tokens=queued)
 
     callers = [threading.Thread(target=caller, args=(i,)) for i in range(3)]
     for thread in callers:

@@ -64,9 +64,12 @@ def _chat(runtime, text: str) -> list[int]:
     return runtime.tokenizer.encode_chat(rendered)
 
 
-def _answer(runtime, prompt, constraint, temperature=0.0, seed=None, max_tokens=160):
+def _answer(
+    runtime, prompt, constraint, temperature=0.0, seed=None, max_tokens=160, on_tokens=None
+):
     sampling = SamplingParams(temperature=temperature, seed=seed, constraint=constraint)
-    events = list(generate(runtime, prompt, GenerationRequest(max_tokens, sampling)))
+    request = GenerationRequest(max_tokens, sampling)
+    events = list(generate(runtime, prompt, request, on_tokens=on_tokens))
     finished = events[-1]
     assert isinstance(finished, Finished)
     return "".join(e.text for e in events if isinstance(e, TextDelta)), finished
@@ -129,9 +132,13 @@ def test_batched_sequences_each_follow_their_own_constraint(default_model, plain
     ]
     alone = [_answer(plain, prompt, c, max_tokens=60)[0] for prompt, c in jobs]
     results: dict[int, str] = {}
+    # Neither reads (and so steps) before both are queued: the first step holds both, however
+    # long the other's grammar takes to build on a slow CPU.
+    both_queued = threading.Barrier(2)
 
     def caller(i: int) -> None:
-        results[i] = _answer(together, *jobs[i], max_tokens=60)[0]
+        queued = lambda _stream: both_queued.wait(timeout=120)  # noqa: E731
+        results[i] = _answer(together, *jobs[i], max_tokens=60, on_tokens=queued)[0]
 
     threads = [threading.Thread(target=caller, args=(i,)) for i in range(2)]
     for thread in threads:
