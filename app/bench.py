@@ -290,6 +290,8 @@ def _start_worker(backend: str, model: Path, prompts: Path, ctx: int, args, spec
         for flag in ("sinks", "window"):
             if getattr(args, flag) is not None:
                 arguments += [f"--{flag}", str(getattr(args, flag))]
+        if args.kv_policy is not None:
+            arguments += ["--kv-policy", args.kv_policy]
     return WorkerProcess(backend, arguments)
 
 

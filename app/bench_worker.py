@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from miniapp.engine.api import MiniappError
+from miniapp.engine.api import WINDOW_POLICY, MiniappError
 from miniapp.engine.evaluation.benchmark import BenchSession
 
 from .worker_process import EXIT_USAGE
@@ -36,6 +36,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int)
     parser.add_argument("--sinks", type=int)
     parser.add_argument("--window", type=int)
+    parser.add_argument("--kv-policy", default=WINDOW_POLICY)
     parser.add_argument("--spec", default="off")
     parser.add_argument("--stop-at-end-of-turn", action="store_true")
     parser.add_argument("--device", default="auto")
@@ -52,6 +53,7 @@ def main() -> int:
             args.ctx,
             sinks=args.sinks,
             window=args.window,
+            kv_policy=args.kv_policy,
             spec=args.spec,
             stop_at_end_of_turn=args.stop_at_end_of_turn,
             device=args.device,

@@ -22,6 +22,7 @@ from miniapp.engine.api import (
     POOLING_CHOICES,
     SPEC_MODES,
     MiniappError,
+    check_kv_policy,
 )
 
 from .host.remote import add_remote_flags
@@ -98,6 +99,14 @@ def _add_model_args(
         "--sinks",
         type=_non_negative_int,
         help="torch engine: first tokens always kept as attention sinks (default: 4)",
+    )
+    parser.add_argument(
+        "--kv-policy",
+        type=check_kv_policy,
+        metavar="POLICY",
+        help="torch engine: which tokens the cache keeps once it is full: window (the sinks "
+        "and the most recent --window tokens) or attention (the sinks, a recent part and "
+        "the tokens attention used most; SnapKV on prompts, TOVA while answering)",
     )
 
 

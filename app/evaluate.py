@@ -75,6 +75,8 @@ def _open(args: argparse.Namespace, model, **options) -> Runtime:
     cache as --kv-type says (left out: the backend's own default)."""
     if args.backend == "torch":
         options.update(spec="off", device=args.device)
+        if getattr(args, "kv_policy", None):
+            options.update(kv_policy=args.kv_policy)
     kv = getattr(args, "kv_type", None)
     config = RuntimeConfig(str(model), args.backend, threads=args.threads, kv_type=kv, **options)
     return open_runtime(config)

@@ -27,6 +27,7 @@ from .errors import (
     ModelFileError,
     UnsupportedModelError,
 )
+from .kv.policies import KV_POLICIES, WINDOW_POLICY, check_kv_policy
 from .kv.types import DEFAULT_KV_TYPE, KV_TYPE_NAMES, kv_type
 from .lora.adapter import AdapterError, read_adapter
 from .lora.registry import (
@@ -107,6 +108,7 @@ class RuntimeConfig:
     ctx: int = DEFAULT_CTX
     window: int | None = None  # torch engine: recent tokens kept once the context is full
     sinks: int | None = None  # torch engine: first tokens kept (None: DEFAULT_SINKS)
+    kv_policy: str = WINDOW_POLICY  # torch engine: which tokens a full cache keeps
     threads: int | None = None
     parallel: int = 1  # generations at once (the torch engine batches them)
     kv_type: str | None = None  # the KV cache's storage (None: the backend's own default)
@@ -144,6 +146,7 @@ class RuntimeConfig:
             raise MiniappError(f"unknown backend '{self.backend}' (choose from {choices})")
         if self.kv_type is not None:
             kv_type(self.kv_type)  # a bad name is one line
+        check_kv_policy(self.kv_policy)
         if self.remote:
             self._check_remote()
 
@@ -153,6 +156,7 @@ class RuntimeConfig:
             for flag, given in (
                 ("--window", self.window is not None),
                 ("--sinks", self.sinks is not None),
+                ("--kv-policy", self.kv_policy != WINDOW_POLICY),
                 ("--spec " + str(self.spec), self.spec not in (SpecMode.AUTO, SpecMode.OFF)),
                 ("--device " + self.device, self.device != "auto"),
                 ("--kv-type", self.kv_type is not None),
@@ -191,6 +195,7 @@ def open_runtime(config: RuntimeConfig) -> Runtime | MessageRuntime:
         logits_all=config.logits_all,
         sinks=config.sinks,
         window=config.window,
+        kv_policy=config.kv_policy,
         spec=config.spec,
         device=config.device,
         parallel=config.parallel,
@@ -283,6 +288,9 @@ __all__ = [
     "DEFAULT_MODEL",
     "DEFAULT_PARALLEL",
     "DEFAULT_SINKS",
+    "KV_POLICIES",
+    "check_kv_policy",
+    "WINDOW_POLICY",
     "DEVICE_CHOICES",
     "DeviceUnavailableError",
     "Finished",

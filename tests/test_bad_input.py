@@ -103,6 +103,24 @@ def test_a_bad_kv_type_is_one_line_naming_the_choices(miniapp_exe, tmp_path, com
     _assert_one_line_error(_run(miniapp_exe, *args), f"--kv-type '{args[-1]}'", KV_CHOICES)
 
 
+@pytest.mark.parametrize(
+    "command",
+    [["chat"], ["serve"], ["eval", "ppl", "__TEXT__", "--window", "64"], ["bench"]],
+    ids=["chat", "serve", "eval-ppl", "bench"],
+)
+def test_a_bad_kv_policy_is_one_line_naming_the_choices(miniapp_exe, tmp_path, command):
+    text = tmp_path / "text.txt"
+    text.write_text("some text " * 50)
+    args = [str(text) if a == "__TEXT__" else a for a in command]
+    done = _run(miniapp_exe, *args, "--kv-policy", "h2o")
+    _assert_one_line_error(done, "--kv-policy 'h2o'", "window, attention")
+
+
+def test_kv_policy_attention_is_refused_by_llamacpp_in_one_line(miniapp_exe):
+    done = _run(miniapp_exe, "chat", "--backend", "llamacpp", "--kv-policy", "attention")
+    _assert_one_line_error(done, "--kv-policy", "torch backend")
+
+
 def test_a_bad_kv_type_from_the_environment_is_one_line_naming_it(miniapp_exe):
     done = _run(miniapp_exe, "chat", env={**os.environ, "MINIAPP_KV_TYPE": "q9"})
     _assert_one_line_error(done, "setting kv_type (from the environment)", KV_CHOICES)

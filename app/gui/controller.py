@@ -17,6 +17,7 @@ from pathlib import Path
 from miniapp.engine.api import (
     BUNDLED,
     REMOTE_BACKEND,
+    WINDOW_POLICY,
     AdapterInfo,
     Conversation,
     Finished,
@@ -61,6 +62,7 @@ class ChatSettings:
     ctx: int = Settings.model_fields["ctx"].default
     window: int | None = None
     sinks: int | None = None
+    kv_policy: str = WINDOW_POLICY
     threads: int | None = None
     parallel: int = Settings.model_fields["parallel"].default
     # The launch's --kv-type (None: each backend's own default; the panel does not change it).
@@ -100,6 +102,7 @@ class ChatSettings:
             ctx=self.ctx,
             window=self.window,
             sinks=self.sinks,
+            kv_policy=self.kv_policy,
             threads=self.threads,
             parallel=parallel,
             kv_type=self.kv_type,

@@ -46,6 +46,7 @@ def settings_from_args(args: argparse.Namespace):
         ctx=args.ctx or defaults.ctx,
         window=args.window,
         sinks=args.sinks,
+        kv_policy=args.kv_policy,
         threads=args.threads,
         parallel=args.parallel,
         kv_type=runtime_kv_type(args),

@@ -10,7 +10,13 @@ import argparse
 import os
 from urllib.parse import urlsplit
 
-from miniapp.engine.api import REMOTE_BACKEND, MiniappError, RuntimeConfig, open_runtime
+from miniapp.engine.api import (
+    REMOTE_BACKEND,
+    WINDOW_POLICY,
+    MiniappError,
+    RuntimeConfig,
+    open_runtime,
+)
 
 from .settings import lora_specs, runtime_kv_type
 
@@ -51,6 +57,7 @@ def remote_config(args: argparse.Namespace, sampling: tuple[str, ...] = ()) -> R
         spec=getattr(args, "spec", "auto") or "auto",
         window=getattr(args, "window", None),
         sinks=getattr(args, "sinks", None),
+        kv_policy=getattr(args, "kv_policy", None) or WINDOW_POLICY,
         kv_type=runtime_kv_type(args),
         lora=lora_specs(args),
         base_url=api_base(url) if url else None,

@@ -29,12 +29,14 @@ from miniapp.engine.api import (
     DEVICE_CHOICES,
     KV_TYPE_NAMES,
     SPEC_MODES,
+    WINDOW_POLICY,
     GenerationRequest,
     LoraSpec,
     MiniappError,
     RuntimeConfig,
     SamplingParams,
     SpecMode,
+    check_kv_policy,
     check_scale,
     kv_type,
     parse_lora_flag,
@@ -95,6 +97,11 @@ class Settings(BaseModel):
     sinks: int | None = _field(
         None, f"torch engine: first tokens kept as attention sinks (default: {DEFAULT_SINKS})", ge=0
     )
+    kv_policy: str = _field(
+        WINDOW_POLICY,
+        "torch engine: which tokens a full cache keeps: window (the sinks and the most recent "
+        "--window) or attention (the sinks, the most recent and the ones attention used most)",
+    )
     spec: Spec = _field(
         SpecMode.AUTO.value, "speculative decoding (torch engine; output unchanged)"
     )
@@ -137,6 +144,14 @@ class Settings(BaseModel):
             return kv_type(value).name
         except MiniappError as exc:  # the engine's one line, naming the choices
             raise PydanticCustomError("kv_type", "{message}", {"message": str(exc)}) from None
+
+    @field_validator("kv_policy", mode="before")
+    @classmethod
+    def _known_kv_policy(cls, value: Any) -> str:
+        try:
+            return check_kv_policy(value)
+        except MiniappError as exc:
+            raise PydanticCustomError("kv_policy", "{message}", {"message": str(exc)}) from None
 
     @classmethod
     def fields_for(cls, command: str) -> list[str]:
@@ -252,7 +267,7 @@ def parse_value(name: str, text: str) -> Any:
 # ------------------------------------------------------------------ command-line flags
 
 # Flags whose values the engine checks as they are parsed (one line, exit code 2).
-_FLAG_TYPES = {"kv_type": kv_type_name}
+_FLAG_TYPES = {"kv_type": (kv_type_name, "TYPE"), "kv_policy": (check_kv_policy, "POLICY")}
 
 
 def add_flags(parser: argparse.ArgumentParser, command: str) -> None:
@@ -265,7 +280,8 @@ def add_flags(parser: argparse.ArgumentParser, command: str) -> None:
         if info.annotation is bool:  # a switch: present is true
             options["action"] = "store_true"
         elif name in _FLAG_TYPES:
-            options.update(type=_FLAG_TYPES[name], metavar="TYPE")
+            check, metavar = _FLAG_TYPES[name]
+            options.update(type=check, metavar=metavar)
         elif choices:
             options["choices"] = choices
         else:
@@ -314,6 +330,7 @@ def local_runtime_config(args: argparse.Namespace, model: str | None = None) -> 
         ctx=args.ctx,
         window=args.window,
         sinks=args.sinks,
+        kv_policy=args.kv_policy,
         threads=args.threads,
         parallel=parallel,
         kv_type=runtime_kv_type(args),

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..kv.policies import WINDOW_POLICY
 from ..runtimes import open_local_runtime
 from ..runtimes.base import Runtime
 from ..tokens.events import SpeculationStats
@@ -114,6 +115,7 @@ class BenchSession:
         ctx: int,
         sinks: int | None = None,
         window: int | None = None,
+        kv_policy: str = WINDOW_POLICY,
         spec: str = "off",
         stop_at_end_of_turn: bool = False,
         device: str = "auto",
@@ -131,6 +133,7 @@ class BenchSession:
             threads=threads,
             sinks=sinks,
             window=window,
+            kv_policy=kv_policy,
             spec=spec,
             device=device,
             kv=kv,

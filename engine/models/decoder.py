@@ -190,7 +190,9 @@ class Attention:
         keys, values = cache.update_and_fetch(qk[self.n_heads :][None], v[None])
         queries = qk[: self.n_heads]
         backend = self._backend(keys, queries.shape[1])
-        return backend.attend(queries, keys, values, cache, mask=mask)
+        out = backend.attend(queries, keys, values, cache, mask=mask)
+        _observe(cache, queries, self.scale)
+        return out
 
     def _attend_sequences(self, qk, v, rows: LayerRows) -> torch.Tensor:
         """Rows of several sequences: each sequence's rows over its own cache, as a pass over
@@ -213,8 +215,9 @@ class Attention:
             queries = qk[: self.n_heads, [d[1] for d in decodes]]
             backend = self._backend(decodes[0][2], 1)
             attended = backend.attend_one_each(queries, [d[2:] for d in decodes])
-            for j, (index, *_) in enumerate(decodes):
+            for j, (index, *_, cache) in enumerate(decodes):
                 outs[index] = attended[:, :, j : j + 1]
+                _observe(cache, queries[:, j : j + 1], self.scale)
         return torch.cat(outs, dim=2)
 
     def _attend_rows(self, qk, v, cache: Cache, masks: RowMasks) -> torch.Tensor:
@@ -242,6 +245,14 @@ class Attention:
         # kernel too, so every row matches it bit for bit).
         backend = self.native_backend if keys.is_cpu and self.native_backend else self.torch_backend
         return backend.attend_prefixes(qk[: self.n_heads], keys, values, cache, before)
+
+
+def _observe(cache: Cache, queries: torch.Tensor, scale: float) -> None:
+    """Tell a cache that chooses its tokens by attention (ScoredKVCache) the step's queries,
+    once the step has attended: it may evict now."""
+    observe = getattr(cache, "observe", None)
+    if observe is not None:
+        observe(queries, scale)
 
 
 class FeedForward:

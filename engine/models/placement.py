@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from ..kv.cache import Cache, KVCache, RotatingKVCache
+from ..kv.policies import WINDOW_POLICY
+from ..kv.scored import ScoredKVCache
 from ..kv.types import F32, KVSetting
 from ..ops.layers import CPU_INT4, Rope, WeightTarget
 from .config import DecoderConfig
@@ -26,7 +28,8 @@ class CachePolicy:
     memory, so generation never stops at a full context. Without it, a fixed cache of `ctx`
     positions refuses to overflow (evaluation on chunks that fit). Sliding-window layers
     always get a ring the size of their own window. Every cache stores keys and values as
-    `kv_type` says.
+    `kv_type` says. `kv_policy` (policies.py) chooses which tokens a streaming cache keeps:
+    the most recent (a ring) or those attention uses (ScoredKVCache, global layers only).
     """
 
     ctx: int
@@ -34,6 +37,7 @@ class CachePolicy:
     window: int | None = None  # default: ctx - sinks
     streaming: bool = True
     kv_type: KVSetting = F32
+    kv_policy: str = WINDOW_POLICY
 
     @property
     def window_size(self) -> int:
@@ -59,6 +63,17 @@ class CachePolicy:
                     window=c.sliding_window,
                     slack=PREFILL_CHUNK,
                     rope=ropes[True],
+                    kv_type=self.kv_type,
+                    device=device,
+                )
+            elif self.streaming and self.kv_policy != WINDOW_POLICY:
+                cache = ScoredKVCache(
+                    c.n_kv_heads,
+                    c.head_dim,
+                    sinks=self.sinks,
+                    window=self.window_size,
+                    max_chunk=PREFILL_CHUNK,
+                    rope=ropes[False],
                     kv_type=self.kv_type,
                     device=device,
                 )

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import MiniappError
+from ..kv.policies import WINDOW_POLICY
 from ..kv.types import kv_type
 from ..lora.registry import LoraSpec
 from ..tokens.spec_modes import SpecMode
@@ -28,6 +29,7 @@ def open_local_runtime(
     logits_all: bool = False,
     sinks: int | None = None,
     window: int | None = None,
+    kv_policy: str = WINDOW_POLICY,
     spec: str = SpecMode.AUTO,
     device: str = "auto",
     parallel: int = 1,
@@ -57,6 +59,7 @@ def open_local_runtime(
             threads=threads,
             sinks=sinks,
             window=window,
+            kv_policy=kv_policy,
             spec=spec,
             device=device,
             parallel=parallel,
@@ -69,8 +72,8 @@ def open_local_runtime(
     if backend == "llamacpp":
         from .llamacpp_runtime import LlamaCppRuntime
 
-        if sinks is not None or window is not None:
-            raise MiniappError("--window and --sinks apply to the torch backend only")
+        if sinks is not None or window is not None or kv_policy != WINDOW_POLICY:
+            raise MiniappError("--window, --sinks and --kv-policy apply to the torch backend only")
         if device != "auto":
             raise MiniappError("--device applies to the torch backend (llama.cpp picks its own)")
         if cpu_moe:

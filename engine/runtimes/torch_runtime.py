@@ -14,6 +14,7 @@ from ..batching.runner import ModelRunner, SequenceCaches
 from ..errors import MiniappError
 from ..kv.cache import Cache
 from ..kv.footprint import estimate_footprint
+from ..kv.policies import WINDOW_POLICY, check_kv_policy
 from ..kv.types import KVSetting, bytes_per_token, default_kv_type, kv_type
 from ..lora.adapter import LoraAdapter
 from ..lora.bound import BoundLora
@@ -89,6 +90,7 @@ class TorchRuntime(Runtime):
         gguf: GGUFFile | None = None,
         sinks: int = DEFAULT_SINKS,
         window: int | None = None,
+        kv_policy: str = WINDOW_POLICY,
         spec: SpecMode | str = SpecMode.AUTO,
         device: str = "auto",
         probe: DeviceProbe | None = None,
@@ -120,7 +122,13 @@ class TorchRuntime(Runtime):
         self.architecture = gguf.architecture
         self.tokenizer = Tokenizer(self.model_path)
         self.n_ctx = n_ctx
-        self.policy = CachePolicy(n_ctx, sinks=sinks, window=window, kv_type=self.kv_type)
+        self.policy = CachePolicy(
+            n_ctx,
+            sinks=sinks,
+            window=window,
+            kv_type=self.kv_type,
+            kv_policy=check_kv_policy(kv_policy),
+        )
         self.spec_mode = SpecMode(spec)
         # Kept across answers: what drafting costs and earns is learned as the chat goes.
         self.draft_controller = DraftController()
