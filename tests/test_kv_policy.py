@@ -6,6 +6,7 @@ depend on speculation or batching."""
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,13 +14,15 @@ import torch.nn.functional as F
 from generation_helpers import first_tokens
 from tiny_gguf import GEMMA3, LLAMA, write_tiny_model
 
+from miniapp.engine.errors import MiniappError
 from miniapp.engine.kv.cache import RotatingKVCache
 from miniapp.engine.kv.scored import POOL, SNAPSHOTS, ScoredKVCache
 from miniapp.engine.kv.types import kv_type
 from miniapp.engine.runtimes.torch_runtime import TorchRuntime
-from miniapp.engine.tokens.sampling import GREEDY
+from miniapp.engine.tokens.sampling import GREEDY, SamplingParams
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 32
+SAMPLED = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
 SCALE = HEAD_DIM**-0.5
 
 
@@ -169,12 +172,14 @@ def _prompts(n: int, length: int) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("policy") / "tiny.gguf", LLAMA)
+    # Logits spread as a trained model's, so that answers do not settle into one token.
+    spec = replace(LLAMA, output_norm_scale=0.15)
+    return write_tiny_model(tmp_path_factory.mktemp("policy") / "tiny.gguf", spec)
 
 
 def _runtime(path, **options) -> TorchRuntime:
     options = {"n_ctx": 1024, "threads": 1, "sinks": 4, "window": 48, **options}
-    return TorchRuntime(path, kv_policy="attention", **options)
+    return TorchRuntime(path, **{"kv_policy": "attention", **options})
 
 
 @pytest.mark.parametrize("spec", ["lookup", "auto"])
@@ -199,27 +204,49 @@ def test_a_greedy_answer_is_the_same_with_and_without_speculation(default_model,
     assert caches[0].evictions >= 5  # every 8 tokens or so once the budget is full
 
 
-def test_batched_sequences_equal_their_lone_runs(tiny):
-    prompts = _prompts(3, 120)
-    lone = _runtime(tiny)
-    want = [first_tokens(lone, p, 60) for p in prompts]
-    together = _runtime(tiny, parallel=3)
+def test_batched_sequences_with_different_policies_equal_their_lone_runs(tiny):
+    """Each answer's cache keeps tokens by its own policy (SamplingParams.kv_policy), and
+    rows of answers with different policies share steps. Sampled with seeds: the tiny
+    model's greedy answers settle into one token whatever the cache holds."""
+    prompts = _prompts(4, 120)
+    policies = ["attention", "window", "attention", None]  # None: the runtime's (window)
+    params = [replace(SAMPLED, seed=i, kv_policy=p) for i, p in enumerate(policies)]
+    # Without drafting: sampled drafts keep the distribution, not each draw.
+    lone = {p: _runtime(tiny, kv_policy=p, spec="off") for p in ("attention", "window")}
+    want = [
+        first_tokens(lone[p or "window"], prompt, 60, replace(param, kv_policy=None))
+        for prompt, p, param in zip(prompts, policies, params, strict=True)
+    ]
+    window_first = first_tokens(lone["window"], prompts[0], 60, replace(params[0], kv_policy=None))
+    assert want[0] != window_first  # the policy matters
+    together = _runtime(tiny, parallel=4, kv_policy="window", spec="off")
     results: dict[int, list[int]] = {}
-    all_queued = threading.Barrier(3)
+    all_queued = threading.Barrier(4)
 
     def caller(i: int) -> None:
-        stream = together.generate_tokens(prompts[i], GREEDY)
+        stream = together.generate_tokens(prompts[i], params[i])
         all_queued.wait(timeout=60)  # none reads (and steps) before all are queued
         results[i] = [token for token, _ in zip(stream, range(60), strict=False)]
         stream.close()
 
-    threads = [threading.Thread(target=caller, args=(i,)) for i in range(3)]
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(4)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout=300)
-    assert [results[i] for i in range(3)] == want
-    assert together.scheduler.peak_batch == 3
+    assert [results[i] for i in range(4)] == want
+    assert together.scheduler.peak_batch == 4
+    # A finished answer's caches serve a later prompt of its own policy only.
+    again = first_tokens(together, prompts[1], 60, replace(params[1], kv_policy="attention"))
+    assert again == first_tokens(
+        lone["attention"], prompts[1], 60, replace(params[1], kv_policy=None)
+    )
+
+
+def test_an_unknown_policy_in_a_request_is_refused_in_one_line(tiny):
+    runtime = _runtime(tiny)
+    with pytest.raises(MiniappError, match="unknown --kv-policy 'h2o'"):
+        first_tokens(runtime, [1, 5, 6], 1, replace(GREEDY, kv_policy="h2o"))
 
 
 def test_gemma3_keeps_rings_in_its_local_layers(tmp_path):

@@ -311,6 +311,16 @@ def test_eight_clients_at_once_each_get_the_answer_they_get_alone(client):
     assert [together.get(i) for i in range(8)] == alone
 
 
+def test_a_request_may_choose_its_kv_policy_and_a_bad_one_is_a_400(client):
+    """Our extension (torch engine): which tokens the answer's cache keeps once full."""
+    chosen = chat(
+        client, "Say hi.", temperature=0, max_tokens=8, extra_body={"kv_policy": "attention"}
+    )
+    assert chosen.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="kv_policy"):
+        chat(client, "hi", extra_body={"kv_policy": "h2o"})
+
+
 def test_unsupported_and_bad_requests_are_400s_naming_the_field(client):
     with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs: true"):
         chat(client, "hi", top_logprobs=2)

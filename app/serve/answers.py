@@ -280,6 +280,7 @@ def _generation_request(
         lora=lora,
         priority=body.priority,
         client=current_key_name(),
+        kv_policy=body.kv_policy,
     )
     return GenerationRequest(
         max_tokens=max_tokens,

@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from miniapp.engine.api import (
+    KV_POLICIES,
     MAX_LORA_SCALE,
     ConstraintError,
     ConstraintKind,
@@ -171,6 +172,9 @@ class Sampling(_Body):
     ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks)
     # vLLM's: among waiting requests the lowest goes first (a running one is not preempted).
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
+    # Ours (torch engine): which tokens this answer's cache keeps once full (--kv-policy;
+    # unset: the server's).
+    kv_policy: Literal[KV_POLICIES] | None = None
     response_format: ResponseFormat | None = None
     # Other servers' names for constraints: llama-server's GBNF `grammar`, vLLM's
     # `guided_regex` and `guided_choice`.

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -48,6 +49,7 @@ class SequenceCaches(list):
     # for the same adapters.
     lora: AdapterSet | None = None
     lora_pass: tuple | None = None  # the last pass's grouping of adapters (engine/lora/rows.py)
+    kv_policy: str | None = None  # which tokens its caches keep once full (CachePolicy)
 
 
 class ModelRunner:
@@ -80,10 +82,15 @@ class ModelRunner:
         self.graphs, self.latest_static_step, self.graph_note = None, None, note
         self._batch_steps.clear()
 
-    def make_caches(self) -> SequenceCaches:
+    def make_caches(self, kv_policy: str | None = None) -> SequenceCaches:
         """Fresh caches for one sequence (allocated in full where steps replay graphs: the
-        graph reads fixed addresses)."""
-        caches = SequenceCaches(self.model.make_caches(self.policy))
+        graph reads fixed addresses), keeping tokens as `kv_policy` says (None: the
+        policy's own)."""
+        policy = self.policy
+        if kv_policy is not None and kv_policy != policy.kv_policy:
+            policy = replace(policy, kv_policy=kv_policy)
+        caches = SequenceCaches(self.model.make_caches(policy))
+        caches.kv_policy = policy.kv_policy
         if self.graphs is not None:
             for cache in caches:
                 cache.reserve()

@@ -44,6 +44,7 @@ import torch
 
 from ..errors import MiniappError
 from ..kv.cache import Cache, common_prefix, keep_first, reusable_length
+from ..kv.policies import check_kv_policy
 from ..kv.types import KVSetting, bytes_per_token
 from ..lora.registry import AdapterSet
 from ..models import CachePolicy, DecoderModel
@@ -182,6 +183,7 @@ class _Sequence:
     adapters: AdapterSet | None = None  # its LoRA adapters; its caches carry them
     priority: int = 0  # lower goes first (params.priority)
     client: str | None = None  # whose turn it is (params.client)
+    kv_policy: str | None = None  # which tokens its caches keep (None: the runtime's)
 
     @property
     def prefilling(self) -> bool:
@@ -272,6 +274,8 @@ class BatchScheduler:
         `adapters`: the LoRA adapters its rows run with (None: the base model)."""
         if not prompt:
             raise ValueError("empty prompt")
+        if params.kv_policy is not None:
+            check_kv_policy(params.kv_policy)
         stream = SequenceStream(self)
         sequence = _Sequence(
             stream,
@@ -284,6 +288,7 @@ class BatchScheduler:
             adapters=adapters,
             priority=params.priority,
             client=params.client,
+            kv_policy=params.kv_policy,
         )
         if params.logprobs is not None:
             stream.logprobs = []
@@ -478,7 +483,7 @@ class BatchScheduler:
         for sequence in self._running:
             kept = common_prefix(sequence.fed, sequence.history)  # drafts not yet accepted out
             del sequence.fed[kept:]
-            sequence.caches = self.runner.make_caches()
+            sequence.caches = self.runner.make_caches(sequence.kv_policy)
             self.runner.replay(sequence.fed, sequence.caches)
             sequence.pending = sequence.history[kept:]
             sequence.decoder = None  # its drafters ran on the old model
@@ -546,15 +551,18 @@ class BatchScheduler:
         return True
 
     def _best_prefix(
-        self, prompt: Sequence[int], adapters: AdapterSet | None
+        self, prompt: Sequence[int], adapters: AdapterSet | None, kv_policy: str | None = None
     ) -> tuple[_Pooled | None, int]:
         """The pooled caches sharing the longest prefix with the prompt, computed under the
         same adapters at the same scales (keys and values under other adapters differ:
-        llama.cpp once reused them across adapters, #26207)."""
+        llama.cpp once reused them across adapters, #26207), and keeping tokens by the same
+        KV policy."""
         best, shared = None, 0
         key = _adapter_key(adapters)
         for pooled in self._pool:
             if _adapter_key(getattr(pooled.caches, "lora", None)) != key:
+                continue
+            if self._policy_of(pooled.caches) != (kv_policy or self.policy.kv_policy):
                 continue
             length = reusable_length(pooled.caches, pooled.tokens, prompt)
             if length > shared:
@@ -565,9 +573,9 @@ class BatchScheduler:
         """The pooled caches holding the longest prefix of the prompt, trimmed to it, or
         fresh ones. At least the prompt's last token is fed again (its logits are needed)."""
         prompt = sequence.prompt
-        best, shared = self._best_prefix(prompt, sequence.adapters)
+        best, shared = self._best_prefix(prompt, sequence.adapters, sequence.kv_policy)
         if best is None:
-            sequence.caches = self._fresh_caches()
+            sequence.caches = self._fresh_caches(sequence.kv_policy)
         else:
             self._pool.remove(best)
             keep_first(best.caches, shared)
@@ -578,14 +586,19 @@ class BatchScheduler:
         sequence.pending = prompt[shared:]
         sequence.stream.cached_prompt_tokens = shared
 
-    def _fresh_caches(self) -> list[Cache]:
+    def _fresh_caches(self, kv_policy: str | None = None) -> list[Cache]:
         """Empty caches: the oldest pooled prefix's, cleared, when the pool is full (their
-        storage, and any graphs captured over it, serve again), else new ones."""
+        storage, and any graphs captured over it, serve again, if they keep tokens by the
+        same policy), else new ones."""
         if self._pool and len(self._pool) >= self.config.pooled_prefixes:
             caches = self._pool.pop(0).caches
-            keep_first(caches, 0)
-            return caches
-        return self.runner.make_caches()
+            if self._policy_of(caches) == (kv_policy or self.policy.kv_policy):
+                keep_first(caches, 0)
+                return caches
+        return self.runner.make_caches(kv_policy)
+
+    def _policy_of(self, caches: list[Cache]) -> str:
+        return getattr(caches, "kv_policy", None) or self.policy.kv_policy
 
     def _next_batch(self) -> list[tuple[_Sequence, list[int]]]:
         """Every decoding sequence's next token, and prompt chunks while the step's prompt

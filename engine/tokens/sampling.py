@@ -45,6 +45,9 @@ class SamplingParams:
     # across `client`s (a server's API keys), so one client's burst cannot starve the others.
     priority: int = 0
     client: str | None = None
+    # Which tokens the answer's cache keeps once full (engine/kv/policies.py; None: the
+    # runtime's --kv-policy). Answers with different policies still share batched steps.
+    kv_policy: str | None = None
 
     @property
     def greedy(self) -> bool:
