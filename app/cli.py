@@ -207,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_asr_eval_parser(eval_sub)
     _add_json_eval_parser(eval_sub)
+    _add_recall_eval_parser(eval_sub)
     rerank = eval_sub.add_parser(
         "rerank",
         help="how well the model ranks documents by relevance (what /v1/rerank serves): "
@@ -652,6 +653,51 @@ def _add_json_eval_parser(eval_sub) -> None:
     json_eval.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def _add_recall_eval_parser(eval_sub) -> None:
+    recall = eval_sub.add_parser(
+        "recall",
+        help="recall of facts once the KV cache is full: each --kv-policy beside the window "
+        "and a full cache, on generated documents (exact match, answer log-probability, "
+        "perplexity)",
+    )
+    # The budgets size the cache: --ctx and --window are refused, --sinks is S.
+    _add_model_args(recall, ctx_default=None)
+    _add_kv_type_arg(recall)
+    recall.add_argument(
+        "--budgets",
+        default="256,512,1024",
+        metavar="LIST",
+        help="cache budgets S + W in tokens, comma-separated (default 256,512,1024)",
+    )
+    recall.add_argument(
+        "--depths",
+        default="0.1,0.3,0.5,0.7,0.9",
+        metavar="LIST",
+        help="where the asked fact sits in its document, 0 (start) to 1 (end)",
+    )
+    recall.add_argument(
+        "--lengths",
+        default="2,4",
+        metavar="LIST",
+        help="document lengths as multiples of the budget (default 2,4)",
+    )
+    recall.add_argument(
+        "--cases", type=_positive_int, default=4, help="documents per depth and length"
+    )
+    recall.add_argument("--seed", type=int, default=0, help="seed of the generated documents")
+    recall.add_argument(
+        "--policies",
+        default="window,attention",
+        metavar="LIST",
+        help="KV policies compared (window is always among them; the full cache is added)",
+    )
+    recall.add_argument("--no-ppl", action="store_true", help="skip the perplexity part")
+    recall.add_argument(
+        "--text", metavar="FILE", help="UTF-8 text for the perplexity (default: generated)"
+    )
+    recall.add_argument("--json", action="store_true", help="print one JSON object")
+
+
 def _add_transcribe_parser(sub) -> None:
     transcribe = sub.add_parser("transcribe", help="speech to text, every word with its times")
     transcribe.add_argument("file", help="an audio file (anything FFmpeg reads)")
@@ -738,7 +784,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return run_config(args)
     if command == "eval":
-        from .evaluate import run_asr, run_compare, run_json, run_ppl, run_rerank
+        from .evaluate import run_asr, run_compare, run_json, run_ppl, run_recall, run_rerank
 
         handlers = {
             "ppl": run_ppl,
@@ -746,6 +792,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             "asr": run_asr,
             "json": run_json,
             "rerank": run_rerank,
+            "recall": run_recall,
         }
         return handlers[args.eval_command](args)
     if command == "bench" and args.mode == "lora":

@@ -272,3 +272,54 @@ def _json_eval_table(model: str, threads: int | None, load: dict, r) -> str:
         )
         lines.append(f"  FAILED {s.name}: " + "; ".join(why + [s.problem or "valid"]))
     return "\n".join(lines)
+
+
+def run_recall(args: argparse.Namespace) -> int:
+    """`miniapp eval recall`: facts at chosen depths of generated documents longer than the
+    KV cache's budget, asked for inside the prompt, after it in a chat, and second in a
+    chat; each KV policy beside the window and a full cache (engine/evaluation/recall.py)."""
+    from miniapp.engine.evaluation.recall import RecallSettings, format_report, parse_list
+    from miniapp.engine.evaluation.recall import run_recall as run_benchmark
+
+    if args.ctx is not None or args.window is not None:
+        raise MiniappError(
+            "eval recall sizes the cache from --budgets; leave out --ctx and --window"
+        )
+    policies = parse_list(args.policies, str, "--policies")
+    if args.kv_policy:  # --kv-policy P: P is compared too
+        policies += (args.kv_policy,)
+    settings = RecallSettings(
+        budgets=parse_list(args.budgets, int, "--budgets"),
+        depths=parse_list(args.depths, float, "--depths"),
+        lengths=parse_list(args.lengths, float, "--lengths"),
+        cases=args.cases,
+        seed=args.seed,
+        sinks=DEFAULT_SINKS if args.sinks is None else args.sinks,
+        policies=policies,
+        ppl=not args.no_ppl,
+    )
+    text = read_text(args.text) if args.text else None
+    model = resolve_model(args.model)
+
+    def open_condition(ctx: int, sinks: int, window: int, policy: str) -> Runtime:
+        config = RuntimeConfig(
+            str(model),
+            args.backend,
+            device=args.device,
+            spec="off",
+            ctx=ctx,
+            sinks=sinks,
+            window=window,
+            kv_policy=policy,
+            threads=args.threads,
+            kv_type=args.kv_type,
+            cpu_moe=args.cpu_moe,
+        )
+        return open_runtime(config)
+
+    result = run_benchmark(open_condition, settings, text, args.text or "")
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        print(format_report(result))
+    return 0

@@ -70,6 +70,7 @@ class BenchResult:
     last_quarter: Quarter
     window: int | None = None
     sinks: int | None = None
+    kv_policy: str | None = None  # the torch engine's: which tokens a full cache keeps
     spec: str = "off"
     acceptance_rate: float = 0.0  # drafts accepted / drafted, over all runs
     tokens_per_step: float = 1.0  # tokens per full-model pass, over all runs
@@ -144,6 +145,7 @@ class BenchSession:
         self.stop_tokens = self.runtime.tokenizer.eog_ids if stop_at_end_of_turn else frozenset()
         info = self.runtime.info()
         self.sinks, self.window = info.sinks, info.window  # the torch engine's sliding window
+        self.kv_policy = info.kv_policy
         self.kv_type, self.kv_bytes_per_token = info.kv_type, info.kv_bytes_per_token
         self.weight_bytes_per_token = info.weight_bytes_per_token
         self.n_tokens = n_tokens
@@ -217,6 +219,7 @@ class BenchSession:
             last_quarter=median_run.last_quarter,
             window=self.window,
             sinks=self.sinks,
+            kv_policy=self.kv_policy,
             spec=self.spec,
             acceptance_rate=sum(s.accepted for s in spec) / drafted if drafted else 0.0,
             tokens_per_step=sum(s.emitted for s in spec) / steps if steps else 1.0,

@@ -10,12 +10,15 @@ absolute position, which must stay within the model's trained context.
 
 When held tokens reach the budget, `observe` scores them after the step's attention and
 keeps `sinks + window - slack`, so that eviction runs once per `slack` tokens rather than at
-every step (and a decode step between evictions stays on the fused native layer):
-* a prompt chunk's scores are its last `observed_rows` rows' attention, summed over rows
-  (SnapKV's observation window): a question at the end of a prompt picks what it needs;
-* a decode step's are its own row's (TOVA: the current query's attention).
-For GQA, the query heads of a group are averaged onto their KV head; a max-pool along the
-slots keeps the neighbours of a chosen token (a fact is several tokens).
+every step (and a decode step between evictions stays on the fused native layer). The
+scores are the attention of the row that filled the budget (TOVA: the current query's),
+prompt row or answer row alike: `max_chunk` ends a pass just before that row, so the
+evictions fall on the same tokens and are scored by the same row however a prompt is cut
+into passes, and an answer does not depend on chunking, batching or drafting. (`observe`
+also takes several rows, summing their softmax as SnapKV's observation window does, for
+a caller that hands it a longer pass.) For GQA, the query heads of a group are averaged
+onto their KV head; a max-pool along the slots keeps the neighbours of a chosen token (a
+fact is several tokens).
 
 Speculative roll-back stays exact: an eviction keeps what undoes it (the evicted rows, and
 where each kept one came from), and a trim that removes the token whose row chose the
@@ -282,7 +285,10 @@ class ScoredKVCache(_OnStorage):
         return torch.arange(total).unsqueeze(0) <= query
 
     def max_chunk(self) -> int:
-        return max(self.capacity - self.held, 0)
+        """Up to the row that fills the budget, which then goes alone: evictions fall on
+        the same tokens, scored by the same row, however a prompt is cut into passes (and
+        the rows before share one storage, so they run together)."""
+        return max(self.budget - 1 - self.held, 1)
 
     # -- roll-back and reuse
 

@@ -52,6 +52,7 @@ class RuntimeInfo:
     endpoint: str | None = None  # that server's base URL
     weight_bytes_per_token: int | None = None  # the torch engine: weights a decode step reads
     adapters: tuple[str, ...] = ()  # LoRA adapters applied to every answer (llama.cpp's)
+    kv_policy: str | None = None  # the torch engine: which tokens a full cache keeps
 
     @property
     def label(self) -> str:

@@ -337,6 +337,7 @@ class TorchRuntime(Runtime):
             self.kv_type.name,
             per_token,
             weight_bytes_per_token=self._weight_bytes,
+            kv_policy=policy.kv_policy,
         )
 
     def reset(self) -> None:
