@@ -60,7 +60,9 @@ def _assert_best_kept(kept: list[list[int]], scores: torch.Tensor, cache: Scored
 
 
 def _cache(window: int = 64, kind: str = "f32") -> ScoredKVCache:
-    return ScoredKVCache(KV_HEADS, HEAD_DIM, 4, window, max_chunk=64, kv_type=kv_type(kind))
+    return ScoredKVCache(
+        KV_HEADS, HEAD_DIM, 4, window, max_chunk=64, prompt_capacity=256, kv_type=kv_type(kind)
+    )
 
 
 def _position_values(first: int, n: int) -> torch.Tensor:
@@ -97,6 +99,25 @@ def test_the_kept_tokens_are_the_float64_references_choice(rows):
     assert torch.equal(cache.values[0, :, : cache.held, 0].long(), cache.held_positions())
 
 
+@pytest.mark.parametrize("cuts", [[150], [40, 60, 50], [1] * 150])
+def test_a_prompt_is_held_whole_then_its_last_rows_choose(cuts):
+    """SnapKV at a prompt's end: the last 32 rows' attention (a question there chooses what
+    it needs), whatever passes the prompt came in."""
+    cache = _cache()
+    cache.open_prompt()
+    keys, queries, seed = [], [], 20
+    for n in cuts:
+        stored, q = _feed(cache, n, seed=seed)
+        keys, seed = stored, seed + 1
+        queries.append(q)
+    assert cache.evictions == 0 and cache.held == 150  # past the budget of 68: held whole
+    cache.close_prompt()
+    assert cache.evictions == 1 and cache.held == cache.keep
+    last_rows = torch.cat(queries, dim=1)[:, -32:]
+    scores = _reference_scores(last_rows, cache.key_codec.decode(keys)[0])
+    _assert_best_kept(cache.held_positions().tolist(), scores, cache)
+
+
 def test_heads_choose_their_own_tokens_and_sinks_and_recent_ones_stay():
     cache = _cache()
     _feed(cache, cache.budget + 10, seed=3)
@@ -109,9 +130,10 @@ def test_heads_choose_their_own_tokens_and_sinks_and_recent_ones_stay():
     assert kept[0].tolist() != kept[1].tolist()  # random keys: heads differ
 
 
-@pytest.mark.parametrize("kind", ["f16", "q8", "q8/q4"])
+@pytest.mark.parametrize("kind", ["f16", "q8", "q8/q4", "q4"])
 def test_quantized_rows_are_moved_as_stored(kind):
-    """q8 keys and q4 values are blocks of bytes: an eviction moves them untouched."""
+    """q8 and q4 rows are blocks of bytes: an eviction moves them untouched (q4 keys are
+    rows here, not tiles of 32 tokens: single tokens go)."""
     cache = _cache(kind=kind)
     stored, _ = _feed(cache, cache.budget + 5, seed=4)
     stored_values = cache.value_codec.encode(_position_values(0, cache.budget + 5))
@@ -119,11 +141,6 @@ def test_quantized_rows_are_moved_as_stored(kind):
     for head in range(KV_HEADS):
         assert torch.equal(cache.keys[0, head, : cache.held], stored[0, head, kept[head]])
         assert torch.equal(cache.values[0, head, : cache.held], stored_values[0, head, kept[head]])
-
-
-def test_q4_keys_are_refused_in_one_line():
-    with pytest.raises(Exception, match="q4 keys"):
-        _cache(kind="q4")
 
 
 def test_a_roll_back_never_brings_back_an_evicted_token():

@@ -44,7 +44,8 @@ import torch
 
 from ..errors import MiniappError
 from ..kv.cache import Cache, common_prefix, keep_first, reusable_length
-from ..kv.policies import check_kv_policy
+from ..kv.policies import WINDOW_POLICY, check_kv_policy
+from ..kv.scored import close_prompts, open_prompts
 from ..kv.types import KVSetting, bytes_per_token
 from ..lora.registry import AdapterSet
 from ..models import CachePolicy, DecoderModel
@@ -583,6 +584,8 @@ class BatchScheduler:
         if isinstance(sequence.caches, SequenceCaches):
             sequence.caches.lora = sequence.adapters  # the passes read the adapters here
             sequence.caches.lora_pass = None
+        if self._policy_of(sequence.caches) != WINDOW_POLICY:
+            open_prompts(sequence.caches)
         sequence.pending = prompt[shared:]
         sequence.stream.cached_prompt_tokens = shared
 
@@ -661,6 +664,9 @@ class BatchScheduler:
             sequence.decoder = None  # its drafters missed these tokens: a new one later
             sequence.fed.extend(tokens)
             del sequence.pending[: len(tokens)]
+        for sequence in wanting:  # a prompt's end: caches that choose by attention choose
+            if self._policy_of(sequence.caches) != WINDOW_POLICY:
+                close_prompts(sequence.caches)
         for sequence, row in zip(wanting, logits, strict=True):
             try:
                 self._sample(sequence, row)

@@ -869,7 +869,9 @@ def run_recall(
             elif condition == FULL:
                 runtime = open_runtime(s.sinks + full_window, s.sinks, full_window, WINDOW_POLICY)
             else:
-                runtime = open_runtime(budget, s.sinks, window, condition)
+                # The same budget; a context that holds a whole chat, so that a policy that
+                # chooses at a prompt's end (--kv-policy attention) sees all of it first.
+                runtime = open_runtime(s.sinks + full_window, s.sinks, window, condition)
             asker = _Asker(runtime, builder, s.max_answer_tokens)
             if condition == FULL:
                 asker.limit = full_window

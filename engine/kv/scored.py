@@ -8,17 +8,22 @@ attend to different things). Keys keep the rotation of their absolute positions,
 recent ring keeps it, so nothing is rotated again when tokens go; a query sits at its own
 absolute position, which must stay within the model's trained context.
 
-When held tokens reach the budget, `observe` scores them after the step's attention and
-keeps `sinks + window - slack`, so that eviction runs once per `slack` tokens rather than at
-every step (and a decode step between evictions stays on the fused native layer). The
-scores are the attention of the row that filled the budget (TOVA: the current query's),
-prompt row or answer row alike: `max_chunk` ends a pass just before that row, so the
-evictions fall on the same tokens and are scored by the same row however a prompt is cut
-into passes, and an answer does not depend on chunking, batching or drafting. (`observe`
-also takes several rows, summing their softmax as SnapKV's observation window does, for
-a caller that hands it a longer pass.) For GQA, the query heads of a group are averaged
-onto their KV head; a max-pool along the slots keeps the neighbours of a chosen token (a
-fact is several tokens).
+Two moments choose (`observe` hears each pass's queries once it has attended):
+* **A prompt's end** (SnapKV). Between `open_prompt` and `close_prompt` (the batching
+  scheduler calls them around each sequence's prompt) the cache holds the prompt whole, up
+  to `capacity` (the context, --ctx), and keeps its last 32 rows' queries; at the end those
+  rows' attention chooses what stays, so a question at the end of a document picks what it
+  needs. A prompt longer than the context is cut down the same way each time it fills it.
+* **An answer's tokens** (TOVA). Once held tokens reach the budget, the row that filled it
+  scores them and `sinks + window - slack` stay, so eviction runs once per `slack` tokens
+  (a sixteenth of the window) rather than at every step, and the steps between stay on the
+  fused native layer. `max_chunk` ends a pass just before that row, so evictions fall on
+  the same tokens, scored by the same row, however the tokens are cut into passes:
+  teacher-forced text (perplexity) goes this way too.
+Prompt rows skip the fused layer (it keeps its queries to itself), so a prompt's selection
+is the same whichever path its passes took. Scores: each row's softmax, summed over rows,
+the query heads of a GQA group averaged onto their KV head, then max-pooled over 7 slots so
+that a chosen token's neighbours stay with it (a fact is several tokens).
 
 Speculative roll-back stays exact: an eviction keeps what undoes it (the evicted rows, and
 where each kept one came from), and a trim that removes the token whose row chose the
@@ -34,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..errors import ContextFullError, MiniappError
+from ..errors import ContextFullError
 from ..ops.layers import Rope
 from .cache import _OnStorage
 from .storage import KVStorage, Slots
@@ -142,6 +147,7 @@ class ScoredKVCache(_OnStorage):
         sinks: int,
         window: int,
         max_chunk: int,
+        prompt_capacity: int = 0,
         rope: Rope | None = None,
         kv_type: KVSetting = F32,
         device: torch.device | str = "cpu",
@@ -151,14 +157,12 @@ class ScoredKVCache(_OnStorage):
         self.slack = eviction_slack(window)
         self.recent = min(RECENT, max(1, (window - self.slack) // 2))
         self.keep = self.budget - self.slack  # held after an eviction
-        # A prompt chunk goes in whole before it is scored; the budget alone is then full.
-        self.capacity = self.budget + max_chunk
-        storage = KVStorage(n_kv_heads, head_dim, kv_type, device, self.INITIAL_TOKENS)
-        if storage.tiles is not None:
-            raise MiniappError(
-                "--kv-policy attention does not take q4 keys yet (they are stored in tiles "
-                "of 32 tokens); use --kv-type q8/q4 or q8"
-            )
+        # A prompt is held whole, up to `prompt_capacity` tokens, before it is scored.
+        self.capacity = max(self.budget + max_chunk, prompt_capacity)
+        # q4 keys as rows: an eviction moves single tokens, which tiles of 32 cannot do.
+        storage = KVStorage(
+            n_kv_heads, head_dim, kv_type, device, self.INITIAL_TOKENS, key_tiles=False
+        )
         self._keep_in(storage)
         self.positions = torch.full((n_kv_heads, self.INITIAL_TOKENS), -1, dtype=torch.long)
         self.offset = 0  # the position of the next token
@@ -166,6 +170,9 @@ class ScoredKVCache(_OnStorage):
         self.evictions = 0
         self._snapshots: deque[_Snapshot] = deque(maxlen=SNAPSHOTS)
         self._fixed_until = -1  # the newest chooser whose eviction can no longer be undone
+        self._prompting = False  # between open_prompt and close_prompt
+        self._observed: torch.Tensor | None = None  # a prompt's last rows' queries
+        self._scale = 1.0
 
     # -- writing
 
@@ -174,7 +181,7 @@ class ScoredKVCache(_OnStorage):
         if needed > self.capacity:
             raise ContextFullError(
                 f"{n_new} tokens at once do not fit a cache of {self.capacity} "
-                "(the budget and one prompt chunk)"
+                "(the budget and one prompt chunk, or the context)"
             )
         slots = self.storage.slots
         if needed <= slots:
@@ -205,31 +212,62 @@ class ScoredKVCache(_OnStorage):
         return self.storage.read(0, self.held)
 
     def take_one(self, addresses: bool = False) -> Slots | None:
-        # The step that fills the budget is scored after its attention, off the fused layer.
-        if self.held + 1 >= self.budget or self.held + 1 > self.storage.slots:
+        # The step that fills the budget is scored after its attention, off the fused layer,
+        # and so is every prompt row (its query may score the prompt's selection).
+        if self._prompting or self.held + 1 >= self.budget or self.held + 1 > self.storage.slots:
             return None
         at = self._append(1)
         return self.storage.take_one(at, 0, self.held, addresses=addresses)
 
     def take_rows(self, n: int) -> Slots | None:
-        if not self.rows_share_storage(n):
+        if self._prompting or not self.rows_share_storage(n):
             return None
         at = self._append(n)
         return Slots(self.storage.read(at, self.held), self.storage.read(0, self.held))
 
     def rows_share_storage(self, n_new: int) -> bool:
-        """No eviction within the rows, and no growth."""
+        """No eviction within the rows, and (outside a prompt, where the fused layer may
+        take them) no growth."""
         end = self.held + n_new
+        if self._prompting:
+            return end < self.capacity - 1
         return end < self.budget and end <= self.storage.slots
 
     # -- eviction
 
-    def observe(self, queries: torch.Tensor, scale: float) -> None:
-        """After a step's attention: evict down to `keep` tokens if the budget is full,
-        scored by the step's last rows. queries: fp32 [heads, rows, head_dim], the step's
-        own (rotated) queries, its last row the newest token's."""
-        if self.held < self.budget:
+    def open_prompt(self) -> None:
+        """A prompt's rows come next: held whole (up to `capacity`), their queries kept, and
+        the selection made by its last rows at `close_prompt` (SnapKV)."""
+        self._prompting, self._observed = True, None
+
+    def close_prompt(self) -> None:
+        """The prompt is in: if it overflowed the budget, keep what its last rows' attention
+        chose (a question at its end chooses what it needs)."""
+        if not self._prompting:
             return
+        self._prompting = False
+        observed, self._observed = self._observed, None
+        if self.held >= self.budget and observed is not None:
+            self._evict(observed)
+
+    def observe(self, queries: torch.Tensor, scale: float) -> None:
+        """After a step's attention: evict down to `keep` tokens if the budget is full
+        (within a prompt: if `capacity` is), scored by the step's last rows. queries: fp32
+        [heads, rows, head_dim], the step's own (rotated) queries, its last row the newest
+        token's."""
+        self._scale = scale
+        if self._prompting:
+            seen = queries if self._observed is None else torch.cat([self._observed, queries], 1)
+            self._observed = seen[:, -OBSERVED_ROWS:].clone()
+            if self.held >= self.capacity - 1:  # a prompt longer than the context
+                self._evict(self._observed)
+            return
+        if self.held >= self.budget:
+            self._evict(queries)
+
+    def _evict(self, queries: torch.Tensor) -> None:
+        """Keep `keep` tokens, scored by the newest rows' queries (their last rows)."""
+        scale = self._scale
         rows = queries[:, -OBSERVED_ROWS:]
         stored_keys, stored_values = self.storage.read(0, self.held)
         keys = self.key_codec.decode(stored_keys)[0]
@@ -285,10 +323,11 @@ class ScoredKVCache(_OnStorage):
         return torch.arange(total).unsqueeze(0) <= query
 
     def max_chunk(self) -> int:
-        """Up to the row that fills the budget, which then goes alone: evictions fall on
-        the same tokens, scored by the same row, however a prompt is cut into passes (and
-        the rows before share one storage, so they run together)."""
-        return max(self.budget - 1 - self.held, 1)
+        """Up to the row that fills the budget (within a prompt: the capacity), which then
+        goes alone: evictions fall on the same tokens, scored by the same rows, however a
+        prompt is cut into passes (and the rows before share one storage)."""
+        limit = self.capacity if self._prompting else self.budget
+        return max(limit - 1 - self.held, 1)
 
     # -- roll-back and reuse
 
@@ -353,4 +392,19 @@ class ScoredKVCache(_OnStorage):
         self.positions.fill_(-1)
         self._snapshots.clear()
         self._fixed_until = -1
+        self._prompting, self._observed = False, None
         self.storage.clear()
+
+
+def open_prompts(caches) -> None:
+    """Before a sequence's prompt: its scored caches hold the prompt whole."""
+    for cache in caches:
+        if isinstance(cache, ScoredKVCache):
+            cache.open_prompt()
+
+
+def close_prompts(caches) -> None:
+    """After a sequence's prompt: its scored caches choose what they keep."""
+    for cache in caches:
+        if isinstance(cache, ScoredKVCache):
+            cache.close_prompt()

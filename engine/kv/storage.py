@@ -94,9 +94,12 @@ def _byte_layout(keys: torch.Tensor, values: torch.Tensor) -> tuple:
     )
 
 
-def _codecs(kind: KVSetting, head_dim: int, device: torch.device) -> tuple[KVCodec, KVCodec]:
-    """The key and value codecs (the same one when both are stored alike)."""
-    keys = KVCodec(kind.key, head_dim, device, keys=True)
+def _codecs(
+    kind: KVSetting, head_dim: int, device: torch.device, key_tiles: bool = True
+) -> tuple[KVCodec, KVCodec]:
+    """The key and value codecs (the same one when both are stored alike). Without
+    `key_tiles`, q4 keys are rows like values."""
+    keys = KVCodec(kind.key, head_dim, device, keys=key_tiles)
     same = kind.value == kind.key and not keys.tiled
     return keys, keys if same else KVCodec(kind.value, head_dim, device)
 
@@ -137,10 +140,13 @@ class KVStorage:
         device: torch.device | str,
         slots: int,
         front: int = 0,
+        key_tiles: bool = True,
     ):
+        """`key_tiles`: q4 keys in tiles (see the module); False stores them as rows, as
+        values are, for a cache that moves single rows about (scored.py)."""
         device = torch.device(device)
         self.heads, self.front = n_kv_heads, front
-        self.key_codec, self.value_codec = _codecs(kind, head_dim, device)
+        self.key_codec, self.value_codec = _codecs(kind, head_dim, device, key_tiles)
         self.tiles: KeyTiles | None = None
         self.lead: torch.Tensor | None = None  # fp32 [1, kv_heads, front, head_dim]
         if self.key_codec.tiled:

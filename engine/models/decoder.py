@@ -244,7 +244,9 @@ class Attention:
         # The native backend takes as many rows as there are here (a decode step runs that
         # kernel too, so every row matches it bit for bit).
         backend = self.native_backend if keys.is_cpu and self.native_backend else self.torch_backend
-        return backend.attend_prefixes(qk[: self.n_heads], keys, values, cache, before)
+        out = backend.attend_prefixes(qk[: self.n_heads], keys, values, cache, before)
+        _observe(cache, qk[: self.n_heads], self.scale)
+        return out
 
 
 def _observe(cache: Cache, queries: torch.Tensor, scale: float) -> None:

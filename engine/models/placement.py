@@ -73,6 +73,7 @@ class CachePolicy:
                     sinks=self.sinks,
                     window=self.window_size,
                     max_chunk=PREFILL_CHUNK,
+                    prompt_capacity=self.ctx,
                     rope=ropes[False],
                     kv_type=self.kv_type,
                     device=device,
