@@ -130,6 +130,18 @@ def test_heads_choose_their_own_tokens_and_sinks_and_recent_ones_stay():
     assert kept[0].tolist() != kept[1].tolist()  # random keys: heads differ
 
 
+def test_a_large_window_keeps_its_newest_half_as_the_window_policy_would():
+    """Attention chooses only part of a large window: the newest half of what stays after an
+    eviction is the window policy's own choice, so a fact the window holds that recently is
+    never lost to a choice made before its question came."""
+    cache = _cache(window=252)
+    assert cache.recent == (cache.keep - 4) // 2
+    _feed(cache, cache.budget + 40, seed=5)
+    assert cache.evictions >= 1
+    for head in cache.held_positions().tolist():
+        assert head[-cache.recent :] == list(range(cache.offset - cache.recent, cache.offset))
+
+
 @pytest.mark.parametrize("kind", ["f16", "q8", "q8/q4", "q4"])
 def test_quantized_rows_are_moved_as_stored(kind):
     """q8 and q4 rows are blocks of bytes: an eviction moves them untouched (q4 keys are

@@ -1,12 +1,13 @@
 """`--kv-policy attention`: a cache of fixed budget that keeps the tokens attention uses.
 
-`ScoredKVCache` holds the first `sinks` tokens, the most recent `recent`, and, of the rest,
-the ones the attention has used most, `sinks + window` tokens at most (the same budget as
-the window policy's ring). Tokens are kept in slots 0..held-1 of a `KVStorage`, in the
-order they came, each KV head choosing its own (SnapKV and kvpress choose per head: heads
-attend to different things). Keys keep the rotation of their absolute positions, as the
-recent ring keeps it, so nothing is rotated again when tokens go; a query sits at its own
-absolute position, which must stay within the model's trained context.
+`ScoredKVCache` holds the first `sinks` tokens, the most recent `recent` (half the window
+left after an eviction), and, of the rest, the ones the attention has used most,
+`sinks + window` tokens at most (the same budget as the window policy's ring). Tokens are
+kept in slots 0..held-1 of a `KVStorage`, in the order they came, each KV head choosing its
+own (SnapKV and kvpress choose per head: heads attend to different things). Keys keep the
+rotation of their absolute positions, as the recent ring keeps it, so nothing is rotated
+again when tokens go; a query sits at its own absolute position, which must stay within the
+model's trained context.
 
 Two moments choose (`observe` hears each pass's queries once it has attended):
 * **A prompt's end** (SnapKV). Between `open_prompt` and `close_prompt` (the batching
@@ -46,7 +47,12 @@ from .storage import KVStorage, Slots
 from .types import F32, KVSetting
 
 OBSERVED_ROWS = 32  # SnapKV's observation window: the prompt rows whose attention scores
-RECENT = 32  # newest tokens always kept (also what a roll-back can trim without a snapshot)
+RECENT = 32  # newest tokens always kept, at least (what a roll-back trims without a snapshot)
+# The share of the budget left after an eviction that goes to the newest tokens, as the
+# window policy would keep them; attention chooses the rest. With the newest 32 alone, a
+# fact the window still holds was lost whenever the rows that chose did not attend to it
+# (a question asked only after the document): see docs/BENCHMARKS.md, issue 55.
+RECENT_SHARE = 0.5
 POOL = 7  # slots a chosen token's max-pool reaches (SnapKV's kernel size)
 
 
@@ -93,6 +99,13 @@ def attention_scores(
     if pool > 1:
         scores = F.max_pool1d(scores[:, None], pool, stride=1, padding=pool // 2)[:, 0]
     return scores
+
+
+def recent_kept(kept_window: int) -> int:
+    """The newest tokens an eviction always keeps, of the `kept_window` beyond the sinks."""
+    if kept_window <= 2 * RECENT:
+        return max(1, min(RECENT, kept_window // 2))
+    return max(RECENT, int(kept_window * RECENT_SHARE))
 
 
 def choose_kept(scores: torch.Tensor, sinks: int, recent: int, keep: int) -> torch.Tensor:
@@ -155,7 +168,7 @@ class ScoredKVCache(_OnStorage):
         self.sinks, self.window, self.rope = sinks, window, rope
         self.budget = sinks + window
         self.slack = eviction_slack(window)
-        self.recent = min(RECENT, max(1, (window - self.slack) // 2))
+        self.recent = recent_kept(window - self.slack)
         self.keep = self.budget - self.slack  # held after an eviction
         # A prompt is held whole, up to `prompt_capacity` tokens, before it is scored.
         self.capacity = max(self.budget + max_chunk, prompt_capacity)
