@@ -207,7 +207,11 @@ class Flood:
 
     def _client(self) -> httpx.Client:
         headers = {"Authorization": f"Bearer {self.key}"}
-        return httpx.Client(base_url=self.base, headers=headers, timeout=120)
+        # A connection idle near the server's keep-alive (uvicorn closes after 5 s; a flood
+        # connection sends every few seconds) may be reused just as the server closes it,
+        # and the request dies unanswered. Dropping idle connections after 2 s avoids it.
+        limits = httpx.Limits(keepalive_expiry=2.0)
+        return httpx.Client(base_url=self.base, headers=headers, timeout=120, limits=limits)
 
     def _connection(self, index: int, started: float, until: float) -> None:
         rng = random.Random(self.seed + index)
