@@ -18,6 +18,7 @@ from miniapp.engine.errors import MiniappError
 from miniapp.engine.kv.cache import RotatingKVCache
 from miniapp.engine.kv.scored import POOL, SNAPSHOTS, ScoredKVCache
 from miniapp.engine.kv.types import kv_type
+from miniapp.engine.ops.layers import Rope, apply_rope
 from miniapp.engine.runtimes.torch_runtime import TorchRuntime
 from miniapp.engine.tokens.sampling import GREEDY, SamplingParams
 
@@ -194,6 +195,72 @@ def test_a_trim_undoes_the_last_evictions_it_kept_and_refuses_older_ones():
     assert cache.offset == after_first and torch.equal(cache.held_positions(), first_kept)
 
 
+ROPE = Rope(HEAD_DIM, HEAD_DIM, 10000.0, interleaved=False)
+
+
+def _compact_cache(kind: str = "f32", compact_from: int = 0) -> ScoredKVCache:
+    return ScoredKVCache(
+        KV_HEADS, HEAD_DIM, 4, 64, 64, 256, ROPE, kv_type(kind), compact_from=compact_from
+    )
+
+
+def _feed_rotated(cache: ScoredKVCache, raw: torch.Tensor, seed: int) -> None:
+    """Keys `raw` [kv_heads, n, head_dim] rotated at the positions they come at, as the
+    model stores them, with random queries observed."""
+    n = raw.shape[1]
+    tables = ROPE.tables(cache.offset, n)
+    keys = apply_rope(raw.transpose(0, 1), tables).transpose(0, 1)[None]
+    cache.update_and_fetch(keys, _position_values(cache.offset, n))
+    g = torch.Generator().manual_seed(seed)
+    cache.observe(torch.randn(HEADS, n, HEAD_DIM, generator=g) * 3, SCALE)
+
+
+def _assert_keys_at(cache: ScoredKVCache, raw: torch.Tensor, compact: bool) -> None:
+    """Each held key is its token's `raw` key rotated at its own position, or (compact) at
+    offset - held + its slot."""
+    kept = cache.held_positions()
+    for head in range(KV_HEADS):
+        if compact:
+            tables = ROPE.tables(cache.offset - cache.held, cache.held)
+        else:
+            tables = ROPE.each_shift_tables(kept[head][:, None])
+        want = apply_rope(raw[head, kept[head]][:, None], tables)[:, 0]
+        torch.testing.assert_close(cache.keys[0, head, : cache.held], want, atol=3e-5, rtol=0)
+
+
+@pytest.mark.parametrize("compact_from", [0, 150])
+def test_compact_positions_hold_each_survivor_as_if_it_had_come_just_before_the_newest(
+    compact_from,
+):
+    """From `compact_from` on (0: attention-compact; else the trained context less the
+    budget), slot j of `held` holds its token's key rotated at position offset - held + j
+    after each eviction: contiguous positions ending at the newest token, whatever the heads
+    chose. Before it, keys stay at their own positions."""
+    cache = _compact_cache(compact_from=compact_from)
+    g = torch.Generator().manual_seed(30)
+    raw = torch.randn(KV_HEADS, 260, HEAD_DIM, generator=g)
+    _feed_rotated(cache, raw[:, :60], seed=31)
+    for i in range(60, 260):
+        _feed_rotated(cache, raw[:, i : i + 1], seed=i)
+        if cache.offset == 140:  # evictions before compact_from keep positions
+            assert cache.evictions >= 3
+            _assert_keys_at(cache, raw, compact=compact_from == 0)
+    _assert_keys_at(cache, raw, compact=True)
+
+
+@pytest.mark.parametrize("kind", ["f32", "q8"])
+def test_a_roll_back_past_a_compacting_eviction_restores_the_keys_as_stored(kind):
+    cache = _compact_cache(kind)
+    g = torch.Generator().manual_seed(40)
+    _feed_rotated(cache, torch.randn(KV_HEADS, cache.budget - 1, HEAD_DIM, generator=g), 41)
+    before = cache.keys[:, :, : cache.held].clone()
+    _feed_rotated(cache, torch.randn(KV_HEADS, 1, HEAD_DIM, generator=g), 42)
+    assert cache.evictions == 1
+    assert not torch.equal(cache.keys[:, :, :4], before[:, :, :4])  # the sinks moved
+    cache.trim(1)
+    assert cache.evictions == 0 and torch.equal(cache.keys[:, :, : cache.held], before)
+
+
 def _prompts(n: int, length: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(n + length)
     return [[1, *torch.randint(3, 250, (length,), generator=g).tolist()] for _ in range(n)]
@@ -211,12 +278,16 @@ def _runtime(path, **options) -> TorchRuntime:
     return TorchRuntime(path, **{"kv_policy": "attention", **options})
 
 
-@pytest.mark.parametrize("spec", ["lookup", "auto"])
-def test_a_greedy_answer_is_the_same_with_and_without_speculation(default_model, spec):
+@pytest.mark.parametrize(
+    "spec, policy",
+    [("lookup", "attention"), ("auto", "attention"), ("lookup", "attention-compact")],
+)
+def test_a_greedy_answer_is_the_same_with_and_without_speculation(default_model, spec, policy):
     """Verification rows evict exactly where decode steps would, and roll-back undoes an
-    eviction a rejected draft chose: drafting leaves the answer unchanged."""
-    plain = _runtime(default_model, spec="off", window=60, threads=2)
-    drafting = _runtime(default_model, spec=spec, window=60, threads=2)
+    eviction a rejected draft chose (re-rotated keys included): drafting leaves the answer
+    unchanged."""
+    plain = _runtime(default_model, spec="off", window=60, threads=2, kv_policy=policy)
+    drafting = _runtime(default_model, spec=spec, window=60, threads=2, kv_policy=policy)
     text = (
         "Here is a list of fruits: apple, banana, cherry, date, elderberry, fig, grape, "
         "honeydew, kiwi, lemon, mango. Repeat the list of fruits twice, separated by commas:"

@@ -7,7 +7,12 @@ kept in slots 0..held-1 of a `KVStorage`, in the order they came, each KV head c
 own (SnapKV and kvpress choose per head: heads attend to different things). Keys keep the
 rotation of their absolute positions, as the recent ring keeps it, so nothing is rotated
 again when tokens go; a query sits at its own absolute position, which must stay within the
-model's trained context.
+model's trained context. So from `compact_from` on (the trained context less the budget;
+0 with --kv-policy attention-compact) each eviction rotates the survivors into contiguous
+positions ending at the newest token instead, as the window policy places its sinks: no
+distance a query sees then exceeds the budget, at the cost of rotating `keep - recent` keys
+per eviction (quantized keys are decoded and encoded again). Within the trained context
+true positions measured better (docs/BENCHMARKS.md, issue 55).
 
 Two moments choose (`observe` hears each pass's queries once it has attended):
 * **A prompt's end** (SnapKV). Between `open_prompt` and `close_prompt` (the batching
@@ -41,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ContextFullError
-from ..ops.layers import Rope
+from ..ops.layers import Rope, apply_rope
 from .cache import _OnStorage
 from .storage import KVStorage, Slots
 from .types import F32, KVSetting
@@ -78,6 +83,9 @@ class _Snapshot:
     keys: torch.Tensor  # [1, kv_heads, held - keep, width]: their rows as stored
     values: torch.Tensor
     positions: torch.Tensor  # [kv_heads, held]: every slot's position before the eviction
+    compacted: bool  # whether the keys were at contiguous positions before the eviction
+    # a compacting eviction: the rows it re-rotated (all but the newest), as stored before
+    unrotated: torch.Tensor | None = None
 
 
 def attention_scores(
@@ -124,6 +132,14 @@ def choose_kept(scores: torch.Tensor, sinks: int, recent: int, keep: int) -> tor
     return torch.cat([first, chosen, last], dim=1)
 
 
+def rotate_each(stored: torch.Tensor, rope: Rope, shifts: torch.Tensor, codec) -> torch.Tensor:
+    """Stored keys [1, kv_heads, n, width], each rotated by its own `shifts` [kv_heads, n]
+    positions and stored again (quantized keys are decoded and encoded once more)."""
+    keys = codec.decode(stored)[0]  # [kv_heads, n, head_dim]
+    tables = rope.each_shift_tables(shifts).to(stored.device)
+    return codec.encode(apply_rope(keys, tables)[None])
+
+
 def _rows(stored: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Rows [1, kv_heads, n, width] of `stored` at `slots` [kv_heads, n], per head."""
     index = slots[None, :, :, None].expand(-1, -1, -1, stored.shape[3])
@@ -164,8 +180,15 @@ class ScoredKVCache(_OnStorage):
         rope: Rope | None = None,
         kv_type: KVSetting = F32,
         device: torch.device | str = "cpu",
+        compact_from: int | None = None,
     ):
+        if compact_from is not None and rope is None:
+            raise ValueError("compact positions need the model's RoPE")
         self.sinks, self.window, self.rope = sinks, window, rope
+        # Evictions from this position on rotate the survivors into contiguous positions
+        # (None: never); once they have, every later one does.
+        self.compact_from = compact_from
+        self._compacted = False  # keys at contiguous positions ending at the newest
         self.budget = sinks + window
         self.slack = eviction_slack(window)
         self.recent = recent_kept(window - self.slack)
@@ -302,15 +325,35 @@ class ScoredKVCache(_OnStorage):
                 _rows(stored_keys, evicted.to(device)),
                 _rows(stored_values, evicted.to(device)),
                 self.positions[:, :held].clone(),
+                self._compacted,
             )
         )
         n = self.keep
         self.storage.keys[:, :, :n] = _rows(stored_keys, kept.to(device))
         self.storage.values[:, :, :n] = _rows(stored_values, kept.to(device))
+        if self._compacted or (self.compact_from is not None and self.offset >= self.compact_from):
+            self._compact(kept, held)
         self.positions[:, :n] = self.positions.gather(1, kept)
         self.positions[:, n:held] = -1
         self.held = n
         self.evictions += 1
+
+    def _compact(self, kept: torch.Tensor, held: int) -> None:
+        """Rotate the survivors before the newest run (already in place, called before
+        `positions` follows them) into the positions just before it, so the held keys sit
+        at contiguous positions ending at the newest token. The snapshot keeps them as they
+        were, for a roll-back."""
+        moved = self.keep - self.recent  # the newest run is where it belongs
+        if self._compacted:  # slot s of `held` was rotated at offset - held + s
+            rotated_at = kept[:, :moved] + (self.offset - held)
+        else:  # each key still at its own position
+            rotated_at = self.positions.gather(1, kept[:, :moved])
+        target = torch.arange(moved) + (self.offset - self.keep)
+        before = self.storage.keys[:, :, :moved].clone()
+        shifts = target - rotated_at
+        self.storage.keys[:, :, :moved] = rotate_each(before, self.rope, shifts, self.key_codec)
+        self._snapshots[-1].unrotated = before
+        self._compacted = True
 
     def held_positions(self) -> torch.Tensor:
         """Positions [kv_heads, held] of the tokens each KV head keeps, in slot order."""
@@ -381,13 +424,18 @@ class ScoredKVCache(_OnStorage):
         are dropped: the trim goes past them)."""
         keep, held = snapshot.kept.shape[1], snapshot.held
         device = self.storage.keys.device
-        keys = _scatter_rows(self.storage.keys[:, :, :keep], snapshot, device)
+        kept_keys = self.storage.keys[:, :, :keep]
+        if snapshot.unrotated is not None:
+            moved = snapshot.unrotated.shape[2]
+            kept_keys = torch.cat([snapshot.unrotated, kept_keys[:, :, moved:]], dim=2)
+        keys = _scatter_rows(kept_keys, snapshot, device)
         values = _scatter_rows(self.storage.values[:, :, :keep], snapshot, device, values=True)
         self._room(held - self.held if held > self.held else 0)
         self.storage.keys[:, :, :held] = keys
         self.storage.values[:, :, :held] = values
         self.positions[:, :held] = snapshot.positions
         self.positions[:, held:] = -1
+        self._compacted = snapshot.compacted
         self.held, self.offset = held, snapshot.chooser + 1
         self.evictions -= 1
 
@@ -405,6 +453,7 @@ class ScoredKVCache(_OnStorage):
         self.positions.fill_(-1)
         self._snapshots.clear()
         self._fixed_until = -1
+        self._compacted = False
         self._prompting, self._observed = False, None
         self.storage.clear()
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kv.cache import Cache, KVCache, RotatingKVCache
-from ..kv.policies import WINDOW_POLICY
+from ..kv.policies import COMPACT_POLICY, WINDOW_POLICY
 from ..kv.scored import ScoredKVCache
 from ..kv.types import F32, KVSetting
 from ..ops.layers import CPU_INT4, Rope, WeightTarget
@@ -42,6 +42,14 @@ class CachePolicy:
     @property
     def window_size(self) -> int:
         return self.window if self.window is not None else max(self.ctx - self.sinks, 1)
+
+    def _compact_from(self, config: DecoderConfig) -> int:
+        """The position from which a scored cache rotates what it keeps into contiguous
+        positions: at once with attention-compact, else once a sink's distance to a query
+        could pass the trained context."""
+        if self.kv_policy == COMPACT_POLICY:
+            return 0
+        return max(config.context_length - self.sinks - self.window_size, 0)
 
     def make_caches(
         self,
@@ -77,6 +85,7 @@ class CachePolicy:
                     rope=ropes[False],
                     kv_type=self.kv_type,
                     device=device,
+                    compact_from=self._compact_from(c),
                 )
             elif self.streaming:
                 cache = RotatingKVCache(

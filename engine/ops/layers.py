@@ -642,6 +642,14 @@ class Rope:
         """Tables that rotate by `delta` positions (any sign): RoPE(a) RoPE(b) = RoPE(a + b)."""
         return RopeTables(*self._build(delta, 1), self)
 
+    def each_shift_tables(self, deltas: torch.Tensor) -> RopeTables:
+        """Tables, fp32 deltas.shape + [head_dim], that rotate each element by its own
+        number of positions (int64 `deltas`, any shape, any sign)."""
+        angles = deltas.to(torch.float64)[..., None] * self.per_dim_freq
+        cos = angles.cos().float()
+        sin = (angles.sin() * self.sin_sign).float()
+        return RopeTables(cos, sin, self)
+
     def _build(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         # Angles in float64: positions reach 1e5+ and fp32 would lose the low bits.
         positions = torch.arange(start, start + count, dtype=torch.float64)[:, None]
