@@ -1,0 +1,152 @@
+"""Sampling on the device, for a batch of rows at once: the maths of sampler.py (grammar mask ->
+penalties -> top-k -> top-p -> min-p -> temperature -> draw, llama.cpp's order) written so
+that it can run inside a captured CUDA graph.
+
+The host `Sampler` works on one row with Python control flow and data-dependent shapes
+(`values[keep]`, `torch.unique`, `int(...)`), each of which waits for the device. Here every
+tensor has a fixed shape and no value comes back to the host: each row is sorted once, top-k,
+top-p and min-p become masks over ranks and cumulative mass, removed candidates are set to
+-inf before the final softmax, and the draw is an inverse CDF of a given uniform over the
+sorted probabilities. Rows may mix greedy and sampled settings; only the token ids [rows]
+need to cross to the host.
+
+The per-row settings live in `SamplingTensors`, built on the host from `SamplingParams` and
+histories (outside the graph) and copied into a captured graph's static buffers with `fill_`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import torch
+
+from .sampler import MIN_REPEAT_PENALTY, SHIFTED_BELOW_TEMPERATURE
+from .sampling import SamplingParams
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplingTensors:
+    """Sampling settings of each row, as tensors of shape [rows] on the device (see
+    `SamplingParams` for their meaning), plus what the penalties and a grammar need."""
+
+    temperature: torch.Tensor  # fp32; <= 0 greedy
+    top_k: torch.Tensor  # int64; <= 0 disables
+    top_p: torch.Tensor  # fp32; >= 1 disables
+    min_p: torch.Tensor  # fp32; <= 0 disables
+    repeat_penalty: torch.Tensor  # fp32; 1 disables
+    presence_penalty: torch.Tensor  # fp32; 0 disables
+    frequency_penalty: torch.Tensor  # fp32; 0 disables
+    # fp32 [rows, vocab]: how often each token occurs among the row's last repeat_last_n
+    # tokens (the host keeps it up to date); penalties apply where it is > 0.
+    counts: torch.Tensor
+    allowed: torch.Tensor | None = None  # bool [rows, vocab], True: the grammar allows it
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        histories: Sequence[Sequence[int]],
+        vocab: int,
+        allowed: torch.Tensor | None = None,
+        device: torch.device | str | None = None,
+    ) -> SamplingTensors:
+        """Settings for one row per `params`, after the tokens in `histories` (host side)."""
+        counts = torch.zeros(len(params), vocab)
+        for row, (p, history) in enumerate(zip(params, histories, strict=True)):
+            recent = list(history[-p.repeat_last_n :]) if p.repeat_last_n != 0 else []
+            if recent:  # sampler.py's window, so that the same settings penalise the same
+                counts[row] = torch.bincount(torch.tensor(recent), minlength=vocab)[:vocab]
+
+        def column(name: str, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)
+
+        return cls(
+            temperature=column("temperature", torch.float32),
+            top_k=column("top_k", torch.int64),
+            top_p=column("top_p", torch.float32),
+            min_p=column("min_p", torch.float32),
+            repeat_penalty=column("repeat_penalty", torch.float32),
+            presence_penalty=column("presence_penalty", torch.float32),
+            frequency_penalty=column("frequency_penalty", torch.float32),
+            counts=counts.to(device),
+            allowed=None if allowed is None else allowed.to(device=device, dtype=torch.bool),
+        )
+
+    def fill_(self, other: SamplingTensors) -> SamplingTensors:
+        """Copy `other`'s settings into these tensors in place (a captured graph reads them
+        at fixed addresses). Rows and vocabulary must match; a missing grammar mask in
+        `other` allows every token."""
+        for field in fields(self):
+            mine, theirs = getattr(self, field.name), getattr(other, field.name)
+            if mine is None:
+                if theirs is not None:
+                    raise ValueError(f"these settings have no {field.name} buffer to fill")
+            elif theirs is None:
+                mine.fill_(True)
+            else:
+                mine.copy_(theirs, non_blocking=True)
+        return self
+
+
+def sample(logits: torch.Tensor, settings: SamplingTensors, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token id per row (int64 [rows]) from fp32 logits [rows, vocab], drawn with the
+    row's uniform in [0, 1) by inverse CDF; greedy rows take their best token."""
+    probs, ids, best = _sorted_candidates(logits, settings)
+    cdf = probs.cumsum(-1)
+    target = uniforms[:, None].to(cdf.dtype) * cdf[:, -1:]  # the total is 1 up to rounding
+    pick = torch.searchsorted(cdf, target, right=True)  # first rank whose cdf passes it
+    # A uniform rounded up to 1 carries the target past the last candidate: stay on one
+    # that has mass (probabilities do not increase along the sorted order: a prefix).
+    last = ((probs > 0).sum(-1, keepdim=True) - 1).clamp_min(0)
+    token = ids.gather(-1, torch.minimum(pick, last)).squeeze(-1)
+    return torch.where(settings.temperature <= 0, best, token)
+
+
+def distribution(logits: torch.Tensor, settings: SamplingTensors) -> torch.Tensor:
+    """The dense probabilities [rows, vocab] `sample` draws from (sampler.py's
+    `Sampler.distribution`); for a greedy row, one-hot at its best token."""
+    probs, ids, best = _sorted_candidates(logits, settings)
+    dense = torch.zeros_like(probs).scatter_(-1, ids, probs)
+    one_hot = torch.zeros_like(probs).scatter_(-1, best[:, None], 1.0)
+    return torch.where(settings.temperature[:, None] <= 0, one_hot, dense)
+
+
+def _sorted_candidates(
+    logits: torch.Tensor, s: SamplingTensors
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(final probabilities in descending-logit order, their token ids, the best token) of
+    each row; candidates removed by top-k, top-p or min-p have probability 0."""
+    logits = _penalized(logits.float(), s)
+    values, ids = torch.sort(logits, dim=-1, descending=True, stable=True)
+    vocab = logits.shape[-1]
+    rank = torch.arange(vocab, device=logits.device)
+    top_k = torch.where(s.top_k > 0, s.top_k, vocab)[:, None]
+    values = values.masked_fill(rank >= top_k, NEG_INF)
+    # top-p and min-p judge the top-k candidates' probabilities before the temperature.
+    probs = torch.softmax(values, dim=-1)
+    mass_before = probs.cumsum(-1) - probs
+    top_p, min_p = s.top_p[:, None], s.min_p[:, None]
+    keep = (mass_before < top_p) | (top_p >= 1.0) | (rank == 0)  # the best always stays
+    keep &= (probs >= min_p * probs[:, :1]) | (min_p <= 0.0)
+    values = values.masked_fill(~keep, NEG_INF)
+    greedy = s.temperature[:, None] <= 0
+    temperature = torch.where(greedy, 1.0, s.temperature[:, None])  # greedy rows: unused
+    # Logits divided by a tiny temperature overflow: shift by the best one's first.
+    shift = torch.where(temperature < SHIFTED_BELOW_TEMPERATURE, values[:, :1], 0.0)
+    final = torch.softmax((values - shift) / temperature, dim=-1)
+    return final, ids, logits.argmax(-1)
+
+
+def _penalized(logits: torch.Tensor, s: SamplingTensors) -> torch.Tensor:
+    """The grammar mask, then sampler.py's penalties on the tokens each row has seen."""
+    if s.allowed is not None:
+        logits = logits.masked_fill(~s.allowed, NEG_INF)
+    seen = s.counts > 0
+    penalty = s.repeat_penalty.clamp_min(MIN_REPEAT_PENALTY)[:, None]
+    repeated = torch.where(logits > 0, logits / penalty, logits * penalty)
+    logits = torch.where(seen, repeated, logits)
+    subtract = s.presence_penalty[:, None] + s.frequency_penalty[:, None] * s.counts
+    return torch.where(seen, logits - subtract, logits)
