@@ -105,7 +105,7 @@ def _add_model_args(
         type=check_kv_policy,
         metavar="POLICY",
         help="torch engine: which tokens the cache keeps once it is full: window (the sinks "
-        "and the most recent --window tokens) or attention (the sinks, the recent half and "
+        "and the most recent --window tokens), attention (the sinks, the recent half and "
         "the tokens attention used most; SnapKV on prompts, TOVA while answering) or "
         "attention-compact (the same, the kept keys re-rotated into contiguous positions at "
         "each eviction; measured worse, kept for comparison)",
