@@ -100,7 +100,8 @@ class Settings(BaseModel):
     kv_policy: str = _field(
         WINDOW_POLICY,
         "torch engine: which tokens a full cache keeps: window (the sinks and the most recent "
-        "--window) or attention (the sinks, the most recent and the ones attention used most)",
+        "--window), attention (the sinks, the most recent and the ones attention used most) "
+        "or attention-compact (the same, re-rotated into contiguous positions; for comparison)",
     )
     spec: Spec = _field(
         SpecMode.AUTO.value, "speculative decoding (torch engine; output unchanged)"
