@@ -46,9 +46,9 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ContextFullError
-from ..ops.layers import Rope, apply_rope
+from ..ops.layers import Rope
 from .cache import _OnStorage
-from .storage import KVStorage, Slots
+from .storage import KVStorage, Slots, rotate_stored_keys
 from .types import F32, KVSetting
 
 OBSERVED_ROWS = 32  # SnapKV's observation window: the prompt rows whose attention scores
@@ -130,14 +130,6 @@ def choose_kept(scores: torch.Tensor, sinks: int, recent: int, keep: int) -> tor
     best = torch.sort(candidates, dim=1, descending=True, stable=True).indices[:, :middle]
     chosen = torch.sort(best, dim=1).values + sinks
     return torch.cat([first, chosen, last], dim=1)
-
-
-def rotate_each(stored: torch.Tensor, rope: Rope, shifts: torch.Tensor, codec) -> torch.Tensor:
-    """Stored keys [1, kv_heads, n, width], each rotated by its own `shifts` [kv_heads, n]
-    positions and stored again (quantized keys are decoded and encoded once more)."""
-    keys = codec.decode(stored)[0]  # [kv_heads, n, head_dim]
-    tables = rope.each_shift_tables(shifts).to(stored.device)
-    return codec.encode(apply_rope(keys, tables)[None])
 
 
 def _rows(stored: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -351,7 +343,8 @@ class ScoredKVCache(_OnStorage):
         target = torch.arange(moved) + (self.offset - self.keep)
         before = self.storage.keys[:, :, :moved].clone()
         shifts = target - rotated_at
-        self.storage.keys[:, :, :moved] = rotate_each(before, self.rope, shifts, self.key_codec)
+        tables = self.rope.each_shift_tables(shifts)
+        self.storage.keys[:, :, :moved] = rotate_stored_keys(before, tables, self.key_codec)
         self._snapshots[-1].unrotated = before
         self._compacted = True
 

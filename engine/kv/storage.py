@@ -39,7 +39,7 @@ from typing import NamedTuple
 import torch
 
 from ...native.attention import TiledKeys
-from ..ops.layers import Rope, apply_rope
+from ..ops.layers import Rope, RopeTables, apply_rope
 from .codec import TILE_ROWS, KVCodec
 from .key_tiles import KeyTiles
 from .types import KVSetting
@@ -114,13 +114,14 @@ def _shift(keys: torch.Tensor, rope: Rope, delta: int) -> torch.Tensor:
     return apply_rope(heads, rope.shift_tables(delta).to(keys.device)).transpose(0, 1)[None]
 
 
-def _rotate_keys(stored: torch.Tensor, rope: Rope, delta: int, codec: KVCodec) -> torch.Tensor:
-    """Stored keys [1, kv_heads, n, width] rotated by `delta` more positions (RoPE composes),
-    stored again. Quantized keys are decoded, rotated and quantized once more: callers
-    rotate from keys stored once (the sinks' own copies), so errors do not pile up."""
-    heads = codec.decode(stored)[0].transpose(0, 1)  # [n, kv_heads, head_dim]
-    tables = rope.shift_tables(delta).to(stored.device)
-    return codec.encode(apply_rope(heads, tables).transpose(0, 1)[None])
+def rotate_stored_keys(stored: torch.Tensor, tables: RopeTables, codec: KVCodec) -> torch.Tensor:
+    """Stored keys [1, kv_heads, n, width] rotated by more positions (RoPE composes), stored
+    again: `tables` shift all of them alike (`Rope.shift_tables`, [1, 1, head_dim]) or each
+    by its own (`Rope.each_shift_tables`, [kv_heads, n, head_dim]). Quantized keys are
+    decoded, rotated and quantized once more: the ring rotates from keys stored once (the
+    sinks' own copies), so errors do not pile up there."""
+    keys = codec.decode(stored)[0]  # [kv_heads, n, head_dim]
+    return codec.encode(apply_rope(keys, tables.to(stored.device))[None])
 
 
 class KVStorage:
@@ -264,7 +265,8 @@ class KVStorage:
             self.lead[:, :, to : to + n] = _shift(self.lead[:, :, source : source + n], rope, delta)
         else:
             stored = self.keys[:, :, source : source + n]
-            self.keys[:, :, to : to + n] = _rotate_keys(stored, rope, delta, self.key_codec)
+            tables = rope.shift_tables(delta)
+            self.keys[:, :, to : to + n] = rotate_stored_keys(stored, tables, self.key_codec)
 
     def close_gap(
         self, start: int, end: int, stop: int, rope: Rope, ring: int | None = None
@@ -285,7 +287,8 @@ class KVStorage:
             tiles.write(region, first, kept, ring)
         else:
             moved = self.keys[:, :, end:stop].clone()
-            self.keys[:, :, start : stop - gap] = _rotate_keys(moved, rope, -gap, self.key_codec)
+            tables = rope.shift_tables(-gap)
+            self.keys[:, :, start : stop - gap] = rotate_stored_keys(moved, tables, self.key_codec)
         self.values[:, :, start : stop - gap] = self.values[:, :, end:stop].clone()
 
     # -- reading

@@ -645,18 +645,15 @@ class Rope:
     def each_shift_tables(self, deltas: torch.Tensor) -> RopeTables:
         """Tables, fp32 deltas.shape + [head_dim], that rotate each element by its own
         number of positions (int64 `deltas`, any shape, any sign)."""
+        # Angles in float64: positions reach 1e5+ and fp32 would lose the low bits.
         angles = deltas.to(torch.float64)[..., None] * self.per_dim_freq
         cos = angles.cos().float()
         sin = (angles.sin() * self.sin_sign).float()
         return RopeTables(cos, sin, self)
 
     def _build(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # Angles in float64: positions reach 1e5+ and fp32 would lose the low bits.
-        positions = torch.arange(start, start + count, dtype=torch.float64)[:, None]
-        angles = positions * self.per_dim_freq
-        cos = angles.cos()[:, None, :].float()
-        sin = (angles.sin() * self.sin_sign)[:, None, :].float()
-        return cos, sin
+        tables = self.each_shift_tables(torch.arange(start, start + count)[:, None])
+        return tables.cos, tables.signed_sin
 
     def swap(self, x: torch.Tensor) -> torch.Tensor:
         """Each rotated dimension replaced by its pair partner (the tail is left in place)."""
