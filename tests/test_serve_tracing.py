@@ -28,8 +28,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 from test_serve import MODEL, stop_server, wait_ready
 
-from miniapp.app.serve.records import AnswerTiming, RequestRecord
+from miniapp.app.serve.records import AnswerTiming, AnswerTimings, RequestRecord
 from miniapp.app.serve.tracing import log_fields, outcome, span_sink, tracer_provider
+from miniapp.engine.api import Finished, FinishReason, GenerationStats
 from miniapp.engine.platform.faults import FAULT_FILE_VARIABLE
 
 ARRIVAL_TIMEOUT_S = 15.0  # spans are exported every 0.5 s; a log line is written at once
@@ -510,6 +511,32 @@ RAN = {"opened_ns": 1_001 * MS, "first_token_ns": 1_002 * MS}
 )
 def test_the_outcome_says_how_the_request_went(fields, expected):
     assert outcome(record_of(**fields)) == expected
+
+
+def _finished(reason: FinishReason) -> Finished:
+    return Finished(reason, GenerationStats("torch", 9, 0, 5, 0.1, 90.0, 50.0))
+
+
+@pytest.mark.parametrize(
+    ("closed_first", "reason", "expected"),
+    [
+        (False, FinishReason.MAX_TOKENS, "length"),
+        (False, FinishReason.END_OF_TURN, "stop"),
+        (False, FinishReason.CANCELLED, None),
+        # A closed batched sequence ends looking like one out of tokens; whether its end
+        # reaches the record before the response ends is a race the outcome must not show.
+        (True, FinishReason.MAX_TOKENS, None),
+    ],
+)
+def test_an_answer_ended_after_its_client_left_never_finished(closed_first, reason, expected):
+    timings = AnswerTimings([answer(**RAN)])
+    if closed_first:
+        timings.closed()
+    timings.finished(0, _finished(reason))
+    assert timings.answers[0].finish_reason == expected
+    assert timings.answers[0].generated_tokens == 5
+    expected_outcome = "ok" if expected else "cancelled"
+    assert outcome(record_of(status=200, answers=timings.answers)) == expected_outcome
 
 
 def test_the_log_fields_of_a_record():

@@ -15,7 +15,7 @@ import time
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
-from miniapp.engine.api import Finished
+from miniapp.engine.api import Finished, FinishReason
 
 from .service import RelayObserver, finish_reason
 
@@ -108,6 +108,7 @@ class AnswerTimings(RelayObserver):
 
     def __init__(self, answers: list[AnswerTiming]):
         self.answers = answers
+        self._closed = False
 
     def _answer(self, index: int) -> AnswerTiming | None:
         return self.answers[index] if 0 <= index < len(self.answers) else None
@@ -135,7 +136,14 @@ class AnswerTimings(RelayObserver):
         answer.prompt_tokens = stats.prompt_tokens
         answer.cached_tokens = stats.cached_prompt_tokens
         answer.generated_tokens = stats.generated_tokens
-        answer.finish_reason = finish_reason(finished)
+        # An answer that ends after its relay closed was cut short: the client left, and a
+        # closed batched sequence ends looking like one that ran out of tokens. Whether its
+        # Finished comes before the record is handed on is a race, so both say "never ended".
+        if not self._closed and finished.reason is not FinishReason.CANCELLED:
+            answer.finish_reason = finish_reason(finished)
+
+    def closed(self) -> None:
+        self._closed = True
 
 
 class Observers(RelayObserver):
