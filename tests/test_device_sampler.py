@@ -166,7 +166,7 @@ def test_sample_and_distribution_make_no_host_sync_and_no_tensor_from_python_dat
 def test_fill_writes_into_the_same_buffers_and_changes_the_result():
     params = [SamplingParams(temperature=1.3, top_p=0.9, **PENALTIES), GREEDY]
     logits, histories, allowed, _ = _case(params, seed=17)
-    static = SamplingTensors.build([GREEDY] * 2, [[]] * 2, VOCAB, torch.ones(2, VOCAB, dtype=bool))
+    static = SamplingTensors.buffers(2, VOCAB)
     before = distribution(logits, static)
     addresses = [t.data_ptr() for t in vars(static).values()]
     new = SamplingTensors.build(params, histories, VOCAB, allowed)
@@ -175,4 +175,6 @@ def test_fill_writes_into_the_same_buffers_and_changes_the_result():
     after = distribution(logits, static)
     assert torch.equal(after, distribution(logits, new)) and not torch.equal(after, before)
     static.fill_(SamplingTensors.build(params, histories, VOCAB))  # no grammar: all allowed
-    assert static.allowed.all()
+    assert static.allowed.all() and static.counts.any()
+    static.fill_(SamplingTensors.build([GREEDY] * 2, histories, VOCAB))  # no penalties
+    assert not static.counts.any()

@@ -129,12 +129,14 @@ def test_the_memory_holds_every_position_however_it_was_fed(tiny, trained):
         model.hidden_states(torch.tensor([token]), caches)
     _plain(tiny)
     clean = block.memory(caches[EXIT - 1])
-    newest = list(range(len(fed) - 8, len(fed)))
+    # What the next token's query reads beside its own row: the 7 positions before it. (A
+    # draft rejected last may have left its row in the ring, over the 8th: never read.)
+    read = list(range(len(fed) - 7, len(fed)))
+    rows = []
     for memory in (live, clean):
-        assert sorted(memory.positions.tolist()) == newest
-    order = [torch.argsort(m.positions) for m in (live, clean)]
-    assert torch.equal(live.keys[order[0]], clean.keys[order[1]])
-    assert torch.equal(live.values[order[0]], clean.values[order[1]])
+        slots = [memory.positions.tolist().index(position) for position in read]
+        rows.append((memory.keys[slots], memory.values[slots]))
+    assert torch.equal(rows[0][0], rows[1][0]) and torch.equal(rows[0][1], rows[1][1])
 
 
 def test_greedy_output_with_the_shallow_block_is_identical_to_plain(tiny, trained):

@@ -10,7 +10,8 @@ is how rows reach the device:
 - several go through one batched pass, each over its own caches;
 - decode rows, on a device that replays graphs, go through a fixed-shape step
   (models/static_step.py): a sequence alone through the one built over its caches and kept
-  with them, several through one built over all their caches.
+  with them, several through one built over all their caches. There the step can also draw
+  the rows' tokens (`sample_decode`), so that only their ids come back from the device.
 
 Every row comes out as a decode step of its sequence alone would compute it (prompt chunks
 take the exact-rows path), so a sequence's tokens do not depend on how its prompt was
@@ -30,6 +31,7 @@ from ..lora.registry import AdapterSet
 from ..models import CachePolicy, DecoderModel
 from ..models.static_step import StaticDecodeStep, static_step_unsupported
 from ..platform.graphs import Runner
+from ..tokens.device_sampler import SamplingTensors
 
 log = logging.getLogger("miniapp.engine")
 
@@ -119,6 +121,35 @@ class ModelRunner:
         if not wanted:
             return hidden.new_empty(0, 0)
         return self.model.logits(hidden[list(wanted)])
+
+    @torch.inference_mode()
+    def sample_decode(
+        self, rows: Rows, settings: Callable[[], tuple[SamplingTensors, list[float]] | None]
+    ) -> list[int] | None:
+        """Decode rows (one token each) through their fixed-shape step with each row's next
+        token drawn on the device: the ids, one a row, with only them read back. `settings`
+        gives the rows' sampling settings and uniforms (None: sample on the host after
+        all); it is called only once the step can run, so that no random draw is spent on a
+        step that does not. None where no token was drawn (a CPU, caches not in their
+        steady state): the caller runs `logits` and samples on the host instead."""
+        if self.graphs is None or any(len(tokens) != 1 for tokens, _ in rows):
+            return None
+        sequences = [caches for _, caches in rows]
+        step = self._static_step(sequences[0]) if len(rows) == 1 else self._batch_step(sequences)
+        if step is None or not step.ready():
+            return None
+        inputs = settings()
+        if inputs is None:
+            return None
+        tensors, uniforms = inputs
+        try:
+            self.latest_static_step = step
+            return step.sampled([tokens[0] for tokens, _ in rows], tensors, uniforms)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as exc:
+            self._give_up_graphs(exc)
+            return None
 
     def stepper(self, caches: list[Cache]) -> Callable[[int], torch.Tensor]:
         """`decode_one` bound to one sequence's caches (a drafting decoder's plain steps)."""

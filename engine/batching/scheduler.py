@@ -52,6 +52,7 @@ from ..models import CachePolicy, DecoderModel
 from ..platform.faults import check_injected_fault
 from ..speculative import SpeculativeDecoder
 from ..tokens.constraints import TokenGuide
+from ..tokens.device_sampler import SamplingTensors
 from ..tokens.events import SpeculationStats
 from ..tokens.sampler import Sampler, token_logprob
 from ..tokens.sampling import SamplingParams
@@ -361,8 +362,10 @@ class BatchScheduler:
 
     def latest_sequence(self) -> tuple[list[int], list[Cache]] | None:
         """The tokens fed and the caches of the sequence running or finished last (for
-        tests and figures)."""
-        with self._lock:
+        tests and figures), between steps: taken during one, the caches could already hold
+        tokens `fed` does not list yet."""
+        with self._stepping, self._lock:
+            self._drop_cancelled()  # a stream its reader closed: pooled now, not next step
             if self._running:
                 return self._running[-1].fed, self._running[-1].caches
             return (self._pool[-1].tokens, self._pool[-1].caches) if self._pool else None
@@ -657,7 +660,11 @@ class BatchScheduler:
             if len(tokens) == len(sequence.pending):  # its prompt's end, or its last token
                 rows.append(at - 1)
                 wanting.append(sequence)
-        logits = self.runner.logits([(tokens, s.caches) for s, tokens in batch], rows)
+        step_rows = [(tokens, s.caches) for s, tokens in batch]
+        drawn = None
+        if len(wanting) == len(batch) == at:  # one token a sequence, each wanting the next
+            drawn = self.runner.sample_decode(step_rows, lambda: self._device_settings(wanting))
+        logits = None if drawn is not None else self.runner.logits(step_rows, rows)
         self.steps += 1
         self.peak_batch = max(self.peak_batch, len(batch))
         for sequence, tokens in batch:
@@ -667,6 +674,12 @@ class BatchScheduler:
         for sequence in wanting:  # a prompt's end: caches that choose by attention choose
             if self._policy_of(sequence.caches) != WINDOW_POLICY:
                 close_prompts(sequence.caches)
+        if drawn is not None:
+            for sequence, token in zip(wanting, drawn, strict=True):
+                sequence.history.append(token)
+                self._emit(sequence, token)
+            return
+        assert logits is not None
         for sequence, row in zip(wanting, logits, strict=True):
             try:
                 self._sample(sequence, row)
@@ -675,6 +688,30 @@ class BatchScheduler:
                     self._finish(
                         sequence, SamplingError(f"this answer could not be sampled: {exc}")
                     )
+
+    def _device_settings(
+        self, sequences: list[_Sequence]
+    ) -> tuple[SamplingTensors, list[float]] | None:
+        """The sequences' sampling settings for a step that draws their tokens on the device,
+        and one uniform each from its own sampler's random stream; None where one must be
+        sampled on the host: it asks for log-probabilities (read off the logits), or its
+        grammar's mask could not be had (the host sampler then reports the error)."""
+        if any(s.stream.logprobs is not None for s in sequences):
+            return None
+        vocab = self.model.config.vocab_size
+        try:
+            masks = [_grammar_mask(s, vocab) for s in sequences]
+        except Exception:  # noqa: BLE001 - raised again, for this sequence only, on the host
+            return None
+        allowed = None
+        if any(mask is not None for mask in masks):
+            every = torch.ones(vocab, dtype=torch.bool)
+            allowed = torch.stack([every if mask is None else mask for mask in masks])
+        params = [s.sampler.params for s in sequences]
+        settings = SamplingTensors.build(params, [s.history for s in sequences], vocab, allowed)
+        # Greedy rows draw nothing, as the host sampler does not.
+        uniforms = [0.0 if s.sampler.params.greedy else s.sampler.uniform() for s in sequences]
+        return settings, uniforms
 
     def _sample(self, sequence: _Sequence, logits: torch.Tensor) -> None:
         token = sequence.sampler(logits, sequence.history)
@@ -714,6 +751,18 @@ class BatchScheduler:
 
 def _adapter_key(adapters: AdapterSet | None) -> tuple:
     return () if adapters is None else adapters.key
+
+
+def _grammar_mask(sequence: _Sequence, vocab: int) -> torch.Tensor | None:
+    """bool [vocab]: the tokens its grammar allows next (None: it has none); tokens past the
+    grammar's own vocabulary are not allowed, as the host sampler masks them."""
+    guide = sequence.sampler.guide
+    if guide is None:
+        return None
+    allowed = torch.from_numpy(guide.allowed_after(sequence.history))[:vocab]
+    mask = torch.zeros(vocab, dtype=torch.bool)
+    mask[: len(allowed)] = allowed
+    return mask
 
 
 def kv_bytes_per_token(model: DecoderModel, kind: KVSetting) -> int:

@@ -14,6 +14,11 @@ Reading the whole reserved cache every step would make a short chat pay for the 
 one, so attention reads a prefix of the span rounded up to a power of two (`span_bucket`),
 and each bucket gets its own graph: a handful of captures over a long conversation.
 
+A step can also draw each row's next token on the device (`sampled`): the sampler of
+tokens/device_sampler.py runs at the end of the same graph, over settings and uniforms copied
+into static buffers, and only the token ids [rows] come back to the host instead of the
+logits [rows, vocab].
+
 On a CPU the static step is plain eager code (it is how the simulated GPUs run it, and how the
 tests check it against the ordinary step); `CudaGraphRunner` captures it once per span
 bucket and replays it on CUDA and ROCm.
@@ -32,6 +37,7 @@ from ..kv.codec import TILE_ROWS, KVCodec
 from ..kv.types import F32
 from ..ops.layers import Rope, RopeTables, apply_rope
 from ..platform.graphs import Runner, eager_runner
+from ..tokens.device_sampler import SamplingTensors, sample
 from .decoder import DecoderModel
 from .pass_metadata import PassMetadata, RowKind, RowSpan
 from .placement import CPU
@@ -195,9 +201,15 @@ class StaticDecodeStep:
         ]
         self.x = torch.zeros(rows, config.dim, device=self.device)
         self.logits = torch.zeros(rows, config.vocab_size, device=self.device)
+        # Sampling on the device (`sampled`): its settings, one uniform a row, the ids drawn.
+        self._sampling: SamplingTensors | None = None  # made on the first sampled step
+        self.uniforms = torch.zeros(rows, device=self.device)
+        self.chosen = torch.zeros(rows, dtype=torch.long, device=self.device)
         self._storage = self._storage_addresses()
-        self._runs: dict[tuple[int, ...], Callable[[], None]] = {}  # span lengths -> step
+        # (span lengths, sampled) -> the step built for them (a graph, on a GPU)
+        self._runs: dict[tuple[tuple[int, ...], bool], Callable[[], None]] = {}
         self.replays = 0  # steps taken (tests count them against captures)
+        self.draws = 0  # of which drew their tokens on the device
 
     def _tables(self, rope: Rope, rows: int) -> RopeTables:
         shape = (rows, 1, self.model.config.head_dim)
@@ -242,6 +254,25 @@ class StaticDecodeStep:
     def step(self, tokens: list[int]) -> torch.Tensor:
         """Feed one token to each sequence; returns fp32 logits [sequences, vocab] on the
         CPU."""
+        self._run_step(tokens, sampled=False)
+        return self.logits.to(CPU, copy=True)  # the buffer is overwritten next step
+
+    def sampled(
+        self, tokens: list[int], settings: SamplingTensors, uniforms: list[float]
+    ) -> list[int]:
+        """Feed one token to each sequence and draw each one's next token on the device
+        with `settings` (one row a sequence) and the row's uniform in [0, 1): only the ids
+        cross to the host."""
+        if self._sampling is None:
+            rows, vocab = self.logits.shape
+            self._sampling = SamplingTensors.buffers(rows, vocab, self.device)
+        self._sampling.fill_(settings)
+        self.uniforms.copy_(torch.tensor(uniforms, dtype=torch.float32), non_blocking=True)
+        self._run_step(tokens, sampled=True)
+        self.draws += 1
+        return self.chosen.tolist()
+
+    def _run_step(self, tokens: list[int], sampled: bool) -> None:
         if self.model.fault_hook is not None:
             self.model.fault_hook()
         self.x.copy_(self.model.embed_tokens(torch.tensor(tokens)))
@@ -252,7 +283,7 @@ class StaticDecodeStep:
             for kind, layers in self._layers_of_kind.items()
         )
         try:
-            run = self._runs.get(lengths) or self._build_run(lengths)
+            run = self._runs.get((lengths, sampled)) or self._build_run(lengths, sampled)
             run()
             self.replays += 1
             for encode_tile in written:  # q4 keys: the tiles this step's keys completed
@@ -262,7 +293,6 @@ class StaticDecodeStep:
                 for cache in one:
                     cache.trim(1)
             raise
-        return self.logits.to(CPU, copy=True)  # the buffer is overwritten next step
 
     def _advance_kind(
         self,
@@ -291,7 +321,7 @@ class StaticDecodeStep:
         inputs.mask.copy_(step.mask)
         return span_bucket(first.static_extent(), inputs.mask.shape[1])
 
-    def _build_run(self, lengths: tuple[int, ...]) -> Callable[[], None]:
+    def _build_run(self, lengths: tuple[int, ...], sampled: bool) -> Callable[[], None]:
         kinds = list(self._layers_of_kind)
         spans = [
             dict(zip(kinds, lengths[row * len(kinds) : (row + 1) * len(kinds)], strict=True))
@@ -317,13 +347,16 @@ class StaticDecodeStep:
                 for kind in kinds
             },
         )
-        run = self.runner(functools.partial(self._body, metadata))
-        self._runs[lengths] = run
+        run = self.runner(functools.partial(self._body, metadata, sampled))
+        self._runs[lengths, sampled] = run
         return run
 
-    def _body(self, metadata: PassMetadata) -> None:
-        """The step itself, through the model's own layer loop and head: it reads only the
-        static inputs, so it can be captured."""
+    def _body(self, metadata: PassMetadata, sampled: bool) -> None:
+        """The step itself, through the model's own layer loop and head (and the sampler):
+        it reads only the static inputs, so it can be captured."""
         model = self.model
         x = model.apply_layers(self.x, metadata)
         self.logits.copy_(model.project(model.final_norm(x)))
+        if sampled:
+            assert self._sampling is not None
+            self.chosen.copy_(sample(self.logits, self._sampling, self.uniforms))

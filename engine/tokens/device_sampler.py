@@ -16,12 +16,13 @@ histories (outside the graph) and copied into a captured graph's static buffers 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import torch
 
-from .sampler import MIN_REPEAT_PENALTY, SHIFTED_BELOW_TEMPERATURE
+from .sampler import MIN_REPEAT_PENALTY, SHIFTED_BELOW_TEMPERATURE, inverse_cdf
 from .sampling import SamplingParams
 
 NEG_INF = float("-inf")
@@ -40,8 +41,9 @@ class SamplingTensors:
     presence_penalty: torch.Tensor  # fp32; 0 disables
     frequency_penalty: torch.Tensor  # fp32; 0 disables
     # fp32 [rows, vocab]: how often each token occurs among the row's last repeat_last_n
-    # tokens (the host keeps it up to date); penalties apply where it is > 0.
-    counts: torch.Tensor
+    # tokens (the host keeps it up to date); penalties apply where it is > 0. None: no row
+    # has a penalty (nothing to copy to the device).
+    counts: torch.Tensor | None = None
     allowed: torch.Tensor | None = None  # bool [rows, vocab], True: the grammar allows it
 
     @classmethod
@@ -54,11 +56,13 @@ class SamplingTensors:
         device: torch.device | str | None = None,
     ) -> SamplingTensors:
         """Settings for one row per `params`, after the tokens in `histories` (host side)."""
-        counts = torch.zeros(len(params), vocab)
-        for row, (p, history) in enumerate(zip(params, histories, strict=True)):
-            recent = list(history[-p.repeat_last_n :]) if p.repeat_last_n != 0 else []
-            if recent:  # sampler.py's window, so that the same settings penalise the same
-                counts[row] = torch.bincount(torch.tensor(recent), minlength=vocab)[:vocab]
+        counts = None
+        if any(_penalizes(p) for p in params):
+            counts = torch.zeros(len(params), vocab)
+            for row, (p, history) in enumerate(zip(params, histories, strict=True)):
+                recent = list(history[-p.repeat_last_n :]) if _penalizes(p) else []
+                if recent:  # sampler.py's window, so that the same settings penalise the same
+                    counts[row] = torch.bincount(torch.tensor(recent), minlength=vocab)[:vocab]
 
         def column(name: str, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)
@@ -71,37 +75,55 @@ class SamplingTensors:
             repeat_penalty=column("repeat_penalty", torch.float32),
             presence_penalty=column("presence_penalty", torch.float32),
             frequency_penalty=column("frequency_penalty", torch.float32),
-            counts=counts.to(device),
+            counts=None if counts is None else counts.to(device),
             allowed=None if allowed is None else allowed.to(device=device, dtype=torch.bool),
+        )
+
+    @classmethod
+    def buffers(cls, rows: int, vocab: int, device: torch.device | str | None = None):
+        """Settings buffers for `fill_` (a captured graph's static inputs), with counts and
+        a grammar mask, so that one graph serves rows with and without either."""
+        zeros = functools.partial(torch.zeros, rows, device=device)
+        return cls(
+            temperature=zeros(),
+            top_k=zeros(dtype=torch.long),
+            top_p=zeros(),
+            min_p=zeros(),
+            repeat_penalty=zeros(),
+            presence_penalty=zeros(),
+            frequency_penalty=zeros(),
+            counts=zeros(vocab),
+            allowed=torch.ones(rows, vocab, dtype=torch.bool, device=device),
         )
 
     def fill_(self, other: SamplingTensors) -> SamplingTensors:
         """Copy `other`'s settings into these tensors in place (a captured graph reads them
-        at fixed addresses). Rows and vocabulary must match; a missing grammar mask in
-        `other` allows every token."""
+        at fixed addresses). Rows and vocabulary must match; where `other` has no counts
+        (no penalties) or no grammar mask, these are set to none seen and all allowed."""
         for field in fields(self):
             mine, theirs = getattr(self, field.name), getattr(other, field.name)
             if mine is None:
                 if theirs is not None:
                     raise ValueError(f"these settings have no {field.name} buffer to fill")
             elif theirs is None:
-                mine.fill_(True)
+                mine.fill_(field.name == "allowed")
             else:
                 mine.copy_(theirs, non_blocking=True)
         return self
+
+
+def _penalizes(p: SamplingParams) -> bool:
+    """Whether the settings penalise tokens already seen (sampler.py's condition)."""
+    if p.repeat_last_n == 0:
+        return False
+    return p.repeat_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
 
 
 def sample(logits: torch.Tensor, settings: SamplingTensors, uniforms: torch.Tensor) -> torch.Tensor:
     """One token id per row (int64 [rows]) from fp32 logits [rows, vocab], drawn with the
     row's uniform in [0, 1) by inverse CDF; greedy rows take their best token."""
     probs, ids, best = _sorted_candidates(logits, settings)
-    cdf = probs.cumsum(-1)
-    target = uniforms[:, None].to(cdf.dtype) * cdf[:, -1:]  # the total is 1 up to rounding
-    pick = torch.searchsorted(cdf, target, right=True)  # first rank whose cdf passes it
-    # A uniform rounded up to 1 carries the target past the last candidate: stay on one
-    # that has mass (probabilities do not increase along the sorted order: a prefix).
-    last = ((probs > 0).sum(-1, keepdim=True) - 1).clamp_min(0)
-    token = ids.gather(-1, torch.minimum(pick, last)).squeeze(-1)
+    token = ids.gather(-1, inverse_cdf(probs, uniforms)[:, None]).squeeze(-1)
     return torch.where(settings.temperature <= 0, best, token)
 
 
@@ -144,6 +166,8 @@ def _penalized(logits: torch.Tensor, s: SamplingTensors) -> torch.Tensor:
     """The grammar mask, then sampler.py's penalties on the tokens each row has seen."""
     if s.allowed is not None:
         logits = logits.masked_fill(~s.allowed, NEG_INF)
+    if s.counts is None:
+        return logits
     seen = s.counts > 0
     penalty = s.repeat_penalty.clamp_min(MIN_REPEAT_PENALTY)[:, None]
     repeated = torch.where(logits > 0, logits / penalty, logits * penalty)

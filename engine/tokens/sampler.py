@@ -32,8 +32,9 @@ class Sampler:
             return self._greedy(logits, history)
         logits = self._penalized(self._guided(logits, history), history)
         final, ids = self._candidates(logits)
-        choice = torch.multinomial(final, 1, generator=self._generator)
-        return int(ids[choice])
+        # By inverse CDF of one uniform, as a GPU's step draws (device_sampler.py): a seeded
+        # answer is the same whichever of the two drew each of its tokens.
+        return int(ids[inverse_cdf(final, torch.tensor(self.uniform()))])
 
     def distribution(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
         """The probabilities __call__ draws from, dense fp32 [vocab] (speculative decoding
@@ -93,6 +94,19 @@ class Sampler:
 # as they are, which keeps the draws of ordinary settings as they have always been.
 SHIFTED_BELOW_TEMPERATURE = 1e-3
 MIN_REPEAT_PENALTY = 1e-6
+
+
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """For each row of `probs` (sorted by decreasing probability along the last dim, not
+    necessarily normalised) and its uniform in [0, 1): the index of the first candidate whose
+    cumulative mass passes the uniform's share of the total."""
+    cdf = probs.cumsum(-1)
+    target = uniforms.unsqueeze(-1).to(cdf.dtype) * cdf[..., -1:]
+    pick = torch.searchsorted(cdf, target, right=True)
+    # A uniform rounded up to 1 carries the target past the last candidate: stay on one that
+    # has mass (the probabilities do not increase along the order: those with mass lead).
+    last = ((probs > 0).sum(-1, keepdim=True) - 1).clamp_min(0)
+    return torch.minimum(pick, last).squeeze(-1)
 
 
 def sampler_for(params: SamplingParams, tokenizer: Tokenizer, prompt_tokens: int) -> Sampler:
