@@ -3,8 +3,11 @@
 For each GPU path (the int4 kernel, dequantized bf16 weights, a model split between GPU and
 CPU) it measures, against the CPU run of the same file: teacher-forced top-1 agreement and
 KL divergence, perplexity, and greedy decode tok/s with speculation off and on, and with
-the decode step replayed as a graph and taken op by op. It ends with
-a Markdown table (paste it into docs/BENCHMARKS.md) and writes the numbers as JSON.
+the decode step replayed as a graph and taken op by op. For the int4 path it then measures
+serving: aggregate tok/s at 1, 4 and 16 sequences, the TTFT of a 2,000-token prompt and the
+kernels a decode step launches, beside llama.cpp on the same GPU where llama-cpp-python has
+a GPU backend. It ends with Markdown tables (paste them into docs/BENCHMARKS.md) and writes
+the numbers as JSON.
 
     scripts/gpu_check.sh [--model PATH] [--tokens 128] [--runs 3] [--json FILE]
 
@@ -69,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         text = SAMPLE_TEXT.read_text()
         cpu = _open(model, args.threads, device="cpu")
         rows = [_measure("cpu", cpu, None, text, args)]
+        serving: list[dict] = []
         profiled = False
         for name, path_probe, kv in _gpu_paths(probe, model, cpu.kv_type):
             if args.paths and name not in args.paths:
@@ -86,18 +90,27 @@ def main(argv: list[str] | None = None) -> int:
                 print(_profile(runtime, _quote_prompt(runtime, text), args.profile), flush=True)
                 profiled = True
             del runtime
+            if name == "gpu int4":  # the path a user gets: how it serves, beside llama.cpp
+                serving.append(_serving(model, args, path_probe))
+                serving.append(_llama_cpp_serving(model, args))
+                _save(args.json, model_note, rows, serving)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     elapsed = time.perf_counter() - started
     print(_table(rows))
+    if serving:
+        print("\n" + _serving_table(serving))
     print(f"\n{elapsed:.0f} s in all")
-    _save(args.json, model_note, rows)
+    _save(args.json, model_note, rows, serving)
     return 0
 
 
-def _save(path: str | None, model_note: str, rows: list[dict]) -> None:
+def _save(
+    path: str | None, model_note: str, rows: list[dict], serving: list[dict] | None = None
+) -> None:
     if path:
-        Path(path).write_text(json.dumps({"model": model_note, "rows": rows}, indent=2))
+        results = {"model": model_note, "rows": rows, "serving": serving or []}
+        Path(path).write_text(json.dumps(results, indent=2))
 
 
 # ------------------------------------------------------------------ what runs
@@ -306,6 +319,163 @@ def _profile(runtime, prompt: list[int], n_steps: int) -> str:
     sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=sort, row_limit=18, max_name_column_width=48)
     return f"profile of {n_steps} decode steps: {elapsed / n_steps * 1e3:.1f} ms a step\n{table}"
+
+
+# ------------------------------------------------------------------ serving
+
+
+BATCHES = (1, 4, 16)
+TTFT_PROMPT_TOKENS = 2000
+KERNEL_STEPS = 8  # decode steps profiled for the kernel count
+
+
+def _serving(model: Path, args, probe) -> dict:
+    """The GPU path as a server runs it: aggregate decode tok/s with 1, 4 and 16 sequences
+    decoding together, the time to the first token of a 2,000-token prompt, and the kernels
+    a decode step launches, counted by torch.profiler over graph replays."""
+    from miniapp.engine.runtimes.torch_runtime import TorchRuntime
+
+    runtime = TorchRuntime(
+        model,
+        n_ctx=4096,
+        threads=args.threads,
+        spec="off",
+        probe=probe,
+        parallel=max(BATCHES),
+    )
+    vocab = runtime.tokenizer.n_vocab
+    row: dict = {"engine": "miniapp (torch)", "decode_step": runtime.decode_step_note}
+    for batch in BATCHES:
+        prompts = [_random_prompt(vocab, 64, seed) for seed in range(batch)]
+        speeds = [_together(runtime, prompts, args.tokens) for _ in range(args.runs)]
+        row[f"tok_s_batch_{batch}"] = statistics.median(speeds)
+    long_prompt = _random_prompt(vocab, TTFT_PROMPT_TOKENS, seed=99)
+    row["ttft_2000_s"] = statistics.median(
+        _first_token_s(runtime, long_prompt) for _ in range(max(args.runs, 1))
+    )
+    row["kernels_per_step"] = _kernels_per_step(runtime, _random_prompt(vocab, 64, 7))
+    print(f"  serving: {row}", flush=True)
+    return row
+
+
+def _random_prompt(vocab: int, n: int, seed: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(10, min(vocab, 30000)) for _ in range(n)]
+
+
+def _together(runtime, prompts: list[list[int]], n_tokens: int) -> float:
+    """Aggregate tok/s of greedy answers to `prompts` decoding together, from the moment
+    every answer has its first token (the prompts' prefill is not decoding)."""
+    from miniapp.engine.tokens.sampling import GREEDY
+
+    runtime.reset()
+    streams = [runtime.generate_tokens(prompt, GREEDY) for prompt in prompts]
+    try:
+        for stream in streams:
+            next(stream)
+        started = time.perf_counter()
+        for _ in range(n_tokens - 1):
+            for stream in streams:
+                next(stream)
+        elapsed = time.perf_counter() - started
+    finally:
+        for stream in streams:
+            stream.close()
+    return len(prompts) * (n_tokens - 1) / elapsed
+
+
+def _first_token_s(runtime, prompt: list[int]) -> float:
+    from miniapp.engine.tokens.sampling import GREEDY
+
+    runtime.reset()
+    started = time.perf_counter()
+    stream = runtime.generate_tokens(prompt, GREEDY)
+    try:
+        next(stream)
+        return time.perf_counter() - started
+    finally:
+        stream.close()
+
+
+def _kernels_per_step(runtime, prompt: list[int]) -> float | None:
+    """GPU kernels (copies apart) a decode step launches, over KERNEL_STEPS steps; None
+    without CUDA (a simulated GPU launches nothing)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from miniapp.engine.tokens.sampling import GREEDY
+
+    if not torch.cuda.is_available():
+        return None
+    runtime.reset()
+    stream = runtime.generate_tokens(prompt, GREEDY)
+    try:
+        for _ in range(4):  # past the prompt, into replayed steps
+            next(stream)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(KERNEL_STEPS):
+                next(stream)
+            torch.cuda.synchronize()
+    finally:
+        stream.close()
+    on_gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [e for e in on_gpu if not e.name.lower().startswith(("memcpy", "memset"))]
+    return len(kernels) / KERNEL_STEPS
+
+
+def _llama_cpp_serving(model: Path, args) -> dict:
+    """llama.cpp on the same GPU and file, where llama-cpp-python was built with CUDA
+    (`CMAKE_ARGS=-DGGML_CUDA=on pip install llama-cpp-python`): batch-1 decode and the
+    2,000-token TTFT. Batches of 4 and 16 are llama-server's (`--parallel 16`), not run
+    here."""
+    row: dict = {"engine": "llama.cpp"}
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        return row | {"error": f"llama-cpp-python missing: {exc}"}
+    if not llama_cpp.llama_supports_gpu_offload():
+        return row | {"error": "llama-cpp-python built without a GPU backend"}
+    llm = llama_cpp.Llama(str(model), n_ctx=4096, n_gpu_layers=-1, verbose=False)
+    vocab = llm.n_vocab()
+    prompt = _random_prompt(vocab, 64, 0)
+    speeds = []
+    for _ in range(args.runs):
+        llm.reset()
+        times = []
+        for _token in llm.generate(prompt, temp=0.0):
+            times.append(time.perf_counter())
+            if len(times) == args.tokens:
+                break
+        speeds.append((len(times) - 1) / (times[-1] - times[0]))
+    row["tok_s_batch_1"] = statistics.median(speeds)
+    ttfts = []
+    for _ in range(max(args.runs, 1)):
+        llm.reset()
+        started = time.perf_counter()
+        next(iter(llm.generate(_random_prompt(vocab, TTFT_PROMPT_TOKENS, 99), temp=0.0)))
+        ttfts.append(time.perf_counter() - started)
+    row["ttft_2000_s"] = statistics.median(ttfts)
+    return row
+
+
+def _serving_table(serving: list[dict]) -> str:
+    head = "| engine | " + " | ".join(f"batch {b} tok/s" for b in BATCHES)
+    head += " | TTFT 2,000 tok | kernels/step |"
+    lines = [head, "|" + "---|" * (len(BATCHES) + 3)]
+    for r in serving:
+        if "error" in r:
+            lines.append(f"| {r['engine']} | {r['error']} |" + " |" * (len(BATCHES) + 1))
+            continue
+        speeds = [r.get(f"tok_s_batch_{b}") for b in BATCHES]
+        cells = [r["engine"], *("-" if v is None else f"{v:.1f}" for v in speeds)]
+        cells.append(f"{r['ttft_2000_s'] * 1e3:.0f} ms" if "ttft_2000_s" in r else "-")
+        kernels = r.get("kernels_per_step")
+        cells.append("-" if kernels is None else f"{kernels:.0f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    steps = [f"- {r['engine']}: {r['decode_step']}" for r in serving if r.get("decode_step")]
+    return "\n".join(lines + steps)
 
 
 # ------------------------------------------------------------------ reporting

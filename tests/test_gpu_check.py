@@ -60,3 +60,11 @@ def test_gpu_check_measures_every_path_and_prints_its_table(tmp_path):
     q4 = rows["gpu int4, q4 kv"]
     assert "fixed-shape" in q4["decode_step"] and q4["graphs_captured"] >= 1
     assert q4["top1"] >= 0.9 and q4["tok_s_eager_steps"] > 0
+    # Serving on the int4 path: 1, 4 and 16 sequences together, a 2,000-token TTFT, and
+    # the kernels a step launches (counted only where CUDA runs them); llama.cpp beside it,
+    # or why not.
+    ours, llama = json.loads(out.read_text())["serving"]
+    assert all(ours[f"tok_s_batch_{b}"] > 0 for b in (1, 4, 16))
+    assert 0 < ours["ttft_2000_s"] and ours["kernels_per_step"] is None
+    assert llama["engine"] == "llama.cpp" and ("error" in llama or llama["tok_s_batch_1"] > 0)
+    assert "| miniapp (torch) |" in done.stdout and "TTFT 2,000 tok" in done.stdout

@@ -24,6 +24,7 @@ from ..errors import DeviceUnavailableError, MiniappError
 DEVICE_CHOICES = ("auto", "cuda", "rocm", "cpu")
 SIMULATE_ENV = "MINIAPP_SIMULATE_GPU"
 NO_GPU = "none"  # MINIAPP_SIMULATE_GPU=none: a machine without a GPU, whatever this one has
+COMPILE_ENV = "MINIAPP_COMPILE_STEP"  # 0/off: GPU decode steps captured as written
 GRAPH_ENV = "MINIAPP_DECODE_GRAPH"  # "0" runs GPU decode steps eagerly (A/B, an escape hatch)
 _OFF = frozenset({"0", "off", "no", "false"})
 MIN_INT4_CAPABILITY = (8, 0)  # torch's CUDA int4 matmul needs Ampere or newer
@@ -236,6 +237,20 @@ def decode_step_path(probe: DeviceProbe, plan: DevicePlan, n_layers: int, moe: b
     return probe.step_runner(plan)
 
 
+def step_compile_unavailable() -> str | None:
+    """Why a GPU's decode step is not compiled into fused kernels (None: it is). The
+    kernels are Triton's, which CUDA and ROCm builds of torch bring; a CPU install has none
+    and needs none."""
+    setting = os.environ.get(COMPILE_ENV, "").strip().lower()
+    if setting in _OFF:
+        return f"switched off by {COMPILE_ENV}={setting}"
+    from torch.utils._triton import has_triton
+
+    if not has_triton():
+        return "no Triton for this GPU (pip install triton)"
+    return None
+
+
 # ------------------------------------------------------------------------------ probes
 
 
@@ -297,12 +312,17 @@ class TorchProbe:
     def step_runner(self, plan: DevicePlan) -> tuple[Callable | None, str]:
         import torch
 
-        from .graphs import CudaGraphRunner
+        from .graphs import CudaGraphRunner, compiled_runner
 
         if not (plan.on_gpu and torch.cuda.is_available()):
             return None, "eager steps: no GPU"
         kind = "HIP" if torch.version.hip else "CUDA"
-        return CudaGraphRunner, f"{kind} graph of the whole step, captured once per span bucket"
+        graph = f"{kind} graph of the whole step, captured once per span bucket"
+        unfused = step_compile_unavailable()
+        if unfused is not None:
+            return CudaGraphRunner, f"{graph}; its ops unfused: {unfused}"
+        fused = "its ops fused into Triton kernels by torch.compile"
+        return compiled_runner(CudaGraphRunner), f"{graph}, {fused}"
 
 
 def _run_int4_kernel(torch, device: str) -> None:

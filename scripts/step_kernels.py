@@ -1,0 +1,122 @@
+"""Count the work in one fixed-shape decode step (the step a GPU captures as a graph): the ops
+it dispatches as written, and the kernels it runs once torch.compile has fused it, as
+torch.profiler sees them.
+
+    MINIAPP_NATIVE=0 .venv/bin/python scripts/step_kernels.py [--model NAME_OR_PATH] [--sampled]
+
+On a CPU, inductor generates C++ kernels, from the same fusion decisions it makes for Triton
+on a GPU, so the count here is the count a GPU's compiled step launches, give or take the
+matmul and attention ops each device has. Views and allocations launch nothing and are not
+counted. `--sampled`: the step that also draws the token on the device. Compiling a 30-layer
+model takes one to two minutes on two cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import time
+
+PROMPT = [1, 72, 101, 108, 108, 111, 44, 32]
+NO_KERNEL = ("empty", "empty_strided", "empty_like", "as_strided", "view", "_unsafe_view")
+NO_KERNEL += ("transpose", "t", "expand", "reshape", "select", "slice", "unsqueeze", "squeeze")
+NO_KERNEL += ("permute", "detach", "alias", "_reshape_alias", "split", "unbind", "lift_fresh")
+NO_KERNEL += ("unflatten", "flatten", "chunk", "split_with_sizes", "narrow")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="a bundled model's name or a GGUF (default: bundled)")
+    parser.add_argument("--ctx", type=int, default=512)
+    parser.add_argument("--sampled", action="store_true", help="the step that draws tokens")
+    args = parser.parse_args(argv)
+    if os.environ.get("MINIAPP_NATIVE") != "0":
+        print("run with MINIAPP_NATIVE=0: the compiler cannot see into our CPU kernels")
+        return 2
+
+    import torch
+    import torch._inductor.config as inductor
+    from torch.profiler import ProfilerActivity, profile
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from miniapp.engine.modelfile.gguf_file import GGUFFile
+    from miniapp.engine.modelfile.store import resolve_model
+    from miniapp.engine.models import CachePolicy, build_model
+    from miniapp.engine.models.static_step import StaticDecodeStep
+    from miniapp.engine.platform.graphs import compiled_runner
+    from miniapp.engine.tokens.device_sampler import SamplingTensors
+    from miniapp.engine.tokens.sampling import SamplingParams
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: collections.Counter = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name not in NO_KERNEL:
+                self.ops[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    model = build_model(GGUFFile(resolve_model(args.model)))
+    layers = model.config.n_layers
+
+    def step_over_prefilled_caches(runner=None) -> StaticDecodeStep:
+        caches = model.make_caches(CachePolicy(ctx=args.ctx))
+        for cache in caches:
+            cache.reserve()
+        with torch.inference_mode():
+            model(torch.tensor(PROMPT), caches)
+        return StaticDecodeStep(model, caches, **({"runner": runner} if runner else {}))
+
+    settings = SamplingTensors.build(
+        [SamplingParams(temperature=0.8, top_p=0.95)], [PROMPT], model.config.vocab_size
+    )
+
+    def run(step, token):
+        if args.sampled:
+            step.sampled([token], settings, [0.5])
+        else:
+            step(token)
+
+    counter = Ops()
+    plain = step_over_prefilled_caches(lambda body: lambda: _watched(counter, body))
+    with torch.inference_mode():
+        run(plain, 5)
+        counter.ops.clear()
+        run(plain, 6)
+    ops = sum(counter.ops.values())
+    print(f"{layers} layers; as written: {ops} ops a step ({ops / layers:.1f} a layer)")
+    print("  most frequent:", ", ".join(f"{n} {c}" for n, c in counter.ops.most_common(8)))
+
+    with inductor.patch({"cpp.enable_kernel_profile": True}):
+        started = time.perf_counter()
+        compiled = step_over_prefilled_caches(compiled_runner())
+        with torch.inference_mode():
+            run(compiled, 5)
+        print(f"compiled in {time.perf_counter() - started:.0f} s")
+        with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+            run(compiled, 6)
+    calls = [e for e in prof.events() if e.name.startswith("## Call CompiledFxGraph")]
+    launched = collections.Counter(
+        e.name for call in calls for e in call.cpu_children if not e.name.endswith(NO_KERNEL)
+    )
+    kernels = sum(launched.values())
+    generated = sum(n for name, n in launched.items() if "cpp_fused" in name)
+    print(
+        f"compiled: {kernels} kernels a step ({kernels / layers:.1f} a layer): "
+        f"{generated} generated, {kernels - generated} torch ops "
+        f"({', '.join(f'{n} {c}' for n, c in launched.items() if 'cpp_fused' not in n)})"
+    )
+    return 0
+
+
+def _watched(counter, body) -> None:
+    with counter:
+        body()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

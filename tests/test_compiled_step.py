@@ -1,0 +1,137 @@
+"""The decode step compiled by torch.compile before a GPU captures it (platform/graphs.py),
+checked on the CPU, where inductor generates C++ kernels from the same fusion decisions it
+makes for Triton on a GPU: the compiled step gives the uncompiled step's tokens and logits,
+draws its tokens the same way, and runs in about ten kernels a layer, counted by the
+profiler. A step that cannot compile runs as written."""
+
+from __future__ import annotations
+
+import collections
+import logging
+
+import pytest
+import torch
+from tiny_gguf import LLAMA, write_tiny_model
+from torch.profiler import ProfilerActivity, profile
+
+from miniapp.engine.modelfile.gguf_file import GGUFFile
+from miniapp.engine.models import CachePolicy, build_model
+from miniapp.engine.models.static_step import StaticDecodeStep
+from miniapp.engine.platform.devices import COMPILE_ENV, step_compile_unavailable
+from miniapp.engine.platform.graphs import CompiledStep, compiled_runner
+from miniapp.engine.tokens.device_sampler import SamplingTensors
+from miniapp.engine.tokens.sampling import SamplingParams
+
+PROMPT = [1, 72, 101, 108, 108, 111, 44, 32]
+STEPS = 24
+# Per layer: the norm with the residual, QKV, RoPE with the KV write, attention, a cast,
+# the output projection, the second norm, gate/up, SiLU times up, down.
+KERNELS_PER_LAYER = 10
+HEAD_KERNELS = 4  # the final norm, the head, copies of the logits and the step's inputs
+# Ops that launch no kernel: views, and allocations (a graph's memory pool serves them).
+NO_KERNEL = ("empty", "as_strided", "view", "transpose", "expand", "reshape", "select")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    # Our ctypes kernels are opaque to the compiler: a GPU runs torch's ops, so do we here.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MINIAPP_NATIVE", "0")
+        path = write_tiny_model(tmp_path_factory.mktemp("compiled") / "tiny.gguf", LLAMA)
+        yield build_model(GGUFFile(path))
+
+
+@pytest.fixture(scope="module")
+def compiled_steps(model):
+    """An uncompiled and a compiled static step over twin caches, both fed the prompt;
+    compiled once for the module (a few seconds on two cores)."""
+    torch._dynamo.reset()
+
+    def prefilled():
+        caches = model.make_caches(CachePolicy(ctx=128))
+        for cache in caches:
+            cache.reserve()
+        with torch.inference_mode():
+            model(torch.tensor(PROMPT), caches)
+        return caches
+
+    plain = StaticDecodeStep(model, prefilled())
+    compiled = StaticDecodeStep(model, prefilled(), runner=compiled_runner())
+    yield plain, compiled
+    torch._dynamo.reset()
+
+
+def test_a_compiled_step_gives_the_uncompiled_steps_tokens(compiled_steps):
+    plain, compiled = compiled_steps
+    token = PROMPT[-1]
+    with torch.inference_mode():
+        for _ in range(STEPS):
+            want, got = plain(token), compiled(token)
+            # Casts kept where the model rounds: the same numbers, up to fused reductions.
+            assert (got - want).abs().max() < 1e-4
+            assert int(got.argmax()) == int(want.argmax())
+            token = int(want.argmax())
+    settings = SamplingTensors.build(
+        [SamplingParams(temperature=0.9, top_p=0.95, repeat_penalty=1.2)],
+        [PROMPT],
+        compiled.logits.shape[1],
+    )
+    with torch.inference_mode():
+        for uniform in (0.1, 0.5, 0.93):
+            assert compiled.sampled([token], settings, [uniform]) == plain.sampled(
+                [token], settings, [uniform]
+            )
+    assert compiled.draws == 3
+
+
+def _kernels(step, token: int) -> collections.Counter:
+    """The kernels one step of the compiled `step` runs, by name, as torch.profiler sees
+    them: inductor's generated kernels, and the ops its code calls (a matmul, attention)."""
+    import torch._inductor.config as inductor
+
+    with torch.inference_mode(), inductor.patch({"cpp.enable_kernel_profile": True}):
+        step(token)  # compiled with profiling marks
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            step(token)
+    calls = [e for e in prof.events() if e.name.startswith("## Call CompiledFxGraph")]
+    assert len(calls) == 1, [e.name for e in prof.events() if e.cpu_parent is None]
+    launched = [e.name for e in calls[0].cpu_children]
+    return collections.Counter(n for n in launched if not n.endswith(NO_KERNEL))
+
+
+def test_a_compiled_step_runs_about_ten_kernels_a_layer(model, compiled_steps):
+    torch._dynamo.reset()  # compiled again below, with the profiler's marks
+    _, compiled = compiled_steps
+    compiled._runs.clear()
+    kernels = _kernels(compiled, 5)
+    layers = model.config.n_layers
+    generated = sum(n for name, n in kernels.items() if "cpp_fused" in name)
+    matmuls = sum(n for name, n in kernels.items() if "int4" in name or "mm" in name)
+    assert matmuls == 4 * layers + 1, kernels  # QKV, output, gate/up, down; the head
+    assert generated >= 4 * layers, kernels  # the fused elementwise work
+    assert sum(kernels.values()) <= KERNELS_PER_LAYER * layers + HEAD_KERNELS, kernels
+
+
+def test_a_step_that_cannot_compile_runs_as_written(caplog):
+    torch._dynamo.reset()
+    ran = []
+
+    def body():
+        ran.append(len(ran))
+        if torch.ones(1).item() > 0:  # a value read on the host: no whole graph
+            ran.append(-1)
+
+    step = CompiledStep(body)
+    with caplog.at_level(logging.WARNING, logger="miniapp.engine"):
+        step()
+        step()
+    assert step.compiled is None
+    assert "runs uncompiled" in caplog.text
+    assert ran.count(-1) == 2  # it ran, as written, each time
+    torch._dynamo.reset()
+
+
+def test_a_cpu_install_brings_no_triton_and_the_setting_switches_compiling_off(monkeypatch):
+    assert step_compile_unavailable() == "no Triton for this GPU (pip install triton)"
+    monkeypatch.setenv(COMPILE_ENV, "0")
+    assert step_compile_unavailable() == f"switched off by {COMPILE_ENV}=0"
