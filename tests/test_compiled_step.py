@@ -1,8 +1,9 @@
 """The decode step compiled by torch.compile before a GPU captures it (platform/graphs.py),
 checked on the CPU, where inductor generates C++ kernels from the same fusion decisions it
 makes for Triton on a GPU: the compiled step gives the uncompiled step's tokens and logits,
-draws its tokens the same way, and runs in about ten kernels a layer, counted by the
-profiler. A step that cannot compile runs as written."""
+draws its tokens the same way, runs in about ten kernels a layer, counted by the profiler,
+and compiles twice in a chat however long it grows. A step that cannot compile runs as
+written."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from miniapp.engine.modelfile.gguf_file import GGUFFile
 from miniapp.engine.models import CachePolicy, build_model
 from miniapp.engine.models.static_step import StaticDecodeStep
 from miniapp.engine.platform.devices import COMPILE_ENV, step_compile_unavailable
-from miniapp.engine.platform.graphs import CompiledStep, compiled_runner
+from miniapp.engine.platform.graphs import CompiledStep, batched_runner, compiled_runner
 from miniapp.engine.tokens.device_sampler import SamplingTensors
 from miniapp.engine.tokens.sampling import SamplingParams
 
@@ -110,6 +111,38 @@ def test_a_compiled_step_runs_about_ten_kernels_a_layer(model, compiled_steps):
     assert matmuls == 4 * layers + 1, kernels  # QKV, output, gate/up, down; the head
     assert generated >= 4 * layers, kernels  # the fused elementwise work
     assert sum(kernels.values()) <= KERNELS_PER_LAYER * layers + HEAD_KERNELS, kernels
+
+
+def test_a_chat_through_three_span_buckets_compiles_its_step_twice(model):
+    # Buckets of 256, 512 and then the whole 600-slot span: the second compilation makes the
+    # span length symbolic, and the third bucket reuses it (a recompilation per bucket would
+    # stall a GPU chat for the compile's seconds each time it grows past a power of two).
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    caches = model.make_caches(CachePolicy(ctx=600))
+    for cache in caches:
+        cache.reserve()
+    with torch.inference_mode():
+        model(torch.tensor(PROMPT), caches)
+    step = StaticDecodeStep(model, caches, runner=compiled_runner())
+    token = PROMPT[-1]
+    with torch.inference_mode():
+        for _ in range(560):
+            token = int(step(token).argmax())
+    assert step.captured == 3  # one graph a bucket, on a GPU
+    assert counters["stats"]["unique_graphs"] == 2
+    torch._dynamo.reset()
+
+
+def test_batched_steps_are_captured_as_written():
+    # Their layer loop is unrolled per row: each row count would be a compilation.
+    def capture(body):
+        return body
+
+    assert compiled_runner(capture).batched is capture
+    assert batched_runner(capture) is capture
 
 
 def test_a_step_that_cannot_compile_runs_as_written(caplog):

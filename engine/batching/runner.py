@@ -30,7 +30,7 @@ from ..kv.cache import Cache
 from ..lora.registry import AdapterSet
 from ..models import CachePolicy, DecoderModel
 from ..models.static_step import StaticDecodeStep, static_step_unsupported
-from ..platform.graphs import Runner
+from ..platform.graphs import Runner, batched_runner
 from ..tokens.device_sampler import SamplingTensors
 
 log = logging.getLogger("miniapp.engine")
@@ -202,7 +202,8 @@ class ModelRunner:
         if not same or step.model is not self.model:
             if any(self._static_step(caches) is None for caches in sequences):
                 return None  # the caches cannot take fixed-shape steps (the reason is noted)
-            step = StaticDecodeStep(self.model, runner=self.graphs, batch=sequences)
+            runner = batched_runner(self.graphs)
+            step = StaticDecodeStep(self.model, runner=runner, batch=sequences)
         self._batch_steps[key] = step  # most recent last
         while len(self._batch_steps) > BATCH_STEPS_KEPT:
             del self._batch_steps[next(iter(self._batch_steps))]

@@ -58,19 +58,36 @@ class CudaGraphRunner:
         self.graph = graph
 
 
-# Each span bucket, batch and sampling choice is one more compilation of the same step code:
+# Each sampling choice and span bucket can be one more compilation of the same step code:
 # torch's default limit of 8 would silently leave the later ones uncompiled.
 COMPILED_VARIANTS = 64
 
 
-def compiled_runner(capture: Runner = eager_runner) -> Runner:
-    """A runner that compiles the step (inductor, whole graph, fixed shapes), then hands it
-    to `capture` (a CUDA graph on a GPU)."""
+class compiled_runner:  # noqa: N801 - used as a function: runner = compiled_runner(capture)
+    """A runner that compiles a lone sequence's step (inductor, whole graph), then hands it
+    to `capture` (a CUDA graph on a GPU).
 
-    def runner(body: Callable[[], None]) -> Callable[[], None]:
-        return capture(CompiledStep(body))
+    Batched steps (`batched`) are captured as written: their layer loop is unrolled per row,
+    so each row count would be a compilation of its own (seconds to minutes, at the moment a
+    client arrives), while a lone step compiles twice in a chat's life: once, and once more
+    with the span length symbolic, when the chat reaches its second span bucket (torch's
+    automatic dynamic shapes; every later bucket reuses it). A new chat's step over other
+    caches reuses the compiled code too."""
 
-    return runner
+    def __init__(self, capture: Runner = eager_runner):
+        self.capture = capture
+
+    def __call__(self, body: Callable[[], None]) -> Callable[[], None]:
+        return self.capture(CompiledStep(body))
+
+    @property
+    def batched(self) -> Runner:
+        return self.capture
+
+
+def batched_runner(runner: Runner) -> Runner:
+    """The runner for batched steps: `runner`'s `batched` where it has one."""
+    return getattr(runner, "batched", runner)
 
 
 class CompiledStep:
@@ -88,7 +105,7 @@ class CompiledStep:
         # uncompiled step, which the CPU's answers are checked against.
         options = {"emulate_precision_casts": True}
         self.compiled: Callable[[], None] | None = torch.compile(
-            body, fullgraph=True, dynamic=False, options=options
+            body, fullgraph=True, options=options
         )
         self.ran = False  # compiled once: a later failure is the step's own
 
