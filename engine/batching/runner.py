@@ -15,7 +15,9 @@ is how rows reach the device:
 
 Every row comes out as a decode step of its sequence alone would compute it (prompt chunks
 take the exact-rows path), so a sequence's tokens do not depend on how its prompt was
-chunked, on which sequences shared its steps, or on which of these routes a row took.
+chunked, on which sequences shared its steps, or on which of these routes a row took. One
+exception, for speed: on a GPU a long prompt chunk attends in one fused call
+(`attention_backends.fuses_prefixes`), equal to the row-by-row result up to rounding.
 """
 
 from __future__ import annotations

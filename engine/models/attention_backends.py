@@ -79,6 +79,40 @@ class NativeCpuAttention:
         return self.attend(queries, keys, values, cache, lengths=lengths)
 
 
+# From this many rows on a GPU (a prompt chunk; speculative verification brings fewer), the
+# rows attend in one fused causal call instead of one call each.
+FUSED_PREFIX_ROWS = 32
+
+
+def fuses_prefixes(queries: torch.Tensor) -> bool:
+    """Whether rows that each see a prefix of one storage attend in one fused call: on a
+    GPU, for a prompt chunk. One call a row is what keeps each row bit for bit its decode
+    step's (the CPU, verification rows); on a GPU a 2,000-token prompt would be 2,000 calls a
+    layer, and a fused kernel rounds a row's sums in its own order, so a long prompt chunk
+    there may differ from its decode steps in the last bits."""
+    return queries.device.type != "cpu" and queries.shape[1] >= FUSED_PREFIX_ROWS
+
+
+def causal_prefix_attention(queries, keys, values, before: int, scale: float) -> torch.Tensor:
+    """Row r of `queries` [heads, rows, head_dim] over the first before + r + 1 of the
+    decoded `keys` and `values` [1, kv_heads, >= before + rows, head_dim], in one call
+    whose causal mask runs from the bottom right (SDPA's memory-efficient kernel on a GPU,
+    no mask tensor). The key heads are repeated for the query heads that share them: that
+    kernel takes fp32 but not grouped heads, and without it the mask would be materialized."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    heads, rows = queries.shape[:2]
+    seen = before + rows
+    keys, values = keys[:, :, :seen], values[:, :, :seen]
+    group = heads // keys.shape[1]
+    if group > 1:  # query head h reads key head h // group, as enable_gqa pairs them
+        keys = keys.repeat_interleave(group, dim=1)
+        values = values.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(
+        queries[None], keys, values, attn_mask=causal_lower_right(rows, seen), scale=scale
+    )
+
+
 class TorchAttention:
     """torch's scaled_dot_product_attention over keys decoded one layer at a time (the copy
     lives for this layer's call only). Any device."""
@@ -105,6 +139,8 @@ class TorchAttention:
         tiled = cache.key_codec.tiled  # each row reads its own tile exactly
         decoded = None if tiled else cache.decode_keys(keys)
         values = cache.value_codec.decode(values)
+        if not tiled and fuses_prefixes(queries):
+            return causal_prefix_attention(queries, decoded, values, before, self.scale)
         rows = [
             F.scaled_dot_product_attention(
                 queries[None, :, row : row + 1],
