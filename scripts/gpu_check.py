@@ -1,7 +1,7 @@
 """The torch engine on a GPU against the same engine on the CPU, in a few minutes.
 
-For each GPU path (the int4 kernel, dequantized bf16 weights, a model split between GPU and
-CPU) it measures, against the CPU run of the same file: teacher-forced top-1 agreement and
+For each GPU path (the int4 kernel with its step compiled and not, dequantized bf16 weights,
+a model split between GPU and CPU) it measures, against the CPU run of the same file: teacher-forced top-1 agreement and
 KL divergence, perplexity, and greedy decode tok/s with speculation off and on, and with
 the decode step replayed as a graph and taken op by op. For the int4 path it then measures
 serving: aggregate tok/s at 1, 4 and 16 sequences, the TTFT of a 2,000-token prompt and the
@@ -160,6 +160,7 @@ def _gpu_paths(probe, model: Path, kv_type):
     split_free = MIN_MARGIN_BYTES + int(SPLIT_SHARE * (footprint.int4_bytes + footprint.kv_bytes))
     return [
         ("gpu int4", probe, None),
+        ("gpu int4, uncompiled", ForcedProbe(probe, compiled=False), None),
         ("gpu int4, q4 kv", probe, "q4"),
         ("gpu bf16", ForcedProbe(probe, int4=False), None),
         ("gpu split", ForcedProbe(probe, free_bytes=split_free), None),
@@ -170,8 +171,11 @@ class ForcedProbe:
     """The real probe with its int4 kernel or its free memory overridden, to force a
     fallback path on a GPU that would not need it."""
 
-    def __init__(self, inner, int4: bool = True, free_bytes: int | None = None):
+    def __init__(
+        self, inner, int4: bool = True, free_bytes: int | None = None, compiled: bool = True
+    ):
         self.inner, self.int4, self.free_bytes = inner, int4, free_bytes
+        self.compiled = compiled  # False: the step captured as written (the fusion's gain)
 
     def gpus(self):
         found = self.inner.gpus()
@@ -196,7 +200,12 @@ class ForcedProbe:
         self.inner.watch(model, plan)
 
     def step_runner(self, plan):
-        return self.inner.step_runner(plan)
+        from miniapp.engine.platform.graphs import batched_runner
+
+        runner, note = self.inner.step_runner(plan)
+        if self.compiled or runner is None:
+            return runner, note
+        return batched_runner(runner), f"{note} (compiling switched off by gpu_check)"
 
 
 # ------------------------------------------------------------------ measuring

@@ -42,7 +42,9 @@ def test_gpu_check_measures_every_path_and_prints_its_table(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     rows = {row["path"]: row for row in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"cpu", "gpu int4", "gpu int4, q4 kv", "gpu bf16", "gpu split"}
+    paths = {"cpu", "gpu int4", "gpu int4, uncompiled", "gpu int4, q4 kv", "gpu bf16"}
+    assert set(rows) == paths | {"gpu split"}
+    assert rows["gpu int4, uncompiled"]["top1"] == 1.0
     assert rows["gpu int4"]["top1"] == 1.0 and rows["gpu int4"]["kl"] < 1e-9
     assert rows["gpu split"]["top1"] == 1.0 and 0 < rows["gpu split"]["gpu_layers"] < 2
     assert rows["gpu bf16"]["weights"] == "bf16" and rows["gpu bf16"]["top1"] >= 0.9
