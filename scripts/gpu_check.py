@@ -3,11 +3,11 @@
 For each GPU path (the int4 kernel with its step compiled and not, dequantized bf16 weights,
 a model split between GPU and CPU) it measures, against the CPU run of the same file:
 teacher-forced top-1 agreement and KL divergence, perplexity, and greedy decode tok/s with
-speculation off and on, and with the decode step replayed as a graph and taken op by op. For the int4 path it then measures
-serving: aggregate tok/s at 1, 4 and 16 sequences, the TTFT of a 2,000-token prompt and the
-kernels a decode step launches, beside llama.cpp on the same GPU where llama-cpp-python has
-a GPU backend. It ends with Markdown tables (paste them into docs/BENCHMARKS.md) and writes
-the numbers as JSON.
+speculation off and on, and with the decode step replayed as a graph and taken op by op.
+For the int4 path it then measures serving: aggregate tok/s at 1, 4 and 16 sequences, the
+TTFT of a 2,000-token prompt and the kernels a decode step launches, beside llama.cpp on the
+same GPU where llama-cpp-python has a GPU backend. It ends with Markdown tables (paste them
+into docs/BENCHMARKS.md) and writes the numbers as JSON.
 
     scripts/gpu_check.sh [--model PATH] [--tokens 128] [--runs 3] [--json FILE]
 
