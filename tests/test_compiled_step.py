@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 
 import pytest
 import torch
@@ -45,7 +46,7 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def compiled_steps(model):
     """An uncompiled and a compiled static step over twin caches, both fed the prompt;
-    compiled once for the module (a few seconds on two cores)."""
+    compiled once for the module (about 20 s on two cores)."""
     torch._dynamo.reset()
 
     def prefilled():
@@ -162,6 +163,16 @@ def test_a_step_that_cannot_compile_runs_as_written(caplog):
     assert "runs uncompiled" in caplog.text
     assert ran.count(-1) == 2  # it ran, as written, each time
     torch._dynamo.reset()
+
+
+def test_compiled_kernels_are_kept_in_miniapps_cache_folder(monkeypatch, tmp_path):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("MINIAPP_CACHE_DIR", str(tmp_path))
+    CompiledStep(lambda: None)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")  # a setting of the user's
+    CompiledStep(lambda: None)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/elsewhere"
 
 
 def test_a_cpu_install_brings_no_triton_and_the_setting_switches_compiling_off(monkeypatch):

@@ -13,11 +13,14 @@ int4 matmuls and SDPA stay torch's own kernels.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 import torch
 
 log = logging.getLogger("miniapp.engine")
+
+CACHE_DIR_ENV = "MINIAPP_CACHE_DIR"  # the folder the calibration files use too
 
 WARMUP_STEPS = 2  # eager runs on a side stream before capture, as torch's graph docs advise
 
@@ -98,6 +101,7 @@ class CompiledStep:
     def __init__(self, body: Callable[[], None]):
         import torch._dynamo
 
+        _keep_compiled_kernels()
         config = torch._dynamo.config
         config.recompile_limit = max(config.recompile_limit, COMPILED_VARIANTS)
         self.body = body
@@ -112,6 +116,8 @@ class CompiledStep:
     def __call__(self) -> None:
         if self.compiled is not None:
             try:
+                if not self.ran:
+                    log.info("compiling the decode step (a minute the first time on a machine)")
                 self.compiled()
                 self.ran = True
                 return
@@ -123,6 +129,21 @@ class CompiledStep:
                 log.warning("the decode step runs uncompiled: %s", _first_line(exc))
                 self.compiled = None
         self.body()
+
+
+def _keep_compiled_kernels() -> None:
+    """Inductor's caches in miniapp's cache folder rather than in /tmp, which a reboot
+    empties: the next session's compilation then takes seconds, not a minute. A folder the
+    user chose stays (importing torch._dynamo writes torch's default into the variable, so
+    that one is taken as unset)."""
+    import platformdirs
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) != default_cache_dir():
+        return
+
+    root = os.environ.get(CACHE_DIR_ENV) or platformdirs.user_cache_dir("miniapp")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "inductor")
 
 
 def _first_line(exc: BaseException) -> str:
