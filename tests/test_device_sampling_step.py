@@ -13,14 +13,13 @@ import jsonschema
 import pytest
 import torch
 from generation_helpers import first_tokens
-from test_static_step import _GraphProbe, _HostData, _prefilled
+from test_static_step import _GraphProbe, _HostDataProbe, _prefilled
 from tiny_gguf import GEMMA3, LLAMA, write_tiny_model
 
 from miniapp.engine.api import FinishReason, GenerationRequest, TextDelta, generate
 from miniapp.engine.modelfile.gguf_file import GGUFFile
 from miniapp.engine.models import build_model
 from miniapp.engine.models.static_step import StaticDecodeStep
-from miniapp.engine.platform.devices import SimulatedProbe
 from miniapp.engine.runtimes.torch_runtime import TorchRuntime
 from miniapp.engine.tokens.constraints import OutputConstraint
 from miniapp.engine.tokens.device_sampler import SamplingTensors, sample
@@ -114,27 +113,8 @@ def test_rows_that_want_log_probabilities_are_sampled_on_the_host(tiny_path):
     assert step is not None and step.replays > 20 and step.draws == 0
 
 
-class _DrawWatchProbe(SimulatedProbe):
-    """A simulated GPU whose step runner watches each step for tensors made from host
-    data (a copy from the host in every replay, which a CUDA graph refuses)."""
-
-    def __init__(self):
-        super().__init__("cuda:Sim:24:8.9")
-        self.watch_mode = _HostData()
-
-    def step_runner(self, plan):
-        def runner(body):
-            def watched():
-                with self.watch_mode:
-                    body()
-
-            return watched
-
-        return runner, "watched runner"
-
-
 def test_a_drawing_step_makes_no_tensor_from_host_data(tiny_path):
-    probe = _DrawWatchProbe()
+    probe = _HostDataProbe()
     runtime = TorchRuntime(tiny_path, n_ctx=48, spec="off", probe=probe)
     first_tokens(runtime, PROMPT, 50, MIXED[2])  # penalties, min-p, a seeded draw
     assert runtime.static_step is not None and runtime.static_step.draws > 20
