@@ -168,13 +168,20 @@ def test_fill_writes_into_the_same_buffers_and_changes_the_result():
     logits, histories, allowed, _ = _case(params, seed=17)
     static = SamplingTensors.buffers(2, VOCAB)
     before = distribution(logits, static)
-    addresses = [t.data_ptr() for t in vars(static).values()]
+    buffers = ("scalars", "counts", "allowed")
+    addresses = [getattr(static, name).data_ptr() for name in buffers]
     new = SamplingTensors.build(params, histories, VOCAB, allowed)
     assert static.fill_(new) is static
-    assert [t.data_ptr() for t in vars(static).values()] == addresses
+    assert [getattr(static, name).data_ptr() for name in buffers] == addresses
     after = distribution(logits, static)
     assert torch.equal(after, distribution(logits, new)) and not torch.equal(after, before)
     static.fill_(SamplingTensors.build(params, histories, VOCAB))  # no grammar: all allowed
     assert static.allowed.all() and static.counts.any()
+    assert static.neutral == {"allowed"}  # counts were written, the mask reset
     static.fill_(SamplingTensors.build([GREEDY] * 2, histories, VOCAB))  # no penalties
-    assert not static.counts.any()
+    assert not static.counts.any() and static.allowed.all()
+    # Both buffers neutral now: the next fill without counts or a mask leaves them be.
+    assert static.neutral == {"counts", "allowed"}
+    static.counts[0, 0] = 5.0  # (only to see that it is not written again)
+    static.fill_(SamplingTensors.build([GREEDY] * 2, histories, VOCAB))
+    assert static.counts[0, 0] == 5.0

@@ -16,9 +16,8 @@ histories (outside the graph) and copied into a captured graph's static buffers 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,23 +27,39 @@ from .sampling import SamplingParams
 NEG_INF = float("-inf")
 
 
+# The per-row settings, packed as the rows of one fp32 tensor [len(SCALARS), rows], so that a
+# step sends them to the device in one copy (each small copy costs a GPU its own transfer).
+SCALARS = (
+    "temperature",  # <= 0 greedy
+    "top_k",  # <= 0 disables (exact in fp32 up to 2**24, past any vocabulary)
+    "top_p",  # >= 1 disables
+    "min_p",  # <= 0 disables
+    "repeat_penalty",  # 1 disables
+    "presence_penalty",  # 0 disables
+    "frequency_penalty",  # 0 disables
+)
+
+
 @dataclass
 class SamplingTensors:
-    """Sampling settings of each row, as tensors of shape [rows] on the device (see
-    `SamplingParams` for their meaning), plus what the penalties and a grammar need."""
+    """Sampling settings of each row on the device (see `SamplingParams` for their meaning):
+    the scalars, one [rows] row each of `scalars`, read by name (`settings.top_p`); plus
+    what the penalties and a grammar need."""
 
-    temperature: torch.Tensor  # fp32; <= 0 greedy
-    top_k: torch.Tensor  # int64; <= 0 disables
-    top_p: torch.Tensor  # fp32; >= 1 disables
-    min_p: torch.Tensor  # fp32; <= 0 disables
-    repeat_penalty: torch.Tensor  # fp32; 1 disables
-    presence_penalty: torch.Tensor  # fp32; 0 disables
-    frequency_penalty: torch.Tensor  # fp32; 0 disables
+    scalars: torch.Tensor  # fp32 [len(SCALARS), rows]
     # fp32 [rows, vocab]: how often each token occurs among the row's last repeat_last_n
     # tokens (the host keeps it up to date); penalties apply where it is > 0. None: no row
     # has a penalty (nothing to copy to the device).
     counts: torch.Tensor | None = None
     allowed: torch.Tensor | None = None  # bool [rows, vocab], True: the grammar allows it
+    # Whether the counts and the mask buffers hold none seen and all allowed (`fill_` then
+    # skips writing them again): a buffer's state, not a setting.
+    neutral: set[str] = field(default_factory=set, compare=False)
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        if name in SCALARS:
+            return self.scalars[SCALARS.index(name)]
+        raise AttributeError(name)
 
     @classmethod
     def build(
@@ -63,18 +78,9 @@ class SamplingTensors:
                 recent = list(history[-p.repeat_last_n :]) if _penalizes(p) else []
                 if recent:  # sampler.py's window, so that the same settings penalise the same
                     counts[row] = torch.bincount(torch.tensor(recent), minlength=vocab)[:vocab]
-
-        def column(name: str, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)
-
+        scalars = [[float(getattr(p, name)) for p in params] for name in SCALARS]
         return cls(
-            temperature=column("temperature", torch.float32),
-            top_k=column("top_k", torch.int64),
-            top_p=column("top_p", torch.float32),
-            min_p=column("min_p", torch.float32),
-            repeat_penalty=column("repeat_penalty", torch.float32),
-            presence_penalty=column("presence_penalty", torch.float32),
-            frequency_penalty=column("frequency_penalty", torch.float32),
+            scalars=torch.tensor(scalars, dtype=torch.float32, device=device),
             counts=None if counts is None else counts.to(device),
             allowed=None if allowed is None else allowed.to(device=device, dtype=torch.bool),
         )
@@ -83,32 +89,29 @@ class SamplingTensors:
     def buffers(cls, rows: int, vocab: int, device: torch.device | str | None = None):
         """Settings buffers for `fill_` (a captured graph's static inputs), with counts and
         a grammar mask, so that one graph serves rows with and without either."""
-        zeros = functools.partial(torch.zeros, rows, device=device)
         return cls(
-            temperature=zeros(),
-            top_k=zeros(dtype=torch.long),
-            top_p=zeros(),
-            min_p=zeros(),
-            repeat_penalty=zeros(),
-            presence_penalty=zeros(),
-            frequency_penalty=zeros(),
-            counts=zeros(vocab),
+            scalars=torch.zeros(len(SCALARS), rows, device=device),
+            counts=torch.zeros(rows, vocab, device=device),
             allowed=torch.ones(rows, vocab, dtype=torch.bool, device=device),
+            neutral={"counts", "allowed"},
         )
 
     def fill_(self, other: SamplingTensors) -> SamplingTensors:
         """Copy `other`'s settings into these tensors in place (a captured graph reads them
         at fixed addresses). Rows and vocabulary must match; where `other` has no counts
         (no penalties) or no grammar mask, these are set to none seen and all allowed."""
-        for field in fields(self):
-            mine, theirs = getattr(self, field.name), getattr(other, field.name)
+        self.scalars.copy_(other.scalars, non_blocking=True)
+        for name, neutral_value in (("counts", False), ("allowed", True)):
+            mine, theirs = getattr(self, name), getattr(other, name)
             if mine is None:
                 if theirs is not None:
-                    raise ValueError(f"these settings have no {field.name} buffer to fill")
-            elif theirs is None:
-                mine.fill_(field.name == "allowed")
-            else:
+                    raise ValueError(f"these settings have no {name} buffer to fill")
+            elif theirs is not None:
                 mine.copy_(theirs, non_blocking=True)
+                self.neutral.discard(name)
+            elif name not in self.neutral:
+                mine.fill_(neutral_value)
+                self.neutral.add(name)
         return self
 
 
