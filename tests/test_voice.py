@@ -142,6 +142,20 @@ def test_on_a_cpu_too_slow_for_a_hypothesis_a_chunk_hypotheses_space_out_and_kee
     _assert_one_clock(words)
 
 
+def test_a_pause_that_ends_an_utterance_before_a_paced_hypothesis_loses_no_words(asr):
+    # A CPU so slow that after the first hypothesis the next would wait for more audio than
+    # the sentence has: the pause after it ends the utterance first, and the speech no
+    # hypothesis heard yet must be heard then (it was dropped, on a loaded machine).
+    speech = synthesize(CLEAN_SENTENCES[1], seed=2)
+    audio = np.concatenate([speech.audio, np.zeros(2 * SAMPLE_RATE, dtype=np.float32)])
+    events, transcriber = _stream(_SlowerCPU(asr, extra_s=4.0), audio, clock=_InstantClock())
+    assert len(transcriber.hypothesis_costs) <= 3  # spaced out, as on that CPU
+    assert len([e for e in events if isinstance(e, EndOfUtterance)]) == 1
+    words = _committed(events)
+    assert word_error_rate(speech.text, " ".join(w.word for w in words)) <= 0.15
+    _assert_one_clock(words)
+
+
 def test_one_clock_across_buffer_trims_and_utterances(asr):
     # Three sentences, a pause long enough to end an utterance between the first two, and a
     # buffer trimmed every few seconds: times must stay on the stream's clock throughout.

@@ -160,8 +160,12 @@ class StreamingTranscriber:
         silent_for = self.received_s - self._speech_end
         active = bool(self._utterance or self._agreement.pending)
         if active and silent_for >= self.config.utterance_end_s:
-            # The last hypothesis already heard all of the speech and some silence after it.
-            events = self._end_utterance()
+            events: list[VoiceEvent] = []
+            if self._sample(self._speech_end) > self._decoded_to:
+                # Hypotheses spaced out on a slow CPU: the last one may not have heard the
+                # speech's end, and ending the utterance would drop its last words.
+                events += self._transcribe_and_agree()
+            events += self._end_utterance()
             self._cut(self._sample(self._speech_end))
             return events
         if not spans:
