@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import TypeVar
 
 import torch
 
@@ -38,6 +39,7 @@ from ..tokens.device_sampler import SamplingTensors
 log = logging.getLogger("miniapp.engine")
 
 Rows = Sequence[tuple[Sequence[int], list[Cache]]]
+T = TypeVar("T")
 # Batched fixed-shape steps kept (each holds its own graphs): the sets of sequences decoding
 # together change as they come and go.
 BATCH_STEPS_KEPT = 4
@@ -144,14 +146,7 @@ class ModelRunner:
         if inputs is None:
             return None
         tensors, uniforms = inputs
-        try:
-            self.latest_static_step = step
-            return step.sampled([tokens[0] for tokens, _ in rows], tensors, uniforms)
-        except torch.OutOfMemoryError:
-            raise
-        except RuntimeError as exc:
-            self._give_up_graphs(exc)
-            return None
+        return self._through(step, lambda s: s.sampled([t[0] for t, _ in rows], tensors, uniforms))
 
     def stepper(self, caches: list[Cache]) -> Callable[[int], torch.Tensor]:
         """`decode_one` bound to one sequence's caches (a drafting decoder's plain steps)."""
@@ -163,13 +158,9 @@ class ModelRunner:
         step where the device replays graphs and the caches are in their steady state."""
         step = self._static_step(caches)
         if step is not None and step.ready():
-            try:
-                self.latest_static_step = step
-                return step(token)[0]
-            except torch.OutOfMemoryError:
-                raise
-            except RuntimeError as exc:  # capture failed: ordinary steps from now on
-                self._give_up_graphs(exc)
+            logits = self._through(step, lambda s: s(token)[0])
+            if logits is not None:
+                return logits
         hidden = self.model.hidden_states(torch.tensor([token]), caches)
         return self.model.logits(hidden)[0]
 
@@ -180,9 +171,14 @@ class ModelRunner:
         step = self._batch_step([caches for _, caches in rows])
         if step is None or not step.ready():
             return None
+        return self._through(step, lambda s: s.step([tokens[0] for tokens, _ in rows]))
+
+    def _through(self, step: StaticDecodeStep, run: Callable[[StaticDecodeStep], T]) -> T | None:
+        """`run(step)`; None where the step failed (its capture, say): every step runs
+        as ordinary code from then on, this one included."""
         try:
             self.latest_static_step = step
-            return step.step([tokens[0] for tokens, _ in rows])
+            return run(step)
         except torch.OutOfMemoryError:
             raise
         except RuntimeError as exc:
