@@ -32,7 +32,7 @@ import torch
 from ..kv.cache import Cache
 from ..lora.registry import AdapterSet
 from ..models import CachePolicy, DecoderModel
-from ..models.static_step import StaticDecodeStep, static_step_unsupported
+from ..models.static_step import StaticDecodeStep, StaticVerifyStep, static_step_unsupported
 from ..platform.graphs import Runner, batched_runner
 from ..tokens.device_sampler import SamplingTensors
 
@@ -50,6 +50,8 @@ class SequenceCaches(list):
     GPU's captured graphs), so the step travels with the caches through the prefix pool."""
 
     static_step: StaticDecodeStep | None = None
+    # Speculative verification's fixed-shape steps, by row count (drafts + 1).
+    verify_steps: dict[int, StaticVerifyStep] | None = None
     # The LoRA adapters its tokens were computed with (engine/lora; None: the base alone):
     # every pass over these caches applies them, and the prefix pool reuses the caches only
     # for the same adapters.
@@ -73,6 +75,7 @@ class ModelRunner:
         self.graphs, self.graph_note = graphs, graph_note
         self.latest_static_step: StaticDecodeStep | None = None
         self._batch_steps: dict[tuple[int, ...], StaticDecodeStep] = {}
+        self.verifications = 0  # drafts verified through a fixed-shape step
         # Told why graphs were given up (the runtime records it as a device fallback).
         self.on_graph_failure: Callable[[str], None] | None = None
 
@@ -148,6 +151,39 @@ class ModelRunner:
         tensors, uniforms = inputs
         return self._through(step, lambda s: s.sampled([t[0] for t, _ in rows], tensors, uniforms))
 
+    def verifier(
+        self, caches: list[Cache]
+    ) -> Callable[[Sequence[int]], tuple[torch.Tensor, torch.Tensor] | None]:
+        """`verify_rows` bound to one sequence's caches (a speculative decoder's
+        verifications of drafts from tokens)."""
+        return lambda tokens: self.verify_rows(tokens, caches)
+
+    @torch.inference_mode()
+    def verify_rows(
+        self, tokens: Sequence[int], caches: list[Cache]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Feed one sequence's `tokens` ([pending, *drafts]) through its fixed-shape
+        verification step: each row as its decode step computes it. Returns the rows'
+        final-normed states [rows, dim] and fp32 logits [rows, vocab]; None where graphs are
+        off or the caches cannot take the rows in one step (the caller verifies op by op)."""
+        step = self._verify_step(caches, len(tokens))
+        if step is None or not step.ready():
+            return None
+        verified = self._through(step, lambda s: s.verify(list(tokens)), latest=False)
+        self.verifications += verified is not None
+        return verified
+
+    def _verify_step(self, caches: list[Cache], rows: int) -> StaticVerifyStep | None:
+        if rows < 2 or self._static_step(caches) is None:
+            return None  # also: no graphs, adapters, caches without fixed-shape steps
+        assert isinstance(caches, SequenceCaches)
+        steps = caches.verify_steps
+        if steps is None or any(step.model is not self.model for step in steps.values()):
+            steps = caches.verify_steps = {}
+        if rows not in steps:
+            steps[rows] = StaticVerifyStep(self.model, caches, rows, batched_runner(self.graphs))
+        return steps[rows]
+
     def stepper(self, caches: list[Cache]) -> Callable[[int], torch.Tensor]:
         """`decode_one` bound to one sequence's caches (a drafting decoder's plain steps)."""
         return lambda token: self.decode_one(token, caches)
@@ -173,11 +209,15 @@ class ModelRunner:
             return None
         return self._through(step, lambda s: s.step([tokens[0] for tokens, _ in rows]))
 
-    def _through(self, step: StaticDecodeStep, run: Callable[[StaticDecodeStep], T]) -> T | None:
+    def _through(
+        self, step: StaticDecodeStep, run: Callable[[StaticDecodeStep], T], latest: bool = True
+    ) -> T | None:
         """`run(step)`; None where the step failed (its capture, say): every step runs
-        as ordinary code from then on, this one included."""
+        as ordinary code from then on, this one included. `latest`: a decode step, which
+        `latest_static_step` then names."""
         try:
-            self.latest_static_step = step
+            if latest:
+                self.latest_static_step = step
             return run(step)
         except torch.OutOfMemoryError:
             raise

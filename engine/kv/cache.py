@@ -159,6 +159,12 @@ class StaticCache(Cache, Protocol):
         """Whether the next token can take a fixed-shape step."""
         ...
 
+    def static_rows_ready(self, n: int) -> bool:
+        """Whether the next `n` tokens can take one fixed-shape step together (speculative
+        verification): all written before any attends, each row still sees what its own
+        decode step would."""
+        ...
+
     def static_span(self) -> tuple[int, int]:
         """(start, length) of the storage attention reads in a fixed-shape step."""
         ...
@@ -330,6 +336,9 @@ class KVCache(_OnStorage):
 
     def static_ready(self) -> bool:
         return self.capacity >= self.max_tokens > self.offset  # tiles may round it up
+
+    def static_rows_ready(self, n: int) -> bool:
+        return self.static_ready() and self.offset + n <= self.max_tokens
 
     def static_extent(self) -> int:
         """Slots of the span in use (the newest token's included)."""
@@ -704,6 +713,17 @@ class RotatingKVCache(_OnStorage):
 
     def static_ready(self) -> bool:
         return self.sinks_held == self.sinks and self._allocated == self.ring_capacity
+
+    def static_rows_ready(self, n: int) -> bool:
+        """A later row of the step overwrites the slot of the position `ring_capacity`
+        before its own, which an earlier row sees only if they are more than `slack` apart.
+        Sinks are rotated into one frame per step, and the frame moves with every token
+        once the ring holds more than the window."""
+        if not self.static_ready():
+            return False
+        if self.sinks:
+            return self.ring_count + n <= self.window
+        return n <= self.slack + 1
 
     def static_extent(self) -> int:
         """Slots of the span in use (the newest token's included): the ring fills in order

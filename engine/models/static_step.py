@@ -201,6 +201,9 @@ class StaticDecodeStep:
         ]
         self.x = torch.zeros(rows, config.dim, device=self.device)
         self.logits = torch.zeros(rows, config.vocab_size, device=self.device)
+        # The final-normed states [rows, dim], kept only where a caller reads them (a
+        # verification step's drafters do): a decode step spends no copy on them.
+        self.states: torch.Tensor | None = None
         # Sampling on the device (`sampled`): its settings, one uniform a row, the ids drawn.
         self._sampling: SamplingTensors | None = None  # made on the first sampled step
         self.uniforms = torch.zeros(rows, device=self.device)
@@ -355,8 +358,50 @@ class StaticDecodeStep:
         """The step itself, through the model's own layer loop and head (and the sampler):
         it reads only the static inputs, so it can be captured."""
         model = self.model
-        x = model.apply_layers(self.x, metadata)
-        self.logits.copy_(model.project(model.final_norm(x)))
+        normed = model.final_norm(model.apply_layers(self.x, metadata))
+        if self.states is not None:
+            self.states.copy_(normed)
+        self.logits.copy_(model.project(normed))
         if sampled:
             assert self._sampling is not None
             self.chosen.copy_(sample(self.logits, self._sampling, self.uniforms))
+
+
+class StaticVerifyStep(StaticDecodeStep):
+    """`rows` tokens of one sequence in one fixed-shape step: speculative verification of
+    [pending, *drafts] replayed as a graph instead of taken op by op.
+
+    The rows are laid out as decode rows of `rows` sequences that all hold the same caches:
+    the host's bookkeeping advances the caches once per row, in order, so each row gets the
+    slot, mask and RoPE tables its own decode step would get; the step writes every row's
+    keys and values, then each row attends over its mask. That is each row's decode step
+    only while no row overwrites a key an earlier row still sees and the sinks' frame stays
+    put (the caches' `static_rows_ready`: a sliding-window layer's ring always, once it has
+    slack for the rows; a ring with sinks until it holds its window), and while keys are not
+    packed in q4 tiles (a tile one row completes is encoded on the host only after the
+    step). `ready()` says so; otherwise the caller verifies op by op. A step is built per
+    row count, and each keeps a graph per span bucket, as a decode step does."""
+
+    def __init__(
+        self, model: DecoderModel, caches: list[Cache], rows: int, runner: Runner = eager_runner
+    ):
+        super().__init__(model, runner=runner, batch=[caches] * rows)
+        self.batched = False  # one sequence's rows
+        self.caches = caches
+        self.states = torch.zeros(rows, model.config.dim, device=self.device)
+
+    @property
+    def rows(self) -> int:
+        return len(self.sequences)
+
+    def ready(self) -> bool:
+        return super().ready() and all(
+            not cache.key_codec.tiled and cache.static_rows_ready(self.rows)
+            for cache in self.caches
+        )
+
+    def verify(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed `tokens` (one a row) to the caches; returns the rows' final-normed states
+        [rows, dim] and fp32 logits [rows, vocab], on the CPU."""
+        self._run_step(tokens, sampled=False)
+        return self.states.to(CPU, copy=True), self.logits.to(CPU, copy=True)

@@ -322,6 +322,7 @@ class TorchRuntime(Runtime):
             drafters,
             mode=self.spec_mode.value,
             decode_one=self.runner.stepper(caches),
+            verify_rows=self.runner.verifier(caches),
         )
 
     def info(self) -> RuntimeInfo:

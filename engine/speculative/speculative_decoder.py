@@ -20,7 +20,10 @@ from ..tokens.events import SpeculationStats
 from ..tokens.sampler import Sampler
 from .acceptance import Verdict, accept_greedy, accept_sampled
 from .controller import DraftController
-from .drafter import Draft, Drafter
+from .drafter import Draft, Drafter, Verified, VerifiedFromTokens
+
+# tokens -> (final-normed states [rows, dim], fp32 logits [rows, vocab]), or None
+RowsVerifier = Callable[[Sequence[int]], tuple[torch.Tensor, torch.Tensor] | None]
 
 
 class SpeculativeDecoder:
@@ -39,12 +42,17 @@ class SpeculativeDecoder:
         mode: str,
         decode_one: Callable[[int], torch.Tensor] | None = None,
         stats: SpeculationStats | None = None,
+        verify_rows: RowsVerifier | None = None,
     ):
         """`decode_one(token) -> logits [vocab]` takes a plain step (the runtime's may replay a
-        graph); by default an ordinary pass over `caches`. `stats` to count into (a batching
-        scheduler keeps one per sequence across the stretches it drafts alone)."""
+        graph); by default an ordinary pass over `caches`. `verify_rows(tokens)` verifies
+        drafts made from tokens alone in one fixed-shape step, returning (states, logits),
+        or None where it cannot (the drafter's own verification then runs). `stats` to
+        count into (a batching scheduler keeps one per sequence across the stretches it
+        drafts alone)."""
         self.model, self.caches, self.fed = model, caches, fed
         self.decode_one = decode_one or self._ordinary_step
+        self.verify_rows = verify_rows
         self.sampler, self.controller = sampler, controller
         self.drafters = list(drafters)  # asked in order; the first proposal is verified
         self.stats = stats or SpeculationStats(mode)
@@ -117,12 +125,19 @@ class SpeculativeDecoder:
 
     def _verify(self, drafter: Drafter, draft: Draft, history: list[int]) -> list[int]:
         start = time.perf_counter()
-        verified = drafter.verify(self.caches, draft)
+        verified = self._verified(drafter, draft)
         verdict = self._judge(draft.tokens, draft.probs, verified.logits, history)
         self._tell_state(verified.states[verdict.accepted : verdict.accepted + 1])
         verify_s = time.perf_counter() - start
         self._finish(draft.key, draft.pending, draft.tokens, verdict, draft.seconds, verify_s)
         return self._emit(draft.tokens, verdict, history)
+
+    def _verified(self, drafter: Drafter, draft: Draft) -> Verified:
+        if self.verify_rows is not None and isinstance(drafter, VerifiedFromTokens):
+            rows = self.verify_rows([draft.pending, *draft.tokens])
+            if rows is not None:
+                return Verified(*rows)
+        return drafter.verify(self.caches, draft)
 
     def _tell_state(self, state: torch.Tensor) -> None:
         """The final-normed state [1, dim] whose logits gave the token to be fed next."""
