@@ -3,12 +3,15 @@ it dispatches as written, and the kernels it runs once torch.compile has fused i
 torch.profiler sees them.
 
     MINIAPP_NATIVE=0 .venv/bin/python scripts/step_kernels.py [--model NAME_OR_PATH] [--sampled]
+        [--verify ROWS]
 
 On a CPU, inductor generates C++ kernels, from the same fusion decisions it makes for Triton
 on a GPU, so the count here is the count a GPU's compiled step launches, give or take the
 matmul and attention ops each device has. Views and allocations launch nothing and are not
-counted. `--sampled`: the step that also draws the token on the device. Compiling a 30-layer
-model takes one to two minutes on two cores.
+counted. `--sampled`: the step that also draws the token on the device. `--verify ROWS`: also
+the ops of speculative verification's step over ROWS rows ([pending, *drafts]), which a GPU
+captures as written, uncompiled. Compiling a 30-layer model takes one to two minutes on two
+cores.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="a bundled model's name or a GGUF (default: bundled)")
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--sampled", action="store_true", help="the step that draws tokens")
+    parser.add_argument("--verify", type=int, default=0, help="rows of a verification step")
     args = parser.parse_args(argv)
     if os.environ.get("MINIAPP_NATIVE") != "0":
         print("run with MINIAPP_NATIVE=0: the compiler cannot see into our CPU kernels")
@@ -44,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     from miniapp.engine.modelfile.gguf_file import GGUFFile
     from miniapp.engine.modelfile.store import resolve_model
     from miniapp.engine.models import CachePolicy, build_model
-    from miniapp.engine.models.static_step import StaticDecodeStep
+    from miniapp.engine.models.static_step import StaticDecodeStep, StaticVerifyStep
     from miniapp.engine.platform.graphs import compiled_runner
     from miniapp.engine.tokens.device_sampler import SamplingTensors
     from miniapp.engine.tokens.sampling import SamplingParams
@@ -90,6 +94,19 @@ def main(argv: list[str] | None = None) -> int:
     ops = sum(counter.ops.values())
     print(f"{layers} layers; as written: {ops} ops a step ({ops / layers:.1f} a layer)")
     print("  most frequent:", ", ".join(f"{n} {c}" for n, c in counter.ops.most_common(8)))
+    if args.verify:
+        counter.ops.clear()
+        caches = step_over_prefilled_caches().sequences[0]
+        verify = StaticVerifyStep(
+            model, caches, args.verify, lambda body: lambda: _watched(counter, body)
+        )
+        with torch.inference_mode():
+            verify.verify([5] * args.verify)
+        ops = sum(counter.ops.values())
+        print(
+            f"verification of {args.verify} rows, as captured: {ops} ops "
+            f"({ops / layers:.1f} a layer)"
+        )
 
     with inductor.patch({"cpp.enable_kernel_profile": True}):
         started = time.perf_counter()

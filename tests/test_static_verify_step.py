@@ -36,6 +36,14 @@ def model(tiny_path):
     return build_model(GGUFFile(tiny_path))
 
 
+@pytest.fixture(scope="module")
+def torch_model(tiny_path):
+    """The model with torch's attention, as a GPU runs it."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MINIAPP_NATIVE", "0")
+        return build_model(GGUFFile(tiny_path))
+
+
 def _prefilled(model, policy=POLICY):
     caches = model.make_caches(policy)
     for cache in caches:
@@ -66,7 +74,13 @@ def _fed(model, caches, tokens):
     ],
     ids=["f32", "q8-where-it-fits", "ring-without-sinks-past-its-wrap"],
 )
-def test_each_verified_row_gives_its_decode_steps_logits_and_states(model, kv, policy, fed):
+@pytest.mark.parametrize("attention", ["native", "torch"])
+def test_each_verified_row_gives_its_decode_steps_logits_and_states(
+    model, torch_model, attention, kv, policy, fed
+):
+    # Bit for bit: the rows attend in one call, but each row's sums run over its own keys
+    # in the same order as its decode step's (our CPU kernel, and torch's on a CPU).
+    model = model if attention == "native" else torch_model
     if kv is not None:
         policy = replace(policy, kv_type=_fitting(model, kv))
     history = [(7 * i) % 200 + 3 for i in range(fed)]
@@ -84,9 +98,9 @@ def test_each_verified_row_gives_its_decode_steps_logits_and_states(model, kv, p
             assert step.ready()
             states, got = step.verify(rows)
         assert got.shape == want.shape and states.shape == (len(rows), model.config.dim)
-        assert (got - want).abs().max() < 1e-4
+        assert torch.equal(got, want)
         with torch.inference_mode():  # the states are the ones the head projects
-            assert (model.project(states) - got).abs().max() < 1e-4
+            assert torch.equal(model.project(states), got)
         for a, b in zip(stepped, verified, strict=True):
             assert (a.offset, a.ring_head) == (b.offset, b.ring_head)
         token = int(want[-1].argmax())
@@ -101,7 +115,7 @@ def test_a_rejected_draft_rolls_back_and_the_next_rows_match(model):
         with torch.inference_mode():
             want = torch.cat([decode(t) for t in rows])
             _, got = step.verify(rows)
-        assert (got - want).abs().max() < 1e-4
+        assert torch.equal(got, want)
         for cache in (*stepped, *verified):
             cache.trim(2)  # both drafts rejected
 
@@ -114,12 +128,22 @@ def test_rows_that_would_move_the_sinks_frame_are_verified_op_by_op(model):
     assert not StaticVerifyStep(model, caches, 9).ready()
 
 
-def test_q4_keys_in_tiles_are_verified_op_by_op(model, monkeypatch):
-    kind = _fitting(model, Q4)
-    if not kind.key.tiled_keys:
-        pytest.skip("this tiny model's heads are too narrow for q4 tiles")
-    caches = _prefilled(model, replace(POLICY, kv_type=kind))
+def test_rows_that_straddle_two_span_buckets_are_verified_op_by_op(model):
+    # A decode step reads a power-of-two prefix of the cache: rows on both sides of 256
+    # would read different lengths, and so round differently, in one step.
+    caches = _fed(model, _prefilled(model, CachePolicy(ctx=600, streaming=False)), [5] * 244)
+    assert caches[0].offset == 252
+    assert StaticVerifyStep(model, caches, 4).ready()  # positions 252-255
+    assert not StaticVerifyStep(model, caches, 5).ready()  # 252-256
+
+
+def test_q4_keys_in_tiles_are_verified_op_by_op(tmp_path):
+    # Gemma 3's tiny heads are wide enough for q4 tiles (llama's 16 are not).
+    model = build_model(GGUFFile(write_tiny_model(tmp_path / "tiny.gguf", GEMMA3)))
+    assert Q4.key.tiled_keys and model.config.head_dim % BLOCK == 0
+    caches = _prefilled(model, replace(POLICY, kv_type=Q4))
     assert not StaticVerifyStep(model, caches, 3).ready()
+    assert StaticVerifyStep(model, _prefilled(model, replace(POLICY, kv_type=Q8)), 3).ready()
 
 
 class _CountingProbe(SimulatedProbe):

@@ -11,7 +11,9 @@ scaled_dot_product_attention returns them.
 - `attend`: the rows see the keys as one mask says (None: all of them).
 - `attend_one_each`: one decode row per sequence, each over its own cache.
 - `attend_prefixes`: row r sees the first `before + r + 1` keys (exact rows whose decode
-  steps would each see a prefix of one storage)."""
+  steps would each see a prefix of one storage).
+- `attend_rows`: row r sees the keys mask row r says, as a decode step under that mask
+  would (exact rows of a fixed-shape verification step)."""
 
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ class AttentionBackend(Protocol):
     def attend_one_each(self, queries: torch.Tensor, stored: list[StoredRow]) -> torch.Tensor: ...
 
     def attend_prefixes(self, queries, keys, values, cache: Cache, before: int) -> torch.Tensor: ...
+    def attend_rows(self, queries, keys, values, cache: Cache, masks) -> torch.Tensor: ...
 
 
 def kernel_types(cache: Cache) -> tuple[int, int]:
@@ -77,6 +80,9 @@ class NativeCpuAttention:
         n_rows = queries.shape[1]
         lengths = torch.arange(before + 1, before + n_rows + 1, dtype=torch.int32)
         return self.attend(queries, keys, values, cache, lengths=lengths)
+
+    def attend_rows(self, queries, keys, values, cache: Cache, masks):
+        return self.attend(queries, keys, values, cache, mask=masks)  # each row on its own
 
 
 # From this many rows on a GPU (a prompt chunk; speculative verification brings fewer), the
@@ -146,6 +152,23 @@ class TorchAttention:
                 queries[None, :, row : row + 1],
                 (cache.decode_keys(keys, row) if tiled else decoded)[:, :, : before + row + 1],
                 values[:, :, : before + row + 1],
+                enable_gqa=True,
+                scale=self.scale,
+            )
+            for row in range(queries.shape[1])
+        ]
+        return torch.cat(rows, dim=2)
+
+    def attend_rows(self, queries, keys, values, cache: Cache, masks):
+        """One call a row over keys decoded once: a call over all rows rounds its sums in
+        another order than the decode step's call of one row."""
+        keys, values = cache.decode_keys(keys), cache.value_codec.decode(values)
+        rows = [
+            F.scaled_dot_product_attention(
+                queries[None, :, row : row + 1],
+                keys,
+                values,
+                attn_mask=masks[row : row + 1],
                 enable_gqa=True,
                 scale=self.scale,
             )

@@ -181,6 +181,8 @@ class Attention:
 
     def _attend_span(self, qk, v, span: RowSpan, cache: Cache, mask) -> torch.Tensor:
         """One sequence's rows over its cache -> [1, heads, rows, head_dim]."""
+        if span.kind is RowKind.EXACT and isinstance(mask, torch.Tensor):
+            return self._attend_masked_rows(qk, v, cache, mask)
         if span.kind is RowKind.EXACT:
             return self._attend_rows(qk, v, cache, mask)
         return self._attend(qk, v, cache, mask)
@@ -234,6 +236,16 @@ class Attention:
             mask = masks.get(row, cache)
             outs.append(self._attend(qk[:, row : row + 1], v[:, row : row + 1], cache, mask))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+    def _attend_masked_rows(self, qk, v, cache: Cache, masks: torch.Tensor) -> torch.Tensor:
+        """Exact rows whose slots and masks [rows, keys] a fixed-shape step prepared
+        (verification replayed as a graph): written at once, then each row attends under
+        its own mask row as its decode step would."""
+        keys, values = cache.update_and_fetch(qk[self.n_heads :][None], v[None])
+        queries = qk[: self.n_heads]
+        out = self._backend(keys, 1).attend_rows(queries, keys, values, cache, masks)
+        _observe(cache, queries, self.scale)
+        return out
 
     def _attend_shared_rows(self, qk, v, cache: Cache) -> torch.Tensor:
         """Each row's decode step would see a prefix of one storage: write all rows at once,

@@ -371,20 +371,27 @@ class StaticVerifyStep(StaticDecodeStep):
     """`rows` tokens of one sequence in one fixed-shape step: speculative verification of
     [pending, *drafts] replayed as a graph instead of taken op by op.
 
-    The rows are laid out as decode rows of `rows` sequences that all hold the same caches:
-    the host's bookkeeping advances the caches once per row, in order, so each row gets the
-    slot, mask and RoPE tables its own decode step would get; the step writes every row's
-    keys and values, then each row attends over its mask. That is each row's decode step
-    only while no row overwrites a key an earlier row still sees and the sinks' frame stays
-    put (the caches' `static_rows_ready`: a sliding-window layer's ring always, once it has
-    slack for the rows; a ring with sinks until it holds its window), and while keys are not
-    packed in q4 tiles (a tile one row completes is encoded on the host only after the
-    step). `ready()` says so; otherwise the caller verifies op by op. A step is built per
-    row count, and each keeps a graph per span bucket, as a decode step does."""
+    The host's bookkeeping advances the caches once per row, in order, as `rows` decode
+    steps would, so each row gets the slot, mask and RoPE tables its own decode step gets
+    (the per-row inputs are views into one buffer a kind: slots [rows], masks [rows, span]).
+    The step then writes all rows' keys and values in one go (one copy a layer, not one a
+    row) and each row attends under its own mask, over keys decoded once (rows of kind
+    EXACT with a mask tensor, `Attention._attend_masked_rows`). That is each row's decode
+    step, bit for bit, while:
+    - no row overwrites a key an earlier row still sees, and the sinks' frame stays put (the
+      caches' `static_rows_ready`: a sliding-window layer's ring always, once it has slack
+      for the rows; a ring with sinks until it holds its window);
+    - all rows read the same span bucket (a verification that crosses into the next bucket
+      is rare: once per doubling);
+    - keys are not packed in q4 tiles (a tile one row completes is encoded on the host only
+      after the step).
+    `ready()` says so; otherwise the caller verifies op by op. A step is built per row count,
+    and each keeps a graph per span bucket, as a decode step does."""
 
     def __init__(
         self, model: DecoderModel, caches: list[Cache], rows: int, runner: Runner = eager_runner
     ):
+        self._joint: dict[bool, _KindInputs] = {}  # each kind's inputs for all rows
         super().__init__(model, runner=runner, batch=[caches] * rows)
         self.batched = False  # one sequence's rows
         self.caches = caches
@@ -395,13 +402,68 @@ class StaticVerifyStep(StaticDecodeStep):
         return len(self.sequences)
 
     def ready(self) -> bool:
-        return super().ready() and all(
-            not cache.key_codec.tiled and cache.static_rows_ready(self.rows)
-            for cache in self.caches
+        return (
+            super().ready()
+            and all(
+                not cache.key_codec.tiled and cache.static_rows_ready(self.rows)
+                for cache in self.caches
+            )
+            and all(
+                self._one_bucket(self.caches[layers[0]]) for layers in self._layers_of_kind.values()
+            )
         )
+
+    def _one_bucket(self, cache: Cache) -> bool:
+        """Whether the first and the last row read the same span bucket of `cache`."""
+        extent, full = cache.static_extent(), cache.static_span()[1]
+        return span_bucket(extent + 1, full) == span_bucket(extent + self.rows, full)
 
     def verify(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed `tokens` (one a row) to the caches; returns the rows' final-normed states
         [rows, dim] and fp32 logits [rows, vocab], on the CPU."""
         self._run_step(tokens, sampled=False)
         return self.states.to(CPU, copy=True), self.logits.to(CPU, copy=True)
+
+    def _kind_inputs(self, kind: bool, cache: Cache, row: int) -> _KindInputs:
+        """Row `row`'s inputs: its slot and mask are rows of the kind's joint buffers. One
+        sink frame serves every row (`ready` sees to it)."""
+        joint = self._joint.get(kind)
+        if joint is None:
+            _, span = cache.static_span()
+            rope, rows = self.model.ropes[kind], len(self.sequences)
+            joint = self._joint[kind] = _KindInputs(
+                rope,
+                self.rotations[kind],
+                self._tables(rope, 1),
+                torch.zeros(rows, dtype=torch.long, device=self.device),
+                torch.zeros(rows, span, dtype=torch.bool, device=self.device),
+                None,
+            )
+        rotations = self.rotations[kind]
+        rotation = RopeTables(
+            rotations.cos[row : row + 1], rotations.signed_sin[row : row + 1], joint.rope
+        )
+        return _KindInputs(
+            joint.rope,
+            rotation,
+            joint.sink_shift,
+            joint.write_at[row : row + 1],
+            joint.mask[row : row + 1],
+            None,
+        )
+
+    def _build_run(self, lengths: tuple[int, ...], sampled: bool) -> Callable[[], None]:
+        span = dict(zip(self._layers_of_kind, lengths, strict=False))  # every row's (`ready`)
+        views = [
+            _StaticCacheView(cache, self._joint[kind], span[kind])
+            for cache, kind in zip(self.caches, self._local, strict=True)
+        ]
+        metadata = PassMetadata(
+            spans=[RowSpan(0, self.rows, RowKind.EXACT)],
+            caches=[views],
+            rotations=self.rotations,
+            masks={kind: [joint.mask[:, : span[kind]]] for kind, joint in self._joint.items()},
+        )
+        run = self.runner(functools.partial(self._body, metadata, sampled))
+        self._runs[lengths, sampled] = run
+        return run
