@@ -18,7 +18,7 @@ from tiny_gguf import GEMMA3, LLAMA, write_tiny_model
 
 from miniapp.engine.api import FinishReason, GenerationRequest, TextDelta, generate
 from miniapp.engine.modelfile.gguf_file import GGUFFile
-from miniapp.engine.models import build_model
+from miniapp.engine.models import build_model, static_step
 from miniapp.engine.models.static_step import StaticDecodeStep
 from miniapp.engine.runtimes.torch_runtime import TorchRuntime
 from miniapp.engine.tokens.constraints import OutputConstraint
@@ -47,10 +47,13 @@ def _settings(model, histories):
     return SamplingTensors.build(MIXED, histories, model.config.vocab_size)
 
 
-def test_a_step_draws_what_the_device_sampler_draws_from_its_logits(model):
+@pytest.mark.parametrize("staging", ["in-place", "mirror-apart"])
+def test_a_step_draws_what_the_device_sampler_draws_from_its_logits(model, staging, monkeypatch):
     # Three sequences in one batched step, one row each of greedy and two sampled settings:
     # the tokens drawn inside the step are those the sampler draws from the logits the
-    # same step gives, for every uniform.
+    # same step gives, for every uniform. Mirror apart: the settings and uniforms reach
+    # the step through the staged inputs' one transfer, as on a GPU.
+    monkeypatch.setattr(static_step._Staging, "apart", staging == "mirror-apart")
     drawn_caches = [_prefilled(model) for _ in MIXED]
     logit_caches = [_prefilled(model) for _ in MIXED]
     drawing = StaticDecodeStep(model, batch=drawn_caches)

@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from miniapp.engine.kv.types import BLOCK, F16, F32, Q4, Q8, KVPair
 from miniapp.engine.modelfile.gguf_file import GGUFFile
 from miniapp.engine.models import CachePolicy, build_model
+from miniapp.engine.models import static_step
 from miniapp.engine.models.static_step import StaticDecodeStep, span_bucket
 from miniapp.engine.platform.devices import SimulatedProbe
 from miniapp.engine.runtimes.torch_runtime import TorchRuntime
@@ -121,6 +122,24 @@ def test_static_steps_give_the_ordinary_steps_logits(model_for, kind):
             static.ring_head,
             static.frame,
         )
+
+
+@pytest.mark.parametrize("kind", [F32, Q4], ids=["f32", "q4-where-it-fits"])
+def test_every_input_reaches_the_step_in_one_transfer(model_for, kind, monkeypatch):
+    # As on a GPU: the host writes the step's inputs into a mirror and sends it whole once a
+    # step; an input written anywhere else would leave the step reading a stale value.
+    monkeypatch.setattr(static_step._Staging, "apart", True)
+    model = model_for(kind)
+    policy = replace(POLICY, kv_type=_fitting(model, kind))
+    steps = STEPS if not policy.kv_type.key.tiled_keys else TILED_STEPS
+    eager_caches, static_caches = _prefilled(model, policy), _prefilled(model, policy)
+    want, want_logits = _tokens(lambda t: _eager_step(model, eager_caches, t), n=steps)
+    step = StaticDecodeStep(model, static_caches)
+    assert step._staging.mirror is not step._staging.buffer
+    got, got_logits = _tokens(_static_logits(step), n=steps)
+    assert got == want
+    assert (got_logits - want_logits).abs().max() < 1e-4
+    assert step._staging.sends == step.replays == steps
 
 
 @pytest.mark.parametrize("kind", [F32, Q4], ids=["f32", "q4-where-it-fits"])

@@ -14,7 +14,7 @@ from tiny_gguf import GEMMA3, LLAMA, write_tiny_model
 
 from miniapp.engine.kv.types import BLOCK, F16, Q4, Q8
 from miniapp.engine.modelfile.gguf_file import GGUFFile
-from miniapp.engine.models import CachePolicy, build_model
+from miniapp.engine.models import CachePolicy, build_model, static_step
 from miniapp.engine.models.static_step import StaticDecodeStep, StaticVerifyStep
 from miniapp.engine.platform.devices import SimulatedProbe
 from miniapp.engine.runtimes.torch_runtime import TorchRuntime
@@ -78,9 +78,19 @@ def _fed(model, caches, tokens):
 def test_each_verified_row_gives_its_decode_steps_logits_and_states(
     model, torch_model, attention, kv, policy, fed
 ):
-    # Bit for bit: the rows attend in one call, but each row's sums run over its own keys
-    # in the same order as its decode step's (our CPU kernel, and torch's on a CPU).
+    # Bit for bit: each row's sums run over its own keys in the same order as its decode
+    # step's (our CPU kernel, and torch's one call a row).
     model = model if attention == "native" else torch_model
+    _check_rows(model, kv, policy, fed)
+
+
+def test_verification_inputs_reach_the_step_in_one_transfer(model, monkeypatch):
+    monkeypatch.setattr(static_step._Staging, "apart", True)  # as on a GPU
+    _check_rows(model, None, POLICY, 0)
+
+
+def _check_rows(model, kv, policy, fed):
+    """Verifies DRAFTS after `fed` tokens through StaticVerifyStep, against decode steps."""
     if kv is not None:
         policy = replace(policy, kv_type=_fitting(model, kv))
     history = [(7 * i) % 200 + 3 for i in range(fed)]
@@ -105,6 +115,7 @@ def test_each_verified_row_gives_its_decode_steps_logits_and_states(
             assert (a.offset, a.ring_head) == (b.offset, b.ring_head)
         token = int(want[-1].argmax())
     assert sorted(steps) == [2, 4, 8] and all(s.replays == 1 for s in steps.values())
+    assert all(s._staging.sends == 1 for s in steps.values())
 
 
 def test_a_rejected_draft_rolls_back_and_the_next_rows_match(model):

@@ -27,6 +27,7 @@ bucket and replays it on CUDA and ROCm.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,7 +38,7 @@ from ..kv.codec import TILE_ROWS, KVCodec
 from ..kv.types import F32
 from ..ops.layers import Rope, RopeTables, apply_rope
 from ..platform.graphs import Runner, eager_runner
-from ..tokens.device_sampler import SamplingTensors, sample
+from ..tokens.device_sampler import SCALARS, SamplingTensors, sample
 from .decoder import DecoderModel
 from .pass_metadata import PassMetadata, RowKind, RowSpan
 from .placement import CPU
@@ -60,8 +61,10 @@ class _TileRows:
     the ring rows of its own tile (the one its query reads exactly), then where those rows
     sit in `recent`."""
 
-    def __init__(self, device: torch.device):
-        self.rows = torch.zeros(1 + 2 * TILE_ROWS, dtype=torch.long, device=device)
+    SIZE = 1 + 2 * TILE_ROWS
+
+    def __init__(self, rows: torch.Tensor, host_rows: torch.Tensor):
+        self.rows, self._host_rows = rows, host_rows  # int64 [SIZE]: the step's, the host's
         self.key_row = self.rows[:1]
         self.own_rows = self.rows[1 : 1 + TILE_ROWS]
         self.own_recent = self.rows[1 + TILE_ROWS :]
@@ -74,7 +77,56 @@ class _TileRows:
         rows = torch.cat(
             [torch.tensor([slot % (2 * TILE_ROWS)]), first + self._offsets, half + self._offsets]
         )
-        self.rows.copy_(rows)
+        self._host_rows.copy_(rows)
+
+
+class _Staging:
+    """The step's small inputs - RoPE tables, slots, masks, tile rows, sampling settings -
+    as views of one device buffer. The host writes them into a mirror of it (pinned memory
+    on a GPU) and `send` copies the whole in one transfer a step, instead of one transfer
+    per input (each costs the host driver time, and waits for the GPU where the host memory
+    is pageable). On a CPU the mirror is the buffer itself and nothing is copied."""
+
+    ALIGN = 16  # bytes: every view starts aligned for any dtype
+    # Whether the mirror is apart from the buffer (None: on a GPU). Tests set it on a CPU to
+    # check that every input reaches the step through `send`.
+    apart: bool | None = None
+
+    def __init__(self, capacity: int, device: torch.device):
+        on_gpu = device.type != "cpu"
+        self.buffer = torch.zeros(capacity, dtype=torch.uint8, device=device)
+        self.mirror = self.buffer
+        if on_gpu if self.apart is None else self.apart:
+            self.mirror = torch.zeros(capacity, dtype=torch.uint8, pin_memory=on_gpu)
+        self.used = 0
+        self.sends = 0  # transfers made (tests count them against steps)
+
+    @classmethod
+    def bytes_for(cls, parts: list[tuple[int, torch.dtype]]) -> int:
+        """Room for these parts (element counts and dtypes), each aligned."""
+        return sum(-(-n * dtype.itemsize // cls.ALIGN) * cls.ALIGN for n, dtype in parts)
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """A new input: (the step's view, the host's view) of its bytes."""
+        size = math.prod(shape) * dtype.itemsize
+        if self.used + size > self.buffer.numel():
+            raise ValueError("the step's inputs overflow their staging buffer")
+        start, self.used = self.used, self.used + -(-size // self.ALIGN) * self.ALIGN
+
+        def view(buffer: torch.Tensor) -> torch.Tensor:
+            return buffer[start : start + size].view(dtype).view(shape)
+
+        step = view(self.buffer)
+        host = step if self.mirror is self.buffer else view(self.mirror)
+        return step, host
+
+    def send(self) -> None:
+        """Copy what the host wrote to the device (in stream order: the step's kernels
+        queued after it read the new values; the host rewrites the mirror only after the
+        step's results came back, which waits for the copy too)."""
+        if self.mirror is not self.buffer:
+            self.buffer[: self.used].copy_(self.mirror[: self.used], non_blocking=True)
+        self.sends += 1
 
 
 @dataclass
@@ -88,6 +140,13 @@ class _KindInputs:
     write_at: torch.Tensor  # int64 [1]: storage index of the new keys and values
     mask: torch.Tensor  # bool [1, full span]: what the new token's query sees
     tiles: _TileRows | None  # for q4 keys in tiles
+    # The same inputs as the host writes them (the staging mirror); None: these tensors.
+    host: _KindInputs | None = None
+
+    @property
+    def written(self) -> _KindInputs:
+        """The tensors the host writes this step's values into."""
+        return self if self.host is None else self.host
 
 
 class _StaticCacheView:
@@ -145,6 +204,10 @@ class _StaticCacheView:
         return self.key_codec.decode(keys)
 
 
+def _row(tables: RopeTables, row: int) -> RopeTables:
+    return RopeTables(tables.cos[row : row + 1], tables.signed_sin[row : row + 1], tables.rope)
+
+
 def static_step_unsupported(model: DecoderModel, caches: list[Cache]) -> str | None:
     """Why this model and these caches cannot take static steps (None: they can)."""
     devices = {*model.layer_devices, model.head_device}
@@ -188,10 +251,12 @@ class StaticDecodeStep:
             for kind in sorted(set(self._local))
         }
         rows = len(sequences)
+        self._staging = _Staging(self._staged_bytes(), self.device)
         # Each kind's RoPE tables for all rows, one row a sequence: its inputs write there.
-        self.rotations = {
-            kind: self._tables(model.ropes[kind], rows) for kind in self._layers_of_kind
-        }
+        self._host_rotations: dict[bool, RopeTables] = {}
+        self.rotations: dict[bool, RopeTables] = {}
+        for kind in self._layers_of_kind:
+            self.rotations[kind], self._host_rotations[kind] = self._tables(kind, rows)
         self.inputs = [
             {
                 kind: self._kind_inputs(kind, one[layers[0]], row)
@@ -206,7 +271,8 @@ class StaticDecodeStep:
         self.states: torch.Tensor | None = None
         # Sampling on the device (`sampled`): its settings, one uniform a row, the ids drawn.
         self._sampling: SamplingTensors | None = None  # made on the first sampled step
-        self.uniforms = torch.zeros(rows, device=self.device)
+        self.uniforms, self._host_uniforms = self._staging.take((rows,), torch.float32)
+        self._scalars, self._host_scalars = self._staging.take((len(SCALARS), rows), torch.float32)
         self.chosen = torch.zeros(rows, dtype=torch.long, device=self.device)
         self._storage = self._storage_addresses()
         # (span lengths, sampled) -> the step built for them (a graph, on a GPU)
@@ -214,25 +280,48 @@ class StaticDecodeStep:
         self.replays = 0  # steps taken (tests count them against captures)
         self.draws = 0  # of which drew their tokens on the device
 
-    def _tables(self, rope: Rope, rows: int) -> RopeTables:
-        shape = (rows, 1, self.model.config.head_dim)
-        return RopeTables(
-            torch.ones(shape, device=self.device), torch.zeros(shape, device=self.device), rope
-        )
+    def _staged_bytes(self) -> int:
+        """Room for every staged input (`_Staging`): each kind's RoPE tables for all rows,
+        and each row's sink rotation, slot, mask and tile rows; the sampling settings."""
+        rows, head_dim = len(self.sequences), self.model.config.head_dim
+        f32, i64 = torch.float32, torch.long
+        parts = [(rows, f32), (len(SCALARS) * rows, f32)]
+        for layers in self._layers_of_kind.values():
+            parts += [(rows * head_dim, f32)] * 2
+            for one in self.sequences:
+                cache = one[layers[0]]
+                parts += [(head_dim, f32)] * 2 + [(1, i64), (cache.static_span()[1], torch.bool)]
+                parts += [(_TileRows.SIZE, i64)] if cache.key_codec.tiled else []
+        return _Staging.bytes_for(parts)
+
+    def _tables(self, kind: bool, rows: int) -> tuple[RopeTables, RopeTables]:
+        """RoPE tables for `rows` rows, staged: (the step's, the host's), the identity."""
+        rope, shape = self.model.ropes[kind], (rows, 1, self.model.config.head_dim)
+        cos, host_cos = self._staging.take(shape, torch.float32)
+        sin, host_sin = self._staging.take(shape, torch.float32)
+        for table in (cos, host_cos):
+            table.fill_(1.0)
+        return RopeTables(cos, sin, rope), RopeTables(host_cos, host_sin, rope)
 
     def _kind_inputs(self, kind: bool, cache: Cache, row: int) -> _KindInputs:
         _, span = cache.static_span()
-        tiled = cache.key_codec.tiled
-        rope, batch = self.model.ropes[kind], self.rotations[kind]
-        rotation = RopeTables(batch.cos[row : row + 1], batch.signed_sin[row : row + 1], rope)
-        return _KindInputs(
-            rope,
-            rotation,
-            self._tables(rope, 1),
-            torch.zeros(1, dtype=torch.long, device=self.device),
-            torch.zeros(1, span, dtype=torch.bool, device=self.device),
-            _TileRows(self.device) if tiled else None,
+        shift, host_shift = self._tables(kind, 1)
+        write_at, host_write_at = self._staging.take((1,), torch.long)
+        mask, host_mask = self._staging.take((1, span), torch.bool)
+        tiles = None
+        if cache.key_codec.tiled:
+            tiles = _TileRows(*self._staging.take((_TileRows.SIZE,), torch.long))
+        step, host = (
+            _KindInputs(
+                self.model.ropes[kind], _row(tables[kind], row), sink_shift, at, seen, tiles
+            )
+            for tables, sink_shift, at, seen in (
+                (self.rotations, shift, write_at, mask),
+                (self._host_rotations, host_shift, host_write_at, host_mask),
+            )
         )
+        step.host = None if host.write_at is step.write_at else host
+        return step
 
     def _storage_addresses(self) -> list[int]:
         return [cache.keys.data_ptr() for one in self.sequences for cache in one]
@@ -268,9 +357,10 @@ class StaticDecodeStep:
         cross to the host."""
         if self._sampling is None:
             rows, vocab = self.logits.shape
-            self._sampling = SamplingTensors.buffers(rows, vocab, self.device)
-        self._sampling.fill_(settings)
-        self.uniforms.copy_(torch.tensor(uniforms, dtype=torch.float32), non_blocking=True)
+            self._sampling = SamplingTensors.buffers(rows, vocab, self.device, self._scalars)
+        self._sampling.fill_(settings, scalars=False)  # the scalars go with the staged inputs
+        self._host_scalars.copy_(settings.scalars)
+        self._host_uniforms.copy_(torch.tensor(uniforms, dtype=torch.float32))
         self._run_step(tokens, sampled=True)
         self.draws += 1
         return self.chosen.tolist()
@@ -286,6 +376,7 @@ class StaticDecodeStep:
             for kind, layers in self._layers_of_kind.items()
         )
         try:
+            self._staging.send()
             run = self._runs.get((lengths, sampled)) or self._build_run(lengths, sampled)
             run()
             self.replays += 1
@@ -311,17 +402,17 @@ class StaticDecodeStep:
         steps = [first.advance_one()]
         steps += [caches[layer].advance_one(with_mask=False) for layer in layers[1:]]
         written += [step.written for step in steps if step.written is not None]
-        step = steps[0]
+        step, host = steps[0], inputs.written
         if inputs.tiles is not None:
             inputs.tiles.point_at(step.write_at - 2 * first.sinks)
         rotation = inputs.rope.tables(first.offset - 1, 1)
-        inputs.rotation.cos.copy_(rotation.cos)
-        inputs.rotation.signed_sin.copy_(rotation.signed_sin)
+        host.rotation.cos.copy_(rotation.cos)
+        host.rotation.signed_sin.copy_(rotation.signed_sin)
         shift = inputs.rope.shift_tables(step.frame)
-        inputs.sink_shift.cos.copy_(shift.cos)
-        inputs.sink_shift.signed_sin.copy_(shift.signed_sin)
-        inputs.write_at.fill_(step.write_at)
-        inputs.mask.copy_(step.mask)
+        host.sink_shift.cos.copy_(shift.cos)
+        host.sink_shift.signed_sin.copy_(shift.signed_sin)
+        host.write_at.fill_(step.write_at)
+        host.mask.copy_(step.mask)
         return span_bucket(first.static_extent(), inputs.mask.shape[1])
 
     def _build_run(self, lengths: tuple[int, ...], sampled: bool) -> Callable[[], None]:
@@ -429,28 +520,30 @@ class StaticVerifyStep(StaticDecodeStep):
         sink frame serves every row (`ready` sees to it)."""
         joint = self._joint.get(kind)
         if joint is None:
-            _, span = cache.static_span()
-            rope, rows = self.model.ropes[kind], len(self.sequences)
-            joint = self._joint[kind] = _KindInputs(
-                rope,
-                self.rotations[kind],
-                self._tables(rope, 1),
-                torch.zeros(rows, dtype=torch.long, device=self.device),
-                torch.zeros(rows, span, dtype=torch.bool, device=self.device),
+            rows, span = len(self.sequences), cache.static_span()[1]
+            shift, host_shift = self._tables(kind, 1)
+            write_at, host_write_at = self._staging.take((rows,), torch.long)
+            mask, host_mask = self._staging.take((rows, span), torch.bool)
+            rope = self.model.ropes[kind]
+            joint = _KindInputs(rope, self.rotations[kind], shift, write_at, mask, None)
+            host = _KindInputs(
+                rope, self._host_rotations[kind], host_shift, host_write_at, host_mask, None
+            )
+            joint.host = None if host.write_at is joint.write_at else host
+            self._joint[kind] = joint
+        step, host = (
+            _KindInputs(
+                inputs.rope,
+                _row(inputs.rotation, row),
+                inputs.sink_shift,
+                inputs.write_at[row : row + 1],
+                inputs.mask[row : row + 1],
                 None,
             )
-        rotations = self.rotations[kind]
-        rotation = RopeTables(
-            rotations.cos[row : row + 1], rotations.signed_sin[row : row + 1], joint.rope
+            for inputs in (joint, joint.written)
         )
-        return _KindInputs(
-            joint.rope,
-            rotation,
-            joint.sink_shift,
-            joint.write_at[row : row + 1],
-            joint.mask[row : row + 1],
-            None,
-        )
+        step.host = None if joint.host is None else host
+        return step
 
     def _build_run(self, lengths: tuple[int, ...], sampled: bool) -> Callable[[], None]:
         span = dict(zip(self._layers_of_kind, lengths, strict=False))  # every row's (`ready`)

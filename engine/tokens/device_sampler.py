@@ -86,21 +86,30 @@ class SamplingTensors:
         )
 
     @classmethod
-    def buffers(cls, rows: int, vocab: int, device: torch.device | str | None = None):
+    def buffers(
+        cls,
+        rows: int,
+        vocab: int,
+        device: torch.device | str | None = None,
+        scalars: torch.Tensor | None = None,
+    ):
         """Settings buffers for `fill_` (a captured graph's static inputs), with counts and
-        a grammar mask, so that one graph serves rows with and without either."""
+        a grammar mask, so that one graph serves rows with and without either. `scalars`:
+        a buffer of the caller's for them (which it then fills itself)."""
         return cls(
-            scalars=torch.zeros(len(SCALARS), rows, device=device),
+            scalars=torch.zeros(len(SCALARS), rows, device=device) if scalars is None else scalars,
             counts=torch.zeros(rows, vocab, device=device),
             allowed=torch.ones(rows, vocab, dtype=torch.bool, device=device),
             neutral={"counts", "allowed"},
         )
 
-    def fill_(self, other: SamplingTensors) -> SamplingTensors:
+    def fill_(self, other: SamplingTensors, scalars: bool = True) -> SamplingTensors:
         """Copy `other`'s settings into these tensors in place (a captured graph reads them
         at fixed addresses). Rows and vocabulary must match; where `other` has no counts
-        (no penalties) or no grammar mask, these are set to none seen and all allowed."""
-        self.scalars.copy_(other.scalars, non_blocking=True)
+        (no penalties) or no grammar mask, these are set to none seen and all allowed.
+        `scalars=False`: all but the scalars, which the caller sends with its own inputs."""
+        if scalars:
+            self.scalars.copy_(other.scalars, non_blocking=True)
         for name, neutral_value in (("counts", False), ("allowed", True)):
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine is None:
