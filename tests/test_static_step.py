@@ -17,8 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from miniapp.engine.kv.types import BLOCK, F16, F32, Q4, Q8, KVPair
 from miniapp.engine.modelfile.gguf_file import GGUFFile
-from miniapp.engine.models import CachePolicy, build_model
-from miniapp.engine.models import static_step
+from miniapp.engine.models import CachePolicy, build_model, static_step
 from miniapp.engine.models.static_step import StaticDecodeStep, span_bucket
 from miniapp.engine.platform.devices import SimulatedProbe
 from miniapp.engine.runtimes.torch_runtime import TorchRuntime
