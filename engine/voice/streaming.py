@@ -163,7 +163,11 @@ class StreamingTranscriber:
             events: list[VoiceEvent] = []
             if self._sample(self._speech_end) > self._decoded_to:
                 # Hypotheses spaced out on a slow CPU: the last one may not have heard the
-                # speech's end, and ending the utterance would drop its last words.
+                # speech's end, and ending the utterance would drop its last words. That
+                # hypothesis is paced like the others (or the pause would add one beyond
+                # `max_busy`): the utterance ends a little later on such a CPU.
+                if self._too_soon():
+                    return []
                 events += self._transcribe_and_agree()
             events += self._end_utterance()
             self._cut(self._sample(self._speech_end))
