@@ -34,6 +34,7 @@ from ..lora.registry import AdapterSet
 from ..models import CachePolicy, DecoderModel
 from ..models.static_step import StaticDecodeStep, StaticVerifyStep, static_step_unsupported
 from ..platform.graphs import Runner, batched_runner
+from ..speculative.speculative_decoder import RowsVerifier
 from ..tokens.device_sampler import SamplingTensors
 
 log = logging.getLogger("miniapp.engine")
@@ -151,9 +152,7 @@ class ModelRunner:
         tensors, uniforms = inputs
         return self._through(step, lambda s: s.sampled([t[0] for t, _ in rows], tensors, uniforms))
 
-    def verifier(
-        self, caches: list[Cache]
-    ) -> Callable[[Sequence[int]], tuple[torch.Tensor, torch.Tensor] | None]:
+    def verifier(self, caches: list[Cache]) -> RowsVerifier:
         """`verify_rows` bound to one sequence's caches (a speculative decoder's
         verifications of drafts from tokens)."""
         return lambda tokens: self.verify_rows(tokens, caches)

@@ -162,7 +162,7 @@ class StaticCache(Cache, Protocol):
     def static_rows_ready(self, n: int) -> bool:
         """Whether the next `n` tokens can take one fixed-shape step together (speculative
         verification): all written before any attends, each row still sees what its own
-        decode step would."""
+        decode step would. False wherever `static_ready` is."""
         ...
 
     def static_span(self) -> tuple[int, int]:

@@ -101,6 +101,11 @@ class _Staging:
         self.used = 0
         self.sends = 0  # transfers made (tests count them against steps)
 
+    @property
+    def mirrored(self) -> bool:
+        """Whether the host writes a mirror apart from the step's buffer."""
+        return self.mirror is not self.buffer
+
     @classmethod
     def bytes_for(cls, parts: list[tuple[int, torch.dtype]]) -> int:
         """Room for these parts (element counts and dtypes), each aligned."""
@@ -124,7 +129,7 @@ class _Staging:
         """Copy what the host wrote to the device (in stream order: the step's kernels
         queued after it read the new values; the host rewrites the mirror only after the
         step's results came back, which waits for the copy too)."""
-        if self.mirror is not self.buffer:
+        if self.mirrored:
             self.buffer[: self.used].copy_(self.mirror[: self.used], non_blocking=True)
         self.sends += 1
 
@@ -320,7 +325,7 @@ class StaticDecodeStep:
                 (self._host_rotations, host_shift, host_write_at, host_mask),
             )
         )
-        step.host = None if host.write_at is step.write_at else host
+        step.host = host if self._staging.mirrored else None
         return step
 
     def _storage_addresses(self) -> list[int]:
@@ -485,16 +490,23 @@ class StaticVerifyStep(StaticDecodeStep):
         self._joint: dict[bool, _KindInputs] = {}  # each kind's inputs for all rows
         super().__init__(model, runner=runner, batch=[caches] * rows)
         self.batched = False  # one sequence's rows
-        self.caches = caches
         self.states = torch.zeros(rows, model.config.dim, device=self.device)
 
     @property
     def rows(self) -> int:
         return len(self.sequences)
 
+    @property
+    def caches(self) -> list[Cache]:
+        return self.sequences[0]  # every row's
+
+    def _storage_addresses(self) -> list[int]:
+        return [cache.keys.data_ptr() for cache in self.caches]
+
     def ready(self) -> bool:
+        # Each cache once (not once a row): `static_rows_ready` implies `static_ready`.
         return (
-            super().ready()
+            self._storage_addresses() == self._storage
             and all(
                 not cache.key_codec.tiled and cache.static_rows_ready(self.rows)
                 for cache in self.caches
@@ -529,7 +541,7 @@ class StaticVerifyStep(StaticDecodeStep):
             host = _KindInputs(
                 rope, self._host_rotations[kind], host_shift, host_write_at, host_mask, None
             )
-            joint.host = None if host.write_at is joint.write_at else host
+            joint.host = host if self._staging.mirrored else None
             self._joint[kind] = joint
         step, host = (
             _KindInputs(
