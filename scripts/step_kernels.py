@@ -3,12 +3,14 @@ it dispatches as written, and the kernels it runs once torch.compile has fused i
 torch.profiler sees them.
 
     MINIAPP_NATIVE=0 .venv/bin/python scripts/step_kernels.py [--model NAME_OR_PATH] [--sampled]
-        [--verify ROWS]
+        [--verify ROWS] [--kv-type TYPE]
 
 On a CPU, inductor generates C++ kernels, from the same fusion decisions it makes for Triton
 on a GPU, so the count here is the count a GPU's compiled step launches, give or take the
 matmul and attention ops each device has. Views and allocations launch nothing and are not
-counted. `--sampled`: the step that also draws the token on the device. `--verify ROWS`: also
+counted. Attention runs in the precision a GPU's does (16 bits over 16-bit and quantized
+rows, attention_backends.attention_dtype); `--kv-type q8` is a GPU's default cache, f32 the
+plain one. `--sampled`: the step that also draws the token on the device. `--verify ROWS`: also
 the ops of speculative verification's step over ROWS rows ([pending, *drafts]), which a GPU
 captures as written, uncompiled. Compiling a 30-layer model takes one to two minutes on two
 cores.
@@ -33,8 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="a bundled model's name or a GGUF (default: bundled)")
     parser.add_argument("--ctx", type=int, default=512)
+    parser.add_argument("--kv-type", default="f32", help="the caches' type (a GPU's default: q8)")
     parser.add_argument("--sampled", action="store_true", help="the step that draws tokens")
     parser.add_argument("--verify", type=int, default=0, help="rows of a verification step")
+    parser.add_argument("--names", action="store_true", help="list the generated kernels")
     args = parser.parse_args(argv)
     if os.environ.get("MINIAPP_NATIVE") != "0":
         print("run with MINIAPP_NATIVE=0: the compiler cannot see into our CPU kernels")
@@ -45,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.profiler import ProfilerActivity, profile
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from miniapp.engine.kv.types import kv_type
     from miniapp.engine.modelfile.gguf_file import GGUFFile
     from miniapp.engine.modelfile.store import resolve_model
     from miniapp.engine.models import CachePolicy, build_model
@@ -64,11 +69,14 @@ def main(argv: list[str] | None = None) -> int:
                 self.ops[name] += 1
             return func(*args, **(kwargs or {}))
 
+    from miniapp.engine.models import attention_backends
+
+    attention_backends.reduced_precision = lambda device: True  # as off the CPU
     model = build_model(GGUFFile(resolve_model(args.model)))
     layers = model.config.n_layers
 
     def step_over_prefilled_caches(runner=None) -> StaticDecodeStep:
-        caches = model.make_caches(CachePolicy(ctx=args.ctx))
+        caches = model.make_caches(CachePolicy(ctx=args.ctx, kv_type=kv_type(args.kv_type)))
         for cache in caches:
             cache.reserve()
         with torch.inference_mode():
@@ -120,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     launched = collections.Counter(
         e.name for call in calls for e in call.cpu_children if not e.name.endswith(NO_KERNEL)
     )
+    if args.names:
+        for name, count in sorted(launched.items(), key=lambda item: -item[1]):
+            print(f"  {count:4d} {name}")
     kernels = sum(launched.values())
     generated = sum(n for name, n in launched.items() if "cpp_fused" in name)
     print(

@@ -100,8 +100,10 @@ def _encode_q8(x: torch.Tensor) -> torch.Tensor:
 
 
 def _decode_q8(stored: torch.Tensor, head_dim: int) -> torch.Tensor:
-    codes = stored[..., :head_dim].contiguous().view(torch.int8).float()
-    scale = stored[..., head_dim:].contiguous().view(torch.float16).float()
+    # Views, not copies: the codes and scales are reinterpreted where they lie (a copy of
+    # each would be a pass over the whole cache in every layer of a graph-captured step).
+    codes = stored[..., :head_dim].view(torch.int8).float()
+    scale = stored[..., head_dim:].view(torch.float16).float()
     blocks = codes.reshape(*codes.shape[:-1], -1, BLOCK) * scale[..., None]
     return blocks.flatten(-2)
 
@@ -124,7 +126,7 @@ def _decode_q4(stored: torch.Tensor, head_dim: int) -> torch.Tensor:
     n_blocks = head_dim // BLOCK
     packed = stored[..., : head_dim // 2].reshape(*stored.shape[:-1], n_blocks, BLOCK // 2)
     codes = torch.cat([packed & 15, packed >> 4], dim=-1).float()
-    tail = stored[..., head_dim // 2 :].contiguous().view(torch.float16).float()
+    tail = stored[..., head_dim // 2 :].view(torch.float16).float()
     scale, low = tail[..., :n_blocks, None], tail[..., n_blocks:, None]
     return (codes * scale + low).flatten(-2)
 
@@ -214,7 +216,7 @@ class KVCodec:
             return x
         if self.native is not None and x.device.type == "cpu":
             return self.native.encode(self._native_code, x.float(), self.width, self.dtype)
-        return encode(self.kind, x, self.rotated, self.matrix)
+        return encode(self.kind, x, self.rotated, self._matrix())
 
     def decode(self, stored: torch.Tensor) -> torch.Tensor:
         """storage [1, heads, tokens, width] -> fp32 [1, heads, tokens, head_dim] (not for
@@ -225,4 +227,9 @@ class KVCodec:
             return stored
         if self.native is not None and stored.device.type == "cpu":
             return self.native.decode(self._native_code, stored, self.head_dim)
-        return decode(self.kind, stored, self.head_dim, self.rotated, self.matrix)
+        return decode(self.kind, stored, self.head_dim, self.rotated, self._matrix())
+
+    def _matrix(self) -> torch.Tensor | None:
+        """The rotation as one product, except under torch.compile, where the butterflies
+        fuse into the kernels around them and the product would be a kernel of its own."""
+        return None if torch.compiler.is_compiling() else self.matrix

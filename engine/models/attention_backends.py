@@ -121,7 +121,7 @@ def causal_prefix_attention(queries, keys, values, before: int, scale: float) ->
 
 class TorchAttention:
     """torch's scaled_dot_product_attention over keys decoded one layer at a time (the copy
-    lives for this layer's call only). Any device."""
+    lives for this layer's call only), in the precision `attention_dtype` says. Any device."""
 
     def __init__(self, scale: float):
         self.scale = scale
@@ -129,9 +129,14 @@ class TorchAttention:
     def attend(self, queries, keys, values, cache: Cache, mask=None):
         if cache.key_codec.tiled:
             return self._by_own_tile(queries, keys, values, mask, cache)
-        keys, values = cache.decode_keys(keys), cache.value_codec.decode(values)
+        queries, keys, values = _meeting(queries, keys, values, cache)
         return F.scaled_dot_product_attention(
-            queries[None], keys, values, attn_mask=mask, enable_gqa=True, scale=self.scale
+            queries[None],
+            keys,
+            values,
+            attn_mask=_mask(mask, queries),
+            enable_gqa=True,
+            scale=self.scale,
         )
 
     def attend_one_each(self, queries: torch.Tensor, stored: list[StoredRow]) -> torch.Tensor:
@@ -143,14 +148,17 @@ class TorchAttention:
 
     def attend_prefixes(self, queries, keys, values, cache: Cache, before: int):
         tiled = cache.key_codec.tiled  # each row reads its own tile exactly
-        decoded = None if tiled else cache.decode_keys(keys)
-        values = cache.value_codec.decode(values)
+        dtype = attention_dtype(queries.device, cache)
+        queries, values = _as(queries, dtype), _values(values, cache, dtype)
+        decoded = None if tiled else _keys(keys, cache, dtype)
         if not tiled and fuses_prefixes(queries):
             return causal_prefix_attention(queries, decoded, values, before, self.scale)
         rows = [
             F.scaled_dot_product_attention(
                 queries[None, :, row : row + 1],
-                (cache.decode_keys(keys, row) if tiled else decoded)[:, :, : before + row + 1],
+                (_as(cache.decode_keys(keys, row), dtype) if tiled else decoded)[
+                    :, :, : before + row + 1
+                ],
                 values[:, :, : before + row + 1],
                 enable_gqa=True,
                 scale=self.scale,
@@ -162,13 +170,13 @@ class TorchAttention:
     def attend_rows(self, queries, keys, values, cache: Cache, masks):
         """One call a row over keys decoded once: a call over all rows rounds its sums in
         another order than the decode step's call of one row."""
-        keys, values = cache.decode_keys(keys), cache.value_codec.decode(values)
+        queries, keys, values = _meeting(queries, keys, values, cache)
         rows = [
             F.scaled_dot_product_attention(
                 queries[None, :, row : row + 1],
                 keys,
                 values,
-                attn_mask=masks[row : row + 1],
+                attn_mask=_mask(masks[row : row + 1], queries),
                 enable_gqa=True,
                 scale=self.scale,
             )
@@ -179,18 +187,70 @@ class TorchAttention:
     def _by_own_tile(self, queries, keys, values, mask, cache: Cache) -> torch.Tensor:
         """Over tiled keys: each group of rows that share a tile reads it exactly, the
         complete tiles before it decoded, as their decode steps would."""
-        values = cache.value_codec.decode(values)
+        dtype = attention_dtype(queries.device, cache)
+        queries, values = _as(queries, dtype), _values(values, cache, dtype)
         outs = []
         for first, end, group_keys in cache.keys_by_own_tile(keys, queries.shape[1]):
             group_mask = None if mask is None else mask[first:end]
             outs.append(
                 F.scaled_dot_product_attention(
                     queries[None, :, first:end],
-                    group_keys,
+                    _as(group_keys, dtype),
                     values,
-                    attn_mask=group_mask,
+                    attn_mask=_mask(group_mask, queries),
                     enable_gqa=True,
                     scale=self.scale,
                 )
             )
         return torch.cat(outs, dim=2)
+
+
+def reduced_precision(device: torch.device) -> bool:
+    """Whether attention over 16-bit or quantized rows runs in 16 bits on this device: off
+    the CPU. On the CPU torch's attention is faster in fp32 at decode sizes, and fp32 keeps
+    the bits the native kernels give."""
+    return device.type != "cpu"
+
+
+def attention_dtype(device: torch.device, cache: Cache) -> torch.dtype:
+    """The dtype queries, keys and values meet in. fp32 rows are read as stored, without a
+    copy, so they stay fp32. Otherwise, off the CPU: the rows' own 16-bit type, or bf16 for
+    quantized rows, which decode into it in the same pass. That halves the bytes of the
+    decoded rows, takes SDPA's flash kernels, and hands the output to the int4 product
+    (which takes bf16) without a cast after attention."""
+    if not reduced_precision(device):
+        return torch.float32
+    stored = {cache.key_codec.dtype, cache.value_codec.dtype}
+    if torch.float32 in stored:
+        return torch.float32
+    if len(stored) == 1 and stored <= {torch.float16, torch.bfloat16}:
+        return stored.pop()
+    return torch.bfloat16
+
+
+def _meeting(queries, keys, values, cache: Cache):
+    """Queries, and keys and values as stored (not tiled keys), in attention_dtype."""
+    dtype = attention_dtype(queries.device, cache)
+    return _as(queries, dtype), _keys(keys, cache, dtype), _values(values, cache, dtype)
+
+
+def _keys(keys: torch.Tensor, cache: Cache, dtype: torch.dtype) -> torch.Tensor:
+    """Stored keys (not tiled) in dtype: read as stored where they are in it already."""
+    return keys if keys.dtype is dtype else _as(cache.decode_keys(keys), dtype)
+
+
+def _values(values: torch.Tensor, cache: Cache, dtype: torch.dtype) -> torch.Tensor:
+    return values if values.dtype is dtype else _as(cache.value_codec.decode(values), dtype)
+
+
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in dtype, without dispatching an op where it already is (an uncompiled graph
+    replays each op it recorded)."""
+    return x if x.dtype is dtype else x.to(dtype)
+
+
+def _mask(mask: torch.Tensor | None, queries: torch.Tensor) -> torch.Tensor | None:
+    """SDPA takes a float mask only in the queries' dtype."""
+    if mask is None or mask.dtype is torch.bool:
+        return mask
+    return mask.to(queries.dtype)

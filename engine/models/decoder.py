@@ -114,8 +114,9 @@ class Attention:
         """x: [tokens, dim] -> [tokens, dim]. Each sequence's rows attend over its own cache
         as their kind says; the device's backend does the attending."""
         n_tokens = x.shape[0]
-        # Attention runs in fp32: torch's CPU attention and small bmm are several times faster
-        # in fp32 than in bf16 at decode sizes, and the cache keeps full precision.
+        # RoPE and the cache's codec run in fp32; so does attention on the CPU, where torch's
+        # attention and small bmm are several times faster in fp32 than in bf16 at decode
+        # sizes (off the CPU, see attention_backends.attention_dtype).
         heads = project(self.wqkv, x, rows, QKV).float().view(n_tokens, -1, self.head_dim)
         qk = heads[:, : self.n_rotated]
         if self.qk_norm_weight is None:
