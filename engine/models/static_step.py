@@ -269,6 +269,10 @@ class StaticDecodeStep:
             }
             for row, one in enumerate(sequences)
         ]
+        # The tokens' embeddings, looked up on the host (where the table lives) and staged;
+        # the step copies them into the residual stream `x`, which the layers update in
+        # place (a compiled step cannot mutate a view of the staged bytes).
+        self.embedded, self._host_embedded = self._staging.take((rows, config.dim), torch.float32)
         self.x = torch.zeros(rows, config.dim, device=self.device)
         self.logits = torch.zeros(rows, config.vocab_size, device=self.device)
         # The final-normed states [rows, dim], kept only where a caller reads them (a
@@ -286,11 +290,12 @@ class StaticDecodeStep:
         self.draws = 0  # of which drew their tokens on the device
 
     def _staged_bytes(self) -> int:
-        """Room for every staged input (`_Staging`): each kind's RoPE tables for all rows,
-        and each row's sink rotation, slot, mask and tile rows; the sampling settings."""
+        """Room for every staged input (`_Staging`): the embeddings, each kind's RoPE tables
+        for all rows, and each row's sink rotation, slot, mask and tile rows; the sampling
+        settings."""
         rows, head_dim = len(self.sequences), self.model.config.head_dim
         f32, i64 = torch.float32, torch.long
-        parts = [(rows, f32), (len(SCALARS) * rows, f32)]
+        parts = [(rows * self.model.config.dim, f32), (rows, f32), (len(SCALARS) * rows, f32)]
         for layers in self._layers_of_kind.values():
             parts += [(rows * head_dim, f32)] * 2
             for one in self.sequences:
@@ -373,7 +378,7 @@ class StaticDecodeStep:
     def _run_step(self, tokens: list[int], sampled: bool) -> None:
         if self.model.fault_hook is not None:
             self.model.fault_hook()
-        self.x.copy_(self.model.embed_tokens(torch.tensor(tokens)))
+        self._host_embedded.copy_(self.model.embed_tokens(torch.tensor(tokens)))
         written: list[Callable[[], None]] = []
         lengths = tuple(
             self._advance_kind(inputs[kind], one, layers, written)
@@ -454,7 +459,7 @@ class StaticDecodeStep:
         """The step itself, through the model's own layer loop and head (and the sampler):
         it reads only the static inputs, so it can be captured."""
         model = self.model
-        normed = model.final_norm(model.apply_layers(self.x, metadata))
+        normed = model.final_norm(model.apply_layers(self.x.copy_(self.embedded), metadata))
         if self.states is not None:
             self.states.copy_(normed)
         self.logits.copy_(model.project(normed))
