@@ -16,7 +16,6 @@ from importlib.metadata import PackageNotFoundError, version
 from miniapp.engine.api import (
     BACKENDS,
     DEFAULT_CTX,
-    DEFAULT_KV_TYPE,
     DEVICE_CHOICES,
     LOCAL_BACKENDS,
     POOLING_CHOICES,
@@ -301,9 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument(
         "--kv-type",
         type=kv_type_name,
-        default=DEFAULT_KV_TYPE,
         metavar="TYPE",
-        help=KV_TYPE_HELP + ", for the KV cache estimate",
+        help=KV_TYPE_HELP + ", for the KV cache estimate (default: the engine's for the device)",
     )
     doctor.add_argument("--json", action="store_true", help="print one JSON object")
     doctor.add_argument(

@@ -16,13 +16,13 @@ from miniapp.engine.platform.devices import (
     GIB,
     decode_step_path,
     default_probe,
-    plan_device,
 )
 from miniapp.engine.platform.kernels import (
     cpu_attention_kernel,
     cpu_int4_kernel,
     describe_ggml_kernel,
 )
+from miniapp.engine.runtimes.torch_runtime import plan_cache_and_device
 
 KIB, MIB = 1024, 2**20
 
@@ -32,9 +32,12 @@ def run_doctor(args: argparse.Namespace) -> int:
     gpus = probe.gpus()
     model = resolve_model(args.model)
     gguf = GGUFFile(model)
-    kind = kv_type(args.kv_type)
-    footprint = estimate_footprint(gguf, args.ctx, kind)  # its KV as --kv-type stores it
-    plan = plan_device(args.device, probe, footprint, getattr(args, "cpu_moe", False))
+    # The cache type and plan the torch engine would take: --kv-type, else its default for
+    # the device (bf16 on a GPU that holds the model and the cache, q8 otherwise).
+    asked = None if args.kv_type is None else kv_type(args.kv_type)
+    cpu_moe = getattr(args, "cpu_moe", False)
+    kind, plan = plan_cache_and_device(gguf, args.ctx, args.device, probe, asked, cpu_moe)
+    footprint = estimate_footprint(gguf, args.ctx, kind)  # its KV as that type stores it
     cpu, int4_kernel, attention = cpu_features(), cpu_int4_kernel(), cpu_attention_kernel()
     report = {
         "versions": probe.versions(),
@@ -55,7 +58,10 @@ def run_doctor(args: argparse.Namespace) -> int:
         "cpu_attention": "native (AVX2)" if attention else "torch (scaled_dot_product_attention)",
         "model": str(model),
         "footprint": asdict(footprint),
-        "kv_cache": _kv_cache_report(gguf, kind, args.ctx, footprint.kv_bytes),
+        "kv_cache": {
+            **_kv_cache_report(gguf, kind, args.ctx, footprint.kv_bytes),
+            "why": _kv_choice(kind, asked, plan, probe),
+        },
         "plan": asdict(plan),
         "decode_step": decode_step_path(
             probe, plan, footprint.n_layers, footprint.expert_int4_bytes > 0
@@ -108,6 +114,19 @@ def _kv_cache_report(gguf: GGUFFile, kind, ctx: int, bytes_at_ctx: int) -> dict:
         "bytes_at_ctx": bytes_at_ctx,
         "per_type": per_type,
     }
+
+
+def _kv_choice(kind, asked, plan, probe) -> str:
+    """Why the cache has this type (plan_cache_and_device chose it)."""
+    if asked is not None:
+        return "as --kv-type says"
+    if plan.on_gpu and kind.name == "bf16":
+        return "the default on a GPU that holds the model and this cache: SDPA reads it as stored"
+    if plan.on_gpu and probe.torch_device(plan) != "cpu":
+        return "the default where a bf16 cache would not fit beside the model on the GPU"
+    return (
+        f"the default on the CPU (a simulated GPU's too), whose attention reads {kind.name} as is"
+    )
 
 
 def _size(nbytes: float) -> str:
@@ -193,7 +212,7 @@ def _print_report(report: dict) -> None:
     versus = f" (f32: {f32 / KIB:.1f} KiB a token)" if kv["type"] != "f32" else ""
     print(
         f"KV cache: {kv['type']}, {kv['bytes_per_token'] / KIB:.1f} KiB a token, "
-        f"{_size(kv['bytes_at_ctx'])} at {kv['ctx']} tokens{versus}"
+        f"{_size(kv['bytes_at_ctx'])} at {kv['ctx']} tokens{versus} - {kv['why']}"
     )
     layers = f", {plan['gpu_layers']} layers on the GPU" if plan["device"] != "cpu" else ""
     print(

@@ -189,6 +189,38 @@ def test_out_of_memory_mid_decode_goes_on_on_the_cpu_with_the_same_answer(
     assert _greedy(runtime, PROMPT) == cpu_answer  # and keeps working afterwards
 
 
+def test_a_gpu_that_holds_the_model_keeps_a_bf16_cache_unless_told_or_short_of_room(
+    default_model, monkeypatch
+):
+    """On a GPU torch's attention reads bf16 rows as they are stored, where quantized rows
+    are decoded into a copy in every layer and step; the CPU's attention reads q8 directly.
+    A simulated GPU computes on the CPU, so here it stands in for a real one."""
+    from miniapp.engine.kv.types import BF16, Q4, Q8
+    from miniapp.engine.models import attention_backends
+    from miniapp.engine.runtimes.torch_runtime import TorchRuntime
+
+    gguf, ctx = GGUFFile(default_model), 32768
+    assert (
+        TorchRuntime(default_model, n_ctx=ctx, probe=SimulatedProbe("cuda:Sim:24:8.9")).kv_type
+        is Q8
+    )
+    monkeypatch.setattr(attention_backends, "reduced_precision", lambda device: True)
+    roomy = TorchRuntime(default_model, n_ctx=ctx, probe=SimulatedProbe("cuda:Sim:24:8.9"))
+    assert roomy.kv_type is BF16 and roomy.device_plan.device == "cuda:0"
+    assert roomy.policy.kv_type is BF16
+    told = TorchRuntime(default_model, n_ctx=ctx, probe=SimulatedProbe("cuda:Sim:24:8.9"), kv=Q4)
+    assert told.kv_type is Q4
+    assert TorchRuntime(default_model, n_ctx=ctx, device="cpu").kv_type is Q8
+    # Room for the model with a q8 cache, not with a bf16 one: q8, every layer on the GPU.
+    q8, bf16 = (estimate_footprint(gguf, ctx, kind) for kind in (Q8, BF16))
+    assert bf16.kv_bytes > 1.8 * q8.kv_bytes
+    between = 512 * 2**20 + q8.int4_bytes + (q8.kv_bytes + bf16.kv_bytes) / 2
+    tight = TorchRuntime(
+        default_model, n_ctx=ctx, probe=SimulatedProbe(f"cuda:Sim:{between / GIB}")
+    )
+    assert tight.kv_type is Q8 and tight.device_plan.gpu_layers == q8.n_layers
+
+
 def test_caches_rebuilt_after_running_out_of_memory_hold_what_was_lost(default_model):
     """The rebuild feeds every token again as exact rows, as the steps that first fed them
     computed them (prompt chunks too): the rebuilt caches equal, bit for bit, caches that

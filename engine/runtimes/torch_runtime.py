@@ -15,12 +15,19 @@ from ..errors import MiniappError
 from ..kv.cache import Cache
 from ..kv.footprint import estimate_footprint
 from ..kv.policies import WINDOW_POLICY, check_kv_policy
-from ..kv.types import KVSetting, bytes_per_token, default_kv_type, kv_type
+from ..kv.types import BF16, KVSetting, bytes_per_token, default_kv_type, kv_type
 from ..lora.adapter import LoraAdapter
 from ..lora.bound import BoundLora
 from ..lora.registry import LoraRegistry, LoraSpec
 from ..modelfile.gguf_file import GGUFFile
-from ..models import CachePolicy, DecoderModel, Placement, build_model, check_supported
+from ..models import (
+    CachePolicy,
+    DecoderModel,
+    Placement,
+    attention_backends,
+    build_model,
+    check_supported,
+)
 from ..models.loading import lora_layout
 from ..models.placement import CPU
 from ..models.static_step import StaticDecodeStep
@@ -111,11 +118,9 @@ class TorchRuntime(Runtime):
         self.gguf = gguf  # kept (memory-mapped) to rebuild the model on a fallback
         self.probe = probe or default_probe()
         self.config = check_supported(gguf)  # a bad file is refused before any use
-        head_dim = self.config.head_dim
-        self.kv_type = asked or default_kv_type(head_dim)
-        self.kv_type.check(head_dim)
-        footprint = estimate_footprint(gguf, n_ctx, self.kv_type)
-        self.device_plan = plan_device(device, self.probe, footprint, cpu_moe)
+        self.kv_type, self.device_plan = plan_cache_and_device(
+            gguf, n_ctx, device, self.probe, asked, cpu_moe
+        )
         self.model = self._load()
         self._weight_bytes = self.model.weight_bytes_per_token()
         self.chat_template = gguf.metadata.get("tokenizer.chat_template")
@@ -427,6 +432,45 @@ class TorchRuntime(Runtime):
 
 
 EMBED_PASS_ROWS = 512  # rows one embedding pass feeds at most (a few texts share it)
+
+
+def plan_cache_and_device(
+    gguf: GGUFFile,
+    n_ctx: int,
+    device: str,
+    probe: DeviceProbe,
+    asked: KVSetting | None = None,
+    cpu_moe: bool = False,
+) -> tuple[KVSetting, DevicePlan]:
+    """The KV cache type and the device plan a torch runtime takes (doctor reports the
+    same): the type asked for, else the default for the model's heads, with the plan for
+    that footprint. A GPU that holds the whole model keeps the cache in bf16 by default,
+    where it fits too: attention there is torch's, which would decode quantized rows into a
+    bf16 copy in every layer and step (more bytes moved than bf16 rows read as stored, and
+    several kernels a layer more), while SDPA reads bf16 rows as they are, as llama.cpp's f16
+    and vLLM's bf16 caches are read. The CPU keeps q8, which its native attention reads as
+    it is."""
+    config = check_supported(gguf)
+    kind = asked or default_kv_type(config.head_dim)
+    kind.check(config.head_dim)
+    plan = plan_device(device, probe, estimate_footprint(gguf, n_ctx, kind), cpu_moe)
+    if asked is not None or not _attends_in_16_bits(plan, probe, config.n_layers):
+        return kind, plan
+    wide = plan_device(device, probe, estimate_footprint(gguf, n_ctx, BF16), cpu_moe)
+    same = (wide.device, wide.weights, wide.gpu_layers) == (
+        plan.device,
+        plan.weights,
+        plan.gpu_layers,
+    )
+    return (BF16, wide) if same else (kind, plan)
+
+
+def _attends_in_16_bits(plan: DevicePlan, probe: DeviceProbe, n_layers: int) -> bool:
+    """Whether every layer runs on a device whose attention reads 16-bit rows in 16 bits (a
+    simulated GPU computes on the CPU, with the CPU's attention)."""
+    whole = plan.gpu_layers >= n_layers and not plan.experts_on_cpu
+    device = torch.device(probe.torch_device(plan))
+    return plan.on_gpu and whole and attention_backends.reduced_precision(device)
 
 
 def _kv_budget() -> int | None:
