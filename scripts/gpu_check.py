@@ -146,21 +146,26 @@ def _open(model: Path, threads: int | None, device: str = "auto", probe=None, kv
 
 def _gpu_paths(probe, model: Path, kv_type):
     """The GPU paths to try, (name, probe, KV cache type or None for the default): the best
-    one, the same over q4 keys in tiles (their own fixed-shape step), then the two
-    fallbacks forced (the split one with room for about half the layers and their cache,
-    as `kv_type`, the default, stores it)."""
+    one (a bf16 cache where it fits), the same uncompiled, over q8 rows (the CPU's default,
+    where the GPU's is another) and over q4 keys in tiles (their own fixed-shape step), then
+    the two fallbacks forced (the split one with room for about half the layers and their
+    cache, as `kv_type`, the CPU's default, stores it)."""
     from miniapp.engine.kv.footprint import estimate_footprint
     from miniapp.engine.modelfile.gguf_file import GGUFFile
     from miniapp.engine.platform.devices import MIN_MARGIN_BYTES
+    from miniapp.engine.runtimes.torch_runtime import plan_cache_and_device
 
     if not probe.gpus():
         print("no GPU visible: only the CPU is measured", flush=True)
         return []
     footprint = estimate_footprint(GGUFFile(model), 2048, kv_type)
+    # The GPU's default cache (bf16 where it fits; a simulated GPU keeps the CPU's).
+    default_kv, _ = plan_cache_and_device(GGUFFile(model), 2048, "auto", probe)
     split_free = MIN_MARGIN_BYTES + int(SPLIT_SHARE * (footprint.int4_bytes + footprint.kv_bytes))
     return [
         ("gpu int4", probe, None),
         ("gpu int4, uncompiled", ForcedProbe(probe, compiled=False), None),
+        *([("gpu int4, q8 kv", probe, "q8")] if default_kv != kv_type else []),
         ("gpu int4, q4 kv", probe, "q4"),
         ("gpu bf16", ForcedProbe(probe, int4=False), None),
         ("gpu split", ForcedProbe(probe, free_bytes=split_free), None),
@@ -220,6 +225,7 @@ def _measure(name: str, runtime, reference, text: str, args) -> dict:
         "device": plan.device,
         "weights": plan.weights,
         "gpu_layers": plan.gpu_layers,
+        "kv": getattr(runtime.kv_type, "name", str(runtime.kv_type)),
         "reason": plan.reason,
     }
     timer = _PhaseTimer(name)
@@ -507,7 +513,7 @@ def _environment(torch, probe, model: Path, model_note: str) -> str:
 
 def _table(rows: list[dict]) -> str:
     head = (
-        "| path | device, weights, GPU layers | top-1 vs CPU | KL vs CPU | PPL | decode tok/s"
+        "| path | device, weights, GPU layers, KV | top-1 vs CPU | KL vs CPU | PPL | decode tok/s"
         " | eager-step tok/s | spec tok/s | spec/plain | spec identical |"
     )
     lines = [head, "|" + "---|" * 10]
@@ -515,7 +521,7 @@ def _table(rows: list[dict]) -> str:
         if "error" in r:
             lines.append(f"| {r['path']} | failed: {r['error']} |" + " |" * 8)
             continue
-        where = f"{r['device']}, {r['weights']}, {r['gpu_layers']}"
+        where = f"{r['device']}, {r['weights']}, {r['gpu_layers']}, {r.get('kv', '-')}"
         top1 = f"{r['top1']:.4f}" if "top1" in r else "-"
         kl = f"{r['kl']:.5f}" if "kl" in r else "-"
         plain, spec = r["tok_s_spec_off"], r["tok_s_spec_auto"]

@@ -51,7 +51,7 @@ def test_gpu_check_measures_every_path_and_prints_its_table(tmp_path):
     # Bit-identical speculation needs row-independent kernels: the int4 kernel is; a bf16
     # GEMM may round a batch of rows differently from one row, so that path is only reported.
     assert all(rows[path]["spec_identical"] for path in ("cpu", "gpu int4", "gpu split"))
-    assert "| gpu split | cuda:0, int4, 1 |" in done.stdout
+    assert "| gpu split | cuda:0, int4, 1, q8 |" in done.stdout  # a simulated GPU's cache
     # --profile prints torch.profiler's table of decode steps once, for the first GPU path.
     assert done.stdout.count("profile of 4 decode steps") == 1 and "Self CPU" in done.stdout
     # A whole-model GPU path also decodes op by op, for the graph's gain.
