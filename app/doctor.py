@@ -8,7 +8,13 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from miniapp.engine.api import AdapterError, GGUFFile, read_adapter, resolve_model
+from miniapp.engine.api import (
+    AdapterError,
+    GGUFFile,
+    plan_torch_cache_and_device,
+    read_adapter,
+    resolve_model,
+)
 from miniapp.engine.kv.footprint import estimate_footprint
 from miniapp.engine.kv.types import KV_SETTING_NAMES, kv_type
 from miniapp.engine.platform.cpu_features import cpu_features
@@ -22,7 +28,6 @@ from miniapp.engine.platform.kernels import (
     cpu_int4_kernel,
     describe_ggml_kernel,
 )
-from miniapp.engine.runtimes.torch_runtime import plan_cache_and_device
 
 KIB, MIB = 1024, 2**20
 
@@ -36,7 +41,7 @@ def run_doctor(args: argparse.Namespace) -> int:
     # the device (bf16 on a GPU that holds the model and the cache, q8 otherwise).
     asked = None if args.kv_type is None else kv_type(args.kv_type)
     cpu_moe = getattr(args, "cpu_moe", False)
-    kind, plan = plan_cache_and_device(gguf, args.ctx, args.device, probe, asked, cpu_moe)
+    kind, plan = plan_torch_cache_and_device(gguf, args.ctx, args.device, probe, asked, cpu_moe)
     footprint = estimate_footprint(gguf, args.ctx, kind)  # its KV as that type stores it
     cpu, int4_kernel, attention = cpu_features(), cpu_int4_kernel(), cpu_attention_kernel()
     report = {
@@ -117,7 +122,7 @@ def _kv_cache_report(gguf: GGUFFile, kind, ctx: int, bytes_at_ctx: int) -> dict:
 
 
 def _kv_choice(kind, asked, plan, probe) -> str:
-    """Why the cache has this type (plan_cache_and_device chose it)."""
+    """Why the cache has this type (plan_torch_cache_and_device chose it)."""
     if asked is not None:
         return "as --kv-type says"
     if plan.on_gpu and kind.name == "bf16":

@@ -66,6 +66,7 @@ from .runtimes import (
     REMOTE_BACKEND,
     open_local_runtime,
     open_vision_runtime,
+    plan_torch_cache_and_device,
 )
 from .runtimes.base import (
     DEFAULT_CTX,
@@ -335,6 +336,7 @@ __all__ = [
     "models_dir",
     "open_runtime",
     "open_vision_runtime",
+    "plan_torch_cache_and_device",
     "read_scalar",
     "resolve_model",
 ]

@@ -21,6 +21,15 @@ REMOTE_BACKEND = "openai"
 BACKENDS = (*LOCAL_BACKENDS, REMOTE_BACKEND)
 
 
+def plan_torch_cache_and_device(gguf, n_ctx: int, device: str, probe, kv=None, cpu_moe=False):
+    """The KV cache type and device plan the torch engine would take for this model, as
+    TorchRuntime chooses them (`miniapp doctor` reports them): `kv`, else its default for the
+    device. Imports the torch engine only when called."""
+    from .torch_runtime import plan_cache_and_device
+
+    return plan_cache_and_device(gguf, n_ctx, device, probe, kv, cpu_moe)
+
+
 def open_local_runtime(
     backend: str,
     model_path: Path | str,
