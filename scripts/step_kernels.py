@@ -9,8 +9,8 @@ On a CPU, inductor generates C++ kernels, from the same fusion decisions it make
 on a GPU, so the count here is the count a GPU's compiled step launches, give or take the
 matmul and attention ops each device has. Views and allocations launch nothing and are not
 counted. Attention runs in the precision a GPU's does (16 bits over 16-bit and quantized
-rows, attention_backends.attention_dtype); `--kv-type q8` is a GPU's default cache, f32 the
-plain one. `--sampled`: the step that also draws the token on the device. `--verify ROWS`: also
+rows, attention_backends.attention_dtype); `--kv-type bf16` is a GPU's default cache, q8 the
+CPU's. `--sampled`: the step that also draws the token on the device. `--verify ROWS`: also
 the ops of speculative verification's step over ROWS rows ([pending, *drafts]), which a GPU
 captures as written, uncompiled. Compiling a 30-layer model takes one to two minutes on two
 cores.
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="a bundled model's name or a GGUF (default: bundled)")
     parser.add_argument("--ctx", type=int, default=512)
-    parser.add_argument("--kv-type", default="f32", help="the caches' type (a GPU's default: q8)")
+    parser.add_argument("--kv-type", default="f32", help="the caches' type (a GPU's default: bf16)")
     parser.add_argument("--sampled", action="store_true", help="the step that draws tokens")
     parser.add_argument("--verify", type=int, default=0, help="rows of a verification step")
     parser.add_argument("--names", action="store_true", help="list the generated kernels")
