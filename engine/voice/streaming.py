@@ -199,10 +199,14 @@ class StreamingTranscriber:
 
     def _too_soon(self) -> bool:
         """Whether a hypothesis now would take more than `max_busy` of the stream's time:
-        it costs about what the latest did, and what it adds is the audio since then."""
+        it costs about what the latest did, and what it adds is the audio since then. The
+        whole stream's work so far counts too, so that a hypothesis that cost more than the
+        one before it, and the work between hypotheses, are paid back by waiting longer."""
         new_audio_s = self.received_s - self._decoded_to / SAMPLE_RATE
         latest = self.hypothesis_costs[-1] if self.hypothesis_costs else 0.0
-        return new_audio_s * self.config.max_busy < latest
+        if new_audio_s * self.config.max_busy < latest:
+            return True
+        return self.compute_s + latest > self.config.max_busy * self.received_s
 
     def _transcribe_and_agree(self) -> list[VoiceEvent]:
         started = time.perf_counter()
