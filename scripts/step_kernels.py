@@ -9,11 +9,12 @@ On a CPU, inductor generates C++ kernels, from the same fusion decisions it make
 on a GPU, so the count here is the count a GPU's compiled step launches, give or take the
 matmul and attention ops each device has. Views and allocations launch nothing and are not
 counted. Attention runs in the precision a GPU's does (16 bits over 16-bit and quantized
-rows, attention_backends.attention_dtype); `--kv-type bf16` is a GPU's default cache, q8 the
-CPU's. `--sampled`: the step that also draws the token on the device. `--verify ROWS`: also
-the ops of speculative verification's step over ROWS rows ([pending, *drafts]), which a GPU
-captures as written, uncompiled. Compiling a 30-layer model takes one to two minutes on two
-cores.
+rows, attention_backends.attention_dtype), and a projection's parts whose types want
+different kernel layouts make one product, as on a GPU (layers.one_product_across_layouts).
+`--kv-type bf16` is a GPU's default cache, q8 the CPU's. `--sampled`: the step that also
+draws the token on the device. `--verify ROWS`: also the ops of speculative verification's
+step over ROWS rows ([pending, *drafts]), which a GPU captures as written, uncompiled.
+Compiling a 30-layer model takes one to two minutes on two cores.
 """
 
 from __future__ import annotations
@@ -70,8 +71,10 @@ def main(argv: list[str] | None = None) -> int:
             return func(*args, **(kwargs or {}))
 
     from miniapp.engine.models import attention_backends
+    from miniapp.engine.ops import layers as linear_layers
 
     attention_backends.reduced_precision = lambda device: True  # as off the CPU
+    linear_layers.one_product_across_layouts = lambda target: True  # products as a GPU's
     model = build_model(GGUFFile(resolve_model(args.model)))
     layers = model.config.n_layers
 

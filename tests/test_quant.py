@@ -11,6 +11,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as Q
 from tiny_gguf import quantize_k
 
+from miniapp.engine.ops import layers
 from miniapp.engine.ops.layers import (
     BlockEmbedding,
     DenseLinear,
@@ -19,12 +20,15 @@ from miniapp.engine.ops.layers import (
     linear_from_raw,
 )
 from miniapp.engine.ops.quant import (
+    PLAIN,
     QUANT_TYPES,
     all_finite,
     decode,
     dequantize_rows,
     effective_weight,
     expand_input,
+    layout_for,
+    shared_layout,
     to_int4,
 )
 from miniapp.engine.platform.kernels import GGML_ENV, INTERLEAVE_ENV
@@ -218,6 +222,74 @@ def test_mixed_layouts_become_separate_kernels_with_bias():
     x = torch.randn(3, cols)
     weight = torch.cat([dequantize_rows(r, t, cols) for r, t in parts])
     reference = x.to(torch.bfloat16).float() @ weight.T + bias
+    assert (layer(x) - reference).abs().max() <= 0.02 * reference.abs().max()
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("wide", [Q.Q6_K, Q.Q8_0], ids=lambda q: q.name)
+def test_4_bit_codes_widened_to_an_interleaved_layout_keep_their_weights(qtype, wide):
+    """Held in a wider type's layout (to share its product), 4-bit codes encode the same
+    weights, up to the bf16 rounding of each group's scale and zero, as in their own."""
+    cols = 512
+    raw = random_raw(qtype, 9, cols)
+    layout = layout_for(wide)
+    groups = to_int4(decode(raw, qtype), layout)
+    assert groups.layout == layout and groups.codes.shape == (9, 2 * cols)
+    assert groups.codes.max() <= 15
+    bound_terms = _hi_distance_per_column(groups).numpy(), _zero_per_column(groups).numpy()
+    groups.scale = groups.scale.bfloat16().float()
+    groups.zero = groups.zero.bfloat16().float()
+    error = np.abs(effective_weight(groups).numpy() - gguf_reference(raw, qtype, cols))
+    codes = decode(raw, qtype)
+    step = codes.scale.abs().repeat_interleave(codes.group, dim=1).numpy()
+    hi_distance, zero = bound_terms
+    bound = 2**-8 * ((16 * hi_distance + 8) * step + np.abs(zero)) * 1.001 + 1e-9
+    assert (error <= bound).all(), (error / bound).max()
+
+
+def test_which_types_share_one_kernel_layout():
+    assert shared_layout([Q.Q4_0, Q.Q4_K]) == PLAIN
+    assert shared_layout([Q.Q4_K, Q.Q6_K]) == layout_for(Q.Q6_K)
+    assert shared_layout([Q.Q8_0, Q.Q4_1]) == layout_for(Q.Q8_0)
+    assert shared_layout([Q.Q5_0, Q.Q8_0]) == layout_for(Q.Q8_0)
+    assert shared_layout([Q.Q6_K, Q.Q8_0]) is None  # two interleavings: no one product
+    assert shared_layout([Q.Q4_K, Q.Q6_K, Q.Q8_0]) is None
+
+
+_QWEN_LIKE_QKV = ((Q.Q4_K, 64), (Q.Q4_K, 16), (Q.Q6_K, 16))  # Q4_K_M: Q and K, then V
+
+
+def _qkv_parts(cols: int) -> list:
+    return [(random_raw(qtype, rows, cols, scale=0.5), qtype) for qtype, rows in _QWEN_LIKE_QKV]
+
+
+def test_off_the_cpu_mixed_layouts_make_one_product_with_bias(monkeypatch):
+    """A GPU runs Q4_K Q|K beside a Q6_K V as one int4 product (Q|K widened), not three."""
+    monkeypatch.setenv(GGML_ENV, "0")
+    monkeypatch.setattr(layers, "one_product_across_layouts", lambda target: True)
+    cols = 256
+    parts = _qkv_parts(cols)
+    bias = torch.randn(96)
+    layer = linear_from_raw(parts, cols, bias=bias)
+    assert isinstance(layer, Int4Linear) and layer.layout == layout_for(Q.Q6_K)
+    assert layer.in_features == cols and layer.out_features == 96
+    x = torch.randn(3, cols)
+    weight = torch.cat([dequantize_rows(r, t, cols) for r, t in parts])
+    reference = x.to(torch.bfloat16).float() @ weight.T + bias
+    assert (layer(x).float() - reference).abs().max() <= 0.02 * reference.abs().max()
+
+
+def test_on_the_cpu_mixed_layouts_make_one_product_per_run_of_one_layout(monkeypatch):
+    """The CPU reads Q|K once, in its own layout: one product for Q|K and one for V."""
+    monkeypatch.setenv(GGML_ENV, "0")
+    cols = 256
+    parts = _qkv_parts(cols)
+    layer = linear_from_raw(parts, cols)
+    assert [p.out_features for p in layer.parts] == [80, 16]
+    assert [p.layout for p in layer.parts] == [PLAIN, layout_for(Q.Q6_K)]
+    x = torch.randn(2, cols)
+    weight = torch.cat([dequantize_rows(r, t, cols) for r, t in parts])
+    reference = x.to(torch.bfloat16).float() @ weight.T
     assert (layer(x) - reference).abs().max() <= 0.02 * reference.abs().max()
 
 

@@ -36,6 +36,7 @@ from .quant import (
     expand_input,
     layout_for,
     row_bytes,
+    shared_layout,
     to_int4,
 )
 
@@ -307,17 +308,49 @@ def linear_from_raw(
     if types <= QUANT_TYPES and target.dense:
         weight = torch.cat([_dense_bf16(raw, t, n_cols, target.device) for raw, t in parts])
         return DenseLinear(weight, bias)
-    if types <= QUANT_TYPES and len({layout_for(t) for t in types}) == 1:
-        packer = _Int4Packer(target.device, cpu_int4_kernel().library if target.on_cpu else None)
-        for raw, ggml_type in parts:
-            for start in range(0, raw.shape[0], _PACK_CHUNK_ROWS):
-                packer.add(to_int4(decode(raw[start : start + _PACK_CHUNK_ROWS], ggml_type)))
-        return packer.linear(layout_for(next(iter(types))), bias)
+    if types <= QUANT_TYPES and (layout := shared_layout(types)) is not None:
+        if len({layout_for(t) for t in types}) == 1 or one_product_across_layouts(target):
+            return _packed_int4(parts, layout, bias, target)
     if types <= FLOAT_TYPES:
         weight = torch.cat([dequantize_rows(raw, t, n_cols) for raw, t in parts])
         stored = _STORED_DTYPE[next(iter(types))] if len(types) == 1 else torch.float32
         return DenseLinear(weight.to(target.device, stored), bias)
-    return _ConcatLinear([linear_from_raw([p], n_cols, target=target) for p in parts], bias)
+    runs = _runs_of_one_kernel(parts)
+    return _ConcatLinear([linear_from_raw(run, n_cols, target=target) for run in runs], bias)
+
+
+def one_product_across_layouts(target: WeightTarget) -> bool:
+    """Whether parts whose codes want different kernel layouts (Qwen's Q4_K Q|K beside a
+    Q6_K V) still make one product, the 4-bit parts widened to the other's layout. Off the
+    CPU, yes: a product's launch there costs more than reading those parts' slots twice.
+    A CPU's time goes on the bytes it reads, so there they stay separate products."""
+    return not target.on_cpu
+
+
+def _packed_int4(
+    parts: list[RawWeight], layout: KernelLayout, bias: torch.Tensor | None, target: WeightTarget
+) -> Int4Linear:
+    packer = _Int4Packer(target.device, cpu_int4_kernel().library if target.on_cpu else None)
+    for raw, ggml_type in parts:
+        for start in range(0, raw.shape[0], _PACK_CHUNK_ROWS):
+            codes = decode(raw[start : start + _PACK_CHUNK_ROWS], ggml_type)
+            packer.add(to_int4(codes, layout if layout_for(ggml_type) != layout else None))
+    return packer.linear(layout, bias)
+
+
+def _runs_of_one_kernel(parts: list[RawWeight]) -> list[list[RawWeight]]:
+    """Consecutive parts that one product computes: quantized parts of one kernel layout,
+    or float parts of one type."""
+    runs: list[list[RawWeight]] = []
+    kind = None
+    for raw, ggml_type in parts:
+        this = layout_for(ggml_type) if ggml_type in QUANT_TYPES else ggml_type
+        if runs and this == kind:
+            runs[-1].append((raw, ggml_type))
+        else:
+            runs.append([(raw, ggml_type)])
+        kind = this
+    return runs
 
 
 def _native_library(target: WeightTarget) -> native_int4.Library | None:

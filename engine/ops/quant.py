@@ -20,6 +20,7 @@ Block layouts are GGML's (see gguf-py's reference dequantizers, which the tests 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -298,12 +299,48 @@ def all_finite(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> bool:
 # ----------------------------------------------------------------------- kernel format
 
 
-def to_int4(codes: AffineCodes) -> Int4Groups:
-    """AffineCodes -> the int4 kernel's groups (with the input layout they expect)."""
+def to_int4(codes: AffineCodes, layout: KernelLayout | None = None) -> Int4Groups:
+    """AffineCodes -> the int4 kernel's groups (with the input layout they expect).
+
+    `layout`: an interleaved layout to hold 4-bit codes in too, so that they share one
+    product with wider codes (see `shared_layout`); the high planes then carry only the
+    zero's shift."""
+    if layout is not None and layout.interleave and codes.bits <= 4:
+        return _interleaved(_regrouped(codes, layout.interleave))
     if codes.bits <= 4 and codes.group == KERNEL_GROUP:
         # w = s*c + o = s*(c - 8) + (o + 8s)
         return Int4Groups(codes.codes, codes.scale, codes.offset + INT4_OFFSET * codes.scale)
     return _interleaved(codes)
+
+
+def shared_layout(ggml_types: Iterable[GGMLQuantizationType]) -> KernelLayout | None:
+    """One kernel layout that holds all these quantized types: their own where they share
+    it, else the one interleaved layout among them, in which 4-bit codes fit too (at twice
+    their slots). None where two different interleaved layouts are needed."""
+    layouts = {layout_for(t) for t in ggml_types}
+    if len(layouts) == 1:
+        return next(iter(layouts))
+    wide = layouts - {PLAIN}
+    if len(wide) != 1 or len(layouts) != 2:
+        return None
+    layout = next(iter(wide))
+    return layout if KERNEL_GROUP % layout.interleave == 0 else None
+
+
+def _regrouped(codes: AffineCodes, group: int) -> AffineCodes:
+    """The same codes with a scale and offset per `group` columns (a divisor of theirs)."""
+    if codes.group == group:
+        return codes
+    repeat = codes.group // group
+    if repeat * group != codes.group:
+        raise ValueError(f"groups of {codes.group} do not split into groups of {group}")
+    return AffineCodes(
+        codes.codes,
+        codes.scale.repeat_interleave(repeat, dim=1),
+        codes.offset.repeat_interleave(repeat, dim=1),
+        codes.bits,
+        group,
+    )
 
 
 def _interleaved(codes: AffineCodes) -> Int4Groups:
