@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     from miniapp.engine.modelfile.store import resolve_model
     from miniapp.engine.models import CachePolicy, build_model
     from miniapp.engine.models.static_step import StaticDecodeStep, StaticVerifyStep
-    from miniapp.engine.platform.graphs import compiled_runner
+    from miniapp.engine.platform.graphs import CompiledStep, compiled_runner
     from miniapp.engine.tokens.device_sampler import SamplingTensors
     from miniapp.engine.tokens.sampling import SamplingParams
 
@@ -127,10 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"compiled in {time.perf_counter() - started:.0f} s")
         with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
             run(compiled, 6)
-    calls = [e for e in prof.events() if e.name.startswith("## Call CompiledFxGraph")]
-    launched = collections.Counter(
-        e.name for call in calls for e in call.cpu_children if not e.name.endswith(NO_KERNEL)
-    )
+    launched = _launched(prof)
     if args.names:
         for name, count in sorted(launched.items(), key=lambda item: -item[1]):
             print(f"  {count:4d} {name}")
@@ -141,7 +138,27 @@ def main(argv: list[str] | None = None) -> int:
         f"{generated} generated, {kernels - generated} torch ops "
         f"({', '.join(f'{n} {c}' for n, c in launched.items() if 'cpp_fused' not in n)})"
     )
+    if args.verify:
+        with inductor.patch({"cpp.enable_kernel_profile": True}):
+            caches = step_over_prefilled_caches().sequences[0]
+            verify = StaticVerifyStep(
+                model, caches, args.verify, lambda body: CompiledStep(body, "verification")
+            )
+            with torch.inference_mode():
+                verify.verify([5] * args.verify)
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    verify.verify([6] * args.verify)
+        kernels = sum(_launched(prof).values())
+        print(f"verification of {args.verify} rows, compiled: {kernels} kernels")
     return 0
+
+
+def _launched(prof) -> collections.Counter:
+    """The kernels a compiled graph's calls ran, by name, as the profiler recorded them."""
+    calls = [e for e in prof.events() if e.name.startswith("## Call CompiledFxGraph")]
+    return collections.Counter(
+        e.name for call in calls for e in call.cpu_children if not e.name.endswith(NO_KERNEL)
+    )
 
 
 def _watched(counter, body) -> None:

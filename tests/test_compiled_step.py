@@ -18,9 +18,15 @@ from torch.profiler import ProfilerActivity, profile
 
 from miniapp.engine.modelfile.gguf_file import GGUFFile
 from miniapp.engine.models import CachePolicy, build_model
-from miniapp.engine.models.static_step import StaticDecodeStep
+from miniapp.engine.models.static_step import StaticDecodeStep, StaticVerifyStep
 from miniapp.engine.platform.devices import COMPILE_ENV, step_compile_unavailable
-from miniapp.engine.platform.graphs import CompiledStep, batched_runner, compiled_runner
+from miniapp.engine.platform.graphs import (
+    VERIFY_COMPILE_AFTER,
+    CompiledStep,
+    batched_runner,
+    compiled_runner,
+    verifying_runner,
+)
 from miniapp.engine.tokens.device_sampler import SamplingTensors
 from miniapp.engine.tokens.sampling import SamplingParams
 
@@ -49,18 +55,19 @@ def compiled_steps(model):
     compiled once for the module (about 20 s on two cores)."""
     torch._dynamo.reset()
 
-    def prefilled():
-        caches = model.make_caches(CachePolicy(ctx=128))
-        for cache in caches:
-            cache.reserve()
-        with torch.inference_mode():
-            model(torch.tensor(PROMPT), caches)
-        return caches
-
-    plain = StaticDecodeStep(model, prefilled())
-    compiled = StaticDecodeStep(model, prefilled(), runner=compiled_runner())
+    plain = StaticDecodeStep(model, _prefilled(model))
+    compiled = StaticDecodeStep(model, _prefilled(model), runner=compiled_runner())
     yield plain, compiled
     torch._dynamo.reset()
+
+
+def _prefilled(model):
+    caches = model.make_caches(CachePolicy(ctx=128))
+    for cache in caches:
+        cache.reserve()
+    with torch.inference_mode():
+        model(torch.tensor(PROMPT), caches)
+    return caches
 
 
 def test_a_compiled_step_gives_the_uncompiled_steps_tokens(compiled_steps):
@@ -89,12 +96,17 @@ def test_a_compiled_step_gives_the_uncompiled_steps_tokens(compiled_steps):
 def _kernels(step, token: int) -> collections.Counter:
     """The kernels one step of the compiled `step` runs, by name, as torch.profiler sees
     them: inductor's generated kernels, and the ops its code calls (a matmul, attention)."""
+    return _kernels_of(lambda: step(token))
+
+
+def _kernels_of(run) -> collections.Counter:
+    """The kernels a second `run()` of a compiled step runs (the first compiles it)."""
     import torch._inductor.config as inductor
 
     with torch.inference_mode(), inductor.patch({"cpp.enable_kernel_profile": True}):
-        step(token)  # compiled with profiling marks
+        run()  # compiled with profiling marks
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            step(token)
+            run()
     calls = [e for e in prof.events() if e.name.startswith("## Call CompiledFxGraph")]
     assert len(calls) == 1, [e.name for e in prof.events() if e.cpu_parent is None]
     launched = [e.name for e in calls[0].cpu_children]
@@ -134,6 +146,64 @@ def test_a_chat_through_three_span_buckets_compiles_its_step_twice(model):
             token = int(step(token).argmax())
     assert step.captured == 3  # one graph a bucket, on a GPU
     assert counters["stats"]["unique_graphs"] == 2
+    torch._dynamo.reset()
+
+
+def test_a_compiled_verification_step_gives_the_as_written_steps_rows_in_few_kernels(model):
+    # Verification replays [pending, *drafts] as one pass: compiled, like a decode step, it
+    # launches about a decode step's kernels, and per extra row and layer two more: the
+    # row's own attention call (what keeps it bit for bit its decode step's) and the kernel
+    # that prepares that call's query and mask.
+    torch._dynamo.reset()
+    rows = 4
+    written = StaticVerifyStep(model, _prefilled(model), rows)
+    compiled = StaticVerifyStep(
+        model, _prefilled(model), rows, runner=lambda body: CompiledStep(body, "verification")
+    )
+    for tokens in ([5, 40, 41, 42], [7, 9, 9, 9], [3, 3, 50, 60]):
+        with torch.inference_mode():
+            want_states, want = written.verify(tokens)
+            states, got = compiled.verify(tokens)
+        assert (got - want).abs().max() < 1e-4
+        assert (states - want_states).abs().max() < 1e-4
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+    torch._dynamo.reset()  # compiled again below, with the profiler's marks
+    compiled._runs.clear()
+    kernels = _kernels_of(lambda: compiled.verify([5, 6, 7, 8]))
+    layers = model.config.n_layers
+    matmuls = sum(n for name, n in kernels.items() if "int4" in name or "mm" in name)
+    assert matmuls == 4 * layers + 1, kernels
+    bound = (KERNELS_PER_LAYER + 2 * (rows - 1)) * layers + HEAD_KERNELS
+    assert sum(kernels.values()) <= bound, kernels
+    torch._dynamo.reset()
+
+
+def test_a_verification_step_compiles_once_its_row_count_is_in_use():
+    # Until then it is captured as written: a drafter tries many row counts once or twice,
+    # and each would be a compilation of its own.
+    torch._dynamo.reset()
+    captured = []
+
+    def capture(body):
+        captured.append(body)
+        return body
+
+    total, one = torch.zeros(3), torch.ones(3)
+
+    def body():
+        total.add_(one)
+
+    run = verifying_runner(compiled_runner(capture))(body)
+    for _ in range(VERIFY_COMPILE_AFTER):
+        run()
+    assert captured == [body]
+    run()
+    assert len(captured) == 2 and isinstance(captured[1], CompiledStep)
+    assert captured[1].ran and captured[1].body is body
+    run()
+    assert len(captured) == 2
+    assert torch.equal(total, torch.full((3,), VERIFY_COMPILE_AFTER + 2.0))
+    assert verifying_runner(capture) is capture  # no compiler: as written
     torch._dynamo.reset()
 
 

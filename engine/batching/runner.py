@@ -33,7 +33,7 @@ from ..kv.cache import Cache
 from ..lora.registry import AdapterSet
 from ..models import CachePolicy, DecoderModel
 from ..models.static_step import StaticDecodeStep, StaticVerifyStep, static_step_unsupported
-from ..platform.graphs import Runner, batched_runner
+from ..platform.graphs import Runner, batched_runner, verifying_runner
 from ..speculative.speculative_decoder import RowsVerifier
 from ..tokens.device_sampler import SamplingTensors
 
@@ -180,7 +180,7 @@ class ModelRunner:
         if steps is None or any(step.model is not self.model for step in steps.values()):
             steps = caches.verify_steps = {}
         if rows not in steps:
-            steps[rows] = StaticVerifyStep(self.model, caches, rows, batched_runner(self.graphs))
+            steps[rows] = StaticVerifyStep(self.model, caches, rows, verifying_runner(self.graphs))
         return steps[rows]
 
     def stepper(self, caches: list[Cache]) -> Callable[[int], torch.Tensor]:

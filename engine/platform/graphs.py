@@ -64,6 +64,10 @@ class CudaGraphRunner:
 # Each sampling choice and span bucket can be one more compilation of the same step code:
 # torch's default limit of 8 would silently leave the later ones uncompiled.
 COMPILED_VARIANTS = 64
+# Verifications of one row count (in one span bucket) captured as written before that
+# count's step is compiled: a drafter tries many counts once or twice, and each is a
+# compilation of its own (tens of seconds, once a machine: inductor keeps the kernels).
+VERIFY_COMPILE_AFTER = 16
 
 
 class compiled_runner:  # noqa: N801 - used as a function: runner = compiled_runner(capture)
@@ -87,10 +91,40 @@ class compiled_runner:  # noqa: N801 - used as a function: runner = compiled_run
     def batched(self) -> Runner:
         return self.capture
 
+    def verifying(self, body: Callable[[], None]) -> Callable[[], None]:
+        """A verification step's run: one sequence's rows, in one pass whose only loop over
+        rows is attention's, so it compiles like a decode step; compiled once its row
+        count is in use (`VERIFY_COMPILE_AFTER`), captured as written until then."""
+        return _CompiledOnceHot(body, self.capture)
+
 
 def batched_runner(runner: Runner) -> Runner:
     """The runner for batched steps: `runner`'s `batched` where it has one."""
     return getattr(runner, "batched", runner)
+
+
+def verifying_runner(runner: Runner) -> Runner:
+    """The runner for verification steps: `runner`'s `verifying` where it has one, else its
+    batched steps' runner."""
+    return getattr(runner, "verifying", batched_runner(runner))
+
+
+class _CompiledOnceHot:
+    """Runs `body` captured as written for its first `VERIFY_COMPILE_AFTER` calls, then
+    compiled and captured again (the first capture is then dropped)."""
+
+    def __init__(self, body: Callable[[], None], capture: Runner):
+        self.body, self.capture = body, capture
+        self.calls = 0
+        self.compiled = False
+        self.run = capture(body)
+
+    def __call__(self) -> None:
+        if not self.compiled and self.calls >= VERIFY_COMPILE_AFTER:
+            self.run = self.capture(CompiledStep(self.body, "a verification step"))
+            self.compiled = True
+        self.calls += 1
+        self.run()
 
 
 class CompiledStep:
@@ -98,13 +132,13 @@ class CompiledStep:
     generate on this device), the step runs as written from then on, with a warning: the
     graph still pays, only the fusion is lost."""
 
-    def __init__(self, body: Callable[[], None]):
+    def __init__(self, body: Callable[[], None], what: str = "the decode step"):
         import torch._dynamo
 
         _keep_compiled_kernels()
         config = torch._dynamo.config
         config.recompile_limit = max(config.recompile_limit, COMPILED_VARIANTS)
-        self.body = body
+        self.body, self.what = body, what
         # Casts kept where the model code rounds (to bf16, say): the same numbers as the
         # uncompiled step, which the CPU's answers are checked against.
         options = {"emulate_precision_casts": True}
@@ -117,7 +151,7 @@ class CompiledStep:
         if self.compiled is not None:
             try:
                 if not self.ran:
-                    log.info("compiling the decode step (a minute the first time on a machine)")
+                    log.info("compiling %s (a minute the first time on a machine)", self.what)
                 self.compiled()
                 self.ran = True
                 return
@@ -126,7 +160,7 @@ class CompiledStep:
             except Exception as exc:
                 if self.ran:
                     raise
-                log.warning("the decode step runs uncompiled: %s", _first_line(exc))
+                log.warning("%s runs uncompiled: %s", self.what, _first_line(exc))
                 self.compiled = None
         self.body()
 
