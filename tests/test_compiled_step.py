@@ -180,7 +180,8 @@ def test_a_compiled_verification_step_gives_the_as_written_steps_rows_in_few_ker
 
 def test_a_verification_step_compiles_once_its_row_count_is_in_use():
     # Until then it is captured as written: a drafter tries many row counts once or twice,
-    # and each would be a compilation of its own.
+    # and each would be a compilation of its own. The count is the row count's, across the
+    # steps of it (a chat's steps are new after each reset).
     torch._dynamo.reset()
     captured = []
 
@@ -193,17 +194,24 @@ def test_a_verification_step_compiles_once_its_row_count_is_in_use():
     def body():
         total.add_(one)
 
-    run = verifying_runner(compiled_runner(capture))(body)
-    for _ in range(VERIFY_COMPILE_AFTER):
-        run()
+    runner = compiled_runner(capture)
+    first = verifying_runner(runner, 4)(body)
+    for _ in range(VERIFY_COMPILE_AFTER - 1):
+        first()
     assert captured == [body]
-    run()
-    assert len(captured) == 2 and isinstance(captured[1], CompiledStep)
-    assert captured[1].ran and captured[1].body is body
-    run()
-    assert len(captured) == 2
-    assert torch.equal(total, torch.full((3,), VERIFY_COMPILE_AFTER + 2.0))
-    assert verifying_runner(capture) is capture  # no compiler: as written
+    verifying_runner(runner, 3)(body)()  # another row count: counted apart
+    assert captured == [body, body]
+    second = verifying_runner(runner, 4)(body)  # a new step of 4 rows
+    second()
+    assert captured == [body, body, body]
+    second()
+    assert len(captured) == 4 and isinstance(captured[3], CompiledStep)
+    assert captured[3].ran and captured[3].body is body
+    second()
+    first()  # an older step of the same count compiles at its next run too
+    assert len(captured) == 5 and isinstance(captured[4], CompiledStep)
+    assert torch.equal(total, torch.full((3,), VERIFY_COMPILE_AFTER + 4.0))
+    assert verifying_runner(capture, 4) is capture  # no compiler: as written
     torch._dynamo.reset()
 
 

@@ -10,6 +10,10 @@ import pytest
 from gguf.constants import GGMLQuantizationType as Q
 from tiny_gguf import GEMMA3, LLAMA, PHI3, QWEN2, QWEN3, TinyModel, write_tiny_model
 
+from miniapp.engine.ops import layers
+from miniapp.engine.ops.layers import Int4Linear
+from miniapp.engine.ops.quant import layout_for
+from miniapp.engine.platform.kernels import GGML_ENV
 from miniapp.engine.runtimes.llamacpp_runtime import LlamaCppRuntime
 from miniapp.engine.runtimes.torch_runtime import TorchRuntime
 
@@ -88,6 +92,23 @@ def test_the_type_mixes_of_downloaded_files_match_llama_cpp(tmp_path, arch, mix)
         ARCHITECTURES[arch], dim=256, ffn_dim=256, head_dim=64, n_kv_heads=4, **FILE_MIXES[mix]
     )
     agreement, relative = _compare(write_tiny_model(tmp_path / "tiny.gguf", spec))
+    assert agreement >= MIN_AGREEMENT, agreement
+    assert relative <= QUANT_BOUND, relative
+
+
+def test_a_gpus_one_product_for_mixed_layouts_matches_llama_cpp(tmp_path, monkeypatch):
+    """A GPU's weights for a Q4_K_M file: torch's int4 layout, Q|K (Q4_K) widened into V's
+    Q6_K layout so that Q|K|V is one product (computed here on the CPU), with Qwen's bias."""
+    monkeypatch.setenv(GGML_ENV, "0")  # every type through the int4 layout, as on a GPU
+    monkeypatch.setattr(layers, "one_product_across_layouts", lambda target: True)
+    spec = dataclasses.replace(
+        QWEN2, dim=256, ffn_dim=256, head_dim=64, n_kv_heads=4, **FILE_MIXES["q4_k_m"]
+    )
+    path = write_tiny_model(tmp_path / "tiny.gguf", spec)
+    block = TorchRuntime(path, n_ctx=256).model.layers[0]
+    assert isinstance(block.attention.wqkv, Int4Linear)
+    assert block.attention.wqkv.layout == layout_for(Q.Q6_K)
+    agreement, relative = _compare(path)
     assert agreement >= MIN_AGREEMENT, agreement
     assert relative <= QUANT_BOUND, relative
 

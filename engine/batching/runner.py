@@ -180,7 +180,8 @@ class ModelRunner:
         if steps is None or any(step.model is not self.model for step in steps.values()):
             steps = caches.verify_steps = {}
         if rows not in steps:
-            steps[rows] = StaticVerifyStep(self.model, caches, rows, verifying_runner(self.graphs))
+            runner = verifying_runner(self.graphs, rows)
+            steps[rows] = StaticVerifyStep(self.model, caches, rows, runner)
         return steps[rows]
 
     def stepper(self, caches: list[Cache]) -> Callable[[int], torch.Tensor]:

@@ -12,6 +12,7 @@ int4 matmuls and SDPA stay torch's own kernels.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 from collections.abc import Callable
@@ -83,6 +84,9 @@ class compiled_runner:  # noqa: N801 - used as a function: runner = compiled_run
 
     def __init__(self, capture: Runner = eager_runner):
         self.capture = capture
+        # Verifications run so far of each row count, by every verification step of it
+        # (a chat's caches, and so its steps, are new after each reset).
+        self.verifications: collections.Counter[int] = collections.Counter()
 
     def __call__(self, body: Callable[[], None]) -> Callable[[], None]:
         return self.capture(CompiledStep(body))
@@ -91,11 +95,12 @@ class compiled_runner:  # noqa: N801 - used as a function: runner = compiled_run
     def batched(self) -> Runner:
         return self.capture
 
-    def verifying(self, body: Callable[[], None]) -> Callable[[], None]:
-        """A verification step's run: one sequence's rows, in one pass whose only loop over
-        rows is attention's, so it compiles like a decode step; compiled once its row
-        count is in use (`VERIFY_COMPILE_AFTER`), captured as written until then."""
-        return _CompiledOnceHot(body, self.capture)
+    def verifying(self, rows: int) -> Runner:
+        """The runner of verification steps of `rows` rows: one sequence's rows in one pass
+        whose only loop over rows is attention's, so it compiles like a decode step. It is
+        compiled once that row count is in use (`VERIFY_COMPILE_AFTER` verifications by
+        any step of it), captured as written until then."""
+        return lambda body: _CompiledOnceHot(body, self.capture, self.verifications, rows)
 
 
 def batched_runner(runner: Runner) -> Runner:
@@ -103,27 +108,31 @@ def batched_runner(runner: Runner) -> Runner:
     return getattr(runner, "batched", runner)
 
 
-def verifying_runner(runner: Runner) -> Runner:
-    """The runner for verification steps: `runner`'s `verifying` where it has one, else its
-    batched steps' runner."""
-    return getattr(runner, "verifying", batched_runner(runner))
+def verifying_runner(runner: Runner, rows: int) -> Runner:
+    """The runner for verification steps of `rows` rows: `runner`'s `verifying` where it
+    has one, else its batched steps' runner."""
+    verifying = getattr(runner, "verifying", None)
+    return batched_runner(runner) if verifying is None else verifying(rows)
 
 
 class _CompiledOnceHot:
-    """Runs `body` captured as written for its first `VERIFY_COMPILE_AFTER` calls, then
-    compiled and captured again (the first capture is then dropped)."""
+    """Runs `body` captured as written until `uses[key]` (counted by every such run) passes
+    `VERIFY_COMPILE_AFTER`, then compiled and captured again (the first capture dropped)."""
 
-    def __init__(self, body: Callable[[], None], capture: Runner):
-        self.body, self.capture = body, capture
-        self.calls = 0
+    def __init__(
+        self, body: Callable[[], None], capture: Runner, uses: collections.Counter, key: int
+    ):
+        self.body, self.capture, self.uses, self.key = body, capture, uses, key
         self.compiled = False
-        self.run = capture(body)
+        self.run: Callable[[], None] | None = None
 
     def __call__(self) -> None:
-        if not self.compiled and self.calls >= VERIFY_COMPILE_AFTER:
+        if not self.compiled and self.uses[self.key] >= VERIFY_COMPILE_AFTER:
             self.run = self.capture(CompiledStep(self.body, "a verification step"))
             self.compiled = True
-        self.calls += 1
+        elif self.run is None:
+            self.run = self.capture(self.body)
+        self.uses[self.key] += 1
         self.run()
 
 
