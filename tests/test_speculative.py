@@ -495,6 +495,28 @@ def test_a_verification_dearer_than_plain_steps_is_probed_seldom():
     assert overhead <= MAX_PROBE_OVERHEAD < (0.064 - 0.0077) / (PROBE_EVERY * 0.0077), steps
 
 
+def test_a_one_off_stall_does_not_price_the_steps_to_come():
+    # A GPU compiles a verification row count's step once (tens of seconds), and a plain
+    # step can stall on a page-in: averaged in, either would switch drafting off for good.
+    stalled, steady = DraftController(max_draft=4), DraftController(max_draft=4)
+    for controller in (stalled, steady):
+        for _ in range(5):
+            controller.record_plain(0.001)
+        for _ in range(5):
+            controller.record_draft("lookup", 2, 2, 0.0, 0.0015)
+    stalled.record_draft("lookup", 2, 2, 0.0, 30.0)  # the step compiled
+    steady.record_draft("lookup", 2, 2, 0.0, 0.0015)
+    stalled.record_plain(20.0)  # a page-in
+    steady.record_plain(0.001)
+    assert stalled.predicted_gain("lookup", 2) == pytest.approx(steady.predicted_gain("lookup", 2))
+    assert stalled.draft_length("lookup", 4) == steady.draft_length("lookup", 4) > 0
+    before = stalled.predicted_gain("lookup", 2)
+    stalled.record_draft("lookup", 2, 2, 0.0, 0.004)  # dearer, but a real cost: counted
+    steady.record_draft("lookup", 2, 2, 0.0, 0.0015)
+    assert stalled.predicted_gain("lookup", 2) < steady.predicted_gain("lookup", 2)
+    assert stalled.predicted_gain("lookup", 2) < before
+
+
 def test_prompt_lookups_match_lengths_share_one_probe_clock():
     # Each match length drafts under its own name ("lookup:2", "lookup:3"); probing each
     # apart cost one probe per length in every interval (3 verifications in 128 tokens).

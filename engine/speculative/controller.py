@@ -22,6 +22,11 @@ MAX_PROBE_EVERY = 384  # each probe that finds nothing doubles the wait, up to t
 MAX_PROBE_OVERHEAD = 0.05  # probes may cost at most this share of the decoding time
 PRIOR_ROW_COST = 0.35  # before any measurement: each extra verified row costs this many steps
 PRIOR_ACCEPTANCE = 0.5
+# A timing this many times the cost the averages predict is a one-off, not the price of the
+# steps to come: a step compiled or captured as a graph (tens of seconds on a GPU, once a
+# row count), a page-in. Averaged in, one such verification made its draft length look
+# thousands of steps dear, and the probe spacing it implies then kept drafting off for good.
+ONE_OFF_RATIO = 50.0
 
 
 @dataclass
@@ -128,7 +133,9 @@ class DraftController:
         return rate * self._plain_cost()
 
     def record_plain(self, seconds: float) -> None:
-        self._plain_s.add(seconds)
+        plain = self._plain_s.value
+        if plain is None or seconds <= ONE_OFF_RATIO * plain:
+            self._plain_s.add(seconds)
         self._steps += 1
 
     def record_draft(
@@ -143,7 +150,8 @@ class DraftController:
         self._probing = None
         trials = accepted + (1 if accepted < drafted else 0)
         self._acceptance.setdefault(drafter, _Rate()).add(accepted, trials)
-        if self._plain_s.value:
+        predicted = self._step_cost(drafter, drafted) - self._drafting_cost(drafter, drafted)
+        if self._plain_s.value and verify_s <= ONE_OFF_RATIO * predicted:
             steps = verify_s / self._plain_s.value
             family = _family(drafter)
             self._row_cost.setdefault(family, _Average()).add(max((steps - 1) / drafted, 0.0))
@@ -164,9 +172,11 @@ class DraftController:
             measured = self._row_cost.get(_family(drafter))
             row_cost = measured.value if measured and measured.value is not None else PRIOR_ROW_COST
             verify = self._plain_cost() * (1 + row_cost * drafts)
+        return verify + self._drafting_cost(drafter, drafts)
+
+    def _drafting_cost(self, drafter: str, drafts: int) -> float:
         per_draft = self._draft_s.get(drafter)
-        drafting = per_draft.value * drafts if per_draft and per_draft.value else 0.0
-        return verify + drafting
+        return per_draft.value * drafts if per_draft and per_draft.value else 0.0
 
 
 def _family(drafter: str) -> str:
