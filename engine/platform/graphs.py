@@ -116,7 +116,7 @@ def verifying_runner(runner: Runner, rows: int) -> Runner:
 
 
 class _CompiledOnceHot:
-    """Runs `body` captured as written until `uses[key]` (counted by every such run) passes
+    """Runs `body` captured as written until `uses[key]` (counted by every such run) reaches
     `VERIFY_COMPILE_AFTER`, then compiled and captured again (the first capture dropped)."""
 
     def __init__(
