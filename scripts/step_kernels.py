@@ -12,9 +12,10 @@ counted. Attention runs in the precision a GPU's does (16 bits over 16-bit and q
 rows, attention_backends.attention_dtype), and a projection's parts whose types want
 different kernel layouts make one product, as on a GPU (layers.one_product_across_layouts).
 `--kv-type bf16` is a GPU's default cache, q8 the CPU's. `--sampled`: the step that also
-draws the token on the device. `--verify ROWS`: also the ops of speculative verification's
-step over ROWS rows ([pending, *drafts]), which a GPU captures as written, uncompiled.
-Compiling a 30-layer model takes one to two minutes on two cores.
+draws the token on the device. `--verify ROWS`: also speculative verification's step over
+ROWS rows ([pending, *drafts]): its ops as a GPU captures them until that row count is in
+use, and its kernels once compiled. Compiling a 30-layer model takes one to two minutes on
+two cores.
 """
 
 from __future__ import annotations
