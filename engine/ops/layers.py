@@ -333,8 +333,7 @@ def _packed_int4(
     packer = _Int4Packer(target.device, cpu_int4_kernel().library if target.on_cpu else None)
     for raw, ggml_type in parts:
         for start in range(0, raw.shape[0], _PACK_CHUNK_ROWS):
-            codes = decode(raw[start : start + _PACK_CHUNK_ROWS], ggml_type)
-            packer.add(to_int4(codes, layout if layout_for(ggml_type) != layout else None))
+            packer.add(to_int4(decode(raw[start : start + _PACK_CHUNK_ROWS], ggml_type), layout))
     return packer.linear(layout, bias)
 
 

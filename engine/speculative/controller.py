@@ -150,7 +150,7 @@ class DraftController:
         self._probing = None
         trials = accepted + (1 if accepted < drafted else 0)
         self._acceptance.setdefault(drafter, _Rate()).add(accepted, trials)
-        predicted = self._step_cost(drafter, drafted) - self._drafting_cost(drafter, drafted)
+        predicted = self._verifying_cost(drafter, drafted)
         if self._plain_s.value and verify_s <= ONE_OFF_RATIO * predicted:
             steps = verify_s / self._plain_s.value
             family = _family(drafter)
@@ -165,14 +165,15 @@ class DraftController:
         return self._plain_s.value or 1.0
 
     def _step_cost(self, drafter: str, drafts: int) -> float:
+        return self._verifying_cost(drafter, drafts) + self._drafting_cost(drafter, drafts)
+
+    def _verifying_cost(self, drafter: str, drafts: int) -> float:
         verified = self._verify_cost.get((_family(drafter), drafts))
         if verified is not None and verified.value is not None:
-            verify = self._plain_cost() * verified.value
-        else:
-            measured = self._row_cost.get(_family(drafter))
-            row_cost = measured.value if measured and measured.value is not None else PRIOR_ROW_COST
-            verify = self._plain_cost() * (1 + row_cost * drafts)
-        return verify + self._drafting_cost(drafter, drafts)
+            return self._plain_cost() * verified.value
+        measured = self._row_cost.get(_family(drafter))
+        row_cost = measured.value if measured and measured.value is not None else PRIOR_ROW_COST
+        return self._plain_cost() * (1 + row_cost * drafts)
 
     def _drafting_cost(self, drafter: str, drafts: int) -> float:
         per_draft = self._draft_s.get(drafter)
