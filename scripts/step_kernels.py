@@ -3,7 +3,7 @@ it dispatches as written, and the kernels it runs once torch.compile has fused i
 torch.profiler sees them.
 
     MINIAPP_NATIVE=0 .venv/bin/python scripts/step_kernels.py [--model NAME_OR_PATH] [--sampled]
-        [--verify ROWS] [--kv-type TYPE]
+        [--verify ROWS] [--kv-type TYPE] [--host]
 
 On a CPU, inductor generates C++ kernels, from the same fusion decisions it makes for Triton
 on a GPU, so the count here is the count a GPU's compiled step launches, give or take the
@@ -14,8 +14,9 @@ different kernel layouts make one product, as on a GPU (layers.one_product_acros
 `--kv-type bf16` is a GPU's default cache, q8 the CPU's. `--sampled`: the step that also
 draws the token on the device. `--verify ROWS`: also speculative verification's step over
 ROWS rows ([pending, *drafts]): its ops as a GPU captures them until that row count is in
-use, and its kernels once compiled. Compiling a 30-layer model takes one to two minutes on
-two cores.
+use, and its kernels once compiled. `--host`: the host's own time a step (cache bookkeeping,
+staging the inputs), the step's body skipped: on a GPU it stands between two steps.
+Compiling a 30-layer model takes one to two minutes on two cores.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import statistics
 import sys
 import time
 
@@ -41,6 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sampled", action="store_true", help="the step that draws tokens")
     parser.add_argument("--verify", type=int, default=0, help="rows of a verification step")
     parser.add_argument("--names", action="store_true", help="list the generated kernels")
+    parser.add_argument(
+        "--host",
+        action="store_true",
+        help="also time the host's work between two steps (the step's body skipped)",
+    )
     args = parser.parse_args(argv)
     if os.environ.get("MINIAPP_NATIVE") != "0":
         print("run with MINIAPP_NATIVE=0: the compiler cannot see into our CPU kernels")
@@ -96,6 +103,16 @@ def main(argv: list[str] | None = None) -> int:
             step.sampled([token], settings, [0.5])
         else:
             step(token)
+
+    if args.host:
+        skipped = step_over_prefilled_caches(lambda body: lambda: None)
+        timings = []
+        with torch.inference_mode():
+            for _ in range(250):
+                started = time.perf_counter()
+                run(skipped, 5)
+                timings.append(time.perf_counter() - started)
+        print(f"host: {1000 * statistics.median(timings[50:]):.3f} ms a step (median of 200)")
 
     counter = Ops()
     plain = step_over_prefilled_caches(lambda body: lambda: _watched(counter, body))

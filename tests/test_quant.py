@@ -185,6 +185,37 @@ def test_a_tied_embedding_reads_the_heads_interleaved_copy_where_it_can(qtype):
     assert tied.raw.data_ptr() == head.native.parts[0][0].data_ptr()
 
 
+@pytest.mark.parametrize("qtype", ALL_QUANTS, ids=lambda q: q.name)
+def test_a_table_looked_up_inside_a_step_makes_no_tensor_from_host_data(qtype):
+    """A GPU's fixed-shape step looks its tokens up in the table inside its graph: decoding
+    the blocks must not make a tensor from Python data (a copy from the host, which a
+    captured graph cannot hold). The copy `to` a device keeps the rows."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class HostData(TorchDispatchMode):
+        made = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default):
+                HostData.made += 1
+            return func(*args, **(kwargs or {}))
+
+    dim = 512
+    raw = random_raw(qtype, 16, dim)
+    table = BlockEmbedding(raw, qtype, dim)
+    tokens = torch.tensor([3, 0, 15, 3])
+    want = torch.from_numpy(gguf_reference(raw, qtype, dim))[tokens]
+    with HostData():
+        got = table(tokens)
+    assert HostData.made == 0
+    assert torch.allclose(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
+    assert table.to(torch.device("cpu")) is table
+    # On another device, every tensor the decoding makes is made there (meta: shapes only).
+    moved = table.to(torch.device("meta"))
+    assert moved.raw.device.type == "meta"
+    assert moved(tokens.to("meta")).shape == (len(tokens), dim)
+
+
 def test_types_that_keep_the_int4_layout_by_default():
     cols = 256
     for qtype in (Q.Q4_0, Q.Q4_1):

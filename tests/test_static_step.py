@@ -177,6 +177,31 @@ def test_a_fixed_context_cache_takes_static_steps(model_for, kind):
     assert (got_logits - want_logits).abs().max() < 1e-4
 
 
+def test_the_host_builds_the_sinks_rotation_only_for_a_frame_not_yet_written(model, monkeypatch):
+    """Between two steps of a GPU the host writes the sinks' rotation into the step's inputs
+    only when the frame moves: never again for caches without sinks, and with sinks not
+    while the window is still filling. The steps still match the ordinary ones."""
+    from miniapp.engine.ops.layers import Rope
+
+    built = []
+    shift_tables = Rope.shift_tables
+    monkeypatch.setattr(
+        Rope, "shift_tables", lambda rope, frame: built.append(frame) or shift_tables(rope, frame)
+    )
+    kinds = len({model.config.is_local(i) for i in range(model.config.n_layers)})
+    fixed = CachePolicy(ctx=70, streaming=False)
+    step = StaticDecodeStep(model, _prefilled(model, fixed))
+    _tokens(_static_logits(step), n=40)
+    assert len(built) == kinds  # once a kind's buffer: frame 0
+    eager_caches, static_caches = _prefilled(model), _prefilled(model)
+    want, _ = _tokens(lambda t: _eager_step(model, eager_caches, t), n=STEPS)
+    built.clear()  # the eager steps' rotations of the sinks are their own
+    got, _ = _tokens(_static_logits(StaticDecodeStep(model, static_caches)), n=STEPS)
+    assert got == want
+    window_fills = POLICY.window - len(PROMPT)  # steps before the frame starts to move
+    assert kinds <= len(built) <= kinds * (STEPS - window_fills + 1)
+
+
 def test_a_cleared_cache_answers_as_a_new_one(model):
     """A new chat clears the caches in place (their storage, and a GPU's graphs, stay)."""
     used = _prefilled(model)

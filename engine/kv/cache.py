@@ -173,8 +173,13 @@ class StaticCache(Cache, Protocol):
         """How much of the span is in use."""
         ...
 
-    def advance_one(self, with_mask: bool = True) -> StaticStep:
+    def advance_one(self) -> StaticStep:
         """The bookkeeping of one fixed-shape step: where its keys go, and its mask."""
+        ...
+
+    def advance_alike(self) -> Callable[[], None] | None:
+        """The same bookkeeping for a cache whose kind's first cache described the step
+        (`advance_one`); returns only its `written`."""
         ...
 
 
@@ -344,13 +349,16 @@ class KVCache(_OnStorage):
         """Slots of the span in use (the newest token's included)."""
         return self.offset
 
-    def advance_one(self, with_mask: bool = True) -> StaticStep:
+    def advance_one(self) -> StaticStep:
         """Account for one token whose keys and values the caller writes at `write_at`."""
         at = self.offset
+        mask = torch.arange(self.max_tokens).unsqueeze(0) <= at
+        return StaticStep(at, mask, 0, self.advance_alike())
+
+    def advance_alike(self) -> Callable[[], None] | None:
+        at = self.offset
         self.offset += 1
-        mask = torch.arange(self.max_tokens).unsqueeze(0) <= at if with_mask else None
-        written = self.storage.take_key_row(at)  # tiles: its fp32 row, loaded if need be
-        return StaticStep(at, mask, 0, written)
+        return self.storage.take_key_row(at)  # tiles: its fp32 row, loaded if need be
 
 
 class RotatingKVCache(_OnStorage):
@@ -417,7 +425,7 @@ class RotatingKVCache(_OnStorage):
 
     @property
     def _allocated(self) -> int:
-        return self.ring_pos.shape[0]
+        return self._allocated_slots
 
     def _fetch_length(self) -> int:
         ring = self._allocated if self.wrapped else self.ring_count
@@ -441,6 +449,7 @@ class RotatingKVCache(_OnStorage):
         # The same memory through numpy: a decode step writes one element per layer, ~0.3 us
         # there against ~5 us through torch's indexing.
         self._ring_pos_view = positions.numpy()
+        self._allocated_slots = positions.shape[0]  # read by every static step's checks
 
     # -- the interface
 
@@ -730,23 +739,27 @@ class RotatingKVCache(_OnStorage):
         until it wraps."""
         return self.sinks + (self.ring_capacity if self.wrapped else self.ring_count)
 
-    def advance_one(self, with_mask: bool = True) -> StaticStep:
+    def advance_one(self) -> StaticStep:
         """Account for one token whose keys and values the caller writes at `write_at`, and
         whose step re-rotates the sinks by `frame` (`self.frame` already says so)."""
+        at = 2 * self.sinks + self.ring_head
+        written = self.advance_alike()
+        query = self.offset - 1
+        # Empty slots hold -1; the new token's own slot is already recorded.
+        positions = self.ring_pos
+        in_window = (positions >= 0) & (positions > query - self.window)
+        sinks = torch.ones(self.sinks, dtype=torch.bool)
+        mask = torch.cat([sinks, in_window]).unsqueeze(0)
+        return StaticStep(at, mask, self.frame, written)
+
+    def advance_alike(self) -> Callable[[], None] | None:
+        """`advance_one`'s bookkeeping alone, for a layer whose step another cache of its
+        kind has described (they hold the same positions): it runs for every layer on the
+        host's path between two steps of a GPU. Returns the step's `written` (q4 tiles)."""
         slot = self._take_slot()
         if self.sinks:
             self.frame = self._frame_needed()
-        mask = None
-        if with_mask:
-            query = self.offset - 1
-            # Empty slots hold -1; the new token's own slot is already recorded.
-            positions = self.ring_pos
-            in_window = (positions >= 0) & (positions > query - self.window)
-            sinks = torch.ones(self.sinks, dtype=torch.bool)
-            mask = torch.cat([sinks, in_window]).unsqueeze(0)
-        at = 2 * self.sinks + slot
-        written = self.storage.take_key_row(at)  # tiles: its fp32 row, loaded if need be
-        return StaticStep(at, mask, self.frame, written)
+        return self.storage.take_key_row(2 * self.sinks + slot)
 
 
 def common_prefix(a: Sequence, b: Sequence) -> int:

@@ -29,6 +29,7 @@ from ..kv.cache import Cache, Slots
 from ..kv.codec import TILE_ROWS
 from ..lora.rows import PassLora
 from ..ops.layers import (
+    BlockEmbedding,
     GgmlLinear,
     Int4Linear,
     Linear,
@@ -458,6 +459,7 @@ class DecoderModel:
     ):
         self.config = config
         self.embed, self.layers, self.norm, self.output = embed, layers, norm, output
+        self._device_embedding: BlockEmbedding | None = None
         self.placement = placement
         self.layer_devices = [placement.layer_target(i).device for i in range(config.n_layers)]
         self.head_device = placement.head_target(config.n_layers).device
@@ -571,12 +573,24 @@ class DecoderModel:
         metadata = build_pass_metadata(counts, caches, True, self._kinds, self.ropes)
         return self.final_norm(self.apply_layers(x, metadata))
 
-    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        """int64 [n] -> the residual stream entering layer 0, fp32 [n, dim]."""
-        x = self.embed(tokens)
+    def embed_tokens(
+        self, tokens: torch.Tensor, table: BlockEmbedding | None = None
+    ) -> torch.Tensor:
+        """int64 [n] -> the residual stream entering layer 0, fp32 [n, dim]. `table`: another
+        copy of the embedding to look them up in (`device_embedding`)."""
+        x = (table or self.embed)(tokens)
         if self.config.embed_scale != 1.0:
             x.mul_(self.config.embed_scale)
         return x
+
+    def device_embedding(self) -> BlockEmbedding:
+        """The token table on the head's device: the one table where that is the CPU, else
+        a copy made on first use (the GGML blocks, as the file holds them). A fixed-shape
+        step looks its tokens up inside its graph, so that no host work on the token stands
+        between two steps."""
+        if self._device_embedding is None:
+            self._device_embedding = self.embed.to(self.head_device)
+        return self._device_embedding
 
     def run_layers(
         self,

@@ -5,8 +5,9 @@ grow with every token, masks appear once the window is full, sinks re-rotate whe
 moves. A CUDA graph (or a compiled function) needs the same shapes and addresses on every
 call. So here every cache is allocated at full size once (`reserve`), attention reads the
 whole storage span with a mask instead of the filled prefix, and everything that changes from
-step to step - the token's embedding, RoPE tables, the slot its keys go to, the mask, the
-sinks' frame - is copied into small static input buffers before the step runs. The Python
+step to step - the token's id, RoPE tables, the slot its keys go to, the mask, the sinks'
+frame - is copied into small static input buffers before the step runs (the step looks the
+token up in a copy of the embedding table on its own device). The Python
 bookkeeping of the caches (positions, ring head, frame) still runs eagerly, so eager passes
 (prompts, speculative verification, roll-back) and static steps share the same caches.
 
@@ -269,10 +270,11 @@ class StaticDecodeStep:
             }
             for row, one in enumerate(sequences)
         ]
-        # The tokens' embeddings, looked up on the host (where the table lives) and staged;
-        # the step copies them into the residual stream `x`, which the layers update in
-        # place (a compiled step cannot mutate a view of the staged bytes).
-        self.embedded, self._host_embedded = self._staging.take((rows, config.dim), torch.float32)
+        # The tokens' ids, staged: the step looks them up in the device's copy of the table
+        # (`DecoderModel.device_embedding`) into the residual stream `x`, which the layers
+        # update in place (a compiled step cannot mutate a view of the staged bytes).
+        self.tokens, self._host_tokens = self._staging.take((rows,), torch.long)
+        self._embedding = model.device_embedding()
         self.x = torch.zeros(rows, config.dim, device=self.device)
         self.logits = torch.zeros(rows, config.vocab_size, device=self.device)
         # The final-normed states [rows, dim], kept only where a caller reads them (a
@@ -286,16 +288,17 @@ class StaticDecodeStep:
         self._storage = self._storage_addresses()
         # (span lengths, sampled) -> the step built for them (a graph, on a GPU)
         self._runs: dict[tuple[tuple[int, ...], bool], Callable[[], None]] = {}
+        self._frames_written: dict[int, int] = {}  # sink rotation buffer -> its frame
         self.replays = 0  # steps taken (tests count them against captures)
         self.draws = 0  # of which drew their tokens on the device
 
     def _staged_bytes(self) -> int:
-        """Room for every staged input (`_Staging`): the embeddings, each kind's RoPE tables
+        """Room for every staged input (`_Staging`): the token ids, each kind's RoPE tables
         for all rows, and each row's sink rotation, slot, mask and tile rows; the sampling
         settings."""
         rows, head_dim = len(self.sequences), self.model.config.head_dim
         f32, i64 = torch.float32, torch.long
-        parts = [(rows * self.model.config.dim, f32), (rows, f32), (len(SCALARS) * rows, f32)]
+        parts = [(rows, i64), (rows, f32), (len(SCALARS) * rows, f32)]
         for layers in self._layers_of_kind.values():
             parts += [(rows * head_dim, f32)] * 2
             for one in self.sequences:
@@ -378,7 +381,7 @@ class StaticDecodeStep:
     def _run_step(self, tokens: list[int], sampled: bool) -> None:
         if self.model.fault_hook is not None:
             self.model.fault_hook()
-        self._host_embedded.copy_(self.model.embed_tokens(torch.tensor(tokens)))
+        self._host_tokens.copy_(torch.tensor(tokens))
         written: list[Callable[[], None]] = []
         lengths = tuple(
             self._advance_kind(inputs[kind], one, layers, written)
@@ -409,21 +412,29 @@ class StaticDecodeStep:
         the span bucket its attention reads, and adds to `written` what to call after the
         step. The first cache of the kind answers for all (they hold the same positions)."""
         first = caches[layers[0]]
-        steps = [first.advance_one()]
-        steps += [caches[layer].advance_one(with_mask=False) for layer in layers[1:]]
-        written += [step.written for step in steps if step.written is not None]
-        step, host = steps[0], inputs.written
+        step = first.advance_one()
+        done = [step.written] + [caches[layer].advance_alike() for layer in layers[1:]]
+        written += [encode_tile for encode_tile in done if encode_tile is not None]
+        host = inputs.written
         if inputs.tiles is not None:
             inputs.tiles.point_at(step.write_at - 2 * first.sinks)
         rotation = inputs.rope.tables(first.offset - 1, 1)
         host.rotation.cos.copy_(rotation.cos)
         host.rotation.signed_sin.copy_(rotation.signed_sin)
-        shift = inputs.rope.shift_tables(step.frame)
-        host.sink_shift.cos.copy_(shift.cos)
-        host.sink_shift.signed_sin.copy_(shift.signed_sin)
+        self._write_shift(host.sink_shift, step.frame)
         host.write_at.fill_(step.write_at)
         host.mask.copy_(step.mask)
         return span_bucket(first.static_extent(), inputs.mask.shape[1])
+
+    def _write_shift(self, shift: RopeTables, frame: int) -> None:
+        """The sinks' rotation into `frame`, written where it is not already: without sinks
+        the frame is always 0, and building the tables is most of the host's time on them."""
+        where = shift.cos.data_ptr()
+        if self._frames_written.get(where) != frame:
+            tables = shift.rope.shift_tables(frame)
+            shift.cos.copy_(tables.cos)
+            shift.signed_sin.copy_(tables.signed_sin)
+            self._frames_written[where] = frame
 
     def _build_run(self, lengths: tuple[int, ...], sampled: bool) -> Callable[[], None]:
         kinds = list(self._layers_of_kind)
@@ -459,7 +470,8 @@ class StaticDecodeStep:
         """The step itself, through the model's own layer loop and head (and the sampler):
         it reads only the static inputs, so it can be captured."""
         model = self.model
-        normed = model.final_norm(model.apply_layers(self.x.copy_(self.embedded), metadata))
+        embedded = model.embed_tokens(self.tokens, self._embedding)
+        normed = model.final_norm(model.apply_layers(self.x.copy_(embedded), metadata))
         if self.states is not None:
             self.states.copy_(normed)
         self.logits.copy_(model.project(normed))

@@ -552,6 +552,13 @@ class BlockEmbedding:
             return None
         return cls(raw, GGMLQuantizationType(file_type), dim, order)
 
+    def to(self, device: torch.device) -> BlockEmbedding:
+        """The same table on `device` (itself where it is there already)."""
+        if self.raw.device == device:
+            return self
+        order = None if self.order is None else self.order.to(device)
+        return BlockEmbedding(self.raw.to(device), self.ggml_type, self.dim, order)
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens: int64 [n] -> fp32 [n, dim]."""
         if self.order is None:

@@ -148,8 +148,14 @@ def _nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 def _bits(packed: torch.Tensor, count: int) -> torch.Tensor:
     """Little-endian bit k of a byte string [..., count // 8] -> uint8 [..., count]."""
-    shifts = torch.arange(8, dtype=torch.uint8)
-    return ((packed[..., :, None] >> shifts) & 1).reshape(*packed.shape[:-1], count)
+    return (_shifted(packed, 1) & 1).reshape(*packed.shape[:-1], count)
+
+
+def _shifted(packed: torch.Tensor, width: int) -> torch.Tensor:
+    """uint8 [...] -> [..., 8 // width]: each byte shifted right by 0, width, 2 * width...
+    Python shifts, not a tensor of them: a table looked up on a GPU (inside a captured
+    step) must not copy constants from the host."""
+    return torch.stack([packed >> shift for shift in range(0, 8, width)], dim=-1)
 
 
 def _per_block(values: torch.Tensor, rows: int) -> torch.Tensor:
@@ -206,7 +212,7 @@ def _decode_q5_k(b, rows):
     d, dmin = _f16(b, 0), _f16(b, 2)
     scales, mins = _k_scales_mins(b[..., 4:16])
     # Bit j of qh[l] is the fifth bit of element l of group j.
-    high = (b[..., 16:48, None] >> torch.arange(8, dtype=torch.uint8)) & 1  # [.., 32 l, 8 j]
+    high = _shifted(b[..., 16:48], 1) & 1  # [.., 32 l, 8 j]
     codes = _k_low_nibbles(b[..., 48:176]) | (
         high.transpose(-1, -2).reshape(*b.shape[:-1], 256) << 4
     )
@@ -218,8 +224,7 @@ def _decode_q6_k(b, rows):
     ql = b[..., 0:128].reshape(*lead, 2, 64)  # two halves of 128 elements
     qh = b[..., 128:192].reshape(*lead, 2, 32)
     low = torch.stack([ql & 0x0F, ql >> 4], dim=-2).reshape(*lead, 2, 4, 32)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
-    high = (qh[..., None, :] >> shifts) & 3  # [.., 2, 4, 32]
+    high = _shifted(qh, 2).transpose(-1, -2) & 3  # [.., 2, 4, 32]
     codes = (low | (high << 4)).reshape(*lead, 256)
     scale = _f16(b, 208)[..., None] * b[..., 192:208].view(torch.int8).float()
     return codes, scale, -32 * scale, 6, 16
