@@ -3,7 +3,7 @@ it dispatches as written, and the kernels it runs once torch.compile has fused i
 torch.profiler sees them.
 
     MINIAPP_NATIVE=0 .venv/bin/python scripts/step_kernels.py [--model NAME_OR_PATH] [--sampled]
-        [--verify ROWS] [--kv-type TYPE] [--host]
+        [--verify ROWS] [--batch N] [--kv-type TYPE] [--host]
 
 On a CPU, inductor generates C++ kernels, from the same fusion decisions it makes for Triton
 on a GPU, so the count here is the count a GPU's compiled step launches, give or take the
@@ -14,9 +14,11 @@ different kernel layouts make one product, as on a GPU (layers.one_product_acros
 `--kv-type bf16` is a GPU's default cache, q8 the CPU's. `--sampled`: the step that also
 draws the token on the device. `--verify ROWS`: also speculative verification's step over
 ROWS rows ([pending, *drafts]): its ops as a GPU captures them until that row count is in
-use, and its kernels once compiled. `--host`: the host's own time a step (cache bookkeeping,
-staging the inputs), the step's body skipped: on a GPU it stands between two steps.
-Compiling a 30-layer model takes one to two minutes on two cores.
+use, and its kernels once compiled. `--batch N`: the same for a batched decode step of N
+sequences, padded to its bucket of rows as the model runner pads it. `--host`: the host's
+own time a step (cache bookkeeping, staging the inputs), the step's body skipped: on a GPU
+it stands between two steps. Compiling a 30-layer model takes one to two minutes on two
+cores.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-type", default="f32", help="the caches' type (a GPU's default: bf16)")
     parser.add_argument("--sampled", action="store_true", help="the step that draws tokens")
     parser.add_argument("--verify", type=int, default=0, help="rows of a verification step")
+    parser.add_argument(
+        "--batch", type=int, default=0, help="sequences of a batched step (padded to its bucket)"
+    )
     parser.add_argument("--names", action="store_true", help="list the generated kernels")
     parser.add_argument(
         "--host",
@@ -106,13 +111,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.host:
         skipped = step_over_prefilled_caches(lambda body: lambda: None)
-        timings = []
-        with torch.inference_mode():
-            for _ in range(250):
-                started = time.perf_counter()
-                run(skipped, 5)
-                timings.append(time.perf_counter() - started)
-        print(f"host: {1000 * statistics.median(timings[50:]):.3f} ms a step (median of 200)")
+        print(f"host: {_host_ms(lambda: run(skipped, 5)):.3f} ms a step (median of 200)")
 
     counter = Ops()
     plain = step_over_prefilled_caches(lambda body: lambda: _watched(counter, body))
@@ -156,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{generated} generated, {kernels - generated} torch ops "
         f"({', '.join(f'{n} {c}' for n, c in launched.items() if 'cpp_fused' not in n)})"
     )
+    if args.batch:
+        _count_batched(args, model, step_over_prefilled_caches, Ops)
     if args.verify:
         with inductor.patch({"cpp.enable_kernel_profile": True}):
             caches = step_over_prefilled_caches().sequences[0]
@@ -169,6 +170,62 @@ def main(argv: list[str] | None = None) -> int:
         kernels = sum(_launched(prof).values())
         print(f"verification of {args.verify} rows, compiled: {kernels} kernels")
     return 0
+
+
+def _count_batched(args, model, prefilled, ops_counter) -> None:
+    """A batched decode step of `args.batch` sequences, padded as the model runner pads it:
+    its ops as written, and its kernels compiled (as a bucket in use is)."""
+    import torch
+    import torch._inductor.config as inductor
+    from torch.profiler import ProfilerActivity, profile
+
+    from miniapp.engine.models.static_step import StaticDecodeStep, batch_bucket
+    from miniapp.engine.platform.graphs import CompiledStep
+
+    def batch(runner):
+        sequences = [prefilled().sequences[0] for _ in range(args.batch)]
+        sequences += sequences[-1:] * (batch_bucket(args.batch) - args.batch)
+        return StaticDecodeStep(model, runner=runner, batch=sequences)
+
+    tokens, layers = [5] * args.batch, model.config.n_layers
+    if args.host:
+        skipped = batch(lambda body: lambda: None)
+        print(f"batch of {args.batch}, host: {_host_ms(lambda: skipped.step(tokens)):.3f} ms")
+    counter = ops_counter()
+    written = batch(lambda body: lambda: _watched(counter, body))
+    with torch.inference_mode():
+        written.step(tokens)
+        counter.ops.clear()
+        written.step(tokens)
+    ops = sum(counter.ops.values())
+    rows = len(written.sequences)
+    print(
+        f"batch of {args.batch} ({rows} rows), as written: {ops} ops ({ops / layers:.1f} a layer)"
+    )
+    started = time.perf_counter()
+    with inductor.patch({"cpp.enable_kernel_profile": True}):
+        compiled = batch(lambda body: CompiledStep(body, "a batched step"))
+        with torch.inference_mode():
+            compiled.step(tokens)
+            print(f"compiled in {time.perf_counter() - started:.0f} s")
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                compiled.step(tokens)
+    kernels = sum(_launched(prof).values())
+    print(f"batch of {args.batch}, compiled: {kernels} kernels ({kernels / layers:.1f} a layer)")
+
+
+def _host_ms(step) -> float:
+    """Median milliseconds of `step()` over 200 calls after 50 (a step whose body is
+    skipped: the host's own work)."""
+    import torch
+
+    timings = []
+    with torch.inference_mode():
+        for _ in range(250):
+            started = time.perf_counter()
+            step()
+            timings.append(time.perf_counter() - started)
+    return 1000 * statistics.median(timings[50:])
 
 
 def _launched(prof) -> collections.Counter:

@@ -21,10 +21,12 @@ from miniapp.engine.models import CachePolicy, build_model
 from miniapp.engine.models.static_step import StaticDecodeStep, StaticVerifyStep
 from miniapp.engine.platform.devices import COMPILE_ENV, step_compile_unavailable
 from miniapp.engine.platform.graphs import (
+    BATCH_COMPILE_AFTER,
     VERIFY_COMPILE_AFTER,
     CompiledStep,
     batched_runner,
     compiled_runner,
+    uncompiled,
     verifying_runner,
 )
 from miniapp.engine.tokens.device_sampler import SamplingTensors
@@ -215,13 +217,68 @@ def test_a_verification_step_compiles_once_its_row_count_is_in_use():
     torch._dynamo.reset()
 
 
-def test_batched_steps_are_captured_as_written():
-    # Their layer loop is unrolled per row: each row count would be a compilation.
+def test_a_batched_step_compiles_once_its_bucket_of_rows_is_in_use():
+    # Its attention is unrolled per row, so each bucket of rows is a compilation of its own
+    # (while every client waits): a bucket a client's arrival only passes through stays
+    # captured as written. The count is the bucket's, across the steps of it (the sets of
+    # sequences batched together change as clients come and go).
+    torch._dynamo.reset()
+    captured = []
+
     def capture(body):
+        captured.append(body)
         return body
 
-    assert compiled_runner(capture).batched is capture
-    assert batched_runner(capture) is capture
+    total, one = torch.zeros(3), torch.ones(3)
+
+    def body():
+        total.add_(one)
+
+    runner = compiled_runner(capture)
+    first = batched_runner(runner, 4)(body)
+    for _ in range(BATCH_COMPILE_AFTER):
+        first()
+    batched_runner(runner, 8)(body)()  # another bucket: counted apart
+    assert captured == [body, body]
+    second = batched_runner(runner, 4)(body)  # another set of four sequences
+    second()
+    assert len(captured) == 3 and isinstance(captured[2], CompiledStep)
+    assert captured[2].ran and captured[2].what == "a batched step of 4 rows"
+    assert runner.verifications == collections.Counter()  # verifications count apart
+    assert batched_runner(capture, 4) is capture  # no compiler: as written
+    assert uncompiled(runner) is capture and uncompiled(capture) is capture
+    torch._dynamo.reset()
+
+
+def test_a_compiled_batched_step_gives_the_as_written_rows_in_fewer_kernels(model):
+    # Two sequences and the second's row repeated (the bucket of three): compiled, the
+    # step gives the rows the step as written gives, and a row beyond the first costs a
+    # few kernels a layer (its own attention call and the kernels around it), not the
+    # seventeen ops a layer it dispatches as written.
+    torch._dynamo.reset()
+    sequences = [_prefilled(model), _prefilled(model)]
+    twins = [_prefilled(model), _prefilled(model)]
+    written = StaticDecodeStep(model, batch=sequences + sequences[-1:])
+    compiled = StaticDecodeStep(
+        model, batch=twins + twins[-1:], runner=lambda body: CompiledStep(body, "a batch")
+    )
+    tokens = [PROMPT[-1], 40]
+    with torch.inference_mode():
+        for _ in range(STEPS):
+            want, got = written.step(tokens), compiled.step(tokens)
+            assert got.shape == (2, model.config.vocab_size)
+            assert (got - want).abs().max() < 1e-4
+            assert torch.equal(got.argmax(-1), want.argmax(-1))
+            tokens = want.argmax(-1).tolist()
+    (run,) = compiled._runs.values()
+    assert run.compiled is not None and run.ran  # whole, not fallen back to as written
+    torch._dynamo.reset()  # compiled again below, with the profiler's marks
+    compiled._runs.clear()
+    kernels = _kernels_of(lambda: compiled.step(tokens))
+    layers, extra_rows = model.config.n_layers, 2
+    bound = (KERNELS_PER_LAYER + 3 * extra_rows) * layers + HEAD_KERNELS
+    assert sum(kernels.values()) <= bound, kernels
+    torch._dynamo.reset()
 
 
 def test_a_step_that_cannot_compile_runs_as_written(caplog):

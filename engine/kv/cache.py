@@ -755,10 +755,22 @@ class RotatingKVCache(_OnStorage):
     def advance_alike(self) -> Callable[[], None] | None:
         """`advance_one`'s bookkeeping alone, for a layer whose step another cache of its
         kind has described (they hold the same positions): it runs for every layer on the
-        host's path between two steps of a GPU. Returns the step's `written` (q4 tiles)."""
-        slot = self._take_slot()
+        host's path between two steps of a GPU, once a layer and sequence, so `_take_slot`
+        and `_frame_needed` are written out here (a call costs as much as their work).
+        Returns the step's `written` (q4 tiles)."""
+        slot = self.ring_head
+        self._ring_pos_view[slot] = newest = self.offset
+        self.offset = newest + 1
+        self.ring_head = 0 if slot + 1 == self.ring_capacity else slot + 1
+        if self.ring_count < self.ring_capacity:
+            self.ring_count += 1
+        else:
+            self.wrapped = True
         if self.sinks:
-            self.frame = self._frame_needed()
+            visible = self.window if self.window < self.ring_count else self.ring_count
+            self.frame = newest - (self.sinks_held + visible - 1)
+        if self.key_tiles is None:
+            return None
         return self.storage.take_key_row(2 * self.sinks + slot)
 
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kv.cache import Cache, StaticCache
+from ..kv.cache import Cache, StaticCache, StaticStep
 from ..kv.codec import TILE_ROWS, KVCodec
 from ..kv.types import F32
 from ..ops.layers import Rope, RopeTables, apply_rope
@@ -54,6 +54,12 @@ def span_bucket(needed: int, full: int) -> int:
     while span < needed:
         span *= 2
     return min(span, full)
+
+
+def batch_bucket(rows: int) -> int:
+    """The rows a batched step of `rows` sequences takes: a power of two, so that a server's
+    changing batches go through few graphs (runner.py pads them with a repeated row)."""
+    return 1 << max(rows - 1, 0).bit_length()
 
 
 class _TileRows:
@@ -158,9 +164,13 @@ class _KindInputs:
 class _StaticCacheView:
     """A cache as the static step sees it: `update_and_fetch` writes at the slot held in a
     device tensor and returns the first `length` slots of its span (q4 keys in tiles: as
-    fp32, decoded the way a decode step reads them)."""
+    fp32, decoded the way a decode step reads them). `writes=False`: a batch's repeated row,
+    which reads what its sequence's own row wrote."""
 
-    def __init__(self, cache: StaticCache, inputs: _KindInputs, length: int):
+    def __init__(self, cache: StaticCache, inputs: _KindInputs, length: int, writes: bool = True):
+        if not writes and cache.key_codec.tiled:
+            raise ValueError("a repeated row cannot read q4 keys in tiles")
+        self.writes = writes
         self.keys, self.values = cache.keys, cache.values
         self.key_codec, self.value_codec = cache.key_codec, cache.value_codec
         self.inputs = inputs
@@ -173,8 +183,10 @@ class _StaticCacheView:
 
     def update_and_fetch(self, k: torch.Tensor, v: torch.Tensor):
         inputs, codec = self.inputs, self.key_codec
-        self.values.index_copy_(2, inputs.write_at, self.value_codec.encode(v))
         values = self.values[:, :, self.start : self.stop]
+        if not self.writes:
+            return self.keys[:, :, self.start : self.stop], values
+        self.values.index_copy_(2, inputs.write_at, self.value_codec.encode(v))
         if self.key_tiles is not None:
             return self._tiled_keys(k), values
         self.keys.index_copy_(2, inputs.write_at, codec.encode(k))
@@ -232,7 +244,11 @@ class StaticDecodeStep:
     `batch`: the caches of several sequences instead, one token each a step (the
     scheduler's decode rows): their rows share every matmul and each attends its own caches,
     through the same layer loop continuous batching uses; a step then takes one token per
-    sequence, in order, and returns one row of logits each."""
+    sequence, in order, and returns one row of logits each. The batch may end with repeats
+    of its last sequence, which pad it to a bucket of rows (one graph, and one compilation,
+    serves every batch of that bucket): a repeated row reads its sequence's caches but
+    writes nothing, and callers feed and get back only the sequences before the repeats
+    (`fed`)."""
 
     def __init__(
         self,
@@ -249,6 +265,10 @@ class StaticDecodeStep:
         self.model, self.runner = model, runner
         self.sequences = sequences
         self.batched = batch is not None
+        # Each row's first row over the same caches: itself, or for a repeat the row whose
+        # bookkeeping and writes it shares.
+        self._first_row = self._first_rows(sequences)
+        self.fed = sum(first == row for row, first in enumerate(self._first_row))
         self.device = model.head_device
         config = model.config
         self._local = [config.is_local(i) for i in range(config.n_layers)]
@@ -291,6 +311,15 @@ class StaticDecodeStep:
         self._frames_written: dict[int, int] = {}  # sink rotation buffer -> its frame
         self.replays = 0  # steps taken (tests count them against captures)
         self.draws = 0  # of which drew their tokens on the device
+
+    @staticmethod
+    def _first_rows(sequences: list[list[Cache]]) -> list[int]:
+        firsts: dict[int, int] = {}
+        rows = [firsts.setdefault(id(one), row) for row, one in enumerate(sequences)]
+        fed = len(firsts)
+        if rows[fed:] != [fed - 1] * (len(rows) - fed):
+            raise ValueError("only the batch's last sequence may repeat, at its end")
+        return rows
 
     def _staged_bytes(self) -> int:
         """Room for every staged input (`_Staging`): the token ids, each kind's RoPE tables
@@ -359,8 +388,14 @@ class StaticDecodeStep:
     def step(self, tokens: list[int]) -> torch.Tensor:
         """Feed one token to each sequence; returns fp32 logits [sequences, vocab] on the
         CPU."""
-        self._run_step(tokens, sampled=False)
-        return self.logits.to(CPU, copy=True)  # the buffer is overwritten next step
+        self._run_step(self._padded(tokens), sampled=False)
+        return self.logits[: self.fed].to(CPU, copy=True)  # overwritten next step
+
+    def _padded(self, values: list) -> list:
+        """One value a row, from one a fed sequence: the repeats take their sequence's."""
+        if len(values) != self.fed:
+            raise ValueError(f"{len(values)} values for {self.fed} sequences")
+        return values + values[-1:] * (len(self.sequences) - self.fed)
 
     def sampled(
         self, tokens: list[int], settings: SamplingTensors, uniforms: list[float]
@@ -371,50 +406,58 @@ class StaticDecodeStep:
         if self._sampling is None:
             rows, vocab = self.logits.shape
             self._sampling = SamplingTensors.buffers(rows, vocab, self.device, self._scalars)
+        settings = settings.repeating_last(len(self.sequences))
         self._sampling.fill_(settings, scalars=False)  # the scalars go with the staged inputs
         self._host_scalars.copy_(settings.scalars)
-        self._host_uniforms.copy_(torch.tensor(uniforms, dtype=torch.float32))
-        self._run_step(tokens, sampled=True)
+        self._host_uniforms.copy_(torch.tensor(self._padded(uniforms), dtype=torch.float32))
+        self._run_step(self._padded(tokens), sampled=True)
         self.draws += 1
-        return self.chosen.tolist()
+        return self.chosen[: self.fed].tolist()
 
     def _run_step(self, tokens: list[int], sampled: bool) -> None:
         if self.model.fault_hook is not None:
             self.model.fault_hook()
         self._host_tokens.copy_(torch.tensor(tokens))
         written: list[Callable[[], None]] = []
-        lengths = tuple(
-            self._advance_kind(inputs[kind], one, layers, written)
-            for inputs, one in zip(self.inputs, self.sequences, strict=True)
-            for kind, layers in self._layers_of_kind.items()
-        )
+        lengths = []
+        advanced: dict[tuple[int, bool], tuple[StaticStep, int]] = {}
+        for row, (inputs, one) in enumerate(zip(self.inputs, self.sequences, strict=True)):
+            first = self._first_row[row]
+            for kind, layers in self._layers_of_kind.items():
+                if first == row:
+                    advanced[row, kind] = self._advance_kind(one, layers, written)
+                step, span = advanced[first, kind]
+                self._write_inputs(inputs[kind], step, one[layers[0]])
+                lengths.append(span)
+        spans = tuple(lengths)
         try:
             self._staging.send()
-            run = self._runs.get((lengths, sampled)) or self._build_run(lengths, sampled)
+            run = self._runs.get((spans, sampled)) or self._build_run(spans, sampled)
             run()
             self.replays += 1
             for encode_tile in written:  # q4 keys: the tiles this step's keys completed
                 encode_tile()
         except BaseException:
-            for one in self.sequences:  # as if the tokens had never come
-                for cache in one:
+            for row, one in enumerate(self.sequences):  # as if the tokens had never come
+                for cache in one if self._first_row[row] == row else ():
                     cache.trim(1)
             raise
 
     def _advance_kind(
-        self,
-        inputs: _KindInputs,
-        caches: list[Cache],
-        layers: list[int],
-        written: list[Callable[[], None]],
-    ) -> int:
-        """Cache bookkeeping for the new token, and the kind's static inputs for it; returns
-        the span bucket its attention reads, and adds to `written` what to call after the
-        step. The first cache of the kind answers for all (they hold the same positions)."""
+        self, caches: list[Cache], layers: list[int], written: list[Callable[[], None]]
+    ) -> tuple[StaticStep, int]:
+        """Cache bookkeeping for the new token in one kind's layers; returns the step the
+        first cache of the kind describes for all (they hold the same positions) and the
+        span bucket its attention reads, and adds to `written` what to call after the
+        step."""
         first = caches[layers[0]]
         step = first.advance_one()
         done = [step.written] + [caches[layer].advance_alike() for layer in layers[1:]]
         written += [encode_tile for encode_tile in done if encode_tile is not None]
+        return step, span_bucket(first.static_extent(), first.static_span()[1])
+
+    def _write_inputs(self, inputs: _KindInputs, step: StaticStep, first: Cache) -> None:
+        """The kind's static inputs for the step `first` (the kind's first cache) took."""
         host = inputs.written
         if inputs.tiles is not None:
             inputs.tiles.point_at(step.write_at - 2 * first.sinks)
@@ -424,7 +467,6 @@ class StaticDecodeStep:
         self._write_shift(host.sink_shift, step.frame)
         host.write_at.fill_(step.write_at)
         host.mask.copy_(step.mask)
-        return span_bucket(first.static_extent(), inputs.mask.shape[1])
 
     def _write_shift(self, shift: RopeTables, frame: int) -> None:
         """The sinks' rotation into `frame`, written where it is not already: without sinks
@@ -444,10 +486,12 @@ class StaticDecodeStep:
         ]
         views = [
             [
-                _StaticCacheView(cache, inputs[kind], span[kind])
+                _StaticCacheView(cache, inputs[kind], span[kind], writes=first == row)
                 for cache, kind in zip(one, self._local, strict=True)
             ]
-            for one, inputs, span in zip(self.sequences, self.inputs, spans, strict=True)
+            for row, (one, inputs, span, first) in enumerate(
+                zip(self.sequences, self.inputs, spans, self._first_row, strict=True)
+            )
         ]
         # One decode row a sequence, as a batched pass of one token each would have them.
         metadata = PassMetadata(
@@ -512,6 +556,10 @@ class StaticVerifyStep(StaticDecodeStep):
     @property
     def rows(self) -> int:
         return len(self.sequences)
+
+    @staticmethod
+    def _first_rows(sequences: list[list[Cache]]) -> list[int]:
+        return list(range(len(sequences)))  # every row a token of its own
 
     @property
     def caches(self) -> list[Cache]:

@@ -69,66 +69,91 @@ COMPILED_VARIANTS = 64
 # count's step is compiled: a drafter tries many counts once or twice, and each is a
 # compilation of its own (tens of seconds, once a machine: inductor keeps the kernels).
 VERIFY_COMPILE_AFTER = 16
+# The same for batched decode steps of one bucket of rows (models/static_step.py pads a
+# batch to a power of two): a bucket in use for this many steps - under a second of
+# serving - is compiled, one that a client's arrival or departure only passes through is not.
+BATCH_COMPILE_AFTER = 64
 
 
 class compiled_runner:  # noqa: N801 - used as a function: runner = compiled_runner(capture)
     """A runner that compiles a lone sequence's step (inductor, whole graph), then hands it
     to `capture` (a CUDA graph on a GPU).
 
-    Batched steps (`batched`) are captured as written: their layer loop is unrolled per row,
-    so each row count would be a compilation of its own (seconds to minutes, at the moment a
-    client arrives), while a lone step compiles twice in a chat's life: once, and once more
-    with the span length symbolic, when the chat reaches its second span bucket (torch's
-    automatic dynamic shapes; every later bucket reuses it). A new chat's step over other
-    caches reuses the compiled code too."""
+    A lone step compiles twice in a chat's life: once, and once more with the span length
+    symbolic, when the chat reaches its second span bucket (torch's automatic dynamic
+    shapes; every later bucket reuses it). A new chat's step over other caches reuses the
+    compiled code too. Batched steps (`batching`) unroll their attention per row, so each
+    bucket of rows is a compilation of its own (a minute or more, while every client
+    waits): a bucket is compiled once it is in use, and captured as written until then."""
 
     def __init__(self, capture: Runner = eager_runner):
         self.capture = capture
         # Verifications run so far of each row count, by every verification step of it
         # (a chat's caches, and so its steps, are new after each reset).
         self.verifications: collections.Counter[int] = collections.Counter()
+        self.batches: collections.Counter[int] = collections.Counter()  # the same, by rows
 
     def __call__(self, body: Callable[[], None]) -> Callable[[], None]:
         return self.capture(CompiledStep(body))
 
-    @property
-    def batched(self) -> Runner:
-        return self.capture
+    def batching(self, rows: int) -> Runner:
+        """The runner of batched decode steps of `rows` rows: compiled once that bucket has
+        run `BATCH_COMPILE_AFTER` steps, by any step of it (the sets of sequences batched
+        together change as clients come and go)."""
+        return lambda body: _CompiledOnceHot(
+            body, self.capture, self.batches, rows, BATCH_COMPILE_AFTER, "a batched step"
+        )
 
     def verifying(self, rows: int) -> Runner:
         """The runner of verification steps of `rows` rows: one sequence's rows in one pass
         whose only loop over rows is attention's, so it compiles like a decode step. It is
         compiled once that row count is in use (`VERIFY_COMPILE_AFTER` verifications by
         any step of it), captured as written until then."""
-        return lambda body: _CompiledOnceHot(body, self.capture, self.verifications, rows)
+        return lambda body: _CompiledOnceHot(
+            body, self.capture, self.verifications, rows, VERIFY_COMPILE_AFTER, "a verification"
+        )
 
 
-def batched_runner(runner: Runner) -> Runner:
-    """The runner for batched steps: `runner`'s `batched` where it has one."""
-    return getattr(runner, "batched", runner)
+def uncompiled(runner: Runner) -> Runner:
+    """What `runner` hands its compiled steps to (a graph capturer), or itself."""
+    return getattr(runner, "capture", runner)
+
+
+def batched_runner(runner: Runner, rows: int) -> Runner:
+    """The runner for batched decode steps of `rows` rows: `runner`'s `batching` where it
+    has one, else itself."""
+    batching = getattr(runner, "batching", None)
+    return runner if batching is None else batching(rows)
 
 
 def verifying_runner(runner: Runner, rows: int) -> Runner:
     """The runner for verification steps of `rows` rows: `runner`'s `verifying` where it
-    has one, else its batched steps' runner."""
+    has one, else itself."""
     verifying = getattr(runner, "verifying", None)
-    return batched_runner(runner) if verifying is None else verifying(rows)
+    return runner if verifying is None else verifying(rows)
 
 
 class _CompiledOnceHot:
     """Runs `body` captured as written until `uses[key]` (counted by every such run) reaches
-    `VERIFY_COMPILE_AFTER`, then compiled and captured again (the first capture dropped)."""
+    `after`, then compiled and captured again (the first capture dropped)."""
 
     def __init__(
-        self, body: Callable[[], None], capture: Runner, uses: collections.Counter, key: int
+        self,
+        body: Callable[[], None],
+        capture: Runner,
+        uses: collections.Counter,
+        key: int,
+        after: int,
+        what: str,
     ):
         self.body, self.capture, self.uses, self.key = body, capture, uses, key
+        self.after, self.what = after, what
         self.compiled = False
         self.run: Callable[[], None] | None = None
 
     def __call__(self) -> None:
-        if not self.compiled and self.uses[self.key] >= VERIFY_COMPILE_AFTER:
-            self.run = self.capture(CompiledStep(self.body, "a verification step"))
+        if not self.compiled and self.uses[self.key] >= self.after:
+            self.run = self.capture(CompiledStep(self.body, f"{self.what} of {self.key} rows"))
             self.compiled = True
         elif self.run is None:
             self.run = self.capture(self.body)
