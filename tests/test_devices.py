@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from dataclasses import replace
 
 import pytest
 from generation_helpers import first_tokens
@@ -100,6 +101,20 @@ def test_footprint_comes_from_the_file(default_model):
     assert footprint.bf16_bytes > 2 * footprint.int4_bytes  # 4-5 bits a weight vs 16
     # SmolLM2-135M: 30 layers, 3 KV heads of 64, fp32 K and V.
     assert footprint.kv_bytes == 2 * 30 * 3 * 64 * 1024 * 4 and footprint.n_layers == 30
+
+
+def test_a_tied_token_table_counts_twice_where_the_gpu_holds_the_whole_model(default_model):
+    # SmolLM2 ties its head to the table: on a GPU the head's packed copy and the blocks the
+    # fixed-shape steps look tokens up in. A model that fits only without the second copy
+    # splits its layers instead of running out of memory.
+    gguf = GGUFFile(default_model)
+    assert "output.weight" not in gguf.tensors
+    footprint = estimate_footprint(gguf, ctx=1024)
+    assert footprint.table_copy_bytes == gguf.tensors["token_embd.weight"].nbytes > 0
+    tied = replace(BIG, table_copy_bytes=3 * GIB)
+    gpu = SimulatedProbe("cuda:RTX 4070:8:8.9")
+    assert plan_device("auto", gpu, BIG).gpu_layers == 32
+    assert plan_device("auto", gpu, tied).gpu_layers < 32
 
 
 def _doctor(miniapp_exe, *args, simulate="none"):

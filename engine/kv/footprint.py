@@ -24,6 +24,8 @@ def estimate_footprint(gguf, ctx: int, kv: KVSetting = F32) -> ModelFootprint:
     head_dim = int(gguf.arch_value("attention.key_length", dim // max(n_heads, 1)))
     kv_bytes = bytes_per_token(kv, n_layers, kv_heads, head_dim) * ctx
     experts = [info for name, info in gguf.tensors.items() if name.endswith("_exps.weight")]
+    table = gguf.tensors.get("token_embd.weight")
+    tied = table is not None and "output.weight" not in gguf.tensors
     return ModelFootprint(
         int4_bytes,
         bf16_bytes,
@@ -31,4 +33,5 @@ def estimate_footprint(gguf, ctx: int, kv: KVSetting = F32) -> ModelFootprint:
         n_layers,
         expert_int4_bytes=sum(info.nbytes for info in experts),
         expert_bf16_bytes=sum(2 * info.n_elements for info in experts),
+        table_copy_bytes=table.nbytes if tied else 0,
     )

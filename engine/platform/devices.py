@@ -95,6 +95,10 @@ class ModelFootprint:
     # stays on the CPU when only the rest goes to a GPU (llama.cpp's --cpu-moe).
     expert_int4_bytes: int = 0
     expert_bf16_bytes: int = 0
+    # Where the output head is tied to the token table, a GPU holding the whole model keeps
+    # the table twice: the head's copy, and the file's blocks its fixed-shape steps look
+    # tokens up in (an untied file's table is counted once, in the totals above).
+    table_copy_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -143,8 +147,8 @@ def plan_device(
     moe = footprint.expert_int4_bytes > 0
     if cpu_moe and moe:
         return _experts_on_cpu(gpu, weights, footprint, budget, fallbacks, "--cpu-moe")
-    int4_total = footprint.int4_bytes + footprint.kv_bytes
-    bf16_total = footprint.bf16_bytes + footprint.kv_bytes
+    int4_total = footprint.int4_bytes + footprint.kv_bytes + footprint.table_copy_bytes
+    bf16_total = footprint.bf16_bytes + footprint.kv_bytes + footprint.table_copy_bytes
     if kernel.ok and int4_total <= budget:
         reason = f"{gpu.name}: int4 kernel probed OK, the model fits"
         return DevicePlan(gpu.label, "int4", footprint.n_layers, reason, fallbacks)
@@ -163,7 +167,9 @@ def plan_device(
             return plan
     weight_bytes = footprint.int4_bytes if kernel.ok else footprint.bf16_bytes
     per_layer = (weight_bytes + footprint.kv_bytes) / footprint.n_layers
-    layers = min(int(max(budget, 0) // per_layer), footprint.n_layers)
+    # Fewer than all: the whole model did not fit (with its table's second copy, which
+    # only a whole model on the GPU keeps).
+    layers = min(int(max(budget, 0) // per_layer), footprint.n_layers - 1)
     if layers > 0:
         reason = f"{gpu.name}: {layers} of {footprint.n_layers} layers fit, the rest on the CPU"
         return DevicePlan(gpu.label, weights, layers, reason, fallbacks)
@@ -475,7 +481,9 @@ def plan_llamacpp_offload(
     if footprint.int4_bytes + footprint.kv_bytes <= budget:
         return OffloadPlan(ALL_LAYERS, f"the whole model fits on {gpu.name}")
     per_layer = (footprint.int4_bytes + footprint.kv_bytes) / footprint.n_layers
-    layers = min(int(max(budget, 0) // per_layer), footprint.n_layers)
+    # Fewer than all: the whole model did not fit (with its table's second copy, which
+    # only a whole model on the GPU keeps).
+    layers = min(int(max(budget, 0) // per_layer), footprint.n_layers - 1)
     if layers == 0:
         return OffloadPlan(0, f"{gpu.name} has no room for one layer")
     return OffloadPlan(layers, f"{layers} of {footprint.n_layers} layers fit on {gpu.name}")
