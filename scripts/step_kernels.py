@@ -115,11 +115,7 @@ def main(argv: list[str] | None = None) -> int:
 
     counter = Ops()
     plain = step_over_prefilled_caches(lambda body: lambda: _watched(counter, body))
-    with torch.inference_mode():
-        run(plain, 5)
-        counter.ops.clear()
-        run(plain, 6)
-    ops = sum(counter.ops.values())
+    ops = _ops_of_second(counter, lambda token: run(plain, token))
     print(f"{layers} layers; as written: {ops} ops a step ({ops / layers:.1f} a layer)")
     print("  most frequent:", ", ".join(f"{n} {c}" for n, c in counter.ops.most_common(8)))
     if args.verify:
@@ -193,11 +189,7 @@ def _count_batched(args, model, prefilled, ops_counter) -> None:
         print(f"batch of {args.batch}, host: {_host_ms(lambda: skipped.step(tokens)):.3f} ms")
     counter = ops_counter()
     written = batch(lambda body: lambda: _watched(counter, body))
-    with torch.inference_mode():
-        written.step(tokens)
-        counter.ops.clear()
-        written.step(tokens)
-    ops = sum(counter.ops.values())
+    ops = _ops_of_second(counter, lambda token: written.step([token] * args.batch))
     rows = len(written.sequences)
     print(
         f"batch of {args.batch} ({rows} rows), as written: {ops} ops ({ops / layers:.1f} a layer)"
@@ -212,6 +204,17 @@ def _count_batched(args, model, prefilled, ops_counter) -> None:
                 compiled.step(tokens)
     kernels = sum(_launched(prof).values())
     print(f"batch of {args.batch}, compiled: {kernels} kernels ({kernels / layers:.1f} a layer)")
+
+
+def _ops_of_second(counter, step) -> int:
+    """The ops a step as written dispatches, counted on its second run (`step(token)`)."""
+    import torch
+
+    with torch.inference_mode():
+        step(5)
+        counter.ops.clear()
+        step(6)
+    return sum(counter.ops.values())
 
 
 def _host_ms(step) -> float:
