@@ -243,6 +243,16 @@ def _measure(name: str, runtime, reference, text: str, args) -> dict:
         row[f"tokens_spec_{mode}"] = tokens
         timer.lap(f"decode, speculation {mode} ({row[f'tok_s_spec_{mode}']:.1f} tok/s)")
     row["spec_identical"] = row.pop("tokens_spec_off") == row.pop("tokens_spec_auto")
+    # Each step queued only once the previous one's token is read: what the overlap of
+    # the host's work with the GPU's gives (the same tokens either way).
+    runtime.spec_mode = type(runtime.spec_mode)("off")
+    scheduler = runtime.scheduler
+    overlapping = scheduler.config
+    scheduler.config = dataclasses.replace(overlapping, overlap_steps=False)
+    speeds, _ = _decode_speeds(runtime, prompt, args.tokens, args.runs)
+    scheduler.config = overlapping
+    row["tok_s_one_after_another"] = statistics.median(speeds)
+    timer.lap(f"decode, steps not overlapped ({row['tok_s_one_after_another']:.1f} tok/s)")
     row["decode_step"] = runtime.decode_step_note
     graphed = runtime.static_step
     runtime.runner.stop_graphs("eager steps (the check's comparison)")  # the same, step by step
@@ -518,18 +528,19 @@ def _environment(torch, probe, model: Path, model_note: str) -> str:
 def _table(rows: list[dict]) -> str:
     head = (
         "| path | device, weights, GPU layers, KV | top-1 vs CPU | KL vs CPU | PPL | decode tok/s"
-        " | eager-step tok/s | spec tok/s | spec/plain | spec identical |"
+        " | not overlapped tok/s | eager-step tok/s | spec tok/s | spec/plain | spec identical |"
     )
-    lines = [head, "|" + "---|" * 10]
+    lines = [head, "|" + "---|" * 11]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['path']} | failed: {r['error']} |" + " |" * 8)
+            lines.append(f"| {r['path']} | failed: {r['error']} |" + " |" * 9)
             continue
         where = f"{r['device']}, {r['weights']}, {r['gpu_layers']}, {r.get('kv', '-')}"
         top1 = f"{r['top1']:.4f}" if "top1" in r else "-"
         kl = f"{r['kl']:.5f}" if "kl" in r else "-"
         plain, spec = r["tok_s_spec_off"], r["tok_s_spec_auto"]
         eager = f"{r['tok_s_eager_steps']:.1f}" if "tok_s_eager_steps" in r else "-"
+        serial = r.get("tok_s_one_after_another")
         ratio = spec / plain if plain else 0.0
         cells = [
             r["path"],
@@ -538,6 +549,7 @@ def _table(rows: list[dict]) -> str:
             kl,
             f"{r['ppl']:.4f}",
             f"{plain:.1f}",
+            "-" if serial is None else f"{serial:.1f}",
             eager,
             f"{spec:.1f}",
             f"{ratio:.2f}x",

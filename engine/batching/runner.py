@@ -34,6 +34,7 @@ from ..kv.cache import Cache
 from ..lora.registry import AdapterSet
 from ..models import CachePolicy, DecoderModel
 from ..models.static_step import (
+    DrawnTokens,
     StaticDecodeStep,
     StaticVerifyStep,
     batch_bucket,
@@ -146,6 +147,15 @@ class ModelRunner:
         all); it is called only once the step can run, so that no random draw is spent on a
         step that does not. None where no token was drawn (a CPU, caches not in their
         steady state): the caller runs `logits` and samples on the host instead."""
+        launched = self.launch_decode(rows, settings)
+        return None if launched is None else launched.ids()
+
+    @torch.inference_mode()
+    def launch_decode(
+        self, rows: Rows, settings: Callable[[], tuple[SamplingTensors, list[float]] | None]
+    ) -> DrawnTokens | None:
+        """`sample_decode`, returning as soon as the step is queued: the caller may queue
+        the next one (`launch_after`) before it waits for these ids."""
         if self.graphs is None or any(len(tokens) != 1 for tokens, _ in rows):
             return None
         sequences = [caches for _, caches in rows]
@@ -156,7 +166,26 @@ class ModelRunner:
         if inputs is None:
             return None
         tensors, uniforms = inputs
-        return self._through(step, lambda s: s.sampled([t[0] for t, _ in rows], tensors, uniforms))
+        return self._through(step, lambda s: s.launch([t[0] for t, _ in rows], tensors, uniforms))
+
+    @torch.inference_mode()
+    def launch_after(
+        self,
+        drawn: DrawnTokens,
+        settings: Callable[[], tuple[SamplingTensors, list[float]] | None],
+    ) -> DrawnTokens | None:
+        """The same sequences' next step, fed the tokens `drawn` will bring, queued before
+        the host has them: the host's work for step n+1 overlaps the GPU's step n. The
+        settings must not depend on those tokens. None where the step cannot be taken
+        (graphs given up, the caches out of their steady state)."""
+        step = drawn.step
+        if self.graphs is None or step.model is not self.model or not step.ready():
+            return None
+        inputs = settings()
+        if inputs is None:
+            return None
+        tensors, uniforms = inputs
+        return self._through(step, lambda s: s.launch(None, tensors, uniforms))
 
     def verifier(self, caches: list[Cache]) -> RowsVerifier:
         """`verify_rows` bound to one sequence's caches (a speculative decoder's

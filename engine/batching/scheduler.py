@@ -24,6 +24,11 @@ drafts verified in one pass cost little more than a step when one row is all the
 but beside other sequences' rows every verified row costs nearly a full row of the int4
 matmuls, so batched steps never draft (docs/BENCHMARKS.md has the figures).
 
+Where tokens are drawn on a GPU, a decode step of the same sequences is queued before the
+previous step's tokens are read (`overlap_steps`), fed them on the device: the host's work
+overlaps the GPU's. When the batch then changes, that step is taken back (`_settle`), so
+nothing it computed is seen, and the sequences' samplers draw again what it drew.
+
 Every torch generation runs here, one slot or many: the terminal chat's, the GUI's and the
 server's alike, so they all give the same answer to the same prompt. The steps themselves
 run in the model runner (runner.py); when the device runs out of memory, `recover` moves the
@@ -32,6 +37,8 @@ model to the CPU and each running sequence's caches are rebuilt there from its t
 
 from __future__ import annotations
 
+import functools
+import logging
 import queue
 import threading
 import time
@@ -49,15 +56,18 @@ from ..kv.scored import close_prompts, open_prompts
 from ..kv.types import KVSetting, bytes_per_token
 from ..lora.registry import AdapterSet
 from ..models import CachePolicy, DecoderModel
+from ..models.static_step import DrawnTokens
 from ..platform.faults import check_injected_fault
 from ..speculative import SpeculativeDecoder
 from ..tokens.constraints import TokenGuide
-from ..tokens.device_sampler import SamplingTensors
+from ..tokens.device_sampler import SamplingTensors, penalizes
 from ..tokens.events import SpeculationStats
 from ..tokens.sampler import Sampler, token_logprob
 from ..tokens.sampling import SamplingParams
 from ..tokens.stream import TokenStream
 from .runner import ModelRunner, SequenceCaches
+
+log = logging.getLogger(__name__)
 
 DEFAULT_SLOTS = 4
 DEFAULT_QUEUE = 64  # requests that may wait for a slot before new ones are refused
@@ -98,6 +108,9 @@ class BatchConfig:
     # sequence is admitted when its reservation fits: its prompt and token limit, at most a
     # full context; pooled prefixes are let go first, least recently used first.
     kv_budget_bytes: int | None = None
+    # Queue a decode step before the previous one's tokens are read (a GPU's captured
+    # steps): the host's work for step n+1 overlaps the GPU's step n.
+    overlap_steps: bool = True
 
 
 DRIVER_CHECK_S = 1.0  # how often a waiting consumer checks that some thread still steps
@@ -193,6 +206,25 @@ class _Sequence:
 
 
 @dataclass
+class _Ahead:
+    """A decode step queued before the host read the tokens of the step before (which it
+    is fed, on the device): `sequences` in its rows' order; `rewinds` put their samplers'
+    random streams back where they were before its draws."""
+
+    drawn: DrawnTokens
+    sequences: list[_Sequence]
+    rewinds: list[Callable[[], None]]
+
+    def continues(self, batch: list[tuple[_Sequence, list[int]]]) -> bool:
+        """Whether `batch` is this step's: the same sequences, in order, one token each
+        (the one the step before drew, which this step was fed)."""
+        return len(batch) == len(self.sequences) and all(
+            s is mine and len(tokens) == 1
+            for (s, tokens), mine in zip(batch, self.sequences, strict=True)
+        )
+
+
+@dataclass
 class _Pooled:
     tokens: list[int]
     caches: list[Cache]
@@ -227,7 +259,9 @@ class BatchScheduler:
         self.kv_bytes_per_token = kv_bytes_per_token(model, policy.kv_type)
         # Whether a pooled prefix's adapters may still be picked (None: all may).
         self.adapters_live: Callable[[AdapterSet], bool] | None = None
+        self._ahead: _Ahead | None = None  # a step queued ahead (`overlap_steps`)
         self.steps = 0  # forward passes run (for tests and figures)
+        self.overlapped = 0  # of which were queued before the tokens they feed were read
         self.peak_batch = 0  # most sequences in one step
 
     @property
@@ -366,6 +400,7 @@ class BatchScheduler:
         tokens `fed` does not list yet."""
         with self._stepping, self._lock:
             self._drop_cancelled()  # a stream its reader closed: pooled now, not next step
+            self._settle()  # the caches hold just what `fed` lists
             if self._running:
                 return self._running[-1].fed, self._running[-1].caches
             return (self._pool[-1].tokens, self._pool[-1].caches) if self._pool else None
@@ -448,6 +483,8 @@ class BatchScheduler:
                 return
             alone = self._drafting_alone()
             batch = [(alone, alone.pending)] if alone else self._next_batch()
+        if self._ahead is not None and (alone is not None or not self._ahead.continues(batch)):
+            self._settle()
         try:
             check_injected_fault()
             if alone is not None:
@@ -483,6 +520,7 @@ class BatchScheduler:
         """After the model moved to another device: every running sequence's caches made
         again there from the tokens it had fed (exact rows, so they hold what was lost), and
         the pool let go. A step cut short is taken again: its tokens are pending once more."""
+        self._settle()
         self._pool.clear()
         for sequence in self._running:
             kept = common_prefix(sequence.fed, sequence.history)  # drafts not yet accepted out
@@ -663,7 +701,7 @@ class BatchScheduler:
         step_rows = [(tokens, s.caches) for s, tokens in batch]
         drawn = None
         if len(wanting) == len(batch) == at:  # one token a sequence, each wanting the next
-            drawn = self.runner.sample_decode(step_rows, lambda: self._device_settings(wanting))
+            drawn = self._draw_on_device(wanting, step_rows)
         logits = None if drawn is not None else self.runner.logits(step_rows, rows)
         self.steps += 1
         self.peak_batch = max(self.peak_batch, len(batch))
@@ -688,6 +726,47 @@ class BatchScheduler:
                     self._finish(
                         sequence, SamplingError(f"this answer could not be sampled: {exc}")
                     )
+
+    def _draw_on_device(
+        self, wanting: list[_Sequence], step_rows: list[tuple[list[int], list[Cache]]]
+    ) -> list[int] | None:
+        """The sequences' next tokens drawn inside their decode step (None: sample on the
+        host). The step queued ahead last time, if any, is this one. Before waiting for
+        its tokens, the next step is queued, fed them on the device, where nothing about
+        the sequences depends on them (`_overlappable`)."""
+        settings = functools.partial(self._device_settings, wanting)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            launched: DrawnTokens | None = ahead.drawn
+            self.overlapped += 1
+        else:
+            launched = self.runner.launch_decode(step_rows, settings)
+        if launched is None:
+            return None
+        if self.config.overlap_steps and all(_overlappable(s) for s in wanting):
+            rewinds = [s.sampler.rewind_point() for s in wanting if not s.sampler.params.greedy]
+            following = self.runner.launch_after(launched, settings)
+            if following is not None:
+                self._ahead = _Ahead(following, wanting, rewinds)
+            else:  # not taken (or it failed): draws it made are drawn again next step
+                for rewind in rewinds:
+                    rewind()
+        return launched.ids()
+
+    def _settle(self) -> None:
+        """Undo the step queued ahead, if any: its sequences' caches forget the token it
+        fed (it was not read yet, so nothing else knows of it) and their samplers take
+        back its draws. Before anything changes which sequences run, or reads their
+        caches."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return
+        try:
+            ahead.drawn.step.take_back()
+        except Exception as exc:  # noqa: BLE001 - the step that failed reports it itself
+            log.warning("a decode step queued ahead failed: %s", exc)
+        for rewind in ahead.rewinds:
+            rewind()
 
     def _device_settings(
         self, sequences: list[_Sequence]
@@ -738,6 +817,7 @@ class BatchScheduler:
     ) -> None:
         """End the sequence's stream and free its slot; its caches go to the prefix pool
         (after an error only with `pool`)."""
+        self._settle()  # a step queued ahead fed it a token its caches must not keep
         if sequence in self._running:
             self._running.remove(sequence)
         sequence.stream._items.put(error if error is not None else _END)
@@ -747,6 +827,21 @@ class BatchScheduler:
             self._pool.append(_Pooled(sequence.fed, sequence.caches))
             del self._pool[: max(0, len(self._pool) - self.config.pooled_prefixes)]
         sequence.caches = []
+
+
+def _overlappable(sequence: _Sequence) -> bool:
+    """Whether the sequence's next step may be queued before its token is read: its
+    sampling settings do not depend on that token (no penalties, no grammar; log
+    probabilities are read off the logits on the host), and it will want the token after
+    (its limit not reached, not cancelled)."""
+    sampler = sequence.sampler
+    return (
+        sampler.guide is None
+        and not penalizes(sampler.params)
+        and sequence.stream.logprobs is None
+        and sequence.generated + 1 < sequence.max_new
+        and not sequence.stream.cancelled.is_set()
+    )
 
 
 def _adapter_key(adapters: AdapterSet | None) -> tuple:

@@ -18,7 +18,10 @@ and each bucket gets its own graph: a handful of captures over a long conversati
 A step can also draw each row's next token on the device (`sampled`): the sampler of
 tokens/device_sampler.py runs at the end of the same graph, over settings and uniforms copied
 into static buffers, and only the token ids [rows] come back to the host instead of the
-logits [rows, vocab].
+logits [rows, vocab]. `launch` queues such a step without waiting for its ids, and may feed
+it the ids the step drew last, still on the device: the host queues step n+1 before it
+reads step n's tokens, so its work overlaps the GPU's (`take_back` undoes a step queued so
+whose tokens turn out not to be wanted).
 
 On a CPU the static step is plain eager code (it is how the simulated GPUs run it, and how the
 tests check it against the ordinary step); `CudaGraphRunner` captures it once per span
@@ -134,11 +137,21 @@ class _Staging:
 
     def send(self) -> None:
         """Copy what the host wrote to the device (in stream order: the step's kernels
-        queued after it read the new values; the host rewrites the mirror only after the
-        step's results came back, which waits for the copy too)."""
+        queued after it read the new values). The copy runs when the GPU gets to it, maybe
+        after the host has gone on to the next step: `wait_sent` before writing again."""
         if self.mirrored:
             self.buffer[: self.used].copy_(self.mirror[: self.used], non_blocking=True)
+            self._sent = _recorded(self.buffer.device)
         self.sends += 1
+
+    def wait_sent(self) -> None:
+        """Wait until the last `send` has read the mirror, so that the host may write it
+        (a step launched before the previous one's tokens were read: that send may still be
+        queued behind the running step)."""
+        sent = getattr(self, "_sent", None)
+        if sent is not None:
+            sent.synchronize()
+            self._sent = None
 
 
 @dataclass
@@ -220,6 +233,31 @@ class _StaticCacheView:
 
     def decode_keys(self, keys: torch.Tensor, row: int | None = None) -> torch.Tensor:
         return self.key_codec.decode(keys)
+
+
+def _recorded(device: torch.device):
+    """An event recorded now on `device`'s current stream (None on a CPU, where every
+    operation has finished when it returns)."""
+    if device.type != "cuda":  # ROCm's devices are "cuda" too
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+class DrawnTokens:
+    """The ids a launched step draws, on their way to the host: `ids()` waits for that step
+    alone, so the host can launch the next step first (`StaticDecodeStep.launch`)."""
+
+    def __init__(self, step: StaticDecodeStep, host_ids: torch.Tensor, ready):
+        self.step, self._host_ids, self._ready = step, host_ids, ready
+
+    def ids(self) -> list[int]:
+        """One id a fed sequence (the repeats that pad a batch left out)."""
+        if self._ready is not None:
+            self._ready.synchronize()
+            self._ready = None
+        return self._host_ids[: self.step.fed].tolist()
 
 
 def _row(tables: RopeTables, row: int) -> RopeTables:
@@ -305,6 +343,10 @@ class StaticDecodeStep:
         self.uniforms, self._host_uniforms = self._staging.take((rows,), torch.float32)
         self._scalars, self._host_scalars = self._staging.take((len(SCALARS), rows), torch.float32)
         self.chosen = torch.zeros(rows, dtype=torch.long, device=self.device)
+        # The ids come back through two host buffers in turn: a step's copy may land while
+        # the host still reads the previous step's (pinned, so that the copy is queued).
+        pinned = self.device.type != "cpu"
+        self._host_chosen = [torch.zeros(rows, dtype=torch.long, pin_memory=pinned) for _ in "ab"]
         self._storage = self._storage_addresses()
         # (span lengths, sampled) -> the step built for them (a graph, on a GPU)
         self._runs: dict[tuple[tuple[int, ...], bool], Callable[[], None]] = {}
@@ -403,6 +445,16 @@ class StaticDecodeStep:
         """Feed one token to each sequence and draw each one's next token on the device
         with `settings` (one row a sequence) and the row's uniform in [0, 1): only the ids
         cross to the host."""
+        return self.launch(tokens, settings, uniforms).ids()
+
+    def launch(
+        self, tokens: list[int] | None, settings: SamplingTensors, uniforms: list[float]
+    ) -> DrawnTokens:
+        """`sampled` without waiting for the ids. `tokens` None: each sequence is fed the
+        token this step drew last, still on the device, so the host can launch step n+1
+        before it reads step n's tokens (the settings must not depend on them: no
+        penalties, no grammar). `take_back` undoes a launch whose tokens are not wanted."""
+        self._staging.wait_sent()
         if self._sampling is None:
             rows, vocab = self.logits.shape
             self._sampling = SamplingTensors.buffers(rows, vocab, self.device, self._scalars)
@@ -410,14 +462,33 @@ class StaticDecodeStep:
         self._sampling.fill_(settings, scalars=False)  # the scalars go with the staged inputs
         self._host_scalars.copy_(settings.scalars)
         self._host_uniforms.copy_(torch.tensor(self._padded(uniforms), dtype=torch.float32))
-        self._run_step(self._padded(tokens), sampled=True)
+        self._run_step(None if tokens is None else self._padded(tokens), sampled=True)
         self.draws += 1
-        return self.chosen[: self.fed].tolist()
+        host_ids = self._host_chosen[self.draws % 2]
+        host_ids.copy_(self.chosen, non_blocking=True)
+        return DrawnTokens(self, host_ids, _recorded(self.device))
 
-    def _run_step(self, tokens: list[int], sampled: bool) -> None:
+    def take_back(self) -> None:
+        """Undo the latest step, its tokens unread: once it has run, every sequence's
+        caches forget the token it fed (a launch ahead whose sequences stopped or changed).
+        The device's `chosen` no longer matches the caches: the next step is given its
+        tokens."""
+        done = _recorded(self.device)
+        try:
+            if done is not None:
+                done.synchronize()
+        finally:
+            for row, one in enumerate(self.sequences):
+                for cache in one if self._first_row[row] == row else ():
+                    cache.trim(1)
+
+    def _run_step(self, tokens: list[int] | None, sampled: bool) -> None:
+        """One step: `tokens` one a row, or None for the ids the step drew last."""
         if self.model.fault_hook is not None:
             self.model.fault_hook()
-        self._host_tokens.copy_(torch.tensor(tokens))
+        self._staging.wait_sent()
+        if tokens is not None:
+            self._host_tokens.copy_(torch.tensor(tokens))
         written: list[Callable[[], None]] = []
         lengths = []
         advanced: dict[tuple[int, bool], tuple[StaticStep, int]] = {}
@@ -432,6 +503,8 @@ class StaticDecodeStep:
         spans = tuple(lengths)
         try:
             self._staging.send()
+            if tokens is None:  # after the send, which wrote the staged ids' bytes too
+                self.tokens.copy_(self.chosen)
             run = self._runs.get((spans, sampled)) or self._build_run(spans, sampled)
             run()
             self.replays += 1

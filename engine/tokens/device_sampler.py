@@ -72,10 +72,10 @@ class SamplingTensors:
     ) -> SamplingTensors:
         """Settings for one row per `params`, after the tokens in `histories` (host side)."""
         counts = None
-        if any(_penalizes(p) for p in params):
+        if any(penalizes(p) for p in params):
             counts = torch.zeros(len(params), vocab)
             for row, (p, history) in enumerate(zip(params, histories, strict=True)):
-                recent = list(history[-p.repeat_last_n :]) if _penalizes(p) else []
+                recent = list(history[-p.repeat_last_n :]) if penalizes(p) else []
                 if recent:  # sampler.py's window, so that the same settings penalise the same
                     counts[row] = torch.bincount(torch.tensor(recent), minlength=vocab)[:vocab]
         scalars = [[float(getattr(p, name)) for p in params] for name in SCALARS]
@@ -139,7 +139,7 @@ class SamplingTensors:
         return self
 
 
-def _penalizes(p: SamplingParams) -> bool:
+def penalizes(p: SamplingParams) -> bool:
     """Whether the settings penalise tokens already seen (sampler.py's condition)."""
     if p.repeat_last_n == 0:
         return False

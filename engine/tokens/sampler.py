@@ -7,7 +7,7 @@ temperature -> draw), so the same settings mean the same thing on both backends.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -49,6 +49,13 @@ class Sampler:
     def uniform(self) -> float:
         """A draw from U[0, 1) on this sampler's random stream (acceptance tests)."""
         return float(torch.rand((), generator=self._generator))
+
+    def rewind_point(self) -> Callable[[], None]:
+        """A call that puts this sampler's random stream back where it is now: draws made
+        for a step queued ahead, then undone, are drawn again by the step that replaces it
+        (so a seeded answer does not depend on whether steps overlapped)."""
+        state = self._generator.get_state()
+        return lambda: self._generator.set_state(state)
 
     def _greedy(self, logits: torch.Tensor, history: Sequence[int]) -> int:
         """The best token. Under a constraint, the unmasked best is asked about first: when
