@@ -23,6 +23,7 @@ exception, for speed: on a GPU a long prompt chunk attends in one fused call
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -41,8 +42,10 @@ from ..models.static_step import (
     static_step_unsupported,
 )
 from ..platform.graphs import Runner, batched_runner, verifying_runner
-from ..speculative.speculative_decoder import RowsVerifier
+from ..speculative.speculative_decoder import PlainDraw, RowsVerifier
+from ..tokens.constraints import TokenGuide
 from ..tokens.device_sampler import SamplingTensors
+from ..tokens.sampler import Sampler
 
 log = logging.getLogger("miniapp.engine")
 
@@ -187,6 +190,19 @@ class ModelRunner:
         tensors, uniforms = inputs
         return self._through(step, lambda s: s.launch(None, tensors, uniforms))
 
+    def drawing_step(self, caches: list[Cache], sampler: Sampler) -> PlainDraw:
+        """One sequence's plain decode step with its next token drawn on the device by
+        `sampler`'s settings (a speculative decoder's steps without drafts): (token fed,
+        history) -> the token drawn, or None where it must be sampled on the host."""
+        vocab = self.model.config.vocab_size
+
+        def draw(token: int, history: Sequence[int]) -> int | None:
+            inputs = functools.partial(device_sampling_inputs, [sampler], [history], vocab)
+            drawn = self.sample_decode([([token], caches)], inputs)
+            return None if drawn is None else drawn[0]
+
+        return draw
+
     def verifier(self, caches: list[Cache]) -> RowsVerifier:
         """`verify_rows` bound to one sequence's caches (a speculative decoder's
         verifications of drafts from tokens)."""
@@ -310,6 +326,40 @@ class ModelRunner:
             chunk = list(tokens[done : done + self.max_chunk(caches)])
             self.model.hidden_states(torch.tensor(chunk), caches, exact_rows=True)
             done += len(chunk)
+
+
+def device_sampling_inputs(
+    samplers: Sequence[Sampler], histories: Sequence[Sequence[int]], vocab: int
+) -> tuple[SamplingTensors, list[float]] | None:
+    """Settings for a step that draws each row's next token on the device, one row a sampler
+    after its history, and one uniform each from the sampler's own random stream; None where
+    a grammar's mask could not be had (the host sampler then reports the error)."""
+    try:
+        masks = [_grammar_mask(s.guide, h, vocab) for s, h in zip(samplers, histories, strict=True)]
+    except Exception:  # noqa: BLE001 - raised again, for this sequence only, on the host
+        return None
+    allowed = None
+    if any(mask is not None for mask in masks):
+        every = torch.ones(vocab, dtype=torch.bool)
+        allowed = torch.stack([every if mask is None else mask for mask in masks])
+    params = [sampler.params for sampler in samplers]
+    settings = SamplingTensors.build(params, histories, vocab, allowed)
+    # Greedy rows draw nothing, as the host sampler does not.
+    uniforms = [0.0 if s.params.greedy else s.uniform() for s in samplers]
+    return settings, uniforms
+
+
+def _grammar_mask(
+    guide: TokenGuide | None, history: Sequence[int], vocab: int
+) -> torch.Tensor | None:
+    """bool [vocab]: the tokens the grammar allows next (None: there is none); tokens past
+    the grammar's own vocabulary are not allowed, as the host sampler masks them."""
+    if guide is None:
+        return None
+    allowed = torch.from_numpy(guide.allowed_after(history))[:vocab]
+    mask = torch.zeros(vocab, dtype=torch.bool)
+    mask[: len(allowed)] = allowed
+    return mask
 
 
 def _padded_to_bucket(sequences: list[list[Cache]]) -> list[list[Cache]]:

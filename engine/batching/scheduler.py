@@ -65,7 +65,7 @@ from ..tokens.events import SpeculationStats
 from ..tokens.sampler import Sampler, token_logprob
 from ..tokens.sampling import SamplingParams
 from ..tokens.stream import TokenStream
-from .runner import ModelRunner, SequenceCaches
+from .runner import ModelRunner, SequenceCaches, device_sampling_inputs
 
 log = logging.getLogger(__name__)
 
@@ -777,20 +777,9 @@ class BatchScheduler:
         grammar's mask could not be had (the host sampler then reports the error)."""
         if any(s.stream.logprobs is not None for s in sequences):
             return None
-        vocab = self.model.config.vocab_size
-        try:
-            masks = [_grammar_mask(s, vocab) for s in sequences]
-        except Exception:  # noqa: BLE001 - raised again, for this sequence only, on the host
-            return None
-        allowed = None
-        if any(mask is not None for mask in masks):
-            every = torch.ones(vocab, dtype=torch.bool)
-            allowed = torch.stack([every if mask is None else mask for mask in masks])
-        params = [s.sampler.params for s in sequences]
-        settings = SamplingTensors.build(params, [s.history for s in sequences], vocab, allowed)
-        # Greedy rows draw nothing, as the host sampler does not.
-        uniforms = [0.0 if s.sampler.params.greedy else s.sampler.uniform() for s in sequences]
-        return settings, uniforms
+        samplers = [s.sampler for s in sequences]
+        histories = [s.history for s in sequences]
+        return device_sampling_inputs(samplers, histories, self.model.config.vocab_size)
 
     def _sample(self, sequence: _Sequence, logits: torch.Tensor) -> None:
         token = sequence.sampler(logits, sequence.history)
@@ -846,18 +835,6 @@ def _overlappable(sequence: _Sequence) -> bool:
 
 def _adapter_key(adapters: AdapterSet | None) -> tuple:
     return () if adapters is None else adapters.key
-
-
-def _grammar_mask(sequence: _Sequence, vocab: int) -> torch.Tensor | None:
-    """bool [vocab]: the tokens its grammar allows next (None: it has none); tokens past the
-    grammar's own vocabulary are not allowed, as the host sampler masks them."""
-    guide = sequence.sampler.guide
-    if guide is None:
-        return None
-    allowed = torch.from_numpy(guide.allowed_after(sequence.history))[:vocab]
-    mask = torch.zeros(vocab, dtype=torch.bool)
-    mask[: len(allowed)] = allowed
-    return mask
 
 
 def kv_bytes_per_token(model: DecoderModel, kind: KVSetting) -> int:

@@ -24,6 +24,9 @@ from .drafter import Draft, Drafter, Verified, VerifiedFromTokens
 
 # tokens -> (final-normed states [rows, dim], fp32 logits [rows, vocab]), or None
 RowsVerifier = Callable[[Sequence[int]], tuple[torch.Tensor, torch.Tensor] | None]
+# (token fed, history) -> the next token, drawn on the device by the sequence's sampler,
+# or None where it must be sampled on the host from the logits
+PlainDraw = Callable[[int, Sequence[int]], int | None]
 
 
 class SpeculativeDecoder:
@@ -43,16 +46,20 @@ class SpeculativeDecoder:
         decode_one: Callable[[int], torch.Tensor] | None = None,
         stats: SpeculationStats | None = None,
         verify_rows: RowsVerifier | None = None,
+        draw_one: PlainDraw | None = None,
     ):
         """`decode_one(token) -> logits [vocab]` takes a plain step (the runtime's may replay a
         graph); by default an ordinary pass over `caches`. `verify_rows(tokens)` verifies
         drafts made from tokens alone in one fixed-shape step, returning (states, logits),
-        or None where it cannot (the drafter's own verification then runs). `stats` to
+        or None where it cannot (the drafter's own verification then runs). `draw_one`
+        takes a plain step whose token is drawn on the device, where it can: only the id
+        comes back, not the logits. `stats` to
         count into (a batching scheduler keeps one per sequence across the stretches it
         drafts alone)."""
         self.model, self.caches, self.fed = model, caches, fed
         self.decode_one = decode_one or self._ordinary_step
         self.verify_rows = verify_rows
+        self.draw_one = draw_one
         self.sampler, self.controller = sampler, controller
         self.drafters = list(drafters)  # asked in order; the first proposal is verified
         self.stats = stats or SpeculationStats(mode)
@@ -115,13 +122,24 @@ class SpeculativeDecoder:
             state = self.model.hidden_states(torch.tensor([pending]), self.caches)
             logits = self.model.logits(state)[0]
             self._tell_state(state)
+            self.fed.append(pending)
+            token = self.sampler(logits, history)
         else:
-            logits = self.decode_one(pending)
-        self.fed.append(pending)
-        token = self.sampler(logits, history)
+            token = self._drawn_plain(pending, history)
         self.controller.record_plain(time.perf_counter() - start)
         self.stats.steps += 1
         return token
+
+    def _drawn_plain(self, pending: int, history: list[int]) -> int:
+        """A plain step's token: drawn on the device where it can be, else sampled from the
+        step's logits on the host."""
+        drawn = None if self.draw_one is None else self.draw_one(pending, history)
+        if drawn is not None:
+            self.fed.append(pending)
+            return drawn
+        logits = self.decode_one(pending)
+        self.fed.append(pending)
+        return self.sampler(logits, history)
 
     def _verify(self, drafter: Drafter, draft: Draft, history: list[int]) -> list[int]:
         start = time.perf_counter()
