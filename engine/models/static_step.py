@@ -348,6 +348,12 @@ class StaticDecodeStep:
         pinned = self.device.type != "cpu"
         self._host_chosen = [torch.zeros(rows, dtype=torch.long, pin_memory=pinned) for _ in "ab"]
         self._storage = self._storage_addresses()
+        self._kind_firsts = [
+            one[layers[0]]
+            for row, one in enumerate(sequences)
+            if self._first_row[row] == row
+            for layers in self._layers_of_kind.values()
+        ]
         # (span lengths, sampled) -> the step built for them (a graph, on a GPU)
         self._runs: dict[tuple[tuple[int, ...], bool], Callable[[], None]] = {}
         self._frames_written: dict[int, int] = {}  # sink rotation buffer -> its frame
@@ -417,8 +423,11 @@ class StaticDecodeStep:
 
     def ready(self) -> bool:
         """Whether the next token can go through the static step: every cache reserved at
-        the addresses it was built for and in its steady state."""
-        return all(c.static_ready() for one in self.sequences for c in one) and (
+        the addresses it was built for and in its steady state. A kind's first cache of each
+        sequence answers for the kind's others (they hold the same positions, and were
+        reserved together: their storage has not moved), which saves the host a call a
+        layer and sequence every step."""
+        return all(first.static_ready() for first in self._kind_firsts) and (
             self._storage_addresses() == self._storage
         )
 
