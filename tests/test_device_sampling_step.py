@@ -17,7 +17,7 @@ from test_static_step import _GraphProbe, _HostDataProbe, _prefilled
 from tiny_gguf import GEMMA3, LLAMA, write_tiny_model
 
 from miniapp.engine.api import FinishReason, GenerationRequest, TextDelta, generate
-from miniapp.engine.batching.runner import ModelRunner
+from miniapp.engine.batching.scheduler import BatchScheduler
 from miniapp.engine.modelfile.gguf_file import GGUFFile
 from miniapp.engine.models import build_model, static_step
 from miniapp.engine.models.static_step import StaticDecodeStep
@@ -192,8 +192,9 @@ def test_a_grammar_mask_applies_inside_the_step(default_model):
 def test_a_speculating_answer_draws_its_plain_steps_inside_the_step(default_model, monkeypatch):
     # A sequence alone under --spec (auto, the default, drafts by prompt lookup) on a GPU:
     # its steps without drafts draw their token inside the step, as plain decoding does,
-    # so only ids come back. The seeded answer is the one whose plain steps are sampled
-    # from the logits on the host (one uniform a token either way). The bundled model: a
+    # so only ids come back, and each is queued before the previous token is read. The
+    # seeded answer is the one whose plain steps are sampled from the logits on the host
+    # (one uniform a token either way), one after the other. The bundled model: a
     # tiny random one repeats a token, which prompt lookup drafts every step.
     prompt = [1, 2, 3, *range(300, 330)]
     params = SamplingParams(temperature=1.2, top_p=0.95, seed=11)
@@ -207,8 +208,11 @@ def test_a_speculating_answer_draws_its_plain_steps_inside_the_step(default_mode
     step, stats = runtime.static_step, runtime.last_speculation
     assert step is not None and stats is not None
     assert stats.steps > 20 and step.draws > 20  # the speculative loop's plain steps
+    # Each queued before the token it feeds was read; the one verification took back the
+    # step queued ahead of it.
+    assert runtime.scheduler.overlapped > 20 and stats.verifications >= 1
 
-    monkeypatch.setattr(ModelRunner, "drawing_step", lambda *_: lambda token, history: None)
+    monkeypatch.setattr(BatchScheduler, "_lone_draw", lambda *_: lambda token, history: None)
     host = speculating()
     assert first_tokens(host, prompt, 40, params) == drawn
     assert host.static_step is not None and host.static_step.draws == 0

@@ -23,7 +23,6 @@ exception, for speed: on a GPU a long prompt chunk attends in one fused call
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -42,7 +41,7 @@ from ..models.static_step import (
     static_step_unsupported,
 )
 from ..platform.graphs import Runner, batched_runner, verifying_runner
-from ..speculative.speculative_decoder import PlainDraw, RowsVerifier
+from ..speculative.speculative_decoder import RowsVerifier
 from ..tokens.constraints import TokenGuide
 from ..tokens.device_sampler import SamplingTensors
 from ..tokens.sampler import Sampler
@@ -189,19 +188,6 @@ class ModelRunner:
             return None
         tensors, uniforms = inputs
         return self._through(step, lambda s: s.launch(None, tensors, uniforms))
-
-    def drawing_step(self, caches: list[Cache], sampler: Sampler) -> PlainDraw:
-        """One sequence's plain decode step with its next token drawn on the device by
-        `sampler`'s settings (a speculative decoder's steps without drafts): (token fed,
-        history) -> the token drawn, or None where it must be sampled on the host."""
-        vocab = self.model.config.vocab_size
-
-        def draw(token: int, history: Sequence[int]) -> int | None:
-            inputs = functools.partial(device_sampling_inputs, [sampler], [history], vocab)
-            drawn = self.sample_decode([([token], caches)], inputs)
-            return None if drawn is None else drawn[0]
-
-        return draw
 
     def verifier(self, caches: list[Cache]) -> RowsVerifier:
         """`verify_rows` bound to one sequence's caches (a speculative decoder's

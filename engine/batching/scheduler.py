@@ -27,7 +27,9 @@ matmuls, so batched steps never draft (docs/BENCHMARKS.md has the figures).
 Where tokens are drawn on a GPU, a decode step of the same sequences is queued before the
 previous step's tokens are read (`overlap_steps`), fed them on the device: the host's work
 overlaps the GPU's. When the batch then changes, that step is taken back (`_settle`), so
-nothing it computed is seen, and the sequences' samplers draw again what it drew.
+nothing it computed is seen, and the sequences' samplers draw again what it drew. A
+sequence speculating alone takes its plain steps the same way; its decoder takes the queued
+step back before it verifies drafts.
 
 Every torch generation runs here, one slot or many: the terminal chat's, the GUI's and the
 server's alike, so they all give the same answer to the same prompt. The steps themselves
@@ -59,6 +61,7 @@ from ..models import CachePolicy, DecoderModel
 from ..models.static_step import DrawnTokens
 from ..platform.faults import check_injected_fault
 from ..speculative import SpeculativeDecoder
+from ..speculative.speculative_decoder import PlainDraw
 from ..tokens.constraints import TokenGuide
 from ..tokens.device_sampler import SamplingTensors, penalizes
 from ..tokens.events import SpeculationStats
@@ -483,7 +486,10 @@ class BatchScheduler:
                 return
             alone = self._drafting_alone()
             batch = [(alone, alone.pending)] if alone else self._next_batch()
-        if self._ahead is not None and (alone is not None or not self._ahead.continues(batch)):
+        ahead = self._ahead
+        if ahead is not None and not (
+            ahead.continues(batch) and (alone is None or alone.decoder.plain_steps_drawn)
+        ):
             self._settle()
         try:
             check_injected_fault()
@@ -675,6 +681,8 @@ class BatchScheduler:
             if sequence.decoder is None:
                 sequence.drafts = False
                 return None
+            sequence.decoder.draw_one = self._lone_draw(sequence)
+            sequence.decoder.before_verify = self._settle
             stats = sequence.stream.speculation or sequence.decoder.stats
             sequence.decoder.stats = sequence.stream.speculation = stats
             sequence.decoder.observe(sequence.history[:-1])  # the last one is pending
@@ -727,13 +735,30 @@ class BatchScheduler:
                         sequence, SamplingError(f"this answer could not be sampled: {exc}")
                     )
 
+    def _lone_draw(self, sequence: _Sequence) -> PlainDraw:
+        """A speculating sequence's plain steps: drawn inside the step as a batch's are, the
+        next one queued ahead. If its drafters then draft, the decoder takes that step back
+        first (`before_verify`): a GPU step wasted on each verification, against the host's
+        time saved on every plain step (drafts are rare where they do not pay)."""
+
+        def draw(token: int, history: Sequence[int]) -> int | None:
+            rows = [([token], sequence.caches)]
+            drawn = self._draw_on_device([sequence], rows, sequence.decoder)
+            return None if drawn is None else drawn[0]
+
+        return draw
+
     def _draw_on_device(
-        self, wanting: list[_Sequence], step_rows: list[tuple[list[int], list[Cache]]]
+        self,
+        wanting: list[_Sequence],
+        step_rows: list[tuple[list[int], list[Cache]]],
+        decoder: SpeculativeDecoder | None = None,
     ) -> list[int] | None:
         """The sequences' next tokens drawn inside their decode step (None: sample on the
         host). The step queued ahead last time, if any, is this one. Before waiting for
         its tokens, the next step is queued, fed them on the device, where nothing about
-        the sequences depends on them (`_overlappable`)."""
+        the sequences depends on them (`_overlappable`); a speculating sequence's `decoder`
+        must take plain steps through here."""
         settings = functools.partial(self._device_settings, wanting)
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
@@ -743,7 +768,8 @@ class BatchScheduler:
             launched = self.runner.launch_decode(step_rows, settings)
         if launched is None:
             return None
-        if self.config.overlap_steps and all(_overlappable(s) for s in wanting):
+        overlap = self.config.overlap_steps and all(_overlappable(s) for s in wanting)
+        if overlap and (decoder is None or decoder.plain_steps_drawn):
             rewinds = [s.sampler.rewind_point() for s in wanting if not s.sampler.params.greedy]
             following = self.runner.launch_after(launched, settings)
             if following is not None:

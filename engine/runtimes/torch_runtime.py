@@ -328,7 +328,6 @@ class TorchRuntime(Runtime):
             mode=self.spec_mode.value,
             decode_one=self.runner.stepper(caches),
             verify_rows=self.runner.verifier(caches),
-            draw_one=self.runner.drawing_step(caches, sampler),
         )
 
     def info(self) -> RuntimeInfo:

@@ -53,7 +53,8 @@ class SpeculativeDecoder:
         drafts made from tokens alone in one fixed-shape step, returning (states, logits),
         or None where it cannot (the drafter's own verification then runs). `draw_one`
         takes a plain step whose token is drawn on the device, where it can: only the id
-        comes back, not the logits. `stats` to
+        comes back, not the logits (the batching scheduler sets it, as it may queue the
+        step ahead). `stats` to
         count into (a batching scheduler keeps one per sequence across the stretches it
         drafts alone)."""
         self.model, self.caches, self.fed = model, caches, fed
@@ -66,6 +67,9 @@ class SpeculativeDecoder:
         # Drafters that draft from the model's last state (the trained head) are told it
         # after every step; plain steps then run the ordinary pass, which yields it.
         self._state_watchers = [d for d in self.drafters if hasattr(d, "observe_state")]
+        # Called before a verification (the batching scheduler's: it takes back a plain
+        # step it queued ahead, fed the token the verification feeds instead).
+        self.before_verify: Callable[[], None] | None = None
 
     def run(self, logits: torch.Tensor, history: list[int]) -> Iterator[int]:
         """`logits` follow `history` (the prompt, already in the caches); yields tokens."""
@@ -101,6 +105,13 @@ class SpeculativeDecoder:
         self.stats.emitted += len(tokens)
         for drafter in self.drafters:
             drafter.observe(tokens)
+
+    @property
+    def plain_steps_drawn(self) -> bool:
+        """Whether its plain steps go through `draw_one` (not where they feed drafters the
+        model's state): a step queued ahead is then either one of them, or taken back by
+        `before_verify`."""
+        return self.draw_one is not None and not self._state_watchers
 
     @torch.inference_mode()
     def _step(self, pending: int, history: list[int]) -> list[int]:
@@ -142,7 +153,9 @@ class SpeculativeDecoder:
         return self.sampler(logits, history)
 
     def _verify(self, drafter: Drafter, draft: Draft, history: list[int]) -> list[int]:
-        start = time.perf_counter()
+        start = time.perf_counter()  # what a step queued ahead and taken back costs, too
+        if self.before_verify is not None:
+            self.before_verify()
         verified = self._verified(drafter, draft)
         verdict = self._judge(draft.tokens, draft.probs, verified.logits, history)
         self._tell_state(verified.states[verdict.accepted : verdict.accepted + 1])
