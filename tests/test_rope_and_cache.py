@@ -43,6 +43,31 @@ def test_rope_block_cache_gives_same_tables_as_fresh_build():
     torch.testing.assert_close(stepwise, fresh)
 
 
+def test_sequences_decoding_far_apart_take_their_tables_from_kept_blocks(monkeypatch):
+    # A batch's sequences sit at positions in different blocks: each block is built once
+    # and kept, not built again every step for each sequence in turn. Past the blocks
+    # kept, the least recently used goes first.
+    rope = Rope(16, 16, 10000.0, interleaved=False)
+    built = []
+    build = rope._build
+    monkeypatch.setattr(
+        rope, "_build", lambda start, count: built.append(start) or build(start, count)
+    )
+    positions = [5, 1000, 70, 40000]
+    for step in range(10):
+        for p in positions:
+            tables = rope.tables(p + step, 1)
+            fresh = Rope(16, 16, 10000.0, interleaved=False).each_shift_tables(
+                torch.tensor([[p + step]])
+            )
+            assert torch.equal(tables.cos, fresh.cos)
+    assert sorted(built) == [0, 64, 960, 40000]
+    for block in range(Rope.BLOCKS_KEPT):  # 64 new blocks push out all four
+        rope.tables(100_000 + block * Rope.BLOCK, 1)
+    rope.tables(5, 1)
+    assert built.count(0) == 2
+
+
 @pytest.mark.parametrize("interleaved", [True, False])
 def test_linear_scaling_and_frequency_factors(interleaved):
     x = torch.randn(1, 1, 8)

@@ -10,6 +10,7 @@ Each has `forward`, also callable as the object itself.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -631,10 +632,13 @@ class Rope:
 
     `interleaved` pairs (2i, 2i+1), llama.cpp's "normal" RoPE used by `llama` GGUFs; otherwise
     pairs are (i, i + rotary_dim/2) ("neox"). Dimensions past `rotary_dim` are not rotated.
-    Tables are built for a block of positions at a time, so decoding rarely builds any.
+    Tables are built for a block of positions at a time, and the most recently used blocks
+    are kept, so decoding rarely builds any: also when a batch's sequences sit at positions
+    far apart (one block kept would be built again for each of them, every step).
     """
 
     BLOCK = 64  # positions per cached block of tables
+    BLOCKS_KEPT = 64  # blocks of tables kept, least recently used let go first
 
     def __init__(
         self,
@@ -662,20 +666,27 @@ class Rope:
             sign[:half], sign[half:rotary_dim] = -1.0, 1.0
         self.per_dim_freq, self.sin_sign = per_dim, sign
         self.interleaved, self.rotary_dim, self.head_dim = interleaved, rotary_dim, head_dim
-        self._block_start = -1
-        self._block: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._blocks: OrderedDict[int, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
 
     def tables(self, start: int, count: int) -> RopeTables:
         """cos and signed sin, fp32 [count, 1, head_dim], for positions start..start+count-1."""
         block_start = start - start % self.BLOCK
         if start + count <= block_start + self.BLOCK:
-            if block_start != self._block_start:
-                self._block = self._build(block_start, self.BLOCK)
-                self._block_start = block_start
-            cos, sin = self._block
+            cos, sin = self._block(block_start)
             lo = start - block_start
             return RopeTables(cos[lo : lo + count], sin[lo : lo + count], self)
         return RopeTables(*self._build(start, count), self)
+
+    def _block(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        blocks = self._blocks
+        block = blocks.get(start)
+        if block is None:
+            block = blocks[start] = self._build(start, self.BLOCK)
+            if len(blocks) > self.BLOCKS_KEPT:
+                blocks.popitem(last=False)
+        elif next(reversed(blocks)) != start:
+            blocks.move_to_end(start)
+        return block
 
     def shift_tables(self, delta: int) -> RopeTables:
         """Tables that rotate by `delta` positions (any sign): RoPE(a) RoPE(b) = RoPE(a + b)."""
