@@ -330,6 +330,35 @@ def test_batched_decode_rows_replay_one_captured_step(tiny_path):
     assert 1 <= step.captured <= probe.built and step.replays > 10 * step.captured
 
 
+def test_a_batch_over_rows_in_different_span_buckets_takes_one_graph(model):
+    # A server's sequences sit at different lengths: the batched step reads every row's
+    # caches as far as the longest row's span bucket (each row's mask hides the rest), so
+    # one graph serves the batch while a row crosses into its next bucket, where a graph per
+    # combination of buckets would be captured (on a GPU, compiled) again. Each row's
+    # logits are still its own decode step's, bit for bit.
+    policy = CachePolicy(ctx=1024)
+
+    def prefilled(n):
+        caches = model.make_caches(policy)
+        for cache in caches:
+            cache.reserve()
+        tokens = [(7 * i) % 50 + 3 for i in range(n)]
+        with torch.inference_mode():
+            for start in range(0, n, 200):
+                model(torch.tensor(tokens[start : start + 200]), caches)
+        return caches
+
+    lengths = [254, 300, 600]  # the first crosses from the 256 bucket into 512
+    batch = StaticDecodeStep(model, batch=[prefilled(n) for n in lengths])
+    alone = [StaticDecodeStep(model, prefilled(n)) for n in lengths]
+    tokens = [5, 9, 14]
+    with torch.inference_mode():
+        for _ in range(4):
+            rows = batch.step(tokens)
+            assert torch.equal(rows, torch.cat([a(t) for a, t in zip(alone, tokens, strict=True)]))
+    assert batch.captured == 1 and alone[0].captured == 2
+
+
 def _logprobs(runtime, n):
     """The greedy answer, and each step's top 3 log-probabilities: a tiny random model's
     tokens repeat, with a probability near 1, but the runners-up's show the logits."""

@@ -348,6 +348,12 @@ class StaticDecodeStep:
         pinned = self.device.type != "cpu"
         self._host_chosen = [torch.zeros(rows, dtype=torch.long, pin_memory=pinned) for _ in "ab"]
         self._storage = self._storage_addresses()
+        # Each row's storage span of each kind (`_shared_spans`), fixed once reserved.
+        self._full_spans = [
+            one[layers[0]].static_span()[1]
+            for one in sequences
+            for layers in self._layers_of_kind.values()
+        ]
         self._kind_firsts = [
             one[layers[0]]
             for row, one in enumerate(sequences)
@@ -509,7 +515,7 @@ class StaticDecodeStep:
                 step, span = advanced[first, kind]
                 self._write_inputs(inputs[kind], step, one[layers[0]])
                 lengths.append(span)
-        spans = tuple(lengths)
+        spans = self._shared_spans(lengths) if self.batched else tuple(lengths)
         try:
             self._staging.send()
             if tokens is None:  # after the send, which wrote the staged ids' bytes too
@@ -524,6 +530,16 @@ class StaticDecodeStep:
                 for cache in one if self._first_row[row] == row else ():
                     cache.trim(1)
             raise
+
+    def _shared_spans(self, lengths: list[int]) -> tuple[int, ...]:
+        """The rows' span buckets (row by row, kind by kind) each raised to the longest row's
+        of its kind, within the row's own storage: a row's mask hides the slots it does not
+        hold. The batched step then has a graph per longest bucket, not one per combination
+        of the rows' buckets, which on a GPU would be a compilation each time any row of a
+        server's batch crossed into its next bucket."""
+        kinds = len(self._layers_of_kind)
+        longest = [max(lengths[kind::kinds]) for kind in range(kinds)]
+        return tuple(min(longest[at % kinds], full) for at, full in enumerate(self._full_spans))
 
     def _advance_kind(
         self, caches: list[Cache], layers: list[int], written: list[Callable[[], None]]
