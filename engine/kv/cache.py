@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from ...native.attention import TiledKeys
@@ -49,7 +50,9 @@ class StaticStep:
     """The bookkeeping of one fixed-shape decode step (see `advance_one`)."""
 
     write_at: int  # storage index (token axis) of the new token's keys and values
-    mask: torch.Tensor  # bool [1, span]: which of `static_span` the new query sees
+    # bool [1, span]: which of `static_span` the new query sees (valid until the cache's
+    # next step: a buffer the cache may reuse)
+    mask: torch.Tensor
     frame: int  # positions by which the frame sinks are rotated (0 without sinks)
     # q4 keys in tiles: what to call once the step has written its key (it completed a tile).
     written: Callable[[], None] | None = None
@@ -744,13 +747,23 @@ class RotatingKVCache(_OnStorage):
         whose step re-rotates the sinks by `frame` (`self.frame` already says so)."""
         at = 2 * self.sinks + self.ring_head
         written = self.advance_alike()
-        query = self.offset - 1
-        # Empty slots hold -1; the new token's own slot is already recorded.
-        positions = self.ring_pos
-        in_window = (positions >= 0) & (positions > query - self.window)
-        sinks = torch.ones(self.sinks, dtype=torch.bool)
-        mask = torch.cat([sinks, in_window]).unsqueeze(0)
+        # Empty slots hold -1; the new token's own slot is already recorded. Written into
+        # one buffer through numpy: one operation, where torch took six (a host cost each
+        # step and sequence).
+        oldest_seen = max(self.offset - 1 - self.window, -1)
+        mask, ring_seen = self._step_mask()
+        np.greater(self._ring_pos_view, oldest_seen, out=ring_seen)
         return StaticStep(at, mask, self.frame, written)
+
+    def _step_mask(self) -> tuple[torch.Tensor, np.ndarray]:
+        """The buffer `advance_one` writes its mask into, bool [1, sinks + ring]: the sinks
+        always seen; and the ring's part of it, as numpy."""
+        mask = getattr(self, "_mask", None)
+        if mask is None or mask.shape[1] != self.sinks + len(self._ring_pos_view):
+            size = self.sinks + len(self._ring_pos_view)
+            mask = self._mask = torch.ones(1, size, dtype=torch.bool)
+            self._mask_ring = mask.numpy()[0, self.sinks :]
+        return mask, self._mask_ring
 
     def advance_alike(self) -> Callable[[], None] | None:
         """`advance_one`'s bookkeeping alone, for a layer whose step another cache of its
