@@ -53,6 +53,17 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also time the host's work between two steps (the step's body skipped)",
     )
+    parser.add_argument(
+        "--host-only", action="store_true", help="only the host's time (--host), no counts"
+    )
+    parser.add_argument(
+        "--apart",
+        type=int,
+        default=0,
+        metavar="N",
+        help="each batched sequence's prompt N tokens longer than the one before (a server's "
+        "sequences sit at positions far apart); needs --ctx above batch x N",
+    )
     args = parser.parse_args(argv)
     if os.environ.get("MINIAPP_NATIVE") != "0":
         print("run with MINIAPP_NATIVE=0: the compiler cannot see into our CPU kernels")
@@ -91,12 +102,15 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(GGUFFile(resolve_model(args.model)))
     layers = model.config.n_layers
 
-    def step_over_prefilled_caches(runner=None) -> StaticDecodeStep:
+    def step_over_prefilled_caches(runner=None, extra: int = 0) -> StaticDecodeStep:
+        """A step over caches that hold PROMPT and `extra` tokens more."""
         caches = model.make_caches(CachePolicy(ctx=args.ctx, kv_type=kv_type(args.kv_type)))
         for cache in caches:
             cache.reserve()
+        prompt = PROMPT + [(7 * i) % 500 + 3 for i in range(extra)]
         with torch.inference_mode():
-            model(torch.tensor(PROMPT), caches)
+            for start in range(0, len(prompt), 256):
+                model(torch.tensor(prompt[start : start + 256]), caches)
         return StaticDecodeStep(model, caches, **({"runner": runner} if runner else {}))
 
     settings = SamplingTensors.build(
@@ -109,9 +123,13 @@ def main(argv: list[str] | None = None) -> int:
         else:
             step(token)
 
-    if args.host:
+    if args.host or args.host_only:
         skipped = step_over_prefilled_caches(lambda body: lambda: None)
         print(f"host: {_host_ms(lambda: run(skipped, 5)):.3f} ms a step (median of 200)")
+        if args.host_only:
+            if args.batch:
+                _batched_host(args, model, step_over_prefilled_caches)
+            return 0
 
     counter = Ops()
     plain = step_over_prefilled_caches(lambda body: lambda: _watched(counter, body))
@@ -168,6 +186,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _batched_host(args, model, prefilled) -> None:
+    """The host's time a batched decode step of `args.batch` sequences (the body skipped),
+    padded as the model runner pads it."""
+    from miniapp.engine.models.static_step import StaticDecodeStep, batch_bucket
+
+    sequences = [prefilled(extra=row * args.apart).sequences[0] for row in range(args.batch)]
+    sequences += sequences[-1:] * (batch_bucket(args.batch) - args.batch)
+    skipped = StaticDecodeStep(model, runner=lambda body: lambda: None, batch=sequences)
+    tokens = [5] * args.batch
+    where = f", {args.apart} tokens apart" if args.apart else ""
+    print(f"batch of {args.batch}{where}, host: {_host_ms(lambda: skipped.step(tokens)):.3f} ms")
+
+
 def _count_batched(args, model, prefilled, ops_counter) -> None:
     """A batched decode step of `args.batch` sequences, padded as the model runner pads it:
     its ops as written, and its kernels compiled (as a bucket in use is)."""
@@ -185,8 +216,7 @@ def _count_batched(args, model, prefilled, ops_counter) -> None:
 
     tokens, layers = [5] * args.batch, model.config.n_layers
     if args.host:
-        skipped = batch(lambda body: lambda: None)
-        print(f"batch of {args.batch}, host: {_host_ms(lambda: skipped.step(tokens)):.3f} ms")
+        _batched_host(args, model, prefilled)
     counter = ops_counter()
     written = batch(lambda body: lambda: _watched(counter, body))
     ops = _ops_of_second(counter, lambda token: written.step([token] * args.batch))
