@@ -20,8 +20,8 @@ tokens/device_sampler.py runs at the end of the same graph, over settings and un
 into static buffers, and only the token ids [rows] come back to the host instead of the
 logits [rows, vocab]. `launch` queues such a step without waiting for its ids, and may feed
 it the ids the step drew last, still on the device: the host queues step n+1 before it
-reads step n's tokens, so its work overlaps the GPU's (`take_back` undoes a step queued so
-whose tokens turn out not to be wanted).
+reads step n's tokens, so its work overlaps the GPU's (`take_back` undoes such a step when
+its tokens turn out not to be wanted).
 
 On a CPU the static step is plain eager code (it is how the simulated GPUs run it, and how the
 tests check it against the ordinary step); `CudaGraphRunner` captures it once per span
@@ -110,6 +110,7 @@ class _Staging:
             self.mirror = torch.zeros(capacity, dtype=torch.uint8, pin_memory=on_gpu)
         self.used = 0
         self.sends = 0  # transfers made (tests count them against steps)
+        self._sent = None  # the last transfer's event, until the host waits for it (GPU)
 
     @property
     def mirrored(self) -> bool:
@@ -148,9 +149,8 @@ class _Staging:
         """Wait until the last `send` has read the mirror, so that the host may write it
         (a step launched before the previous one's tokens were read: that send may still be
         queued behind the running step)."""
-        sent = getattr(self, "_sent", None)
-        if sent is not None:
-            sent.synchronize()
+        if self._sent is not None:
+            self._sent.synchronize()
             self._sent = None
 
 
