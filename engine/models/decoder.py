@@ -50,8 +50,10 @@ from ..platform.kernels import (
 from .attention_backends import (
     AttentionBackend,
     NativeCpuAttention,
+    StoredAttention,
     TorchAttention,
     kernel_types,
+    stored_attention_runs,
 )
 from .config import DecoderConfig, RopeConfig
 from .exact_rows import RowMasks
@@ -109,6 +111,7 @@ class Attention:
             None if self.native is None else NativeCpuAttention(native, self.scale)
         )
         self.torch_backend = TorchAttention(self.scale)
+        self.stored_backend = StoredAttention(self.scale, self.torch_backend, self.head_dim)
         self.row_ops = cpu_row_ops()
 
     def forward(self, x: torch.Tensor, rotation: RopeTables, rows: LayerRows) -> torch.Tensor:
@@ -175,10 +178,18 @@ class Attention:
         return apply_rope(qk, rotation)
 
     def _backend(self, keys: torch.Tensor, rows: int) -> AttentionBackend:
-        """Our native kernel for a few query rows on the CPU; torch's attention otherwise (a
-        GPU, or a long prompt chunk, which torch batches better)."""
+        """Our native kernel for a few query rows on the CPU; otherwise (a GPU, or a long
+        prompt chunk, which torch batches better) the Triton kernel where it runs, torch's
+        attention where it does not."""
         if self.native_backend is not None and keys.is_cpu and rows <= NATIVE_ATTENTION_ROWS:
             return self.native_backend
+        return self._kernel_backend(keys)
+
+    def _kernel_backend(self, keys: torch.Tensor) -> AttentionBackend:
+        """The backend off the native kernel: Triton's reading the stored rows where it runs
+        (it hands long prompt chunks on to torch's itself)."""
+        if stored_attention_runs(keys.device):
+            return self.stored_backend
         return self.torch_backend
 
     def _attend_span(self, qk, v, span: RowSpan, cache: Cache, mask) -> torch.Tensor:
@@ -257,7 +268,9 @@ class Attention:
         before = values.shape[2] - n_rows  # tiled keys: their lead rows are apart
         # The native backend takes as many rows as there are here (a decode step runs that
         # kernel too, so every row matches it bit for bit).
-        backend = self.native_backend if keys.is_cpu and self.native_backend else self.torch_backend
+        backend = self._kernel_backend(keys)
+        if keys.is_cpu and self.native_backend is not None:
+            backend = self.native_backend
         out = backend.attend_prefixes(qk[: self.n_heads], keys, values, cache, before)
         _observe(cache, qk[: self.n_heads], self.scale)
         return out

@@ -14,6 +14,7 @@ stand in a CUDA or ROCm device, a missing kernel or a small memory on a CPU-only
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ SIMULATE_ENV = "MINIAPP_SIMULATE_GPU"
 NO_GPU = "none"  # MINIAPP_SIMULATE_GPU=none: a machine without a GPU, whatever this one has
 COMPILE_ENV = "MINIAPP_COMPILE_STEP"  # 0/off: GPU decode steps captured as written
 GRAPH_ENV = "MINIAPP_DECODE_GRAPH"  # "0" runs GPU decode steps eagerly (A/B, an escape hatch)
+STORED_ATTENTION_ENV = "MINIAPP_STORED_ATTENTION"  # 0/off: torch's attention on a GPU too
 _OFF = frozenset({"0", "off", "no", "false"})
 MIN_INT4_CAPABILITY = (8, 0)  # torch's CUDA int4 matmul needs Ampere or newer
 MEMORY_MARGIN = 0.10  # of the free memory, left for activations, allocator slack, the driver
@@ -257,6 +259,43 @@ def step_compile_unavailable() -> str | None:
     return None
 
 
+def stored_attention_unavailable(device_type: str) -> str | None:
+    """Why attention on a device of this type does not read the KV cache as stored through
+    our Triton kernel (None: it does). It runs where torch brings Triton (its CUDA and ROCm
+    builds); on the CPU, which has its own native kernel, only under Triton's interpreter
+    (`TRITON_INTERPRET=1`), which checks the kernel's numerics."""
+    setting = os.environ.get(STORED_ATTENTION_ENV, "").strip().lower()
+    if setting in _OFF:
+        return f"switched off by {STORED_ATTENTION_ENV}={setting}"
+    if device_type == "cpu":
+        if os.environ.get("TRITON_INTERPRET") == "1" and _triton_importable():
+            return None
+        return "the CPU attends through its native kernel"
+    if device_type != "cuda" or not _triton_runs_here():
+        return "no Triton for this GPU (pip install triton)"
+    return None
+
+
+# What Triton can do here, found once. A plain dict, not functools.cache: the check runs
+# inside compiled decode steps, where torch.compile would trace past a cache wrapper (a
+# model's prompt, run uncompiled first, has filled it by then).
+_TRITON: dict[str, bool] = {}
+
+
+def _triton_importable() -> bool:
+    if "importable" not in _TRITON:
+        _TRITON["importable"] = importlib.util.find_spec("triton") is not None
+    return _TRITON["importable"]
+
+
+def _triton_runs_here() -> bool:
+    if "runs" not in _TRITON:
+        from torch.utils._triton import has_triton
+
+        _TRITON["runs"] = has_triton()
+    return _TRITON["runs"]
+
+
 # ------------------------------------------------------------------------------ probes
 
 
@@ -328,6 +367,9 @@ class TorchProbe:
         if unfused is not None:
             return CudaGraphRunner, f"{graph}; its ops unfused: {unfused}"
         fused = "its ops fused into Triton kernels by torch.compile"
+        attention = stored_attention_unavailable("cuda")
+        if attention is None:  # the kernel a layer for all rows, which fusion would not give
+            fused += "; attention reads the KV cache as stored, one Triton launch a layer"
         return compiled_runner(CudaGraphRunner), f"{graph}, {fused}"
 
 

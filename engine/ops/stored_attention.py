@@ -1,0 +1,283 @@
+"""Decode attention in Triton over the KV cache as it is stored: f32, f16 or bf16 rows, or
+q8 / q4 rows (kv/types.py), decoded in registers. torch's path on a GPU first decodes a
+layer's whole cache into a bf16 copy that attention then reads back: three passes over the
+cache where this kernel makes one, and several kernels where this takes one.
+
+One launch serves every query row of a call, each over its own stored keys and values,
+through a table of addresses (one entry a row: where its keys and values start, their
+head strides, its mask and its length). So a batch of sequences attends in one launch
+whatever caches they own, and a verification's rows, each over a prefix of one storage,
+do too.
+
+The work is split along the keys ("flash decoding"): a program takes one row, one key head
+(with the query heads that share it) and TOKENS_PER_SPLIT keys, and leaves its running
+maximum, sum and weighted values; the last of a row's programs to finish (an atomic
+counter says which) combines the row's splits, in order, so the call is one launch. The
+splits fall at fixed key positions, and splits past a row's keys add exact zeros, so a row
+comes out bit for bit the same alone, in any batch, or as a verification row over the same
+keys: what the CPU's native kernel guarantees, kept on a GPU.
+
+This module imports Triton; attention_backends.py loads it only where Triton runs (a CUDA
+or ROCm build of torch, or Triton's CPU interpreter, `TRITON_INTERPRET=1`, which the tests
+use). The pure-torch reference is the codecs' decode followed by SDPA (TorchAttention)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+import triton
+import triton.language as tl
+
+TOKENS_PER_SPLIT = 128  # keys a program reads; fixed, so that a row's sums keep their order
+BLOCK_TOKENS = 32  # keys a program loads at once
+MIN_DOT = 16  # tl.dot's smallest side: the query heads of a key head are padded to it
+TABLE_COLUMNS = 6  # key address, value address, key head stride, value head stride, mask, length
+_TABLES_KEPT = 1024
+
+
+@triton.jit
+def _stored_rows(base, tokens, valid, KIND: tl.constexpr, D: tl.constexpr, ROW: tl.constexpr):
+    """fp32 [len(tokens), D]: the rows `tokens` of one key head's storage at `base` (a byte
+    pointer), each ROW bytes, stored as KIND (KVType.code: 0 f32, 1 f16, 2 bf16, 3 q8, 4 q4).
+    Rows not `valid` read as zeros."""
+    d = tl.arange(0, D)[None, :]
+    t = tokens[:, None].to(tl.int64)
+    m = valid[:, None]
+    halves = base.to(tl.pointer_type(tl.float16), bitcast=True)
+    if KIND == 0:
+        words = base.to(tl.pointer_type(tl.float32), bitcast=True)
+        x = tl.load(words + t * (ROW // 4) + d, mask=m, other=0.0)
+    elif KIND == 1:
+        x = tl.load(halves + t * (ROW // 2) + d, mask=m, other=0.0).to(tl.float32)
+    elif KIND == 2:
+        brain = base.to(tl.pointer_type(tl.bfloat16), bitcast=True)
+        x = tl.load(brain + t * (ROW // 2) + d, mask=m, other=0.0).to(tl.float32)
+    elif KIND == 3:
+        # q8: D int8 codes, then an f16 scale per block of 32.
+        codes = tl.load(base + t * ROW + d, mask=m, other=0).to(tl.int8, bitcast=True)
+        scale = tl.load(halves + t * (ROW // 2) + D // 2 + d // 32, mask=m, other=0.0)
+        x = codes.to(tl.float32) * scale.to(tl.float32)
+    else:
+        # q4: a block's value i in byte i's low nibble and value i + 16 in its high one,
+        # then an f16 scale per block, then an f16 minimum per block.
+        byte = tl.load(base + t * ROW + (d // 32) * 16 + d % 16, mask=m, other=0)
+        code = (byte >> ((d % 32) // 16 * 4).to(tl.uint8)) & 15
+        scale = tl.load(halves + t * (ROW // 2) + D // 4 + d // 32, mask=m, other=0.0)
+        low = tl.load(halves + t * (ROW // 2) + D // 4 + D // 32 + d // 32, mask=m, other=0.0)
+        x = code.to(tl.float32) * scale.to(tl.float32) + low.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _split_partials(
+    queries,  # fp32 [rows, HEADS, D]
+    table,  # int64 [rows, TABLE_COLUMNS]
+    part_max,  # fp32 [rows, HEADS, splits]: the split's largest score (log2 units)
+    part_sum,  # fp32 [rows, HEADS, splits]: its sum of exp2(score - max)
+    part_out,  # fp32 [rows, HEADS, splits, D]: its values weighted alike
+    out,  # [rows, HEADS, D]: the attended values
+    counters,  # int32, zero: finished programs a (row, key head)
+    scale_log2,
+    splits,
+    HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    D: tl.constexpr,
+    KEY_KIND: tl.constexpr,
+    VALUE_KIND: tl.constexpr,
+    KEY_ROW: tl.constexpr,
+    VALUE_ROW: tl.constexpr,
+    TOKENS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    entry = table + row * 6
+    keys = tl.load(entry).to(tl.pointer_type(tl.uint8)) + kv_head * tl.load(entry + 2)
+    values = tl.load(entry + 1).to(tl.pointer_type(tl.uint8)) + kv_head * tl.load(entry + 3)
+    mask_at = tl.load(entry + 4)
+    length = tl.load(entry + 5)
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D)
+    heads = kv_head * GROUP + g
+    q = tl.load(
+        queries + (row * HEADS + heads)[:, None] * D + d[None, :],
+        mask=(g < GROUP)[:, None],
+        other=0.0,
+    )
+    best = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    total = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D], tl.float32)
+    for offset in tl.static_range(0, TOKENS, BLOCK):
+        first = split * TOKENS + offset
+        # Blocks past the row's keys are skipped: they would add exact zeros (a short row
+        # in a batch with long ones, the padding of a span bucket).
+        if first < length:
+            tokens = first + tl.arange(0, BLOCK)
+            valid = tokens < length
+            if mask_at != 0:
+                seen = tl.load(mask_at.to(tl.pointer_type(tl.uint8)) + tokens, mask=valid, other=0)
+                valid = valid & (seen != 0)
+            k = _stored_rows(keys, tokens, valid, KEY_KIND, D, KEY_ROW)
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+            scores = tl.where(valid[None, :], scores, float("-inf"))
+            new_best = tl.maximum(best, tl.max(scores, axis=1))
+            shift = tl.where(new_best == float("-inf"), 0.0, new_best)
+            weights = tl.exp2(scores - shift[:, None])
+            kept = tl.exp2(best - shift)
+            total = total * kept + tl.sum(weights, axis=1)
+            v = _stored_rows(values, tokens, valid, VALUE_KIND, D, VALUE_ROW)
+            acc = acc * kept[:, None] + tl.dot(weights, v, input_precision="ieee")
+            best = new_best
+
+    at = (row * HEADS + heads) * splits + split
+    real = g < GROUP
+    tl.store(part_max + at, best, mask=real)
+    tl.store(part_sum + at, total, mask=real)
+    tl.store(part_out + at[:, None] * D + d[None, :], acc, mask=real[:, None])
+    # The last of the (row, key head)'s programs to finish combines its splits: one launch
+    # a call, not a second kernel. It resets the counter for the next call.
+    tl.debug_barrier()
+    counter = counters + row * tl.num_programs(1) + kv_head
+    if tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
+        _combine_splits(part_max, part_sum, part_out, out, row * HEADS + heads, real, splits, D)
+        tl.atomic_xchg(counter, 0, sem="relaxed")
+
+
+@triton.jit
+def _combine_splits(part_max, part_sum, part_out, out, heads, real, splits, D: tl.constexpr):
+    """The query `heads` ([GROUP_PAD] indices into the calls' rows x heads, `real` where a
+    head exists): their splits combined one after another, in order, so that the result
+    does not depend on which program combines."""
+    d = tl.arange(0, D)
+    first = heads * splits
+    best = tl.load(part_max + first, mask=real, other=float("-inf"))
+    for split in range(1, splits):
+        best = tl.maximum(best, tl.load(part_max + first + split, mask=real, other=float("-inf")))
+    shift = tl.where(best == float("-inf"), 0.0, best)
+    total = tl.zeros_like(best)
+    acc = tl.zeros([best.shape[0], D], tl.float32)
+    for split in range(0, splits):
+        weight = tl.exp2(tl.load(part_max + first + split, mask=real, other=float("-inf")) - shift)
+        total += tl.load(part_sum + first + split, mask=real, other=0.0) * weight
+        rows = part_out + (first + split)[:, None] * D + d[None, :]
+        acc += tl.load(rows, mask=real[:, None], other=0.0) * weight[:, None]
+    total = tl.where(real, total, 1.0)
+    tl.store(out + heads[:, None] * D + d[None, :], acc / total[:, None], mask=real[:, None])
+
+
+class _Counters:
+    """Per device, a zeroed int32 counter a (row, key head) of a call: how many of its
+    programs have finished. Each call leaves them zero again."""
+
+    def __init__(self):
+        self.kept: dict[torch.device, torch.Tensor] = {}
+
+    def at_least(self, n: int, device: torch.device) -> torch.Tensor:
+        found = self.kept.get(device)
+        if found is None or found.numel() < n:
+            found = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+            self.kept[device] = found
+        return found
+
+
+class _AddressTables:
+    """Device tables of rows' addresses, kept by their contents: a captured step's call
+    finds the table its warm-up built (no host-to-device copy inside a capture), and a
+    table only ever holds the addresses it is keyed by."""
+
+    def __init__(self):
+        self.kept: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+
+    def table(self, entries: tuple, device: torch.device) -> torch.Tensor:
+        key = (device, entries)
+        found = self.kept.get(key)
+        if found is None:
+            found = torch.tensor(entries, dtype=torch.int64).view(-1, TABLE_COLUMNS).to(device)
+            self.kept[key] = found
+            if len(self.kept) > _TABLES_KEPT:
+                self.kept.popitem(last=False)
+        else:
+            self.kept.move_to_end(key)
+        return found
+
+
+_TABLES = _AddressTables()
+_COUNTERS = _Counters()
+
+
+def _entry(keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> tuple:
+    """One row's table entry: keys and values [1, kv_heads, tokens, width] as stored (a
+    view of a cache's storage; rows contiguous), mask None or bool [tokens...]."""
+    for stored in (keys, values):
+        if stored.stride(3) != 1 or stored.stride(2) != stored.shape[3]:
+            raise ValueError("stored attention reads whole rows, one after another")
+    length = keys.shape[2]
+    mask_at = 0
+    if mask is not None:
+        if mask.dtype is not torch.bool or mask.stride(-1) != 1 or mask.shape[-1] < length:
+            raise ValueError("stored attention takes a bool mask over the keys")
+        mask_at = mask.data_ptr()
+    return (
+        keys.data_ptr(),
+        values.data_ptr(),
+        keys.stride(1) * keys.element_size(),
+        values.stride(1) * values.element_size(),
+        mask_at,
+        length,
+    )
+
+
+@torch.library.custom_op("miniapp::stored_attention", mutates_args=())
+def stored_attention(
+    queries: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    masks: list[torch.Tensor | None],
+    kinds: list[int],
+    scale: float,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """queries fp32 [rows, heads, head_dim] (already in the stored rows' rotation); row r
+    attends keys[r] and values[r] ([1, kv_heads, tokens, width] as stored, of type codes
+    `kinds` = [key code, value code]) where masks[r] (bool, None: everywhere) allows.
+    Returns [rows, heads, head_dim] in out_dtype. A custom op: torch.compile calls it as
+    it is, and a CUDA graph captures its one launch."""
+    rows, heads, head_dim = queries.shape
+    kv_heads = keys[0].shape[1]
+    group = heads // kv_heads
+    entries = sum((_entry(k, v, m) for k, v, m in zip(keys, values, masks, strict=True)), ())
+    table = _TABLES.table(entries, queries.device)
+    splits = max(1, triton.cdiv(max(k.shape[2] for k in keys), TOKENS_PER_SPLIT))
+    part_max = queries.new_empty((rows, heads, splits))
+    part_sum = queries.new_empty((rows, heads, splits))
+    part_out = queries.new_empty((rows, heads, splits, head_dim))
+    out = queries.new_empty((rows, heads, head_dim), dtype=out_dtype)
+    _split_partials[(rows, kv_heads, splits)](
+        queries.contiguous(),
+        table,
+        part_max,
+        part_sum,
+        part_out,
+        out,
+        _COUNTERS.at_least(rows * kv_heads, queries.device),
+        scale * 1.4426950408889634,  # log2(e): the kernel's exponentials are exp2
+        splits,
+        HEADS=heads,
+        GROUP=group,
+        GROUP_PAD=max(MIN_DOT, triton.next_power_of_2(group)),
+        D=head_dim,
+        KEY_KIND=kinds[0],
+        VALUE_KIND=kinds[1],
+        KEY_ROW=keys[0].shape[3] * keys[0].element_size(),
+        VALUE_ROW=values[0].shape[3] * values[0].element_size(),
+        TOKENS=TOKENS_PER_SPLIT,
+        BLOCK=BLOCK_TOKENS,
+    )
+    return out
+
+
+@stored_attention.register_fake
+def _(queries, keys, values, masks, kinds, scale, out_dtype):
+    return queries.new_empty(queries.shape, dtype=out_dtype)

@@ -1,0 +1,273 @@
+"""The Triton attention over the cache as stored (engine/ops/stored_attention.py), run by
+Triton's interpreter: each stored type read as its codec decodes it, every row of a batch
+in one launch with its own bits whatever the batch, verification rows equal to their
+decode steps, the hand-over to torch for what it does not read, a batched static step of a
+real model, and torch.compile taking the kernel as one op."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_gguf import GEMMA3, write_tiny_model
+
+from miniapp.engine.kv.codec import KVCodec
+from miniapp.engine.kv.types import BF16, F16, F32, Q4, Q8, KVPair
+from miniapp.engine.modelfile.gguf_file import GGUFFile
+from miniapp.engine.models import CachePolicy, build_model
+from miniapp.engine.models.attention_backends import (
+    STORED_ATTENTION_ROWS,
+    StoredAttention,
+    TorchAttention,
+    stored_attention_runs,
+)
+from miniapp.engine.models.static_step import StaticDecodeStep
+from miniapp.engine.ops import stored_attention as kernel
+
+CPU = torch.device("cpu")
+LENGTHS = [5, 300, 129]  # one split, three splits and a ragged one, one row each
+
+
+def _stored(codec: KVCodec, kv_heads: int, tokens: int, seed: int) -> torch.Tensor:
+    """Rows as a cache stores them, a view into a larger storage (its head stride is the
+    storage's, and it starts past the storage's first slots)."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = torch.randn(1, kv_heads, tokens + 9, codec.head_dim, generator=generator) * 2
+    return codec.encode(rows)[:, :, 4 : 4 + tokens]
+
+
+def _reference(queries, keys, values, mask, key_codec, value_codec, scale):
+    """One row, fp64: the codecs' decode, then softmax attention."""
+    k, v = key_codec.decode(keys).double(), value_codec.decode(values).double()
+    return F.scaled_dot_product_attention(
+        queries.double()[None, :, None],
+        k,
+        v,
+        attn_mask=None if mask is None else mask[None, None, None],
+        enable_gqa=True,
+        scale=scale,
+    )[0, :, 0]
+
+
+@pytest.mark.parametrize(
+    ("key_type", "value_type", "head_dim"),
+    [(F32, F32, 32), (F16, F16, 64), (BF16, BF16, 32), (Q8, Q8, 64), (Q4, Q4, 32), (Q8, Q4, 64)],
+    ids=["f32", "f16", "bf16", "q8", "q4-rows", "q8/q4"],
+)
+def test_the_kernel_reads_each_stored_type_as_its_codec_decodes_it(key_type, value_type, head_dim):
+    heads, kv_heads, scale = 6, 2, head_dim**-0.5
+    key_codec = KVCodec(key_type, head_dim, CPU)
+    value_codec = KVCodec(value_type, head_dim, CPU)
+    generator = torch.Generator().manual_seed(7)
+    queries = torch.randn(len(LENGTHS), heads, head_dim, generator=generator)
+    keys = [_stored(key_codec, kv_heads, n, seed=n) for n in LENGTHS]
+    values = [_stored(value_codec, kv_heads, n, seed=n + 1) for n in LENGTHS]
+    masks = [None] + [torch.rand(n, generator=generator) > 0.3 for n in LENGTHS[1:]]
+    for mask in masks[1:]:
+        mask[-1] = True  # a row always sees its own key
+    got = kernel.stored_attention(
+        key_codec.rotated_as_stored(queries),
+        keys,
+        values,
+        masks,
+        [key_type.code, value_type.code],
+        scale,
+        torch.float32,
+    )
+    got = value_codec.rotated_as_stored(got)
+    for row in range(len(LENGTHS)):
+        want = _reference(
+            queries[row], keys[row], values[row], masks[row], key_codec, value_codec, scale
+        )
+        assert (got[row].double() - want).abs().max() < 1e-5
+
+
+def test_a_row_is_the_same_bits_alone_as_in_a_batch_of_longer_rows():
+    # The splits fall at fixed key positions and a longer neighbour's extra splits add exact
+    # zeros to this row's: batching never changes a sequence's answer.
+    codec = KVCodec(Q8, 64, CPU)
+    generator = torch.Generator().manual_seed(3)
+    queries = torch.randn(3, 4, 64, generator=generator)
+    keys = [_stored(codec, 2, n, seed=n) for n in (40, 700, 260)]
+    values = [_stored(codec, 2, n, seed=n + 1) for n in (40, 700, 260)]
+    f32 = torch.float32
+    batch = kernel.stored_attention(queries, keys, values, [None] * 3, [3, 3], 0.125, f32)
+    for row in range(3):
+        alone = kernel.stored_attention(
+            queries[row : row + 1],
+            keys[row : row + 1],
+            values[row : row + 1],
+            [None],
+            [3, 3],
+            0.125,
+            f32,
+        )
+        assert torch.equal(batch[row], alone[0])
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("stored") / "tiny.gguf", GEMMA3)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_path):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MINIAPP_NATIVE", "0")  # the CPU's native kernel would attend instead
+        return build_model(GGUFFile(tiny_path))
+
+
+def _filled_cache(model, kind, tokens: int):
+    """A global layer's cache of `kind` holding `tokens` random keys and values; returns
+    it with the stored rows its last update returned."""
+    config = model.config
+    cache = model.make_caches(CachePolicy(ctx=512, kv_type=kind))[1]
+    cache.reserve()
+    generator = torch.Generator().manual_seed(tokens)
+    shape = (1, config.n_kv_heads, tokens, config.head_dim)
+    keys, values = cache.update_and_fetch(
+        torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+    )
+    return cache, keys, values
+
+
+@pytest.mark.parametrize("kind", [Q8, F16], ids=["q8", "f16"])
+def test_verification_rows_are_their_decode_steps_bit_for_bit(model, kind):
+    # Verifying drafts attends several rows over one storage, row r seeing `before + r + 1`
+    # keys (or what its mask row says): each is the single decode step's result exactly, so
+    # speculation on a GPU gives plain decoding's tokens.
+    config = model.config
+    backend = StoredAttention(0.2, TorchAttention(0.2), config.head_dim)
+    cache, keys, values = _filled_cache(model, kind, 140)
+    generator = torch.Generator().manual_seed(1)
+    queries = torch.randn(config.n_heads, 4, config.head_dim, generator=generator)
+    before = 136
+    prefixes = backend.attend_prefixes(queries, keys, values, cache, before)
+    masks = torch.rand(4, 140, generator=generator) > 0.5
+    masked = backend.attend_rows(queries, keys, values, cache, masks)
+    for row in range(4):
+        seen = before + row + 1
+        step = backend.attend(
+            queries[:, row : row + 1], keys[:, :, :seen], values[:, :, :seen], cache
+        )
+        assert torch.equal(prefixes[:, :, row : row + 1], step)
+        own = backend.attend(queries[:, row : row + 1], keys, values, cache, masks[row : row + 1])
+        assert torch.equal(masked[:, :, row : row + 1], own)
+
+
+def test_what_the_kernel_does_not_read_goes_to_torch(model, monkeypatch):
+    config = model.config
+    torch_attention = TorchAttention(0.2)
+    backend = StoredAttention(0.2, torch_attention, config.head_dim)
+    launches = []
+    monkeypatch.setattr(kernel, "stored_attention", lambda *a: launches.append(a) or 1 / 0)
+    generator = torch.Generator().manual_seed(2)
+
+    def queries(rows):
+        return torch.randn(config.n_heads, rows, config.head_dim, generator=generator)
+
+    # q4 keys in tiles (their own layout), a float mask, a prompt chunk of many rows
+    tiled, keys, values = _filled_cache(model, KVPair(Q4, Q4), 40)
+    q = queries(1)
+    assert torch.equal(
+        backend.attend(q, keys, values, tiled), torch_attention.attend(q, keys, values, tiled)
+    )
+    cache, keys, values = _filled_cache(model, Q8, 40)
+    additive = torch.zeros(1, 40)
+    assert torch.equal(
+        backend.attend(q, keys, values, cache, additive),
+        torch_attention.attend(q, keys, values, cache, additive),
+    )
+    chunk = queries(STORED_ATTENTION_ROWS + 1)
+    assert torch.equal(
+        backend.attend(chunk, keys, values, cache),
+        torch_attention.attend(chunk, keys, values, cache),
+    )
+    assert not StoredAttention(0.2, None, 48).takes_heads  # heads of 48: not a power of two
+    assert launches == []
+
+
+def test_a_batched_static_step_reads_q8_caches_in_one_launch_a_layer(model, monkeypatch):
+    # Three sequences at different lengths decode together as a GPU serves them: each layer
+    # attends all their rows in one launch, each row's logits are its own step's bit for
+    # bit, and close to torch's attention over the decoded caches.
+    launches = []
+    launch = kernel.stored_attention
+    monkeypatch.setattr(kernel, "stored_attention", lambda *a: launches.append(1) or launch(*a))
+    policy = CachePolicy(ctx=64, sinks=4, window=40, kv_type=Q8)
+
+    def prefilled(n):
+        caches = model.make_caches(policy)
+        for cache in caches:
+            cache.reserve()
+        with torch.inference_mode(), monkeypatch.context() as prompt:
+            prompt.setenv("MINIAPP_STORED_ATTENTION", "0")  # the prompts by torch: quicker here
+            model(torch.tensor([(7 * i) % 50 + 3 for i in range(n)]), caches)
+        return caches
+
+    lengths, tokens = [10, 30, 17], [5, 9, 14]
+    batch = StaticDecodeStep(model, batch=[prefilled(n) for n in lengths])
+    alone = [StaticDecodeStep(model, prefilled(n)) for n in lengths]
+    monkeypatch.setenv("MINIAPP_STORED_ATTENTION", "0")
+    by_torch = StaticDecodeStep(model, batch=[prefilled(n) for n in lengths])
+    monkeypatch.delenv("MINIAPP_STORED_ATTENTION")
+    with torch.inference_mode():
+        for _ in range(2):
+            launches.clear()
+            rows = batch.step(tokens).clone()
+            assert len(launches) == model.config.n_layers
+            assert torch.equal(rows, torch.cat([a(t) for a, t in zip(alone, tokens, strict=True)]))
+            monkeypatch.setenv("MINIAPP_STORED_ATTENTION", "0")
+            assert (by_torch.step(tokens) - rows).abs().max() < 1e-4
+            monkeypatch.delenv("MINIAPP_STORED_ATTENTION")
+            tokens = rows.argmax(-1).tolist()
+
+
+def test_a_static_step_over_q4_keys_reads_their_decoded_tiles_through_the_kernel(
+    model, monkeypatch
+):
+    # A GPU's static step decodes q4 key tiles into fp32 rows (the query's own tile exact);
+    # the kernel reads those as f32 rows and the q4 values as stored.
+    launches = []
+    launch = kernel.stored_attention
+    monkeypatch.setattr(kernel, "stored_attention", lambda *a: launches.append(1) or launch(*a))
+    policy = CachePolicy(ctx=64, sinks=4, window=40, kv_type=Q4)
+
+    def step():
+        caches = model.make_caches(policy)
+        for cache in caches:
+            cache.reserve()
+        with torch.inference_mode():
+            model(torch.tensor([(5 * i) % 40 + 3 for i in range(20)]), caches)
+        return StaticDecodeStep(model, caches)
+
+    stored = step()
+    monkeypatch.setenv("MINIAPP_STORED_ATTENTION", "0")
+    by_torch = step()
+    token = 7
+    with torch.inference_mode():
+        for _ in range(2):
+            monkeypatch.delenv("MINIAPP_STORED_ATTENTION")
+            launches.clear()
+            logits = stored(token).clone()
+            assert len(launches) == model.config.n_layers
+            monkeypatch.setenv("MINIAPP_STORED_ATTENTION", "0")
+            assert (by_torch(token) - logits).abs().max() < 1e-4
+            token = int(logits.argmax())
+
+
+def test_torch_compile_takes_the_kernel_as_one_op(model):
+    config = model.config
+    backend = StoredAttention(0.2, TorchAttention(0.2), config.head_dim)
+    filled = [_filled_cache(model, Q8, n) for n in (20, 150)]
+    stored = [(keys, values, None, cache) for cache, keys, values in filled]
+    queries = torch.randn(config.n_heads, 2, config.head_dim)
+    compiled = torch.compile(lambda q: backend.attend_one_each(q, stored), fullgraph=True)
+    eager = backend.attend_one_each(queries, stored)
+    assert (compiled(queries) - eager).abs().max() < 1e-6
+
+
+def test_the_kernel_runs_on_the_cpu_only_under_the_interpreter(monkeypatch):
+    assert stored_attention_runs(CPU)
+    monkeypatch.setenv("MINIAPP_STORED_ATTENTION", "0")
+    assert not stored_attention_runs(CPU)
