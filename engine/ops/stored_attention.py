@@ -168,16 +168,21 @@ def _combine_splits(part_max, part_sum, part_out, out, heads, real, splits, D: t
 
 
 class _Counters:
-    """Per device, a zeroed int32 counter a (row, key head) of a call: how many of its
-    programs have finished. Each call leaves them zero again."""
+    """Per device, zeroed int32 counters, one a (row, key head) of a call: how many of its
+    programs have finished. Each call leaves them zero again. Allocated once and never
+    replaced, since captured graphs hold their address."""
+
+    SIZE = 1 << 16  # rows x key heads of the largest call (256 KiB a device)
 
     def __init__(self):
         self.kept: dict[torch.device, torch.Tensor] = {}
 
     def at_least(self, n: int, device: torch.device) -> torch.Tensor:
+        if n > self.SIZE:
+            raise ValueError(f"stored attention counts at most {self.SIZE} rows x key heads")
         found = self.kept.get(device)
-        if found is None or found.numel() < n:
-            found = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        if found is None:
+            found = torch.zeros(self.SIZE, dtype=torch.int32, device=device)
             self.kept[device] = found
         return found
 
@@ -185,22 +190,33 @@ class _Counters:
 class _AddressTables:
     """Device tables of rows' addresses, kept by their contents: a captured step's call
     finds the table its warm-up built (no host-to-device copy inside a capture), and a
-    table only ever holds the addresses it is keyed by."""
+    table only ever holds the addresses it is keyed by. A table a capture used stays for
+    good: the graph reads it at every replay, so it must never be freed (one a layer and
+    graph). The others, from uncaptured calls (prompts, eager steps), go oldest first."""
 
     def __init__(self):
         self.kept: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+        self.captured: dict[tuple, torch.Tensor] = {}
 
     def table(self, entries: tuple, device: torch.device) -> torch.Tensor:
         key = (device, entries)
-        found = self.kept.get(key)
+        found = self.captured.get(key)
+        if found is not None:
+            return found
+        found = self.kept.pop(key, None)
         if found is None:
             found = torch.tensor(entries, dtype=torch.int64).view(-1, TABLE_COLUMNS).to(device)
-            self.kept[key] = found
-            if len(self.kept) > _TABLES_KEPT:
-                self.kept.popitem(last=False)
-        else:
-            self.kept.move_to_end(key)
+        if _capturing(device):
+            self.captured[key] = found
+            return found
+        self.kept[key] = found  # the newest last
+        if len(self.kept) > _TABLES_KEPT:
+            self.kept.popitem(last=False)
         return found
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 _TABLES = _AddressTables()

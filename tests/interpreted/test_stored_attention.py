@@ -105,6 +105,22 @@ def test_a_row_is_the_same_bits_alone_as_in_a_batch_of_longer_rows():
         assert torch.equal(batch[row], alone[0])
 
 
+def test_a_table_a_capture_used_outlives_any_number_of_other_tables(monkeypatch):
+    # A CUDA graph reads its address tables at every replay: once a capture has used one
+    # (the table its warm-up built), no later table may push it out and free it.
+    tables = kernel._AddressTables()
+    entry = (1, 2, 3, 4, 0, 6)
+    warmed_up = tables.table(entry, CPU)
+    monkeypatch.setattr(kernel, "_capturing", lambda device: True)
+    assert tables.table(entry, CPU) is warmed_up
+    monkeypatch.setattr(kernel, "_capturing", lambda device: False)
+    for n in range(kernel._TABLES_KEPT + 5):
+        tables.table((n, 0, 0, 0, 0, 1), CPU)
+    assert len(tables.kept) == kernel._TABLES_KEPT  # the uncaptured ones are bounded
+    assert tables.table(entry, CPU) is warmed_up
+    assert tables.table(entry, CPU).tolist() == [list(entry)]
+
+
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("stored") / "tiny.gguf", GEMMA3)
