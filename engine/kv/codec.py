@@ -4,6 +4,8 @@ graph-captured step); on the CPU the native library does the same, bit for bit."
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -46,10 +48,12 @@ def decode(
     return _rotated(values, matrix) if rotated else values
 
 
+@functools.cache
 def rotation_matrix(head_dim: int, device: torch.device) -> torch.Tensor:
     """fp32 [head_dim, head_dim]: `rotate` as a matrix, x @ it. On a GPU one product does
     what the butterflies take 3 kernels a level for (18 for heads of 64), in every layer's
-    encode and decode of every step; the result differs from them only in rounding."""
+    encode and decode of every step; the result differs from them only in rounding. One a
+    head size and device, shared by every cache (read only)."""
     return rotate(torch.eye(head_dim)).to(device)
 
 
@@ -192,13 +196,15 @@ class KVCodec:
         self.dtype = storage_dtype(kind)
         self._native_code = kind.code + (self.ROTATED if self.rotated else 0)
         self.native = None
-        self.matrix = None  # the rotation as one product, off the CPU
+        # The rotation as a matrix, for kernels that rotate queries and outputs themselves.
+        self.rotation = rotation_matrix(head_dim, device) if self.rotated else None
+        self.matrix = None  # the rotation as one product in this codec's torch path: off the CPU
         if kind.blocked and device.type == "cpu":
             from ..platform.kernels import cpu_kv_codec  # lazily: it loads the native library
 
             self.native = cpu_kv_codec()
-        elif self.rotated:
-            self.matrix = rotation_matrix(head_dim, device)
+        else:
+            self.matrix = self.rotation
 
     @property
     def kernel_code(self) -> int:
@@ -228,13 +234,6 @@ class KVCodec:
         if self.native is not None and stored.device.type == "cpu":
             return self.native.decode(self._native_code, stored, self.head_dim)
         return decode(self.kind, stored, self.head_dim, self.rotated, self._matrix())
-
-    def rotated_as_stored(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., head_dim] in the rotation these rows are stored in (itself where they are
-        not rotated): a kernel reading the stored rows attends queries rotated so, and its
-        output over rotated values rotates back the same way (the rotation is its own
-        inverse)."""
-        return _rotated(x, self._matrix()) if self.rotated else x
 
     def _matrix(self) -> torch.Tensor | None:
         """The rotation as one product, except under torch.compile, where the butterflies

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kv.cache import Cache
+from ..kv.codec import KVCodec
 from ..platform.devices import stored_attention_unavailable
 
 # (keys, values, mask, cache) of one sequence's decode row.
@@ -230,8 +231,7 @@ class StoredAttention:
 
     def __init__(self, scale: float, fallback: TorchAttention, head_dim: int):
         self.scale, self.fallback = scale, fallback
-        # The kernel's tiles span a head: a power of two, and at least tl.dot's 16.
-        self.takes_heads = head_dim >= 16 and head_dim & (head_dim - 1) == 0
+        self.takes_heads = kernel_takes_heads(head_dim)
 
     def attend(self, queries, keys, values, cache: Cache, mask=None):
         rows = queries.shape[1]
@@ -280,23 +280,53 @@ class StoredAttention:
         """queries [heads, rows, head_dim]; rows: (keys, values, mask) a query row."""
         from ..ops.stored_attention import stored_attention
 
-        ready = cache.key_codec.rotated_as_stored(queries.transpose(0, 1).float()).contiguous()
-        # Rotated values come out rotated: in fp32 until they are turned back. Otherwise the
-        # kernel writes the dtype attention hands on (no cast after it).
-        dtype = attention_dtype(queries.device, cache)
-        rotated = cache.value_codec.rotated
+        # Quantized rows are stored rotated; the kernel turns queries and output itself.
+        rotation = cache.key_codec.rotation
+        if rotation is None:
+            rotation = cache.value_codec.rotation
         out = stored_attention(
-            ready,
+            queries.transpose(0, 1).float().contiguous(),
             [k for k, _, _ in rows],
             [v for _, v, _ in rows],
             [m for _, _, m in rows],
             list(kernel_types(cache)),
             self.scale,
-            torch.float32 if rotated else dtype,
+            attention_dtype(queries.device, cache),
+            rotation,
         )
-        if rotated:
-            out = _as(cache.value_codec.rotated_as_stored(out), dtype)
         return out.transpose(0, 1)[None]
+
+
+def kernel_takes_heads(head_dim: int) -> bool:
+    """Whether the Triton kernels read and write heads of this size: their tiles span a
+    head, so a power of two, and at least tl.dot's 16."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def write_rows_as_stored(
+    new_keys: torch.Tensor,
+    new_values: torch.Tensor,
+    stores: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    key_codec: KVCodec,
+    value_codec: KVCodec,
+) -> None:
+    """new_keys and new_values [entries, kv_heads, head_dim], encoded as the codecs store
+    them, into (keys, values, slots) of `stores` (whole storages, int64 slots on their
+    device), entries in order: as many as the slots together. One Triton launch
+    (ops/stored_attention.py) does what `index_copy_(2, slots, codec.encode(k))` does for
+    each store."""
+    from ..ops.stored_attention import write_stored
+
+    rotation = key_codec.rotation if key_codec.rotation is not None else value_codec.rotation
+    write_stored(
+        new_keys.float(),
+        new_values.float(),
+        [keys for keys, _, _ in stores],
+        [values for _, values, _ in stores],
+        [slots for _, _, slots in stores],
+        [key_codec.kind.code, value_codec.kind.code],
+        rotation,
+    )
 
 
 def _row_masks(mask: torch.Tensor | None, rows: int) -> list[torch.Tensor | None] | None:

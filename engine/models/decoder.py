@@ -54,6 +54,7 @@ from .attention_backends import (
     TorchAttention,
     kernel_types,
     stored_attention_runs,
+    write_rows_as_stored,
 )
 from .config import DecoderConfig, RopeConfig
 from .exact_rows import RowMasks
@@ -215,13 +216,16 @@ class Attention:
         backend in one call."""
         outs: list[torch.Tensor | None] = []
         decodes: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor | None, Cache]] = []
+        written = self._write_decode_rows(qk, v, rows)
         for span, cache, mask in rows:
             if mask is not None:  # built on the CPU, like a pass's masks
                 mask = mask.to(qk.device)
             if span.kind is RowKind.DECODE:
-                keys, values = cache.update_and_fetch(
-                    qk[self.n_heads :, span.rows][None], v[:, span.rows][None]
-                )
+                k_row, v_row = qk[self.n_heads :, span.rows][None], v[:, span.rows][None]
+                if id(cache) in written:
+                    keys, values = cache.update_and_fetch(k_row, v_row, written=True)
+                else:
+                    keys, values = cache.update_and_fetch(k_row, v_row)
                 decodes.append((len(outs), span.first, keys, values, mask, cache))
                 outs.append(None)
             else:
@@ -234,6 +238,29 @@ class Attention:
                 outs[index] = attended[:, :, j : j + 1]
                 _observe(cache, queries[:, j : j + 1], self.scale)
         return torch.cat(outs, dim=2)
+
+    def _write_decode_rows(self, qk, v, rows: LayerRows) -> set[int]:
+        """The decode rows' new keys and values, written as stored in one launch for every
+        row whose cache lets the Triton kernel write it (a static step's caches, all of one
+        kind); the others write their own. Returns the ids of the caches written."""
+        writable = [
+            (span, cache)
+            for span, cache, _ in rows
+            if span.kind is RowKind.DECODE
+            and span.count == 1
+            and getattr(cache, "kernel_writes", False)
+        ]
+        if len(writable) < 2 or len({kernel_types(cache) for _, cache in writable}) > 1:
+            return set()
+        picked = [span.first for span, _ in writable]
+        write_rows_as_stored(
+            qk[self.n_heads :, picked].transpose(0, 1),
+            v[:, picked].transpose(0, 1),
+            [(cache.keys, cache.values, cache.inputs.write_at) for _, cache in writable],
+            writable[0][1].key_codec,
+            writable[0][1].value_codec,
+        )
+        return {id(cache) for _, cache in writable}
 
     def _attend_rows(self, qk, v, cache: Cache, masks: RowMasks) -> torch.Tensor:
         """One token at a time, exactly as decoding would: a batched attention call rounds

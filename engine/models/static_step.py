@@ -43,6 +43,7 @@ from ..kv.types import F32
 from ..ops.layers import Rope, RopeTables, apply_rope
 from ..platform.graphs import Runner, eager_runner
 from ..tokens.device_sampler import SCALARS, SamplingTensors, sample
+from .attention_backends import kernel_takes_heads, stored_attention_runs, write_rows_as_stored
 from .decoder import DecoderModel
 from .pass_metadata import PassMetadata, RowKind, RowSpan
 from .placement import CPU
@@ -193,16 +194,35 @@ class _StaticCacheView:
         if self.key_tiles is not None:
             self.lead = getattr(cache, "lead", None)
             self.key_codec = KVCodec(F32, self.key_tiles.head_dim, self.keys.device)
+        # Where Triton runs, one kernel writes new q8 or q4 rows as stored, rotated and
+        # quantized in one pass: torch's encode takes several kernels a layer. 16-bit rows
+        # stay with torch, whose cast and copy fuse into the kernel making the keys (a
+        # custom op would add two kernels a layer).
+        self.kernel_writes = (
+            writes
+            and self.key_tiles is None
+            and (cache.key_codec.rotated or cache.value_codec.rotated)
+            and stored_attention_runs(self.keys.device)
+            and kernel_takes_heads(self.key_codec.head_dim)
+        )
 
-    def update_and_fetch(self, k: torch.Tensor, v: torch.Tensor):
+    def update_and_fetch(self, k: torch.Tensor, v: torch.Tensor, written: bool = False):
+        """`written`: the decoder wrote k and v already, with other rows', by the kernel."""
         inputs, codec = self.inputs, self.key_codec
         values = self.values[:, :, self.start : self.stop]
         if not self.writes:
             return self.keys[:, :, self.start : self.stop], values
-        self.values.index_copy_(2, inputs.write_at, self.value_codec.encode(v))
-        if self.key_tiles is not None:
-            return self._tiled_keys(k), values
-        self.keys.index_copy_(2, inputs.write_at, codec.encode(k))
+        if self.kernel_writes:
+            if not written:
+                stores = [(self.keys, self.values, inputs.write_at)]
+                write_rows_as_stored(
+                    k[0].transpose(0, 1), v[0].transpose(0, 1), stores, codec, self.value_codec
+                )
+        else:
+            self.values.index_copy_(2, inputs.write_at, self.value_codec.encode(v))
+            if self.key_tiles is not None:
+                return self._tiled_keys(k), values
+            self.keys.index_copy_(2, inputs.write_at, codec.encode(k))
         if self.sinks:  # sinks re-rotated into the newest query's frame (idempotent)
             own = codec.decode(self.keys[:, :, : self.sinks])[0].transpose(0, 1)
             framed = apply_rope(own, inputs.sink_shift).transpose(0, 1)[None]

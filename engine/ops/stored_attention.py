@@ -17,9 +17,15 @@ splits fall at fixed key positions, and splits past a row's keys add exact zeros
 comes out bit for bit the same alone, in any batch, or as a verification row over the same
 keys: what the CPU's native kernel guarantees, kept on a GPU.
 
+q8 and q4 rows are stored rotated (kv/codec.py): the kernel turns the queries into the
+rotation and the output back out of it itself, so those cost no kernels of their own. A
+second kernel (`write_stored`) writes a step's new keys and values the way the codecs
+encode them, every row's in one launch, through the same kind of table.
+
 This module imports Triton; attention_backends.py loads it only where Triton runs (a CUDA
 or ROCm build of torch, or Triton's CPU interpreter, `TRITON_INTERPRET=1`, which the tests
-use). The pure-torch reference is the codecs' decode followed by SDPA (TorchAttention)."""
+use). The pure-torch references are the codecs' decode followed by SDPA (TorchAttention),
+and the codecs' encode followed by index_copy_."""
 
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ import triton.language as tl
 TOKENS_PER_SPLIT = 128  # keys a program reads; fixed, so that a row's sums keep their order
 BLOCK_TOKENS = 32  # keys a program loads at once
 MIN_DOT = 16  # tl.dot's smallest side: the query heads of a key head are padded to it
+QUANTIZED = 3  # type codes from here on (q8, q4) are stored rotated
 TABLE_COLUMNS = 6  # key address, value address, key head stride, value head stride, mask, length
 _TABLES_KEPT = 1024
 
@@ -78,6 +85,7 @@ def _split_partials(
     part_out,  # fp32 [rows, HEADS, splits, D]: its values weighted alike
     out,  # [rows, HEADS, D]: the attended values
     counters,  # int32, zero: finished programs a (row, key head)
+    rotation,  # fp32 [D, D]: the rotation quantized rows are stored in (its own inverse)
     scale_log2,
     splits,
     HEADS: tl.constexpr,
@@ -106,6 +114,11 @@ def _split_partials(
         mask=(g < GROUP)[:, None],
         other=0.0,
     )
+    # Keys stored rotated meet queries rotated alike (a product keeps its value when both
+    # sides turn by one orthogonal matrix). Each program rotates its own copy: a [16, D] x
+    # [D, D] product costs less than a kernel of its own.
+    if KEY_KIND >= 3:  # q8, q4
+        q = tl.dot(q, _rotation(rotation, D), input_precision="ieee")
     best = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     total = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D], tl.float32)
@@ -141,15 +154,44 @@ def _split_partials(
     tl.debug_barrier()
     counter = counters + row * tl.num_programs(1) + kv_head
     if tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
-        _combine_splits(part_max, part_sum, part_out, out, row * HEADS + heads, real, splits, D)
+        _combine_splits(
+            part_max,
+            part_sum,
+            part_out,
+            out,
+            rotation,
+            row * HEADS + heads,
+            real,
+            splits,
+            D,
+            VALUE_KIND >= 3,
+        )
         tl.atomic_xchg(counter, 0, sem="relaxed")
 
 
 @triton.jit
-def _combine_splits(part_max, part_sum, part_out, out, heads, real, splits, D: tl.constexpr):
+def _rotation(rotation, D: tl.constexpr):
+    d = tl.arange(0, D)
+    return tl.load(rotation + d[:, None] * D + d[None, :])
+
+
+@triton.jit
+def _combine_splits(
+    part_max,
+    part_sum,
+    part_out,
+    out,
+    rotation,
+    heads,
+    real,
+    splits,
+    D: tl.constexpr,
+    ROTATE: tl.constexpr,
+):
     """The query `heads` ([GROUP_PAD] indices into the calls' rows x heads, `real` where a
     head exists): their splits combined one after another, in order, so that the result
-    does not depend on which program combines."""
+    does not depend on which program combines. Values stored rotated come out rotated, so
+    with ROTATE the result is turned back (the rotation is its own inverse)."""
     d = tl.arange(0, D)
     first = heads * splits
     best = tl.load(part_max + first, mask=real, other=float("-inf"))
@@ -164,7 +206,10 @@ def _combine_splits(part_max, part_sum, part_out, out, heads, real, splits, D: t
         rows = part_out + (first + split)[:, None] * D + d[None, :]
         acc += tl.load(rows, mask=real[:, None], other=0.0) * weight[:, None]
     total = tl.where(real, total, 1.0)
-    tl.store(out + heads[:, None] * D + d[None, :], acc / total[:, None], mask=real[:, None])
+    result = acc / total[:, None]
+    if ROTATE:
+        result = tl.dot(result, _rotation(rotation, D), input_precision="ieee")
+    tl.store(out + heads[:, None] * D + d[None, :], result, mask=real[:, None])
 
 
 class _Counters:
@@ -254,13 +299,20 @@ def stored_attention(
     kinds: list[int],
     scale: float,
     out_dtype: torch.dtype,
+    rotation: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """queries fp32 [rows, heads, head_dim] (already in the stored rows' rotation); row r
-    attends keys[r] and values[r] ([1, kv_heads, tokens, width] as stored, of type codes
-    `kinds` = [key code, value code]) where masks[r] (bool, None: everywhere) allows.
-    Returns [rows, heads, head_dim] in out_dtype. A custom op: torch.compile calls it as
-    it is, and a CUDA graph captures its one launch."""
+    """queries fp32 [rows, heads, head_dim]; row r attends keys[r] and values[r] ([1,
+    kv_heads, tokens, width] as stored, of type codes `kinds` = [key code, value code])
+    where masks[r] (bool, None: everywhere) allows. q8 and q4 rows are stored rotated:
+    `rotation` (fp32 [head_dim, head_dim], x @ it) is that rotation, needed when either
+    kind is one of them; the kernel rotates queries and output itself. Returns [rows,
+    heads, head_dim] in out_dtype. A custom op: torch.compile calls it as it is, and a
+    CUDA graph captures its one launch."""
     rows, heads, head_dim = queries.shape
+    if rotation is None:
+        if max(kinds) >= QUANTIZED:
+            raise ValueError("rows stored rotated need their rotation")
+        rotation = queries  # never read
     kv_heads = keys[0].shape[1]
     group = heads // kv_heads
     entries = sum((_entry(k, v, m) for k, v, m in zip(keys, values, masks, strict=True)), ())
@@ -278,6 +330,7 @@ def stored_attention(
         part_out,
         out,
         _COUNTERS.at_least(rows * kv_heads, queries.device),
+        rotation,
         scale * 1.4426950408889634,  # log2(e): the kernel's exponentials are exp2
         splits,
         HEADS=heads,
@@ -295,5 +348,188 @@ def stored_attention(
 
 
 @stored_attention.register_fake
-def _(queries, keys, values, masks, kinds, scale, out_dtype):
+def _(queries, keys, values, masks, kinds, scale, out_dtype, rotation=None):
     return queries.new_empty(queries.shape, dtype=out_dtype)
+
+
+# Writing new keys and values as stored. The rotation and quantization of a q8 or q4 row
+# are a dozen small ops in torch, which inductor splits into several kernels a layer (a
+# reduction per block, then the codes, then the bytes put together); here they are one
+# launch for the keys and values of every row of a call.
+
+F16_MAX = tl.constexpr(65504.0)  # a scale past f16's range saturates, as the codecs do
+
+
+@triton.jit
+def _rounded(y):
+    """Round half to even, as torch.round: y - floor(y) is exact at these sizes."""
+    down = tl.floor(y)
+    frac = y - down
+    odd = down - 2.0 * tl.floor(down * 0.5)
+    up = (frac > 0.5) | ((frac == 0.5) & (odd != 0.0))
+    return tl.where(up, down + 1.0, down)
+
+
+@triton.jit
+def _f16(x):
+    return tl.minimum(tl.maximum(x, -F16_MAX), F16_MAX).to(tl.float16)
+
+
+@triton.jit
+def _bf16(x):
+    """fp32 -> bf16 rounded to nearest even, as torch rounds (on its bits: Triton's
+    interpreter truncates). NaN passes as it is."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    rounded = bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return tl.where(x == x, rounded, x.to(tl.bfloat16))
+
+
+@triton.jit
+def _values_at(source, rotation, columns, ROTATE: tl.constexpr, D: tl.constexpr):
+    """fp32 values of one row (source: D floats) at `columns` (any shape), rotated first
+    with ROTATE (x @ rotation)."""
+    if ROTATE:
+        k = tl.arange(0, D)
+        x = tl.load(source + k)
+        turn = tl.load(rotation + k[:, None, None] * D + columns[None, :, :])
+        return tl.sum(x[:, None, None] * turn, axis=0)
+    return tl.load(source + columns)
+
+
+@triton.jit
+def _store_row(source, base, rotation, KIND: tl.constexpr, D: tl.constexpr, ROW: tl.constexpr):
+    """One row (source: D fp32 values) stored as KIND at `base` (byte pointer to its
+    slot), exactly as the codecs' encode lays it out (kv/types.py)."""
+    d = tl.arange(0, D)
+    halves = base.to(tl.pointer_type(tl.float16), bitcast=True)
+    if KIND == 0:
+        tl.store(base.to(tl.pointer_type(tl.float32), bitcast=True) + d, tl.load(source + d))
+    elif KIND == 1:
+        tl.store(halves + d, tl.load(source + d).to(tl.float16))
+    elif KIND == 2:
+        brain = base.to(tl.pointer_type(tl.bfloat16), bitcast=True)
+        tl.store(brain + d, _bf16(tl.load(source + d)))
+    elif KIND == 3:
+        # q8: codes round(x / scale) in [-127, 127], scale = a block's largest |x| / 127.
+        columns = tl.arange(0, D // 32)[:, None] * 32 + tl.arange(0, 32)[None, :]
+        x = _values_at(source, rotation, columns, True, D)
+        scale16 = _f16(tl.max(tl.abs(x), axis=1) / 127.0)
+        scale = scale16.to(tl.float32)[:, None]
+        safe = tl.where(scale > 0, scale, 1.0)
+        codes = tl.where(scale > 0, _rounded(x / safe), 0.0)
+        codes = tl.minimum(tl.maximum(codes, -127.0), 127.0).to(tl.int8)
+        tl.store(base.to(tl.pointer_type(tl.int8), bitcast=True) + columns, codes)
+        tl.store(halves + D // 2 + tl.arange(0, D // 32), scale16)
+    else:
+        # q4: codes round((x - low) / scale) in [0, 15] over a block's minimum and range;
+        # byte i of a block holds value i (low nibble) and value i + 16 (high nibble).
+        columns = tl.arange(0, D // 32)[:, None] * 32 + tl.arange(0, 16)[None, :]
+        first = _values_at(source, rotation, columns, True, D)
+        second = _values_at(source, rotation, columns + 16, True, D)
+        low16 = _f16(tl.minimum(tl.min(first, axis=1), tl.min(second, axis=1)))
+        high = tl.maximum(tl.max(first, axis=1), tl.max(second, axis=1))
+        scale16 = _f16((high - low16.to(tl.float32)) / 15.0)
+        low = low16.to(tl.float32)[:, None]
+        scale = scale16.to(tl.float32)[:, None]
+        safe = tl.where(scale > 0, scale, 1.0)
+        a = tl.where(scale > 0, _rounded((first - low) / safe), 0.0)
+        b = tl.where(scale > 0, _rounded((second - low) / safe), 0.0)
+        a = tl.minimum(tl.maximum(a, 0.0), 15.0).to(tl.uint8)
+        b = tl.minimum(tl.maximum(b, 0.0), 15.0).to(tl.uint8)
+        packed = tl.arange(0, D // 32)[:, None] * 16 + tl.arange(0, 16)[None, :]
+        tl.store(base + packed, a | (b << 4))
+        tl.store(halves + D // 4 + tl.arange(0, D // 32), scale16)
+        tl.store(halves + D // 4 + D // 32 + tl.arange(0, D // 32), low16)
+
+
+@triton.jit
+def _write_rows(
+    new_keys,  # fp32 [entries, kv_heads, D]
+    new_values,  # fp32 [entries, kv_heads, D]
+    table,  # int64 [entries, TABLE_COLUMNS]: key store, value store, head strides, slot
+    rotation,  # fp32 [D, D]
+    KV_HEADS: tl.constexpr,
+    D: tl.constexpr,
+    KEY_KIND: tl.constexpr,
+    VALUE_KIND: tl.constexpr,
+    KEY_ROW: tl.constexpr,
+    VALUE_ROW: tl.constexpr,
+):
+    entry_at, head, side = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    entry = table + entry_at * 6
+    slot = tl.load(tl.load(entry + 4).to(tl.pointer_type(tl.int64)))
+    source = (entry_at * KV_HEADS + head) * D
+    if side == 0:
+        base = tl.load(entry).to(tl.pointer_type(tl.uint8)) + head * tl.load(entry + 2)
+        _store_row(new_keys + source, base + slot * KEY_ROW, rotation, KEY_KIND, D, KEY_ROW)
+    else:
+        base = tl.load(entry + 1).to(tl.pointer_type(tl.uint8)) + head * tl.load(entry + 3)
+        _store_row(new_values + source, base + slot * VALUE_ROW, rotation, VALUE_KIND, D, VALUE_ROW)
+
+
+def _write_entries(keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> tuple:
+    """Table entries for writing into keys and values (a cache's whole storage [1,
+    kv_heads, slots, width], rows contiguous) at the slots in int64 `slots` [n], one a
+    slot."""
+    for store in (keys, values):
+        if store.stride(3) != 1 or store.stride(2) != store.shape[3]:
+            raise ValueError("stored writes fill whole rows, one after another")
+    if slots.dtype is not torch.int64 or slots.stride(-1) != 1:
+        raise ValueError("stored writes take int64 slots")
+    key_head = keys.stride(1) * keys.element_size()
+    value_head = values.stride(1) * values.element_size()
+    at = slots.data_ptr()
+    return sum(
+        (
+            (keys.data_ptr(), values.data_ptr(), key_head, value_head, at + 8 * i, 0)
+            for i in range(slots.numel())
+        ),
+        (),
+    )
+
+
+@torch.library.custom_op("miniapp::write_stored", mutates_args=("key_stores", "value_stores"))
+def write_stored(
+    new_keys: torch.Tensor,
+    new_values: torch.Tensor,
+    key_stores: list[torch.Tensor],
+    value_stores: list[torch.Tensor],
+    slots: list[torch.Tensor],
+    kinds: list[int],
+    rotation: torch.Tensor | None = None,
+) -> None:
+    """new_keys and new_values fp32 [entries, kv_heads, head_dim], stored as `kinds` ([key
+    code, value code]) into key_stores[c] and value_stores[c] (whole storages [1, kv_heads,
+    slots, width]) at the slots slots[c] (int64 [n_c], on the device: a graph replays them),
+    entries taken in order, n_0 + n_1 + ... of them. q8 and q4 rows are stored rotated by
+    `rotation`. One launch for all."""
+    entries, kv_heads, head_dim = new_keys.shape
+    if rotation is None:
+        if max(kinds) >= QUANTIZED:
+            raise ValueError("rows stored rotated need their rotation")
+        rotation = new_keys  # never read
+    table_entries = sum(
+        (_write_entries(k, v, s) for k, v, s in zip(key_stores, value_stores, slots, strict=True)),
+        (),
+    )
+    if len(table_entries) != entries * TABLE_COLUMNS:
+        raise ValueError("one new key and value a slot")
+    table = _TABLES.table(table_entries, new_keys.device)
+    _write_rows[(entries, kv_heads, 2)](
+        new_keys.contiguous(),
+        new_values.contiguous(),
+        table,
+        rotation,
+        KV_HEADS=kv_heads,
+        D=head_dim,
+        KEY_KIND=kinds[0],
+        VALUE_KIND=kinds[1],
+        KEY_ROW=key_stores[0].shape[3] * key_stores[0].element_size(),
+        VALUE_ROW=value_stores[0].shape[3] * value_stores[0].element_size(),
+    )
+
+
+@write_stored.register_fake
+def _(new_keys, new_values, key_stores, value_stores, slots, kinds, rotation=None):
+    return None

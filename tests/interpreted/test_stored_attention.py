@@ -65,21 +65,60 @@ def test_the_kernel_reads_each_stored_type_as_its_codec_decodes_it(key_type, val
     masks = [None] + [torch.rand(n, generator=generator) > 0.3 for n in LENGTHS[1:]]
     for mask in masks[1:]:
         mask[-1] = True  # a row always sees its own key
+    rotation = key_codec.rotation if key_codec.rotated else value_codec.rotation
     got = kernel.stored_attention(
-        key_codec.rotated_as_stored(queries),
+        queries,
         keys,
         values,
         masks,
         [key_type.code, value_type.code],
         scale,
         torch.float32,
+        rotation,
     )
-    got = value_codec.rotated_as_stored(got)
     for row in range(len(LENGTHS)):
         want = _reference(
             queries[row], keys[row], values[row], masks[row], key_codec, value_codec, scale
         )
         assert (got[row].double() - want).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("key_type", "value_type", "head_dim"),
+    [(F32, F32, 32), (F16, F16, 64), (BF16, BF16, 32), (Q8, Q8, 64), (Q4, Q4, 128), (Q8, Q4, 32)],
+    ids=["f32", "f16", "bf16", "q8", "q4-rows", "q8/q4"],
+)
+def test_the_write_kernel_stores_rows_as_the_codecs_encode_them(key_type, value_type, head_dim):
+    # Two caches in one launch, each at its own slots: every written row has the codec's
+    # bytes (rotation, scales and codes rounded alike), and no other slot is touched.
+    key_codec = KVCodec(key_type, head_dim, CPU)
+    value_codec = KVCodec(value_type, head_dim, CPU)
+    generator = torch.Generator().manual_seed(11)
+    stores = [(key_codec.empty(2, 12), value_codec.empty(2, 12)) for _ in range(2)]
+    slots = [torch.tensor([4, 9, 0]), torch.tensor([7])]
+    new_keys = torch.randn(4, 2, head_dim, generator=generator) * 3
+    new_values = torch.randn(4, 2, head_dim, generator=generator)
+    new_keys[1, 0] = 0.0  # a block of zeros: scale 0, codes 0
+    rotation = key_codec.rotation if key_codec.rotated else value_codec.rotation
+    kernel.write_stored(
+        new_keys,
+        new_values,
+        [k for k, _ in stores],
+        [v for _, v in stores],
+        slots,
+        [key_type.code, value_type.code],
+        rotation,
+    )
+    first = 0
+    for (keys, values), at in zip(stores, slots, strict=True):
+        rows = slice(first, first + len(at))
+        first += len(at)
+        want_keys = key_codec.encode(new_keys[rows].transpose(0, 1)[None])
+        want_values = value_codec.encode(new_values[rows].transpose(0, 1)[None])
+        assert torch.equal(keys[:, :, at], want_keys)
+        assert torch.equal(values[:, :, at], want_values)
+        others = [s for s in range(12) if s not in at.tolist()]
+        assert not keys[:, :, others].any() and not values[:, :, others].any()
 
 
 def test_a_row_is_the_same_bits_alone_as_in_a_batch_of_longer_rows():
@@ -90,8 +129,9 @@ def test_a_row_is_the_same_bits_alone_as_in_a_batch_of_longer_rows():
     queries = torch.randn(3, 4, 64, generator=generator)
     keys = [_stored(codec, 2, n, seed=n) for n in (40, 700, 260)]
     values = [_stored(codec, 2, n, seed=n + 1) for n in (40, 700, 260)]
+    turn = codec.rotation
     f32 = torch.float32
-    batch = kernel.stored_attention(queries, keys, values, [None] * 3, [3, 3], 0.125, f32)
+    batch = kernel.stored_attention(queries, keys, values, [None] * 3, [3, 3], 0.125, f32, turn)
     for row in range(3):
         alone = kernel.stored_attention(
             queries[row : row + 1],
@@ -101,6 +141,7 @@ def test_a_row_is_the_same_bits_alone_as_in_a_batch_of_longer_rows():
             [3, 3],
             0.125,
             f32,
+            turn,
         )
         assert torch.equal(batch[row], alone[0])
 
@@ -207,9 +248,10 @@ def test_a_batched_static_step_reads_q8_caches_in_one_launch_a_layer(model, monk
     # Three sequences at different lengths decode together as a GPU serves them: each layer
     # attends all their rows in one launch, each row's logits are its own step's bit for
     # bit, and close to torch's attention over the decoded caches.
-    launches = []
-    launch = kernel.stored_attention
+    launches, writes = [], []
+    launch, write = kernel.stored_attention, kernel.write_stored
     monkeypatch.setattr(kernel, "stored_attention", lambda *a: launches.append(1) or launch(*a))
+    monkeypatch.setattr(kernel, "write_stored", lambda *a: writes.append(1) or write(*a))
     policy = CachePolicy(ctx=64, sinks=4, window=40, kv_type=Q8)
 
     def prefilled(n):
@@ -229,14 +271,38 @@ def test_a_batched_static_step_reads_q8_caches_in_one_launch_a_layer(model, monk
     monkeypatch.delenv("MINIAPP_STORED_ATTENTION")
     with torch.inference_mode():
         for _ in range(2):
-            launches.clear()
+            launches.clear(), writes.clear()
             rows = batch.step(tokens).clone()
             assert len(launches) == model.config.n_layers
+            # The rows' new keys and values written as stored, by one launch a layer too.
+            assert len(writes) == model.config.n_layers
             assert torch.equal(rows, torch.cat([a(t) for a, t in zip(alone, tokens, strict=True)]))
             monkeypatch.setenv("MINIAPP_STORED_ATTENTION", "0")
             assert (by_torch.step(tokens) - rows).abs().max() < 1e-4
             monkeypatch.delenv("MINIAPP_STORED_ATTENTION")
             tokens = rows.argmax(-1).tolist()
+    # What the kernel wrote is what torch's encode wrote (at most a rounding edge apart).
+    pairs = zip(sum(batch.sequences, []), sum(by_torch.sequences, []), strict=True)
+    for ours, theirs in pairs:
+        for a, b in ((ours.keys, theirs.keys), (ours.values, theirs.values)):
+            assert (a != b).float().mean() < 0.01
+            codec = ours.key_codec
+            assert (codec.decode(a) - codec.decode(b)).abs().max() < 0.1
+
+
+def test_sixteen_bit_rows_are_written_by_torch_where_the_cast_fuses(model, monkeypatch):
+    # bf16 rows need only a cast, which inductor fuses into the kernel making the keys: the
+    # write kernel would add launches there, so it writes quantized rows only.
+    writes = []
+    write = kernel.write_stored
+    monkeypatch.setattr(kernel, "write_stored", lambda *a: writes.append(1) or write(*a))
+    caches = model.make_caches(CachePolicy(ctx=64, kv_type=BF16))
+    for cache in caches:
+        cache.reserve()
+    with torch.inference_mode():
+        model(torch.tensor([3, 8, 13]), caches)
+        StaticDecodeStep(model, batch=[caches]).step([5])
+    assert writes == []
 
 
 def test_a_static_step_over_q4_keys_reads_their_decoded_tiles_through_the_kernel(
