@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from ..kv.cache import Cache
 from ..kv.codec import KVCodec
+from ..ops.layers import RopeTables
 from ..platform.devices import stored_attention_unavailable
 
 # (keys, values, mask, cache) of one sequence's decode row.
@@ -327,6 +328,40 @@ def write_rows_as_stored(
         [key_codec.kind.code, value_codec.kind.code],
         rotation,
     )
+
+
+def reframe_sinks_as_stored(
+    stores: list[tuple[torch.Tensor, RopeTables]], sinks: int, key_codec: KVCodec
+) -> None:
+    """Each (keys, shift) of `stores`: the keys' sinks, stored in slots 0..sinks-1, turned
+    by the shift's RoPE tables into slots sinks..2*sinks-1, as stored, by one Triton
+    launch for all (ops/stored_attention.py): what decode, apply_rope and encode do."""
+    from ..ops.stored_attention import reframe_sinks
+
+    rope = stores[0][1].rope
+    reframe_sinks(
+        [keys for keys, _ in stores],
+        [shift.cos.reshape(-1) for _, shift in stores],
+        [shift.signed_sin.reshape(-1) for _, shift in stores],
+        sinks,
+        key_codec.kind.code,
+        rope.interleaved,
+        rope.rotary_dim,
+        key_codec.rotation,
+    )
+
+
+def write_static_rows(views: list, new_keys: torch.Tensor, new_values: torch.Tensor) -> None:
+    """A static step's cache views (all of one kind, each writing one token), in Triton:
+    new_keys and new_values [views, kv_heads, head_dim] written as stored at each view's
+    slot in one launch, then every view's sinks turned into its frame in one more (after
+    the writes: a fresh cache's new key may be a sink)."""
+    first = views[0]
+    stores = [(view.keys, view.values, view.inputs.write_at) for view in views]
+    write_rows_as_stored(new_keys, new_values, stores, first.key_codec, first.value_codec)
+    if first.sinks:
+        shifted = [(view.keys, view.inputs.sink_shift) for view in views]
+        reframe_sinks_as_stored(shifted, first.sinks, first.key_codec)
 
 
 def _row_masks(mask: torch.Tensor | None, rows: int) -> list[torch.Tensor | None] | None:

@@ -54,7 +54,7 @@ from .attention_backends import (
     TorchAttention,
     kernel_types,
     stored_attention_runs,
-    write_rows_as_stored,
+    write_static_rows,
 )
 from .config import DecoderConfig, RopeConfig
 from .exact_rows import RowMasks
@@ -242,7 +242,8 @@ class Attention:
     def _write_decode_rows(self, qk, v, rows: LayerRows) -> set[int]:
         """The decode rows' new keys and values, written as stored in one launch for every
         row whose cache lets the Triton kernel write it (a static step's caches, all of one
-        kind); the others write their own. Returns the ids of the caches written."""
+        kind), and their sinks turned into the frame in one more; the others write their
+        own. Returns the ids of the caches written."""
         writable = [
             (span, cache)
             for span, cache, _ in rows
@@ -250,16 +251,11 @@ class Attention:
             and span.count == 1
             and getattr(cache, "kernel_writes", False)
         ]
-        if len(writable) < 2 or len({kernel_types(cache) for _, cache in writable}) > 1:
+        if len(writable) < 2 or len({(kernel_types(c), c.sinks) for _, c in writable}) > 1:
             return set()
         picked = [span.first for span, _ in writable]
-        write_rows_as_stored(
-            qk[self.n_heads :, picked].transpose(0, 1),
-            v[:, picked].transpose(0, 1),
-            [(cache.keys, cache.values, cache.inputs.write_at) for _, cache in writable],
-            writable[0][1].key_codec,
-            writable[0][1].value_codec,
-        )
+        new_keys = qk[self.n_heads :, picked].transpose(0, 1)
+        write_static_rows([cache for _, cache in writable], new_keys, v[:, picked].transpose(0, 1))
         return {id(cache) for _, cache in writable}
 
     def _attend_rows(self, qk, v, cache: Cache, masks: RowMasks) -> torch.Tensor:

@@ -43,7 +43,7 @@ from ..kv.types import F32
 from ..ops.layers import Rope, RopeTables, apply_rope
 from ..platform.graphs import Runner, eager_runner
 from ..tokens.device_sampler import SCALARS, SamplingTensors, sample
-from .attention_backends import kernel_takes_heads, stored_attention_runs, write_rows_as_stored
+from .attention_backends import kernel_takes_heads, stored_attention_runs, write_static_rows
 from .decoder import DecoderModel
 from .pass_metadata import PassMetadata, RowKind, RowSpan
 from .placement import CPU
@@ -207,22 +207,20 @@ class _StaticCacheView:
         )
 
     def update_and_fetch(self, k: torch.Tensor, v: torch.Tensor, written: bool = False):
-        """`written`: the decoder wrote k and v already, with other rows', by the kernel."""
+        """`written`: the decoder wrote k and v (and the sinks' frame) already, with other
+        rows', by the kernels."""
         inputs, codec = self.inputs, self.key_codec
         values = self.values[:, :, self.start : self.stop]
         if not self.writes:
             return self.keys[:, :, self.start : self.stop], values
         if self.kernel_writes:
             if not written:
-                stores = [(self.keys, self.values, inputs.write_at)]
-                write_rows_as_stored(
-                    k[0].transpose(0, 1), v[0].transpose(0, 1), stores, codec, self.value_codec
-                )
-        else:
-            self.values.index_copy_(2, inputs.write_at, self.value_codec.encode(v))
-            if self.key_tiles is not None:
-                return self._tiled_keys(k), values
-            self.keys.index_copy_(2, inputs.write_at, codec.encode(k))
+                write_static_rows([self], k[0].transpose(0, 1), v[0].transpose(0, 1))
+            return self.keys[:, :, self.start : self.stop], values
+        self.values.index_copy_(2, inputs.write_at, self.value_codec.encode(v))
+        if self.key_tiles is not None:
+            return self._tiled_keys(k), values
+        self.keys.index_copy_(2, inputs.write_at, codec.encode(k))
         if self.sinks:  # sinks re-rotated into the newest query's frame (idempotent)
             own = codec.decode(self.keys[:, :, : self.sinks])[0].transpose(0, 1)
             framed = apply_rope(own, inputs.sink_shift).transpose(0, 1)[None]

@@ -20,7 +20,9 @@ keys: what the CPU's native kernel guarantees, kept on a GPU.
 q8 and q4 rows are stored rotated (kv/codec.py): the kernel turns the queries into the
 rotation and the output back out of it itself, so those cost no kernels of their own. A
 second kernel (`write_stored`) writes a step's new keys and values the way the codecs
-encode them, every row's in one launch, through the same kind of table.
+encode them, every row's in one launch, through the same kind of table, and a third
+(`reframe_sinks`) turns every row's attention sinks into the newest frame (decode, RoPE
+shift, encode) in one more.
 
 This module imports Triton; attention_backends.py loads it only where Triton runs (a CUDA
 or ROCm build of torch, or Triton's CPU interpreter, `TRITON_INTERPRET=1`, which the tests
@@ -386,47 +388,50 @@ def _bf16(x):
 
 
 @triton.jit
-def _values_at(source, rotation, columns, ROTATE: tl.constexpr, D: tl.constexpr):
-    """fp32 values of one row (source: D floats) at `columns` (any shape), rotated first
-    with ROTATE (x @ rotation)."""
-    if ROTATE:
-        k = tl.arange(0, D)
-        x = tl.load(source + k)
-        turn = tl.load(rotation + k[:, None, None] * D + columns[None, :, :])
-        return tl.sum(x[:, None, None] * turn, axis=0)
-    return tl.load(source + columns)
+def _rotated_at(x, rotation, columns, D: tl.constexpr):
+    """(x @ rotation) at `columns` (any shape), for one row x [D] fp32."""
+    k = tl.arange(0, D)
+    turn = tl.load(rotation + k[:, None, None] * D + columns[None, :, :])
+    return tl.sum(x[:, None, None] * turn, axis=0)
 
 
 @triton.jit
-def _store_row(source, base, rotation, KIND: tl.constexpr, D: tl.constexpr, ROW: tl.constexpr):
-    """One row (source: D fp32 values) stored as KIND at `base` (byte pointer to its
-    slot), exactly as the codecs' encode lays it out (kv/types.py)."""
+def _store_row(x, base, rotation, KIND: tl.constexpr, D: tl.constexpr):
+    """One row x [D] fp32 stored as KIND at `base` (byte pointer to its slot), exactly as
+    the codecs' encode lays it out (kv/types.py)."""
     d = tl.arange(0, D)
-    halves = base.to(tl.pointer_type(tl.float16), bitcast=True)
     if KIND == 0:
-        tl.store(base.to(tl.pointer_type(tl.float32), bitcast=True) + d, tl.load(source + d))
+        tl.store(base.to(tl.pointer_type(tl.float32), bitcast=True) + d, x)
     elif KIND == 1:
-        tl.store(halves + d, tl.load(source + d).to(tl.float16))
+        tl.store(base.to(tl.pointer_type(tl.float16), bitcast=True) + d, x.to(tl.float16))
     elif KIND == 2:
-        brain = base.to(tl.pointer_type(tl.bfloat16), bitcast=True)
-        tl.store(brain + d, _bf16(tl.load(source + d)))
-    elif KIND == 3:
+        tl.store(base.to(tl.pointer_type(tl.bfloat16), bitcast=True) + d, _bf16(x))
+    else:
+        _store_quantized(x, base, rotation, KIND, D)
+
+
+@triton.jit
+def _store_quantized(x, base, rotation, KIND: tl.constexpr, D: tl.constexpr):
+    """One row x [D] fp32 stored as q8 (KIND 3) or q4 (4) at `base`, rotated first."""
+    halves = base.to(tl.pointer_type(tl.float16), bitcast=True)
+    blocks = tl.arange(0, D // 32)
+    if KIND == 3:
         # q8: codes round(x / scale) in [-127, 127], scale = a block's largest |x| / 127.
-        columns = tl.arange(0, D // 32)[:, None] * 32 + tl.arange(0, 32)[None, :]
-        x = _values_at(source, rotation, columns, True, D)
+        columns = blocks[:, None] * 32 + tl.arange(0, 32)[None, :]
+        x = _rotated_at(x, rotation, columns, D)
         scale16 = _f16(tl.max(tl.abs(x), axis=1) / 127.0)
         scale = scale16.to(tl.float32)[:, None]
         safe = tl.where(scale > 0, scale, 1.0)
         codes = tl.where(scale > 0, _rounded(x / safe), 0.0)
         codes = tl.minimum(tl.maximum(codes, -127.0), 127.0).to(tl.int8)
         tl.store(base.to(tl.pointer_type(tl.int8), bitcast=True) + columns, codes)
-        tl.store(halves + D // 2 + tl.arange(0, D // 32), scale16)
+        tl.store(halves + D // 2 + blocks, scale16)
     else:
         # q4: codes round((x - low) / scale) in [0, 15] over a block's minimum and range;
         # byte i of a block holds value i (low nibble) and value i + 16 (high nibble).
-        columns = tl.arange(0, D // 32)[:, None] * 32 + tl.arange(0, 16)[None, :]
-        first = _values_at(source, rotation, columns, True, D)
-        second = _values_at(source, rotation, columns + 16, True, D)
+        columns = blocks[:, None] * 32 + tl.arange(0, 16)[None, :]
+        first = _rotated_at(x, rotation, columns, D)
+        second = _rotated_at(x, rotation, columns + 16, D)
         low16 = _f16(tl.minimum(tl.min(first, axis=1), tl.min(second, axis=1)))
         high = tl.maximum(tl.max(first, axis=1), tl.max(second, axis=1))
         scale16 = _f16((high - low16.to(tl.float32)) / 15.0)
@@ -437,10 +442,10 @@ def _store_row(source, base, rotation, KIND: tl.constexpr, D: tl.constexpr, ROW:
         b = tl.where(scale > 0, _rounded((second - low) / safe), 0.0)
         a = tl.minimum(tl.maximum(a, 0.0), 15.0).to(tl.uint8)
         b = tl.minimum(tl.maximum(b, 0.0), 15.0).to(tl.uint8)
-        packed = tl.arange(0, D // 32)[:, None] * 16 + tl.arange(0, 16)[None, :]
+        packed = blocks[:, None] * 16 + tl.arange(0, 16)[None, :]
         tl.store(base + packed, a | (b << 4))
-        tl.store(halves + D // 4 + tl.arange(0, D // 32), scale16)
-        tl.store(halves + D // 4 + D // 32 + tl.arange(0, D // 32), low16)
+        tl.store(halves + D // 4 + blocks, scale16)
+        tl.store(halves + D // 4 + D // 32 + blocks, low16)
 
 
 @triton.jit
@@ -462,10 +467,12 @@ def _write_rows(
     source = (entry_at * KV_HEADS + head) * D
     if side == 0:
         base = tl.load(entry).to(tl.pointer_type(tl.uint8)) + head * tl.load(entry + 2)
-        _store_row(new_keys + source, base + slot * KEY_ROW, rotation, KEY_KIND, D, KEY_ROW)
+        x = tl.load(new_keys + source + tl.arange(0, D))
+        _store_row(x, base + slot * KEY_ROW, rotation, KEY_KIND, D)
     else:
         base = tl.load(entry + 1).to(tl.pointer_type(tl.uint8)) + head * tl.load(entry + 3)
-        _store_row(new_values + source, base + slot * VALUE_ROW, rotation, VALUE_KIND, D, VALUE_ROW)
+        x = tl.load(new_values + source + tl.arange(0, D))
+        _store_row(x, base + slot * VALUE_ROW, rotation, VALUE_KIND, D)
 
 
 def _write_entries(keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> tuple:
@@ -532,4 +539,92 @@ def write_stored(
 
 @write_stored.register_fake
 def _(new_keys, new_values, key_stores, value_stores, slots, kinds, rotation=None):
+    return None
+
+
+@triton.jit
+def _reframe_sinks(
+    table,  # int64 [entries, TABLE_COLUMNS]: key store, cos, key head stride, signed sin
+    rotation,  # fp32 [D, D]
+    SINKS: tl.constexpr,
+    KIND: tl.constexpr,
+    D: tl.constexpr,
+    ROW: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    ROTARY: tl.constexpr,
+):
+    """Sink `sink` of a cache: its own key (slot sink) decoded, turned by RoPE from its own
+    position into the frame (cos and signed sin [D] of the shift) and stored at slot
+    SINKS + sink, as the static step's torch path does (decode, apply_rope, encode)."""
+    entry_at, head, sink = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    entry = table + entry_at * 6
+    base = tl.load(entry).to(tl.pointer_type(tl.uint8)) + head * tl.load(entry + 2)
+    cos = tl.load(entry + 1).to(tl.pointer_type(tl.float32))
+    sin = tl.load(entry + 3).to(tl.pointer_type(tl.float32))
+    tokens = sink + tl.arange(0, 1)
+    own = tl.sum(_stored_rows(base, tokens, tokens < SINKS, KIND, D, ROW), axis=0)
+    d = tl.arange(0, D)[None, :]
+    # Each rotated dimension's RoPE partner (the tail past ROTARY pairs with itself).
+    if INTERLEAVED:
+        partner = tl.where(d < ROTARY, d ^ 1, d)
+    else:
+        half = ROTARY // 2
+        partner = tl.where(d < half, d + half, tl.where(d < ROTARY, d - half, d))
+    if KIND >= 3:  # stored rotated: the rotation's columns undo it, partners picked alike
+        x = _rotated_at(own, rotation, d, D)
+        swapped = _rotated_at(own, rotation, partner, D)
+    else:
+        x = own[None, :]
+        swapped = tl.sum(tl.where(tl.arange(0, D)[:, None] == partner, own[:, None], 0.0), axis=0)[
+            None, :
+        ]
+    framed = x * tl.load(cos + d) + swapped * tl.load(sin + d)
+    _store_row(tl.sum(framed, axis=0), base + (SINKS + sink) * ROW, rotation, KIND, D)
+
+
+@torch.library.custom_op("miniapp::reframe_sinks", mutates_args=("key_stores",))
+def reframe_sinks(
+    key_stores: list[torch.Tensor],
+    cos: list[torch.Tensor],
+    signed_sin: list[torch.Tensor],
+    sinks: int,
+    kind: int,
+    interleaved: bool,
+    rotary: int,
+    rotation: torch.Tensor | None = None,
+) -> None:
+    """Each cache's sinks (slots 0..sinks-1 of key_stores[c], whole storages [1, kv_heads,
+    slots, width] of type code `kind`) turned by RoPE from their own positions into the
+    frame (cos[c] and signed_sin[c]: fp32 [head_dim] tables of the shift; `interleaved`
+    pairs and `rotary` rotated dimensions as the model's Rope) into slots sinks..2*sinks-1.
+    One launch for all."""
+    head_dim = cos[0].shape[-1]
+    if rotation is None:
+        if kind >= QUANTIZED:
+            raise ValueError("rows stored rotated need their rotation")
+        rotation = cos[0]  # never read
+    entries = ()
+    for keys, c, s in zip(key_stores, cos, signed_sin, strict=True):
+        if keys.stride(3) != 1 or keys.stride(2) != keys.shape[3]:
+            raise ValueError("sinks are reframed in whole rows, one after another")
+        if not (c.is_contiguous() and s.is_contiguous()):
+            raise ValueError("the shift's tables are read as they lie")
+        head_stride = keys.stride(1) * keys.element_size()
+        entries += (keys.data_ptr(), c.data_ptr(), head_stride, s.data_ptr(), 0, 0)
+    table = _TABLES.table(entries, cos[0].device)
+    kv_heads = key_stores[0].shape[1]
+    _reframe_sinks[(len(key_stores), kv_heads, sinks)](
+        table,
+        rotation,
+        SINKS=sinks,
+        KIND=kind,
+        D=head_dim,
+        ROW=key_stores[0].shape[3] * key_stores[0].element_size(),
+        INTERLEAVED=interleaved,
+        ROTARY=rotary,
+    )
+
+
+@reframe_sinks.register_fake
+def _(key_stores, cos, signed_sin, sinks, kind, interleaved, rotary, rotation=None):
     return None

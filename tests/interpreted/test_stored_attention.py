@@ -23,6 +23,7 @@ from miniapp.engine.models.attention_backends import (
 )
 from miniapp.engine.models.static_step import StaticDecodeStep
 from miniapp.engine.ops import stored_attention as kernel
+from miniapp.engine.ops.layers import Rope, apply_rope
 
 CPU = torch.device("cpu")
 LENGTHS = [5, 300, 129]  # one split, three splits and a ragged one, one row each
@@ -119,6 +120,45 @@ def test_the_write_kernel_stores_rows_as_the_codecs_encode_them(key_type, value_
         assert torch.equal(values[:, :, at], want_values)
         others = [s for s in range(12) if s not in at.tolist()]
         assert not keys[:, :, others].any() and not values[:, :, others].any()
+
+
+@pytest.mark.parametrize(
+    ("kind", "interleaved", "rotary"),
+    [(Q8, False, 64), (Q4, True, 64), (Q8, True, 32), (BF16, False, 48)],
+    ids=["q8-neox", "q4-interleaved", "q8-partial", "bf16-neox-partial"],
+)
+def test_sinks_turned_into_the_frame_match_decode_rope_and_encode(kind, interleaved, rotary):
+    # Two caches' sinks in one launch, each by its own shift: as the static step's torch
+    # path turns them (the codec's decode, apply_rope, the codec's encode).
+    head_dim, sinks = 64, 4
+    codec = KVCodec(kind, head_dim, CPU)
+    rope = Rope(head_dim, rotary, 10000.0, interleaved)
+    generator = torch.Generator().manual_seed(5)
+    stores, shifts = [], [rope.shift_tables(37), rope.shift_tables(-200)]
+    for _ in shifts:
+        keys = codec.empty(2, 16)
+        own = torch.randn(1, 2, sinks, head_dim, generator=generator) * 2
+        keys[:, :, :sinks] = codec.encode(own)
+        stores.append(keys)
+    wants = []
+    for keys, shift in zip(stores, shifts, strict=True):
+        own = codec.decode(keys[:, :, :sinks])[0].transpose(0, 1)
+        wants.append(codec.encode(apply_rope(own, shift).transpose(0, 1)[None]))
+    kernel.reframe_sinks(
+        stores,
+        [shift.cos.reshape(-1) for shift in shifts],
+        [shift.signed_sin.reshape(-1) for shift in shifts],
+        sinks,
+        kind.code,
+        interleaved,
+        rotary,
+        codec.rotation,
+    )
+    for keys, want in zip(stores, wants, strict=True):
+        got = keys[:, :, sinks : 2 * sinks]
+        assert (got != want).float().mean() < 0.02  # but for rounding edges, the same bytes
+        assert (codec.decode(got) - codec.decode(want)).abs().max() < 0.05
+        assert not keys[:, :, 2 * sinks :].any()
 
 
 def test_a_row_is_the_same_bits_alone_as_in_a_batch_of_longer_rows():
@@ -248,10 +288,11 @@ def test_a_batched_static_step_reads_q8_caches_in_one_launch_a_layer(model, monk
     # Three sequences at different lengths decode together as a GPU serves them: each layer
     # attends all their rows in one launch, each row's logits are its own step's bit for
     # bit, and close to torch's attention over the decoded caches.
-    launches, writes = [], []
-    launch, write = kernel.stored_attention, kernel.write_stored
+    launches, writes, reframes = [], [], []
+    launch, write, reframe = kernel.stored_attention, kernel.write_stored, kernel.reframe_sinks
     monkeypatch.setattr(kernel, "stored_attention", lambda *a: launches.append(1) or launch(*a))
     monkeypatch.setattr(kernel, "write_stored", lambda *a: writes.append(1) or write(*a))
+    monkeypatch.setattr(kernel, "reframe_sinks", lambda *a: reframes.append(1) or reframe(*a))
     policy = CachePolicy(ctx=64, sinks=4, window=40, kv_type=Q8)
 
     def prefilled(n):
@@ -263,7 +304,7 @@ def test_a_batched_static_step_reads_q8_caches_in_one_launch_a_layer(model, monk
             model(torch.tensor([(7 * i) % 50 + 3 for i in range(n)]), caches)
         return caches
 
-    lengths, tokens = [10, 30, 17], [5, 9, 14]
+    lengths, tokens = [10, 47, 17], [5, 9, 14]  # 47: past the window, its sinks in a frame
     batch = StaticDecodeStep(model, batch=[prefilled(n) for n in lengths])
     alone = [StaticDecodeStep(model, prefilled(n)) for n in lengths]
     monkeypatch.setenv("MINIAPP_STORED_ATTENTION", "0")
@@ -271,11 +312,13 @@ def test_a_batched_static_step_reads_q8_caches_in_one_launch_a_layer(model, monk
     monkeypatch.delenv("MINIAPP_STORED_ATTENTION")
     with torch.inference_mode():
         for _ in range(2):
-            launches.clear(), writes.clear()
+            launches.clear(), writes.clear(), reframes.clear()
             rows = batch.step(tokens).clone()
             assert len(launches) == model.config.n_layers
-            # The rows' new keys and values written as stored, by one launch a layer too.
+            # The rows' new keys and values written as stored by one launch a layer too, and
+            # their sinks turned into the frame by one a layer with sinks (the local ones).
             assert len(writes) == model.config.n_layers
+            assert len(reframes) == sum(cache.sinks > 0 for cache in batch.sequences[0]) > 0
             assert torch.equal(rows, torch.cat([a(t) for a, t in zip(alone, tokens, strict=True)]))
             monkeypatch.setenv("MINIAPP_STORED_ATTENTION", "0")
             assert (by_torch.step(tokens) - rows).abs().max() < 1e-4
