@@ -282,9 +282,7 @@ class StoredAttention:
         from ..ops.stored_attention import stored_attention
 
         # Quantized rows are stored rotated; the kernel turns queries and output itself.
-        rotation = cache.key_codec.rotation
-        if rotation is None:
-            rotation = cache.value_codec.rotation
+        rotation = _stored_rotation(cache.key_codec, cache.value_codec)
         out = stored_attention(
             queries.transpose(0, 1).float().contiguous(),
             [k for k, _, _ in rows],
@@ -304,6 +302,12 @@ def kernel_takes_heads(head_dim: int) -> bool:
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
+def _stored_rotation(key_codec: KVCodec, value_codec: KVCodec) -> torch.Tensor | None:
+    """The rotation the kernels turn rows by: the same matrix for keys and values, held by
+    whichever codec stores its rows rotated (None: neither does)."""
+    return key_codec.rotation if key_codec.rotation is not None else value_codec.rotation
+
+
 def write_rows_as_stored(
     new_keys: torch.Tensor,
     new_values: torch.Tensor,
@@ -318,7 +322,7 @@ def write_rows_as_stored(
     each store."""
     from ..ops.stored_attention import write_stored
 
-    rotation = key_codec.rotation if key_codec.rotation is not None else value_codec.rotation
+    rotation = _stored_rotation(key_codec, value_codec)
     write_stored(
         new_keys.float(),
         new_values.float(),

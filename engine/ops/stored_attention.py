@@ -79,6 +79,14 @@ def _stored_rows(base, tokens, valid, KIND: tl.constexpr, D: tl.constexpr, ROW: 
 
 
 @triton.jit
+def _head_start(entry, storage, head):
+    """Byte pointer to `head`'s rows in a table entry's storage 0 (keys) or 1 (values): the
+    storage's address sits in column `storage`, its head stride in bytes two columns on."""
+    start = tl.load(entry + storage).to(tl.pointer_type(tl.uint8))
+    return start + head * tl.load(entry + storage + 2)
+
+
+@triton.jit
 def _split_partials(
     queries,  # fp32 [rows, HEADS, D]
     table,  # int64 [rows, TABLE_COLUMNS]
@@ -103,8 +111,7 @@ def _split_partials(
 ):
     row, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     entry = table + row * 6
-    keys = tl.load(entry).to(tl.pointer_type(tl.uint8)) + kv_head * tl.load(entry + 2)
-    values = tl.load(entry + 1).to(tl.pointer_type(tl.uint8)) + kv_head * tl.load(entry + 3)
+    keys, values = _head_start(entry, 0, kv_head), _head_start(entry, 1, kv_head)
     mask_at = tl.load(entry + 4)
     length = tl.load(entry + 5)
 
@@ -466,11 +473,11 @@ def _write_rows(
     slot = tl.load(tl.load(entry + 4).to(tl.pointer_type(tl.int64)))
     source = (entry_at * KV_HEADS + head) * D
     if side == 0:
-        base = tl.load(entry).to(tl.pointer_type(tl.uint8)) + head * tl.load(entry + 2)
+        base = _head_start(entry, 0, head)
         x = tl.load(new_keys + source + tl.arange(0, D))
         _store_row(x, base + slot * KEY_ROW, rotation, KEY_KIND, D)
     else:
-        base = tl.load(entry + 1).to(tl.pointer_type(tl.uint8)) + head * tl.load(entry + 3)
+        base = _head_start(entry, 1, head)
         x = tl.load(new_values + source + tl.arange(0, D))
         _store_row(x, base + slot * VALUE_ROW, rotation, VALUE_KIND, D)
 
@@ -558,7 +565,7 @@ def _reframe_sinks(
     SINKS + sink, as the static step's torch path does (decode, apply_rope, encode)."""
     entry_at, head, sink = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     entry = table + entry_at * 6
-    base = tl.load(entry).to(tl.pointer_type(tl.uint8)) + head * tl.load(entry + 2)
+    base = _head_start(entry, 0, head)
     cos = tl.load(entry + 1).to(tl.pointer_type(tl.float32))
     sin = tl.load(entry + 3).to(tl.pointer_type(tl.float32))
     tokens = sink + tl.arange(0, 1)
