@@ -253,6 +253,43 @@ class StoredAttention:
         rows = [(k, v, m[0]) for (k, v, _, _), m in zip(stored, masks, strict=True)]
         return self._run(queries, rows, cache)
 
+    def reads_one_each(self, stored: list[StoredRow]) -> bool:
+        """Whether the kernel reads all these rows (one query row each, caches of one
+        kind) itself."""
+        kinds = kernel_types(stored[0][3])
+        return all(
+            _row_masks(mask, 1) is not None
+            and self._reads(cache, keys, values)
+            and kernel_types(cache) == kinds
+            for keys, values, mask, cache in stored
+        )
+
+    def attend_with_rope(
+        self, queries: torch.Tensor, stored: list[StoredRow], rotation: RopeTables
+    ) -> torch.Tensor:
+        """queries [rows, heads, head_dim] straight from the projection (any float type,
+        not yet turned by RoPE), row r over stored[r], which reads_one_each takes: the
+        kernel applies `rotation` (cos / signed sin [rows or 1, 1, head_dim]) to them as
+        it loads them. Returns [rows, heads, head_dim]."""
+        from ..ops.stored_attention import stored_attention
+
+        cache = stored[0][3]
+        rope = rotation.rope
+        return stored_attention(
+            queries,
+            [keys for keys, _, _, _ in stored],
+            [values for _, values, _, _ in stored],
+            [_row_masks(mask, 1)[0] for _, _, mask, _ in stored],
+            list(kernel_types(cache)),
+            self.scale,
+            attention_dtype(queries.device, cache),
+            _stored_rotation(cache.key_codec, cache.value_codec),
+            rotation.cos,
+            rotation.signed_sin,
+            rope.interleaved,
+            rope.rotary_dim,
+        )
+
     def attend_prefixes(self, queries, keys, values, cache: Cache, before: int):
         if fuses_prefixes(queries) or not self._reads(cache, keys, values):
             return self.fallback.attend_prefixes(queries, keys, values, cache, before)
@@ -314,58 +351,59 @@ def write_rows_as_stored(
     stores: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     key_codec: KVCodec,
     value_codec: KVCodec,
+    sinks: tuple[int, list[RopeTables]] | None = None,
+    rotation: RopeTables | None = None,
 ) -> None:
     """new_keys and new_values [entries, kv_heads, head_dim], encoded as the codecs store
     them, into (keys, values, slots) of `stores` (whole storages, int64 slots on their
     device), entries in order: as many as the slots together. One Triton launch
     (ops/stored_attention.py) does what `index_copy_(2, slots, codec.encode(k))` does for
-    each store."""
+    each store. `sinks`: (how many, each store's shift): the keys' sinks, stored in slots
+    0..sinks-1, are then turned by the shift into slots sinks..2*sinks-1 in the same
+    launch, as decode, apply_rope and encode would. `rotation` (cos / signed sin [entries
+    or 1, 1, head_dim]): the new keys' RoPE, applied by the kernel first."""
     from ..ops.stored_attention import write_stored
 
-    rotation = _stored_rotation(key_codec, value_codec)
+    count, shifts, rope = 0, None, None
+    if sinks is not None and sinks[0]:
+        count, shifts = sinks
+        rope = shifts[0].rope
+    if rotation is not None:
+        rope = rotation.rope
     write_stored(
-        new_keys.float(),
-        new_values.float(),
+        new_keys,
+        new_values,
         [keys for keys, _, _ in stores],
         [values for _, values, _ in stores],
         [slots for _, _, slots in stores],
         [key_codec.kind.code, value_codec.kind.code],
-        rotation,
+        _stored_rotation(key_codec, value_codec),
+        [shift.cos.reshape(-1) for shift in shifts or ()],
+        [shift.signed_sin.reshape(-1) for shift in shifts or ()],
+        count,
+        rope is not None and rope.interleaved,
+        0 if rope is None else rope.rotary_dim,
+        None if rotation is None else rotation.cos,
+        None if rotation is None else rotation.signed_sin,
     )
 
 
-def reframe_sinks_as_stored(
-    stores: list[tuple[torch.Tensor, RopeTables]], sinks: int, key_codec: KVCodec
+def write_static_rows(
+    views: list,
+    new_keys: torch.Tensor,
+    new_values: torch.Tensor,
+    rotation: RopeTables | None = None,
 ) -> None:
-    """Each (keys, shift) of `stores`: the keys' sinks, stored in slots 0..sinks-1, turned
-    by the shift's RoPE tables into slots sinks..2*sinks-1, as stored, by one Triton
-    launch for all (ops/stored_attention.py): what decode, apply_rope and encode do."""
-    from ..ops.stored_attention import reframe_sinks
-
-    rope = stores[0][1].rope
-    reframe_sinks(
-        [keys for keys, _ in stores],
-        [shift.cos.reshape(-1) for _, shift in stores],
-        [shift.signed_sin.reshape(-1) for _, shift in stores],
-        sinks,
-        key_codec.kind.code,
-        rope.interleaved,
-        rope.rotary_dim,
-        key_codec.rotation,
-    )
-
-
-def write_static_rows(views: list, new_keys: torch.Tensor, new_values: torch.Tensor) -> None:
     """A static step's cache views (all of one kind, each writing one token), in Triton:
     new_keys and new_values [views, kv_heads, head_dim] written as stored at each view's
-    slot in one launch, then every view's sinks turned into its frame in one more (after
-    the writes: a fresh cache's new key may be a sink)."""
+    slot, and every view's sinks turned into its frame, in one launch. `rotation`: the
+    keys' RoPE, where they come unturned."""
     first = views[0]
     stores = [(view.keys, view.values, view.inputs.write_at) for view in views]
-    write_rows_as_stored(new_keys, new_values, stores, first.key_codec, first.value_codec)
-    if first.sinks:
-        shifted = [(view.keys, view.inputs.sink_shift) for view in views]
-        reframe_sinks_as_stored(shifted, first.sinks, first.key_codec)
+    shifts = [view.inputs.sink_shift for view in views]
+    sinks = (first.sinks, shifts) if first.sinks else None
+    codecs = (first.key_codec, first.value_codec)
+    write_rows_as_stored(new_keys, new_values, stores, *codecs, sinks, rotation)
 
 
 def _row_masks(mask: torch.Tensor | None, rows: int) -> list[torch.Tensor | None] | None:

@@ -119,10 +119,14 @@ class Attention:
         """x: [tokens, dim] -> [tokens, dim]. Each sequence's rows attend over its own cache
         as their kind says; the device's backend does the attending."""
         n_tokens = x.shape[0]
+        projected = project(self.wqkv, x, rows, QKV).view(n_tokens, -1, self.head_dim)
+        decoded = self._decode_in_kernels(projected, rotation, rows)
+        if decoded is not None:
+            return project(self.wo, decoded.reshape(n_tokens, -1), rows, OUT)
         # RoPE and the cache's codec run in fp32; so does attention on the CPU, where torch's
         # attention and small bmm are several times faster in fp32 than in bf16 at decode
         # sizes (off the CPU, see attention_backends.attention_dtype).
-        heads = project(self.wqkv, x, rows, QKV).float().view(n_tokens, -1, self.head_dim)
+        heads = projected.float()
         qk = heads[:, : self.n_rotated]
         if self.qk_norm_weight is None:
             pass
@@ -137,10 +141,8 @@ class Attention:
                 self.qk_norm_whole,
                 self.norm_eps,
             )
-        elif self.qk_norm_whole:
-            qk = self._norm_whole(qk)
         else:
-            qk = rms_normalize(qk, self.norm_eps) * self.qk_norm_weight
+            qk = self._normed(qk)
         # [tokens, heads, head_dim] -> [heads, tokens, head_dim]
         qk = self._rotate(qk, rotation).transpose(0, 1)
         v = heads[:, self.n_rotated :].transpose(0, 1)
@@ -150,6 +152,46 @@ class Attention:
         else:
             out = self._attend_sequences(qk, v, rows)
         return project(self.wo, out[0].transpose(0, 1).reshape(n_tokens, -1), rows, OUT)
+
+    def _decode_in_kernels(
+        self, heads: torch.Tensor, rotation: RopeTables, rows: LayerRows
+    ) -> torch.Tensor | None:
+        """A step of decode rows alone, row r of the pass being sequence r's one new token,
+        over caches the Triton kernels write (a static step's, all of one kind): their new
+        keys and values are written straight from the projection, the write kernel
+        applying the keys' RoPE, and attention applies the queries' as it loads them. So
+        RoPE and the copies feeding the two kernels cost no kernel of their own. heads
+        [tokens, all heads, head_dim] as projected; returns [tokens, heads, head_dim], or
+        None where the rows do not all qualify."""
+        decode = list(rows)
+        if not all(
+            span.kind is RowKind.DECODE
+            and span.count == 1
+            and span.first == row
+            and getattr(cache, "kernel_writes", False)
+            for row, (span, cache, _) in enumerate(decode)
+        ):
+            return None
+        caches = [cache for _, cache, _ in decode]
+        if len({(kernel_types(c), c.sinks) for c in caches}) > 1:
+            return None
+        stored = [
+            (*cache.stored(), None if mask is None else mask.to(heads.device), cache)
+            for _, cache, mask in decode
+        ]
+        if not self.stored_backend.reads_one_each(stored):
+            return None
+        qk = heads[:, : self.n_rotated]
+        if self.qk_norm_weight is not None:
+            qk = self._normed(qk.float())
+        write_static_rows(caches, qk[:, self.n_heads :], heads[:, self.n_rotated :], rotation)
+        return self.stored_backend.attend_with_rope(qk[:, : self.n_heads], stored, rotation)
+
+    def _normed(self, qk: torch.Tensor) -> torch.Tensor:
+        """Queries and keys [tokens, heads, head_dim] through the model's q/k norms."""
+        if self.qk_norm_whole:
+            return self._norm_whole(qk)
+        return rms_normalize(qk, self.norm_eps) * self.qk_norm_weight
 
     def _native_rows(self, heads: torch.Tensor) -> bool:
         return (
@@ -242,8 +284,8 @@ class Attention:
     def _write_decode_rows(self, qk, v, rows: LayerRows) -> set[int]:
         """The decode rows' new keys and values, written as stored in one launch for every
         row whose cache lets the Triton kernel write it (a static step's caches, all of one
-        kind), and their sinks turned into the frame in one more; the others write their
-        own. Returns the ids of the caches written."""
+        kind), their sinks turned into the frame by the same launch; the others write
+        their own. Returns the ids of the caches written."""
         writable = [
             (span, cache)
             for span, cache, _ in rows

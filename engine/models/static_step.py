@@ -206,17 +206,22 @@ class _StaticCacheView:
             and kernel_takes_heads(self.key_codec.head_dim)
         )
 
+    def stored(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values the step's query reads, as stored: its span's first
+        `length` slots."""
+        return self.keys[:, :, self.start : self.stop], self.values[:, :, self.start : self.stop]
+
     def update_and_fetch(self, k: torch.Tensor, v: torch.Tensor, written: bool = False):
         """`written`: the decoder wrote k and v (and the sinks' frame) already, with other
         rows', by the kernels."""
         inputs, codec = self.inputs, self.key_codec
         values = self.values[:, :, self.start : self.stop]
         if not self.writes:
-            return self.keys[:, :, self.start : self.stop], values
+            return self.stored()
         if self.kernel_writes:
             if not written:
                 write_static_rows([self], k[0].transpose(0, 1), v[0].transpose(0, 1))
-            return self.keys[:, :, self.start : self.stop], values
+            return self.stored()
         self.values.index_copy_(2, inputs.write_at, self.value_codec.encode(v))
         if self.key_tiles is not None:
             return self._tiled_keys(k), values

@@ -20,14 +20,15 @@ keys: what the CPU's native kernel guarantees, kept on a GPU.
 q8 and q4 rows are stored rotated (kv/codec.py): the kernel turns the queries into the
 rotation and the output back out of it itself, so those cost no kernels of their own. A
 second kernel (`write_stored`) writes a step's new keys and values the way the codecs
-encode them, every row's in one launch, through the same kind of table, and a third
-(`reframe_sinks`) turns every row's attention sinks into the newest frame (decode, RoPE
-shift, encode) in one more.
+encode them, every row's in one launch, through the same kind of table; where the caches
+keep attention sinks, each key's program then turns its cache's sinks into the newest frame
+(decode, RoPE shift, encode), after its own write, since a fresh cache's new key may be a
+sink.
 
 This module imports Triton; attention_backends.py loads it only where Triton runs (a CUDA
 or ROCm build of torch, or Triton's CPU interpreter, `TRITON_INTERPRET=1`, which the tests
 use). The pure-torch references are the codecs' decode followed by SDPA (TorchAttention),
-and the codecs' encode followed by index_copy_."""
+and the codecs' encode followed by index_copy_ (and decode, apply_rope, encode for sinks)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,10 @@ BLOCK_TOKENS = 32  # keys a program loads at once
 MIN_DOT = 16  # tl.dot's smallest side: the query heads of a key head are padded to it
 QUANTIZED = 3  # type codes from here on (q8, q4) are stored rotated
 TABLE_COLUMNS = 6  # key address, value address, key head stride, value head stride, mask, length
+# write_stored's entries: key and value addresses and head strides, the slot's address, the
+# sinks' shift (cos and signed sin addresses, 0 without sinks), one unused.
+WRITE_COLUMNS = 8
+_WRITE_COLUMNS = tl.constexpr(WRITE_COLUMNS)  # as a kernel reads it
 _TABLES_KEPT = 1024
 
 
@@ -79,6 +84,24 @@ def _stored_rows(base, tokens, valid, KIND: tl.constexpr, D: tl.constexpr, ROW: 
 
 
 @triton.jit
+def _partner(d, INTERLEAVED: tl.constexpr, ROTARY: tl.constexpr):
+    """Each dimension's RoPE partner, as Rope.swap pairs them: neighbours (interleaved) or
+    halves of the ROTARY span; the tail past ROTARY pairs with itself."""
+    if INTERLEAVED:
+        partner = tl.where(d < ROTARY, d ^ 1, d)
+    else:
+        half = ROTARY // 2
+        partner = tl.where(d < half, d + half, tl.where(d < ROTARY, d - half, d))
+    return partner
+
+
+@triton.jit
+def _roped(x, swapped, cos, sin):
+    """RoPE as apply_rope computes it (x * cos + swap(x) * signed sin), fp32."""
+    return x * cos + swapped * sin
+
+
+@triton.jit
 def _head_start(entry, storage, head):
     """Byte pointer to `head`'s rows in a table entry's storage 0 (keys) or 1 (values): the
     storage's address sits in column `storage`, its head stride in bytes two columns on."""
@@ -88,7 +111,7 @@ def _head_start(entry, storage, head):
 
 @triton.jit
 def _split_partials(
-    queries,  # fp32 [rows, HEADS, D]
+    queries,  # [rows, HEADS, D], any float type, rows contiguous
     table,  # int64 [rows, TABLE_COLUMNS]
     part_max,  # fp32 [rows, HEADS, splits]: the split's largest score (log2 units)
     part_sum,  # fp32 [rows, HEADS, splits]: its sum of exp2(score - max)
@@ -96,6 +119,11 @@ def _split_partials(
     out,  # [rows, HEADS, D]: the attended values
     counters,  # int32, zero: finished programs a (row, key head)
     rotation,  # fp32 [D, D]: the rotation quantized rows are stored in (its own inverse)
+    rope_cos,  # fp32 [rows or 1, D]: the queries' RoPE (with ROPE)
+    rope_sin,  # fp32 signed sin alike
+    rope_stride,  # rope_cos's row stride (0: one table for all)
+    query_row_stride,
+    query_head_stride,
     scale_log2,
     splits,
     HEADS: tl.constexpr,
@@ -108,6 +136,9 @@ def _split_partials(
     VALUE_ROW: tl.constexpr,
     TOKENS: tl.constexpr,
     BLOCK: tl.constexpr,
+    ROPE: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    ROTARY: tl.constexpr,
 ):
     row, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     entry = table + row * 6
@@ -118,11 +149,14 @@ def _split_partials(
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, D)
     heads = kv_head * GROUP + g
-    q = tl.load(
-        queries + (row * HEADS + heads)[:, None] * D + d[None, :],
-        mask=(g < GROUP)[:, None],
-        other=0.0,
-    )
+    own = queries + row * query_row_stride + heads[:, None] * query_head_stride
+    present = (g < GROUP)[:, None]
+    q = tl.load(own + d[None, :], mask=present, other=0.0).to(tl.float32)
+    if ROPE:  # queries straight from the projection: turned here, not by a kernel of its own
+        partner = _partner(d, INTERLEAVED, ROTARY)[None, :]
+        swapped = tl.load(own + partner, mask=present, other=0.0).to(tl.float32)
+        at = row * rope_stride + d[None, :]
+        q = _roped(q, swapped, tl.load(rope_cos + at), tl.load(rope_sin + at))
     # Keys stored rotated meet queries rotated alike (a product keeps its value when both
     # sides turn by one orthogonal matrix). Each program rotates its own copy: a [16, D] x
     # [D, D] product costs less than a kernel of its own.
@@ -252,14 +286,16 @@ class _AddressTables:
         self.kept: OrderedDict[tuple, torch.Tensor] = OrderedDict()
         self.captured: dict[tuple, torch.Tensor] = {}
 
-    def table(self, entries: tuple, device: torch.device) -> torch.Tensor:
+    def table(
+        self, entries: tuple, device: torch.device, columns: int = TABLE_COLUMNS
+    ) -> torch.Tensor:
         key = (device, entries)
         found = self.captured.get(key)
         if found is not None:
             return found
         found = self.kept.pop(key, None)
         if found is None:
-            found = torch.tensor(entries, dtype=torch.int64).view(-1, TABLE_COLUMNS).to(device)
+            found = torch.tensor(entries, dtype=torch.int64).view(-1, columns).to(device)
         if _capturing(device):
             self.captured[key] = found
             return found
@@ -309,13 +345,20 @@ def stored_attention(
     scale: float,
     out_dtype: torch.dtype,
     rotation: torch.Tensor | None = None,
+    rope_cos: torch.Tensor | None = None,
+    rope_sin: torch.Tensor | None = None,
+    interleaved: bool = False,
+    rotary: int = 0,
 ) -> torch.Tensor:
-    """queries fp32 [rows, heads, head_dim]; row r attends keys[r] and values[r] ([1,
+    """queries [rows, heads, head_dim] (any float type); row r attends keys[r] and values[r] ([1,
     kv_heads, tokens, width] as stored, of type codes `kinds` = [key code, value code])
     where masks[r] (bool, None: everywhere) allows. q8 and q4 rows are stored rotated:
     `rotation` (fp32 [head_dim, head_dim], x @ it) is that rotation, needed when either
-    kind is one of them; the kernel rotates queries and output itself. Returns [rows,
-    heads, head_dim] in out_dtype. A custom op: torch.compile calls it as it is, and a
+    kind is one of them; the kernel rotates queries and output itself. With rope_cos and
+    rope_sin (fp32 [rows or 1, head_dim]: cos and signed sin; `interleaved` pairs and
+    `rotary` rotated dimensions as the model's Rope), the queries are turned by that RoPE
+    first, so that they come straight from the projection. Returns [rows, heads,
+    head_dim] in out_dtype. A custom op: torch.compile calls it as it is, and a
     CUDA graph captures its one launch."""
     rows, heads, head_dim = queries.shape
     if rotation is None:
@@ -327,12 +370,16 @@ def stored_attention(
     entries = sum((_entry(k, v, m) for k, v, m in zip(keys, values, masks, strict=True)), ())
     table = _TABLES.table(entries, queries.device)
     splits = max(1, triton.cdiv(max(k.shape[2] for k in keys), TOKENS_PER_SPLIT))
-    part_max = queries.new_empty((rows, heads, splits))
-    part_sum = queries.new_empty((rows, heads, splits))
-    part_out = queries.new_empty((rows, heads, splits, head_dim))
+    part_max = queries.new_empty((rows, heads, splits), dtype=torch.float32)
+    part_sum = queries.new_empty((rows, heads, splits), dtype=torch.float32)
+    part_out = queries.new_empty((rows, heads, splits, head_dim), dtype=torch.float32)
     out = queries.new_empty((rows, heads, head_dim), dtype=out_dtype)
+    queries = _rows_contiguous(queries)
+    rope = rope_cos is not None and rope_sin is not None
+    if rope:
+        rope_cos, rope_sin = _rope_rows(rope_cos), _rope_rows(rope_sin)
     _split_partials[(rows, kv_heads, splits)](
-        queries.contiguous(),
+        queries,
         table,
         part_max,
         part_sum,
@@ -340,6 +387,11 @@ def stored_attention(
         out,
         _COUNTERS.at_least(rows * kv_heads, queries.device),
         rotation,
+        rope_cos if rope else rotation,  # never read without
+        rope_sin if rope else rotation,
+        rope_cos.stride(0) if rope and rope_cos.shape[0] > 1 else 0,
+        queries.stride(0),
+        queries.stride(1),
         scale * 1.4426950408889634,  # log2(e): the kernel's exponentials are exp2
         splits,
         HEADS=heads,
@@ -352,12 +404,28 @@ def stored_attention(
         VALUE_ROW=values[0].shape[3] * values[0].element_size(),
         TOKENS=TOKENS_PER_SPLIT,
         BLOCK=BLOCK_TOKENS,
+        ROPE=rope,
+        INTERLEAVED=interleaved,
+        ROTARY=rotary,
     )
     return out
 
 
 @stored_attention.register_fake
-def _(queries, keys, values, masks, kinds, scale, out_dtype, rotation=None):
+def _(
+    queries,
+    keys,
+    values,
+    masks,
+    kinds,
+    scale,
+    out_dtype,
+    rotation=None,
+    rope_cos=None,
+    rope_sin=None,
+    interleaved=False,
+    rotary=0,
+):
     return queries.new_empty(queries.shape, dtype=out_dtype)
 
 
@@ -457,50 +525,127 @@ def _store_quantized(x, base, rotation, KIND: tl.constexpr, D: tl.constexpr):
 
 @triton.jit
 def _write_rows(
-    new_keys,  # fp32 [entries, kv_heads, D]
-    new_values,  # fp32 [entries, kv_heads, D]
-    table,  # int64 [entries, TABLE_COLUMNS]: key store, value store, head strides, slot
+    new_keys,  # [entries, kv_heads, D], any float type, rows contiguous
+    new_values,  # the same for the values
+    table,  # int64 [entries, WRITE_COLUMNS]
     rotation,  # fp32 [D, D]
-    KV_HEADS: tl.constexpr,
+    rope_cos,  # fp32 [entries or 1, D]: the new keys' RoPE (with KEY_ROPE)
+    rope_sin,  # fp32 signed sin alike
+    rope_stride,  # rope_cos's entry stride (0: one table for all)
+    key_entry_stride,
+    key_head_stride,
+    value_entry_stride,
+    value_head_stride,
     D: tl.constexpr,
     KEY_KIND: tl.constexpr,
     VALUE_KIND: tl.constexpr,
     KEY_ROW: tl.constexpr,
     VALUE_ROW: tl.constexpr,
+    SINKS: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    ROTARY: tl.constexpr,
+    KEY_ROPE: tl.constexpr,
 ):
+    """Program (entry, head, side): the entry's new key (side 0, turned by its RoPE first
+    with KEY_ROPE) or value (side 1) of that head stored at its slot. With SINKS, the
+    key's program then turns the cache's sinks into the frame: after its own write, which
+    may be a fresh cache's sink."""
     entry_at, head, side = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    entry = table + entry_at * 6
+    entry = table + entry_at * _WRITE_COLUMNS
     slot = tl.load(tl.load(entry + 4).to(tl.pointer_type(tl.int64)))
-    source = (entry_at * KV_HEADS + head) * D
+    d = tl.arange(0, D)
     if side == 0:
         base = _head_start(entry, 0, head)
-        x = tl.load(new_keys + source + tl.arange(0, D))
+        key = new_keys + entry_at * key_entry_stride + head * key_head_stride
+        x = tl.load(key + d).to(tl.float32)
+        if KEY_ROPE:
+            swapped = tl.load(key + _partner(d, INTERLEAVED, ROTARY)).to(tl.float32)
+            at = entry_at * rope_stride + d
+            x = _roped(x, swapped, tl.load(rope_cos + at), tl.load(rope_sin + at))
         _store_row(x, base + slot * KEY_ROW, rotation, KEY_KIND, D)
+        if SINKS > 0:
+            tl.debug_barrier()  # the sinks read what this program's threads just wrote
+            cos = tl.load(entry + 5).to(tl.pointer_type(tl.float32))
+            sin = tl.load(entry + 6).to(tl.pointer_type(tl.float32))
+            for sink in tl.static_range(SINKS):
+                _reframe_sink(
+                    base, cos, sin, sink, rotation, SINKS, KEY_KIND, D, KEY_ROW, INTERLEAVED, ROTARY
+                )
     else:
         base = _head_start(entry, 1, head)
-        x = tl.load(new_values + source + tl.arange(0, D))
-        _store_row(x, base + slot * VALUE_ROW, rotation, VALUE_KIND, D)
+        x = tl.load(new_values + entry_at * value_entry_stride + head * value_head_stride + d)
+        _store_row(x.to(tl.float32), base + slot * VALUE_ROW, rotation, VALUE_KIND, D)
 
 
-def _write_entries(keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> tuple:
+@triton.jit
+def _reframe_sink(
+    base,
+    cos,
+    sin,
+    sink,
+    rotation,
+    SINKS: tl.constexpr,
+    KIND: tl.constexpr,
+    D: tl.constexpr,
+    ROW: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    ROTARY: tl.constexpr,
+):
+    """Sink `sink` of a head's keys (rows from `base`): its own key (slot sink) decoded,
+    turned by RoPE from its own position into the frame (cos and signed sin [D] of the
+    shift) and stored at slot SINKS + sink, as the static step's torch path does (decode,
+    apply_rope, encode)."""
+    tokens = sink + tl.arange(0, 1)
+    own = tl.sum(_stored_rows(base, tokens, tokens < SINKS, KIND, D, ROW), axis=0)
+    d = tl.arange(0, D)[None, :]
+    partner = _partner(d, INTERLEAVED, ROTARY)
+    if KIND >= 3:  # stored rotated: the rotation's columns undo it, partners picked alike
+        x = _rotated_at(own, rotation, d, D)
+        swapped = _rotated_at(own, rotation, partner, D)
+    else:
+        x = own[None, :]
+        swapped = tl.sum(tl.where(tl.arange(0, D)[:, None] == partner, own[:, None], 0.0), axis=0)[
+            None, :
+        ]
+    framed = _roped(x, swapped, tl.load(cos + d), tl.load(sin + d))
+    _store_row(tl.sum(framed, axis=0), base + (SINKS + sink) * ROW, rotation, KIND, D)
+
+
+def _write_entries(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    slots: torch.Tensor,
+    shift: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple:
     """Table entries for writing into keys and values (a cache's whole storage [1,
     kv_heads, slots, width], rows contiguous) at the slots in int64 `slots` [n], one a
-    slot."""
+    slot; `shift`: the sinks' (cos, signed sin) tables [head_dim] into the frame."""
     for store in (keys, values):
         if store.stride(3) != 1 or store.stride(2) != store.shape[3]:
             raise ValueError("stored writes fill whole rows, one after another")
     if slots.dtype is not torch.int64 or slots.stride(-1) != 1:
         raise ValueError("stored writes take int64 slots")
+    cos_at = sin_at = 0
+    if shift is not None:
+        if slots.numel() != 1:
+            raise ValueError("a cache whose sinks turn takes one new key a launch")
+        if not all(table.is_contiguous() for table in shift):
+            raise ValueError("the shift's tables are read as they lie")
+        cos_at, sin_at = shift[0].data_ptr(), shift[1].data_ptr()
     key_head = keys.stride(1) * keys.element_size()
     value_head = values.stride(1) * values.element_size()
     at = slots.data_ptr()
-    return sum(
-        (
-            (keys.data_ptr(), values.data_ptr(), key_head, value_head, at + 8 * i, 0)
-            for i in range(slots.numel())
-        ),
-        (),
-    )
+    entries = []
+    for i in range(slots.numel()):
+        entries += [keys.data_ptr(), values.data_ptr(), key_head, value_head, at + 8 * i]
+        entries += [cos_at, sin_at, 0]
+    return tuple(entries)
+
+
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """x [entries, kv_heads, head_dim] read by strides: copied only where a row is not
+    contiguous."""
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 @torch.library.custom_op("miniapp::write_stored", mutates_args=("key_stores", "value_stores"))
@@ -511,127 +656,93 @@ def write_stored(
     value_stores: list[torch.Tensor],
     slots: list[torch.Tensor],
     kinds: list[int],
-    rotation: torch.Tensor | None = None,
+    rotation: torch.Tensor | None,
+    sink_cos: list[torch.Tensor],
+    sink_sin: list[torch.Tensor],
+    sinks: int,
+    interleaved: bool,
+    rotary: int,
+    key_cos: torch.Tensor | None = None,
+    key_sin: torch.Tensor | None = None,
 ) -> None:
-    """new_keys and new_values fp32 [entries, kv_heads, head_dim], stored as `kinds` ([key
-    code, value code]) into key_stores[c] and value_stores[c] (whole storages [1, kv_heads,
-    slots, width]) at the slots slots[c] (int64 [n_c], on the device: a graph replays them),
-    entries taken in order, n_0 + n_1 + ... of them. q8 and q4 rows are stored rotated by
-    `rotation`. One launch for all."""
+    """new_keys and new_values [entries, kv_heads, head_dim] (any float type) stored as
+    `kinds` ([key code, value code]) into key_stores[c] and value_stores[c] (whole storages
+    [1, kv_heads, slots, width]) at the slots slots[c] (int64 [n_c], on the device: a graph
+    replays them), entries taken in order, n_0 + n_1 + ... of them. q8 and q4 rows are
+    stored rotated by `rotation`.
+
+    With `sinks` (else 0, and the tables' lists empty), each cache's sinks (slots
+    0..sinks-1 of its keys) are then turned by RoPE from their own positions into the
+    frame (sink_cos[c] and sink_sin[c]: fp32 [head_dim] tables of the shift;
+    `interleaved` pairs and `rotary` rotated dimensions as the model's Rope) into slots
+    sinks..2*sinks-1; one new key a cache then.
+
+    key_cos and key_sin (fp32 [entries or 1, head_dim], cos and signed sin): the new keys
+    are turned by this RoPE first (`interleaved` and `rotary` as above), so that they come
+    straight from the projection. One launch for all."""
     entries, kv_heads, head_dim = new_keys.shape
     if rotation is None:
         if max(kinds) >= QUANTIZED:
             raise ValueError("rows stored rotated need their rotation")
         rotation = new_keys  # never read
-    table_entries = sum(
-        (_write_entries(k, v, s) for k, v, s in zip(key_stores, value_stores, slots, strict=True)),
-        (),
-    )
-    if len(table_entries) != entries * TABLE_COLUMNS:
+    shifts = [None] * len(key_stores)
+    if sinks:
+        shifts = list(zip(sink_cos, sink_sin, strict=True))
+    table_entries = ()
+    for keys, values, at, shift in zip(key_stores, value_stores, slots, shifts, strict=True):
+        table_entries += _write_entries(keys, values, at, shift)
+    if len(table_entries) != entries * WRITE_COLUMNS:
         raise ValueError("one new key and value a slot")
-    table = _TABLES.table(table_entries, new_keys.device)
+    table = _TABLES.table(table_entries, new_keys.device, WRITE_COLUMNS)
+    new_keys, new_values = _rows_contiguous(new_keys), _rows_contiguous(new_values)
+    key_rope = key_cos is not None and key_sin is not None
+    if key_rope:
+        key_cos, key_sin = _rope_rows(key_cos), _rope_rows(key_sin)
     _write_rows[(entries, kv_heads, 2)](
-        new_keys.contiguous(),
-        new_values.contiguous(),
+        new_keys,
+        new_values,
         table,
         rotation,
-        KV_HEADS=kv_heads,
+        key_cos if key_rope else rotation,  # never read without
+        key_sin if key_rope else rotation,
+        key_cos.stride(0) if key_rope and key_cos.shape[0] > 1 else 0,
+        new_keys.stride(0),
+        new_keys.stride(1),
+        new_values.stride(0),
+        new_values.stride(1),
         D=head_dim,
         KEY_KIND=kinds[0],
         VALUE_KIND=kinds[1],
         KEY_ROW=key_stores[0].shape[3] * key_stores[0].element_size(),
         VALUE_ROW=value_stores[0].shape[3] * value_stores[0].element_size(),
+        SINKS=sinks,
+        INTERLEAVED=interleaved,
+        ROTARY=rotary,
+        KEY_ROPE=key_rope,
     )
+
+
+def _rope_rows(table: torch.Tensor) -> torch.Tensor:
+    """A RoPE table ([rows, 1, head_dim] or [rows, head_dim]) as fp32 rows read whole."""
+    table = table.reshape(table.shape[0], table.shape[-1])
+    return (table if table.stride(-1) == 1 else table.contiguous()).float()
 
 
 @write_stored.register_fake
-def _(new_keys, new_values, key_stores, value_stores, slots, kinds, rotation=None):
-    return None
-
-
-@triton.jit
-def _reframe_sinks(
-    table,  # int64 [entries, TABLE_COLUMNS]: key store, cos, key head stride, signed sin
-    rotation,  # fp32 [D, D]
-    SINKS: tl.constexpr,
-    KIND: tl.constexpr,
-    D: tl.constexpr,
-    ROW: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
-    ROTARY: tl.constexpr,
+def _(
+    new_keys,
+    new_values,
+    key_stores,
+    value_stores,
+    slots,
+    kinds,
+    rotation,
+    sink_cos,
+    sink_sin,
+    sinks,
+    interleaved,
+    rotary,
+    key_cos=None,
+    key_sin=None,
 ):
-    """Sink `sink` of a cache: its own key (slot sink) decoded, turned by RoPE from its own
-    position into the frame (cos and signed sin [D] of the shift) and stored at slot
-    SINKS + sink, as the static step's torch path does (decode, apply_rope, encode)."""
-    entry_at, head, sink = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    entry = table + entry_at * 6
-    base = _head_start(entry, 0, head)
-    cos = tl.load(entry + 1).to(tl.pointer_type(tl.float32))
-    sin = tl.load(entry + 3).to(tl.pointer_type(tl.float32))
-    tokens = sink + tl.arange(0, 1)
-    own = tl.sum(_stored_rows(base, tokens, tokens < SINKS, KIND, D, ROW), axis=0)
-    d = tl.arange(0, D)[None, :]
-    # Each rotated dimension's RoPE partner (the tail past ROTARY pairs with itself).
-    if INTERLEAVED:
-        partner = tl.where(d < ROTARY, d ^ 1, d)
-    else:
-        half = ROTARY // 2
-        partner = tl.where(d < half, d + half, tl.where(d < ROTARY, d - half, d))
-    if KIND >= 3:  # stored rotated: the rotation's columns undo it, partners picked alike
-        x = _rotated_at(own, rotation, d, D)
-        swapped = _rotated_at(own, rotation, partner, D)
-    else:
-        x = own[None, :]
-        swapped = tl.sum(tl.where(tl.arange(0, D)[:, None] == partner, own[:, None], 0.0), axis=0)[
-            None, :
-        ]
-    framed = x * tl.load(cos + d) + swapped * tl.load(sin + d)
-    _store_row(tl.sum(framed, axis=0), base + (SINKS + sink) * ROW, rotation, KIND, D)
-
-
-@torch.library.custom_op("miniapp::reframe_sinks", mutates_args=("key_stores",))
-def reframe_sinks(
-    key_stores: list[torch.Tensor],
-    cos: list[torch.Tensor],
-    signed_sin: list[torch.Tensor],
-    sinks: int,
-    kind: int,
-    interleaved: bool,
-    rotary: int,
-    rotation: torch.Tensor | None = None,
-) -> None:
-    """Each cache's sinks (slots 0..sinks-1 of key_stores[c], whole storages [1, kv_heads,
-    slots, width] of type code `kind`) turned by RoPE from their own positions into the
-    frame (cos[c] and signed_sin[c]: fp32 [head_dim] tables of the shift; `interleaved`
-    pairs and `rotary` rotated dimensions as the model's Rope) into slots sinks..2*sinks-1.
-    One launch for all."""
-    head_dim = cos[0].shape[-1]
-    if rotation is None:
-        if kind >= QUANTIZED:
-            raise ValueError("rows stored rotated need their rotation")
-        rotation = cos[0]  # never read
-    entries = ()
-    for keys, c, s in zip(key_stores, cos, signed_sin, strict=True):
-        if keys.stride(3) != 1 or keys.stride(2) != keys.shape[3]:
-            raise ValueError("sinks are reframed in whole rows, one after another")
-        if not (c.is_contiguous() and s.is_contiguous()):
-            raise ValueError("the shift's tables are read as they lie")
-        head_stride = keys.stride(1) * keys.element_size()
-        entries += (keys.data_ptr(), c.data_ptr(), head_stride, s.data_ptr(), 0, 0)
-    table = _TABLES.table(entries, cos[0].device)
-    kv_heads = key_stores[0].shape[1]
-    _reframe_sinks[(len(key_stores), kv_heads, sinks)](
-        table,
-        rotation,
-        SINKS=sinks,
-        KIND=kind,
-        D=head_dim,
-        ROW=key_stores[0].shape[3] * key_stores[0].element_size(),
-        INTERLEAVED=interleaved,
-        ROTARY=rotary,
-    )
-
-
-@reframe_sinks.register_fake
-def _(key_stores, cos, signed_sin, sinks, kind, interleaved, rotary, rotation=None):
     return None

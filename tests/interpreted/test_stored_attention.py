@@ -109,6 +109,11 @@ def test_the_write_kernel_stores_rows_as_the_codecs_encode_them(key_type, value_
         slots,
         [key_type.code, value_type.code],
         rotation,
+        [],
+        [],
+        0,
+        False,
+        0,
     )
     first = 0
     for (keys, values), at in zip(stores, slots, strict=True):
@@ -127,38 +132,111 @@ def test_the_write_kernel_stores_rows_as_the_codecs_encode_them(key_type, value_
     [(Q8, False, 64), (Q4, True, 64), (Q8, True, 32), (BF16, False, 48)],
     ids=["q8-neox", "q4-interleaved", "q8-partial", "bf16-neox-partial"],
 )
-def test_sinks_turned_into_the_frame_match_decode_rope_and_encode(kind, interleaved, rotary):
-    # Two caches' sinks in one launch, each by its own shift: as the static step's torch
-    # path turns them (the codec's decode, apply_rope, the codec's encode).
+def test_the_write_launch_turns_sinks_into_the_frame_as_decode_rope_and_encode(
+    kind, interleaved, rotary
+):
+    # Two caches in one launch, each by its own shift, as the static step's torch path
+    # turns them (the codec's decode, apply_rope, the codec's encode). The second cache is
+    # fresh: its new key is a sink, turned as just written.
     head_dim, sinks = 64, 4
     codec = KVCodec(kind, head_dim, CPU)
     rope = Rope(head_dim, rotary, 10000.0, interleaved)
     generator = torch.Generator().manual_seed(5)
-    stores, shifts = [], [rope.shift_tables(37), rope.shift_tables(-200)]
-    for _ in shifts:
+    shifts, slots = [rope.shift_tables(37), rope.shift_tables(-200)], [12, 2]
+    new_keys = torch.randn(2, 2, head_dim, generator=generator) * 2
+    new_values = torch.randn(2, 2, head_dim, generator=generator)
+    stores, wants = [], []
+    for i, slot in enumerate(slots):
         keys = codec.empty(2, 16)
         own = torch.randn(1, 2, sinks, head_dim, generator=generator) * 2
         keys[:, :, :sinks] = codec.encode(own)
-        stores.append(keys)
-    wants = []
-    for keys, shift in zip(stores, shifts, strict=True):
-        own = codec.decode(keys[:, :, :sinks])[0].transpose(0, 1)
-        wants.append(codec.encode(apply_rope(own, shift).transpose(0, 1)[None]))
-    kernel.reframe_sinks(
-        stores,
+        stores.append((keys, codec.empty(2, 16)))
+        expected = keys.clone()
+        expected[:, :, slot] = codec.encode(new_keys[i][None, :, None])[:, :, 0]
+        own = codec.decode(expected[:, :, :sinks])[0].transpose(0, 1)
+        expected[:, :, sinks : 2 * sinks] = codec.encode(
+            apply_rope(own, shifts[i]).transpose(0, 1)[None]
+        )
+        wants.append(expected)
+    kernel.write_stored(
+        new_keys.transpose(0, 1).contiguous().transpose(0, 1),  # read by its strides
+        new_values,
+        [k for k, _ in stores],
+        [v for _, v in stores],
+        [torch.tensor([slot]) for slot in slots],
+        [kind.code, kind.code],
+        codec.rotation,
         [shift.cos.reshape(-1) for shift in shifts],
         [shift.signed_sin.reshape(-1) for shift in shifts],
         sinks,
-        kind.code,
         interleaved,
         rotary,
-        codec.rotation,
     )
-    for keys, want in zip(stores, wants, strict=True):
-        got = keys[:, :, sinks : 2 * sinks]
+    for (keys, values), want, slot in zip(stores, wants, slots, strict=True):
+        framed = slice(sinks, 2 * sinks)
+        assert torch.equal(keys[:, :, :sinks], want[:, :, :sinks])
+        assert torch.equal(keys[:, :, slot], want[:, :, slot])
+        got = keys[:, :, framed]
+        assert (got != want[:, :, framed]).float().mean() < 0.02  # but for rounding edges
+        assert (codec.decode(got) - codec.decode(want[:, :, framed])).abs().max() < 0.05
+        untouched = [s for s in range(2 * sinks, 16) if s != slot]
+        assert not keys[:, :, untouched].any()
+        assert torch.equal(
+            values[:, :, slot], codec.encode(new_values[slots.index(slot)][None, :, None])[:, :, 0]
+        )
+
+
+@pytest.mark.parametrize(
+    ("interleaved", "rotary", "dtype"),
+    [(False, 64, torch.bfloat16), (True, 32, torch.float32)],
+    ids=["neox-bf16", "interleaved-partial-f32"],
+)
+def test_queries_and_keys_straight_from_the_projection_are_turned_as_apply_rope_does(
+    interleaved, rotary, dtype
+):
+    # The static step hands both kernels the projection's output (any float type, heads
+    # strided as projected) with each row's RoPE tables: the kernels turn queries and new
+    # keys themselves, as apply_rope would have before them.
+    head_dim, heads, kv_heads = 64, 4, 2
+    codec = KVCodec(Q8, head_dim, CPU)
+    rope = Rope(head_dim, rotary, 10000.0, interleaved)
+    tables = rope.tables(40, len(LENGTHS))  # one position a row
+    generator = torch.Generator().manual_seed(3)
+    projected = torch.randn(len(LENGTHS), heads + 2 * kv_heads, head_dim, generator=generator)
+    projected = projected.to(dtype)
+    queries, new_keys = projected[:, :heads], projected[:, heads : heads + kv_heads]
+    keys = [_stored(codec, kv_heads, n, seed=n) for n in LENGTHS]
+    values = [_stored(codec, kv_heads, n, seed=n + 1) for n in LENGTHS]
+    common = (keys, values, [None] * len(LENGTHS), [Q8.code, Q8.code], 0.125, torch.float32)
+    got = kernel.stored_attention(
+        queries, *common, codec.rotation, tables.cos, tables.signed_sin, interleaved, rotary
+    )
+    turned = apply_rope(queries.float(), tables)
+    want = kernel.stored_attention(turned, *common, codec.rotation)
+    assert (got - want).abs().max() < 1e-5
+
+    stores = [(codec.empty(kv_heads, 8), codec.empty(kv_heads, 8)) for _ in LENGTHS]
+    kernel.write_stored(
+        new_keys,
+        projected[:, heads + kv_heads :],
+        [k for k, _ in stores],
+        [v for _, v in stores],
+        [torch.tensor([3]) for _ in LENGTHS],
+        [Q8.code, Q8.code],
+        codec.rotation,
+        [],
+        [],
+        0,
+        interleaved,
+        rotary,
+        tables.cos,
+        tables.signed_sin,
+    )
+    for row, (stored_keys, _) in enumerate(stores):
+        want = codec.encode(apply_rope(new_keys.float(), tables)[row][None, :, None])
+        got = stored_keys[:, :, 3:4]
         assert (got != want).float().mean() < 0.02  # but for rounding edges, the same bytes
         assert (codec.decode(got) - codec.decode(want)).abs().max() < 0.05
-        assert not keys[:, :, 2 * sinks :].any()
 
 
 def test_a_row_is_the_same_bits_alone_as_in_a_batch_of_longer_rows():
@@ -288,11 +366,10 @@ def test_a_batched_static_step_reads_q8_caches_in_one_launch_a_layer(model, monk
     # Three sequences at different lengths decode together as a GPU serves them: each layer
     # attends all their rows in one launch, each row's logits are its own step's bit for
     # bit, and close to torch's attention over the decoded caches.
-    launches, writes, reframes = [], [], []
-    launch, write, reframe = kernel.stored_attention, kernel.write_stored, kernel.reframe_sinks
+    launches, writes = [], []
+    launch, write = kernel.stored_attention, kernel.write_stored
     monkeypatch.setattr(kernel, "stored_attention", lambda *a: launches.append(1) or launch(*a))
-    monkeypatch.setattr(kernel, "write_stored", lambda *a: writes.append(1) or write(*a))
-    monkeypatch.setattr(kernel, "reframe_sinks", lambda *a: reframes.append(1) or reframe(*a))
+    monkeypatch.setattr(kernel, "write_stored", lambda *a: writes.append(a) or write(*a))
     policy = CachePolicy(ctx=64, sinks=4, window=40, kv_type=Q8)
 
     def prefilled(n):
@@ -312,13 +389,17 @@ def test_a_batched_static_step_reads_q8_caches_in_one_launch_a_layer(model, monk
     monkeypatch.delenv("MINIAPP_STORED_ATTENTION")
     with torch.inference_mode():
         for _ in range(2):
-            launches.clear(), writes.clear(), reframes.clear()
+            launches.clear(), writes.clear()
             rows = batch.step(tokens).clone()
             assert len(launches) == model.config.n_layers
-            # The rows' new keys and values written as stored by one launch a layer too, and
-            # their sinks turned into the frame by one a layer with sinks (the local ones).
+            # The rows' new keys and values written as stored by one launch a layer too,
+            # which turns their sinks into the frame where the layer has sinks (the local
+            # ones).
             assert len(writes) == model.config.n_layers
-            assert len(reframes) == sum(cache.sinks > 0 for cache in batch.sequences[0]) > 0
+            # Straight from the projection: the write kernel applies the keys' RoPE.
+            assert all(len(call) > 12 and call[12] is not None for call in writes)
+            with_sinks = [call[9] for call in writes if call[9] > 0]
+            assert len(with_sinks) == sum(cache.sinks > 0 for cache in batch.sequences[0]) > 0
             assert torch.equal(rows, torch.cat([a(t) for a, t in zip(alone, tokens, strict=True)]))
             monkeypatch.setenv("MINIAPP_STORED_ATTENTION", "0")
             assert (by_torch.step(tokens) - rows).abs().max() < 1e-4
