@@ -51,6 +51,7 @@ from .attention_backends import (
     AttentionBackend,
     NativeCpuAttention,
     StoredAttention,
+    StoredRow,
     TorchAttention,
     kernel_types,
     stored_attention_runs,
@@ -120,7 +121,7 @@ class Attention:
         as their kind says; the device's backend does the attending."""
         n_tokens = x.shape[0]
         projected = project(self.wqkv, x, rows, QKV).view(n_tokens, -1, self.head_dim)
-        decoded = self._decode_in_kernels(projected, rotation, rows)
+        decoded = self._attend_in_kernels(projected, rotation, rows)
         if decoded is not None:
             return project(self.wo, decoded.reshape(n_tokens, -1), rows, OUT)
         # RoPE and the cache's codec run in fp32; so does attention on the CPU, where torch's
@@ -153,37 +154,24 @@ class Attention:
             out = self._attend_sequences(qk, v, rows)
         return project(self.wo, out[0].transpose(0, 1).reshape(n_tokens, -1), rows, OUT)
 
-    def _decode_in_kernels(
+    def _attend_in_kernels(
         self, heads: torch.Tensor, rotation: RopeTables, rows: LayerRows
     ) -> torch.Tensor | None:
-        """A step of decode rows alone, row r of the pass being sequence r's one new token,
-        over caches the Triton kernels write (a static step's, all of one kind): their new
-        keys and values are written straight from the projection, the write kernel
-        applying the keys' RoPE, and attention applies the queries' as it loads them. So
-        RoPE and the copies feeding the two kernels cost no kernel of their own. heads
-        [tokens, all heads, head_dim] as projected; returns [tokens, heads, head_dim], or
-        None where the rows do not all qualify."""
-        decode = list(rows)
-        if not all(
-            span.kind is RowKind.DECODE
-            and span.count == 1
-            and span.first == row
-            and getattr(cache, "kernel_writes", False)
-            for row, (span, cache, _) in enumerate(decode)
-        ):
-            return None
-        caches = [cache for _, cache, _ in decode]
-        if len({(kernel_types(c), c.sinks) for c in caches}) > 1:
-            return None
-        stored = [
-            (*cache.stored(), None if mask is None else mask.to(heads.device), cache)
-            for _, cache, mask in decode
-        ]
-        if not self.stored_backend.reads_one_each(stored):
+        """A static step's rows over caches the Triton kernels write (all of one kind): a
+        decode row a sequence, or one sequence's verification rows under their mask rows.
+        The new keys and values are written straight from the projection, the write
+        kernel applying the keys' RoPE, and attention applies the queries' as it loads
+        them: RoPE and the copies feeding the two kernels cost no kernel of their own, and
+        verification rows turn as their decode steps do, bit for bit. heads [tokens, all
+        heads, head_dim] as projected; returns [tokens, heads, head_dim], or None where
+        the rows do not qualify."""
+        stored = _kernel_rows(list(rows), heads)
+        if stored is None or not self.stored_backend.reads_one_each(stored):
             return None
         qk = heads[:, : self.n_rotated]
         if self.qk_norm_weight is not None:
             qk = self._normed(qk.float())
+        caches = list({id(cache): cache for *_, cache in stored}.values())
         write_static_rows(caches, qk[:, self.n_heads :], heads[:, self.n_rotated :], rotation)
         return self.stored_backend.attend_with_rope(qk[:, : self.n_heads], stored, rotation)
 
@@ -339,6 +327,32 @@ class Attention:
         out = backend.attend_prefixes(qk[: self.n_heads], keys, values, cache, before)
         _observe(cache, qk[: self.n_heads], self.scale)
         return out
+
+
+def _kernel_rows(rows: list, heads: torch.Tensor) -> list[StoredRow] | None:
+    """Each query row's (keys, values, mask, cache) where a static step's rows all go to
+    the Triton kernels (see Attention._attend_in_kernels), pass row r being row r:
+    sequences of one decode row each, or one sequence's rows under a mask row each. None
+    otherwise."""
+    if not all(getattr(cache, "kernel_writes", False) for _, cache, _ in rows):
+        return None
+    if len({(kernel_types(cache), cache.sinks) for _, cache, _ in rows}) > 1:
+        return None
+    if len(rows) == 1 and rows[0][0].kind is RowKind.EXACT:
+        span, cache, masks = rows[0]
+        if span.first != 0 or not isinstance(masks, torch.Tensor):
+            return None
+        masks = masks.to(heads.device)
+        return [(*cache.stored(), masks[r : r + 1], cache) for r in range(span.count)]
+    if not all(
+        span.kind is RowKind.DECODE and span.count == 1 and span.first == row
+        for row, (span, _, _) in enumerate(rows)
+    ):
+        return None
+    return [
+        (*cache.stored(), None if mask is None else mask.to(heads.device), cache)
+        for _, cache, mask in rows
+    ]
 
 
 def _observe(cache: Cache, queries: torch.Tensor, scale: float) -> None:

@@ -547,9 +547,9 @@ def _write_rows(
     KEY_ROPE: tl.constexpr,
 ):
     """Program (entry, head, side): the entry's new key (side 0, turned by its RoPE first
-    with KEY_ROPE) or value (side 1) of that head stored at its slot. With SINKS, the
-    key's program then turns the cache's sinks into the frame: after its own write, which
-    may be a fresh cache's sink."""
+    with KEY_ROPE) or value (side 1) of that head stored at its slot. With SINKS, the key
+    program of a cache's first entry then turns the cache's sinks into the frame: after
+    its own write, which may be a sink when it is the cache's only new key."""
     entry_at, head, side = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     entry = table + entry_at * _WRITE_COLUMNS
     slot = tl.load(tl.load(entry + 4).to(tl.pointer_type(tl.int64)))
@@ -563,9 +563,10 @@ def _write_rows(
             at = entry_at * rope_stride + d
             x = _roped(x, swapped, tl.load(rope_cos + at), tl.load(rope_sin + at))
         _store_row(x, base + slot * KEY_ROW, rotation, KEY_KIND, D)
-        if SINKS > 0:
+        cos_at = tl.load(entry + 5)
+        if SINKS > 0 and cos_at != 0:  # a cache's first entry turns its sinks
             tl.debug_barrier()  # the sinks read what this program's threads just wrote
-            cos = tl.load(entry + 5).to(tl.pointer_type(tl.float32))
+            cos = cos_at.to(tl.pointer_type(tl.float32))
             sin = tl.load(entry + 6).to(tl.pointer_type(tl.float32))
             for sink in tl.static_range(SINKS):
                 _reframe_sink(
@@ -619,7 +620,8 @@ def _write_entries(
 ) -> tuple:
     """Table entries for writing into keys and values (a cache's whole storage [1,
     kv_heads, slots, width], rows contiguous) at the slots in int64 `slots` [n], one a
-    slot; `shift`: the sinks' (cos, signed sin) tables [head_dim] into the frame."""
+    slot; `shift`: the sinks' (cos, signed sin) tables [head_dim] into the frame, in the
+    first entry only (its program turns the sinks)."""
     for store in (keys, values):
         if store.stride(3) != 1 or store.stride(2) != store.shape[3]:
             raise ValueError("stored writes fill whole rows, one after another")
@@ -627,8 +629,6 @@ def _write_entries(
         raise ValueError("stored writes take int64 slots")
     cos_at = sin_at = 0
     if shift is not None:
-        if slots.numel() != 1:
-            raise ValueError("a cache whose sinks turn takes one new key a launch")
         if not all(table.is_contiguous() for table in shift):
             raise ValueError("the shift's tables are read as they lie")
         cos_at, sin_at = shift[0].data_ptr(), shift[1].data_ptr()
@@ -638,7 +638,7 @@ def _write_entries(
     entries = []
     for i in range(slots.numel()):
         entries += [keys.data_ptr(), values.data_ptr(), key_head, value_head, at + 8 * i]
-        entries += [cos_at, sin_at, 0]
+        entries += [cos_at, sin_at, 0] if i == 0 else [0, 0, 0]
     return tuple(entries)
 
 
@@ -675,7 +675,9 @@ def write_stored(
     0..sinks-1 of its keys) are then turned by RoPE from their own positions into the
     frame (sink_cos[c] and sink_sin[c]: fp32 [head_dim] tables of the shift;
     `interleaved` pairs and `rotary` rotated dimensions as the model's Rope) into slots
-    sinks..2*sinks-1; one new key a cache then.
+    sinks..2*sinks-1, by the program of its first new key, after that key's write. So a
+    cache taking several new keys must not take a sink among them: a static step's
+    caches hold all their sinks before it runs (the caches' `static_ready`).
 
     key_cos and key_sin (fp32 [entries or 1, head_dim], cos and signed sin): the new keys
     are turned by this RoPE first (`interleaved` and `rotary` as above), so that they come
@@ -688,16 +690,15 @@ def write_stored(
     shifts = [None] * len(key_stores)
     if sinks:
         shifts = list(zip(sink_cos, sink_sin, strict=True))
-    table_entries = ()
-    for keys, values, at, shift in zip(key_stores, value_stores, slots, shifts, strict=True):
-        table_entries += _write_entries(keys, values, at, shift)
+    stores = zip(key_stores, value_stores, slots, shifts, strict=True)
+    table_entries = sum((_write_entries(*store) for store in stores), ())
     if len(table_entries) != entries * WRITE_COLUMNS:
         raise ValueError("one new key and value a slot")
-    table = _TABLES.table(table_entries, new_keys.device, WRITE_COLUMNS)
     new_keys, new_values = _rows_contiguous(new_keys), _rows_contiguous(new_values)
     key_rope = key_cos is not None and key_sin is not None
     if key_rope:
         key_cos, key_sin = _rope_rows(key_cos), _rope_rows(key_sin)
+    table = _TABLES.table(table_entries, new_keys.device, WRITE_COLUMNS)
     _write_rows[(entries, kv_heads, 2)](
         new_keys,
         new_values,

@@ -21,7 +21,7 @@ from miniapp.engine.models.attention_backends import (
     TorchAttention,
     stored_attention_runs,
 )
-from miniapp.engine.models.static_step import StaticDecodeStep
+from miniapp.engine.models.static_step import StaticDecodeStep, StaticVerifyStep
 from miniapp.engine.ops import stored_attention as kernel
 from miniapp.engine.ops.layers import Rope, apply_rope
 
@@ -128,34 +128,45 @@ def test_the_write_kernel_stores_rows_as_the_codecs_encode_them(key_type, value_
 
 
 @pytest.mark.parametrize(
-    ("kind", "interleaved", "rotary"),
-    [(Q8, False, 64), (Q4, True, 64), (Q8, True, 32), (BF16, False, 48)],
-    ids=["q8-neox", "q4-interleaved", "q8-partial", "bf16-neox-partial"],
+    ("kind", "interleaved", "rotary", "slots"),
+    [
+        (Q8, False, 64, [[12], [2]]),
+        (Q4, True, 64, [[12], [2]]),
+        (Q8, True, 32, [[12], [2]]),
+        (BF16, False, 48, [[12], [2]]),
+        (Q8, False, 64, [[12, 13], [9, 10]]),
+    ],
+    ids=["q8-neox", "q4-interleaved", "q8-partial", "bf16-neox-partial", "q8-several-keys"],
 )
 def test_the_write_launch_turns_sinks_into_the_frame_as_decode_rope_and_encode(
-    kind, interleaved, rotary
+    kind, interleaved, rotary, slots
 ):
     # Two caches in one launch, each by its own shift, as the static step's torch path
-    # turns them (the codec's decode, apply_rope, the codec's encode). The second cache is
-    # fresh: its new key is a sink, turned as just written.
+    # turns them (the codec's decode, apply_rope, the codec's encode). With one new key a
+    # cache, the second cache is fresh: its new key is a sink, turned as just written.
     head_dim, sinks = 64, 4
     codec = KVCodec(kind, head_dim, CPU)
     rope = Rope(head_dim, rotary, 10000.0, interleaved)
     generator = torch.Generator().manual_seed(5)
-    shifts, slots = [rope.shift_tables(37), rope.shift_tables(-200)], [12, 2]
-    new_keys = torch.randn(2, 2, head_dim, generator=generator) * 2
-    new_values = torch.randn(2, 2, head_dim, generator=generator)
-    stores, wants = [], []
-    for i, slot in enumerate(slots):
+    shifts = [rope.shift_tables(37), rope.shift_tables(-200)]
+    entries = sum(len(at) for at in slots)
+    new_keys = torch.randn(entries, 2, head_dim, generator=generator) * 2
+    new_values = torch.randn(entries, 2, head_dim, generator=generator)
+    stores, wants, first = [], [], 0
+    for at, shift in zip(slots, shifts, strict=True):
         keys = codec.empty(2, 16)
         own = torch.randn(1, 2, sinks, head_dim, generator=generator) * 2
         keys[:, :, :sinks] = codec.encode(own)
-        stores.append((keys, codec.empty(2, 16)))
-        expected = keys.clone()
-        expected[:, :, slot] = codec.encode(new_keys[i][None, :, None])[:, :, 0]
-        own = codec.decode(expected[:, :, :sinks])[0].transpose(0, 1)
-        expected[:, :, sinks : 2 * sinks] = codec.encode(
-            apply_rope(own, shifts[i]).transpose(0, 1)[None]
+        values = codec.empty(2, 16)
+        stores.append((keys, values))
+        expected = (keys.clone(), values.clone())
+        rows = slice(first, first + len(at))
+        first += len(at)
+        expected[0][:, :, at] = codec.encode(new_keys[rows].transpose(0, 1)[None])
+        expected[1][:, :, at] = codec.encode(new_values[rows].transpose(0, 1)[None])
+        own = codec.decode(expected[0][:, :, :sinks])[0].transpose(0, 1)
+        expected[0][:, :, sinks : 2 * sinks] = codec.encode(
+            apply_rope(own, shift).transpose(0, 1)[None]
         )
         wants.append(expected)
     kernel.write_stored(
@@ -163,7 +174,7 @@ def test_the_write_launch_turns_sinks_into_the_frame_as_decode_rope_and_encode(
         new_values,
         [k for k, _ in stores],
         [v for _, v in stores],
-        [torch.tensor([slot]) for slot in slots],
+        [torch.tensor(at) for at in slots],
         [kind.code, kind.code],
         codec.rotation,
         [shift.cos.reshape(-1) for shift in shifts],
@@ -172,18 +183,16 @@ def test_the_write_launch_turns_sinks_into_the_frame_as_decode_rope_and_encode(
         interleaved,
         rotary,
     )
-    for (keys, values), want, slot in zip(stores, wants, slots, strict=True):
-        framed = slice(sinks, 2 * sinks)
-        assert torch.equal(keys[:, :, :sinks], want[:, :, :sinks])
-        assert torch.equal(keys[:, :, slot], want[:, :, slot])
+    framed = slice(sinks, 2 * sinks)
+    for (keys, values), (want_keys, want_values), at in zip(stores, wants, slots, strict=True):
+        assert torch.equal(values, want_values)
+        assert torch.equal(keys[:, :, :sinks], want_keys[:, :, :sinks])
+        assert torch.equal(keys[:, :, at], want_keys[:, :, at])
         got = keys[:, :, framed]
-        assert (got != want[:, :, framed]).float().mean() < 0.02  # but for rounding edges
-        assert (codec.decode(got) - codec.decode(want[:, :, framed])).abs().max() < 0.05
-        untouched = [s for s in range(2 * sinks, 16) if s != slot]
+        assert (got != want_keys[:, :, framed]).float().mean() < 0.02  # but for rounding edges
+        assert (codec.decode(got) - codec.decode(want_keys[:, :, framed])).abs().max() < 0.05
+        untouched = [s for s in range(2 * sinks, 16) if s not in at]
         assert not keys[:, :, untouched].any()
-        assert torch.equal(
-            values[:, :, slot], codec.encode(new_values[slots.index(slot)][None, :, None])[:, :, 0]
-        )
 
 
 @pytest.mark.parametrize(
@@ -477,3 +486,37 @@ def test_the_kernel_runs_on_the_cpu_only_under_the_interpreter(monkeypatch):
     assert stored_attention_runs(CPU)
     monkeypatch.setenv("MINIAPP_STORED_ATTENTION", "0")
     assert not stored_attention_runs(CPU)
+
+
+def test_verification_over_q8_caches_with_sinks_is_its_decode_steps_bit_for_bit(model, monkeypatch):
+    # Verification writes several keys into one cache in one launch, which turns its
+    # sinks once. Each row's logits, and the caches after, are its decode steps', which
+    # wrote one key each.
+    writes = []
+    write = kernel.write_stored
+    monkeypatch.setattr(kernel, "write_stored", lambda *a: writes.append(a) or write(*a))
+    policy = CachePolicy(ctx=64, sinks=4, window=40, kv_type=Q8)
+
+    def prefilled():
+        caches = model.make_caches(policy)
+        for cache in caches:
+            cache.reserve()
+        with torch.inference_mode():
+            model(torch.tensor([(5 * i) % 40 + 3 for i in range(9)]), caches)
+        return caches
+
+    rows = [11, 4, 29, 8]
+    stepped, verified = prefilled(), prefilled()
+    decode, step = StaticDecodeStep(model, stepped), StaticVerifyStep(model, verified, len(rows))
+    with torch.inference_mode():
+        want = torch.cat([decode(t) for t in rows])
+        writes.clear()
+        assert step.ready()
+        _, got = step.verify(rows)
+    # Every row's keys in one call a layer, straight from the projection (the kernel
+    # applies their RoPE, as the decode steps' did).
+    assert len(writes) == model.config.n_layers
+    assert all(len(call) > 12 and call[12] is not None for call in writes)
+    assert torch.equal(got, want)
+    for a, b in zip(stepped, verified, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
