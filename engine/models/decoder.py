@@ -165,6 +165,8 @@ class Attention:
         verification rows turn as their decode steps do, bit for bit. heads [tokens, all
         heads, head_dim] as projected; returns [tokens, heads, head_dim], or None where
         the rows do not qualify."""
+        if not getattr(rows.caches[0], "kernel_writes", False):  # the usual case, quickly
+            return None
         stored = _kernel_rows(list(rows), heads)
         if stored is None or not self.stored_backend.reads_one_each(stored):
             return None

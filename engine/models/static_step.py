@@ -194,10 +194,10 @@ class _StaticCacheView:
         if self.key_tiles is not None:
             self.lead = getattr(cache, "lead", None)
             self.key_codec = KVCodec(F32, self.key_tiles.head_dim, self.keys.device)
-        # Where Triton runs, one kernel writes new q8 or q4 rows as stored, rotated and
-        # quantized in one pass: torch's encode takes several kernels a layer. 16-bit rows
-        # stay with torch, whose cast and copy fuse into the kernel making the keys (a
-        # custom op would add two kernels a layer).
+        # Where Triton runs, one kernel writes new q8 or q4 rows as stored (RoPE, rotation
+        # and quantization in one pass, the sinks' frame too): torch's encode takes several
+        # kernels a layer. 16-bit rows stay with torch, whose RoPE, cast and copy fuse into
+        # one kernel: through the write kernel a SmolLM2 step counts the same 274 kernels.
         self.kernel_writes = (
             writes
             and self.key_tiles is None

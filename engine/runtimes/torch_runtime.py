@@ -445,11 +445,13 @@ def plan_cache_and_device(
     """The KV cache type and the device plan a torch runtime takes (doctor reports the
     same): the type asked for, else the default for the model's heads, with the plan for
     that footprint. A GPU that holds the whole model keeps the cache in bf16 by default,
-    where it fits too: attention there is torch's, which would decode quantized rows into a
-    bf16 copy in every layer and step (more bytes moved than bf16 rows read as stored, and
-    several kernels a layer more), while SDPA reads bf16 rows as they are, as llama.cpp's f16
-    and vLLM's bf16 caches are read. The CPU keeps q8, which its native attention reads as
-    it is."""
+    where it fits too: without Triton, attention there is torch's, which would decode
+    quantized rows into a bf16 copy in every layer and step (more bytes moved than bf16 rows
+    read as stored, and several kernels a layer more), while SDPA reads bf16 rows as they
+    are, as llama.cpp's f16 and vLLM's bf16 caches are read. Our Triton kernels read and
+    write q8 rows in as many kernels a step as bf16's; whether q8's halved reads pay for
+    its decoding in registers is for a GPU to measure before q8 becomes its default. The
+    CPU keeps q8, which its native attention reads as it is."""
     config = check_supported(gguf)
     kind = asked or default_kv_type(config.head_dim)
     kind.check(config.head_dim)
