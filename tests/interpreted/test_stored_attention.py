@@ -301,6 +301,16 @@ def model(tiny_path):
         return build_model(GGUFFile(tiny_path))
 
 
+def _prefilled(model, policy: CachePolicy, tokens: int) -> list:
+    """The model's caches under `policy`, reserved in full, after a prompt of `tokens`."""
+    caches = model.make_caches(policy)
+    for cache in caches:
+        cache.reserve()
+    with torch.inference_mode():
+        model(torch.tensor([(5 * i) % 40 + 3 for i in range(tokens)]), caches)
+    return caches
+
+
 def _filled_cache(model, kind, tokens: int):
     """A global layer's cache of `kind` holding `tokens` random keys and values; returns
     it with the stored rows its last update returned."""
@@ -382,13 +392,9 @@ def test_a_batched_static_step_reads_q8_caches_in_one_launch_a_layer(model, monk
     policy = CachePolicy(ctx=64, sinks=4, window=40, kv_type=Q8)
 
     def prefilled(n):
-        caches = model.make_caches(policy)
-        for cache in caches:
-            cache.reserve()
-        with torch.inference_mode(), monkeypatch.context() as prompt:
+        with monkeypatch.context() as prompt:
             prompt.setenv("MINIAPP_STORED_ATTENTION", "0")  # the prompts by torch: quicker here
-            model(torch.tensor([(7 * i) % 50 + 3 for i in range(n)]), caches)
-        return caches
+            return _prefilled(model, policy, n)
 
     lengths, tokens = [10, 47, 17], [5, 9, 14]  # 47: past the window, its sinks in a frame
     batch = StaticDecodeStep(model, batch=[prefilled(n) for n in lengths])
@@ -449,12 +455,7 @@ def test_a_static_step_over_q4_keys_reads_their_decoded_tiles_through_the_kernel
     policy = CachePolicy(ctx=64, sinks=4, window=40, kv_type=Q4)
 
     def step():
-        caches = model.make_caches(policy)
-        for cache in caches:
-            cache.reserve()
-        with torch.inference_mode():
-            model(torch.tensor([(5 * i) % 40 + 3 for i in range(20)]), caches)
-        return StaticDecodeStep(model, caches)
+        return StaticDecodeStep(model, _prefilled(model, policy, 20))
 
     stored = step()
     monkeypatch.setenv("MINIAPP_STORED_ATTENTION", "0")
@@ -497,16 +498,8 @@ def test_verification_over_q8_caches_with_sinks_is_its_decode_steps_bit_for_bit(
     monkeypatch.setattr(kernel, "write_stored", lambda *a: writes.append(a) or write(*a))
     policy = CachePolicy(ctx=64, sinks=4, window=40, kv_type=Q8)
 
-    def prefilled():
-        caches = model.make_caches(policy)
-        for cache in caches:
-            cache.reserve()
-        with torch.inference_mode():
-            model(torch.tensor([(5 * i) % 40 + 3 for i in range(9)]), caches)
-        return caches
-
     rows = [11, 4, 29, 8]
-    stepped, verified = prefilled(), prefilled()
+    stepped, verified = _prefilled(model, policy, 9), _prefilled(model, policy, 9)
     decode, step = StaticDecodeStep(model, stepped), StaticVerifyStep(model, verified, len(rows))
     with torch.inference_mode():
         want = torch.cat([decode(t) for t in rows])
