@@ -353,10 +353,12 @@ def write_rows_as_stored(
     value_codec: KVCodec,
     sinks: tuple[int, list[RopeTables]] | None = None,
     rotation: RopeTables | None = None,
+    heads_from: tuple[int, int] = (0, 0),
 ) -> None:
-    """new_keys and new_values [entries, kv_heads, head_dim], encoded as the codecs store
-    them, into (keys, values, slots) of `stores` (whole storages, int64 slots on their
-    device), entries in order: as many as the slots together. One Triton launch
+    """new_keys and new_values [entries, heads, head_dim] (the stores' kv_heads from head
+    heads_from[0] and heads_from[1] on), encoded as the codecs store them, into (keys,
+    values, slots) of `stores` (whole storages, int64 slots on their device), entries in
+    order: as many as the slots together. One Triton launch
     (ops/stored_attention.py) does what `index_copy_(2, slots, codec.encode(k))` does for
     each store. `sinks`: (how many, each store's shift): the keys' sinks, stored in slots
     0..sinks-1, are then turned by the shift into slots sinks..2*sinks-1 in the same
@@ -385,6 +387,7 @@ def write_rows_as_stored(
         0 if rope is None else rope.rotary_dim,
         None if rotation is None else rotation.cos,
         None if rotation is None else rotation.signed_sin,
+        *heads_from,
     )
 
 
@@ -393,17 +396,19 @@ def write_static_rows(
     new_keys: torch.Tensor,
     new_values: torch.Tensor,
     rotation: RopeTables | None = None,
+    heads_from: tuple[int, int] = (0, 0),
 ) -> None:
-    """A static step's cache views (all of one kind, each writing one token), in Triton:
-    new_keys and new_values [views, kv_heads, head_dim] written as stored at each view's
-    slot, and every view's sinks turned into its frame, in one launch. `rotation`: the
-    keys' RoPE, where they come unturned."""
+    """A static step's cache views (all of one kind), in Triton: new_keys and new_values
+    [rows, heads, head_dim] (the kv_heads from heads_from on, as write_rows_as_stored
+    takes them) written as stored at each view's slots, one row a slot, and every view's
+    sinks turned into its frame, in one launch. `rotation`: the keys' RoPE, where they
+    come unturned."""
     first = views[0]
     stores = [(view.keys, view.values, view.inputs.write_at) for view in views]
     shifts = [view.inputs.sink_shift for view in views]
     sinks = (first.sinks, shifts) if first.sinks else None
     codecs = (first.key_codec, first.value_codec)
-    write_rows_as_stored(new_keys, new_values, stores, *codecs, sinks, rotation)
+    write_rows_as_stored(new_keys, new_values, stores, *codecs, sinks, rotation, heads_from)
 
 
 def _row_masks(mask: torch.Tensor | None, rows: int) -> list[torch.Tensor | None] | None:

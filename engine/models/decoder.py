@@ -170,11 +170,12 @@ class Attention:
         stored = _kernel_rows(list(rows), heads)
         if stored is None or not self.stored_backend.reads_one_each(stored):
             return None
-        qk = heads[:, : self.n_rotated]
+        qk = heads  # queries, keys and values as projected (a compiled step makes it once)
         if self.qk_norm_weight is not None:
-            qk = self._normed(qk.float())
+            qk = self._normed(heads[:, : self.n_rotated].float())
         caches = list({id(cache): cache for *_, cache in stored}.values())
-        write_static_rows(caches, qk[:, self.n_heads :], heads[:, self.n_rotated :], rotation)
+        heads_from = (self.n_heads, self.n_rotated)
+        write_static_rows(caches, qk, heads, rotation, heads_from)
         return self.stored_backend.attend_with_rope(qk[:, : self.n_heads], stored, rotation)
 
     def _normed(self, qk: torch.Tensor) -> torch.Tensor:

@@ -664,8 +664,12 @@ def write_stored(
     rotary: int,
     key_cos: torch.Tensor | None = None,
     key_sin: torch.Tensor | None = None,
+    key_head: int = 0,
+    value_head: int = 0,
 ) -> None:
-    """new_keys and new_values [entries, kv_heads, head_dim] (any float type) stored as
+    """new_keys and new_values [entries, heads, head_dim] (any float type; the kv_heads of
+    the stores from head key_head and value_head on: one projection's output may be both,
+    which a compiled step then makes once) stored as
     `kinds` ([key code, value code]) into key_stores[c] and value_stores[c] (whole storages
     [1, kv_heads, slots, width]) at the slots slots[c] (int64 [n_c], on the device: a graph
     replays them), entries taken in order, n_0 + n_1 + ... of them. q8 and q4 rows are
@@ -682,7 +686,10 @@ def write_stored(
     key_cos and key_sin (fp32 [entries or 1, head_dim], cos and signed sin): the new keys
     are turned by this RoPE first (`interleaved` and `rotary` as above), so that they come
     straight from the projection. One launch for all."""
-    entries, kv_heads, head_dim = new_keys.shape
+    entries, _, head_dim = new_keys.shape
+    kv_heads = key_stores[0].shape[1]
+    if key_head + kv_heads > new_keys.shape[1] or value_head + kv_heads > new_values.shape[1]:
+        raise ValueError("the new rows hold every head of the stores")
     if rotation is None:
         if max(kinds) >= QUANTIZED:
             raise ValueError("rows stored rotated need their rotation")
@@ -700,8 +707,8 @@ def write_stored(
         key_cos, key_sin = _rope_rows(key_cos), _rope_rows(key_sin)
     table = _TABLES.table(table_entries, new_keys.device, WRITE_COLUMNS)
     _write_rows[(entries, kv_heads, 2)](
-        new_keys,
-        new_values,
+        new_keys[:, key_head:],
+        new_values[:, value_head:],
         table,
         rotation,
         key_cos if key_rope else rotation,  # never read without
@@ -745,5 +752,7 @@ def _(
     rotary,
     key_cos=None,
     key_sin=None,
+    key_head=0,
+    value_head=0,
 ):
     return None
