@@ -324,9 +324,10 @@ class Attention:
         before = values.shape[2] - n_rows  # tiled keys: their lead rows are apart
         # The native backend takes as many rows as there are here (a decode step runs that
         # kernel too, so every row matches it bit for bit).
-        backend = self._kernel_backend(keys)
         if keys.is_cpu and self.native_backend is not None:
             backend = self.native_backend
+        else:
+            backend = self._kernel_backend(keys)
         out = backend.attend_prefixes(qk[: self.n_heads], keys, values, cache, before)
         _observe(cache, qk[: self.n_heads], self.scale)
         return out
