@@ -574,8 +574,10 @@ def _write_rows(
                 )
     else:
         base = _head_start(entry, 1, head)
-        x = tl.load(new_values + entry_at * value_entry_stride + head * value_head_stride + d)
-        _store_row(x.to(tl.float32), base + slot * VALUE_ROW, rotation, VALUE_KIND, D)
+        value = new_values + entry_at * value_entry_stride + head * value_head_stride
+        # fp32 in both branches: a compiled kernel's branches must leave x one type
+        x = tl.load(value + d).to(tl.float32)
+        _store_row(x, base + slot * VALUE_ROW, rotation, VALUE_KIND, D)
 
 
 @triton.jit
