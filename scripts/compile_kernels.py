@@ -33,7 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", action="append", choices=TARGETS, help="default: both")
     parser.add_argument("--shape", action="append", choices=SHAPES, help="default: all")
     parser.add_argument("--kind", action="append", choices=KINDS, help="default: all")
-    parser.add_argument("--warps", type=int, default=4, help="warps a program (Triton's 4)")
+    parser.add_argument(
+        "--warps", type=int, help="warps an attention program (default: as launched)"
+    )
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("run without TRITON_INTERPRET: the interpreter compiles nothing")
@@ -65,11 +67,14 @@ def main(argv: list[str] | None = None) -> int:
                     started = time.perf_counter()
                     try:
                         source = ASTSource(fn, full, constants)
-                        options = {"num_warps": args.warps}
+                        warps = 4  # the write kernel's, Triton's default
+                        if fn is kernels._split_partials:
+                            warps = args.warps or kernels.attention_warps(d)
+                        options = {"num_warps": warps}
                         compiled = triton.compile(source, target=target, options=options)
                     except Exception as error:  # noqa: BLE001 - report every kernel's failure
                         failed += 1
-                        print(f"{label}: FAILED {str(error).splitlines()[-1]}")
+                        print(f"{label}: FAILED {_reason(error)}")
                         continue
                     seconds = time.perf_counter() - started
                     usage = _usage(compiled) if backend == "cuda" else ""
@@ -103,6 +108,14 @@ def _launches(kernels, heads, kv_heads, d, kind, row):
     )  # fmt: skip
     yield kernels._split_partials, attention, attention_constants
     yield kernels._write_rows, write, write_constants
+
+
+def _reason(error: Exception) -> str:
+    """A compile error in one line: Triton's message ends with the failing source line and
+    a caret, its cause sits in the chained exception."""
+    cause = error.__cause__ or error
+    lines = [line.strip() for line in str(cause).splitlines() if line.strip(" ^")]
+    return f"{type(cause).__name__}: {lines[-1] if lines else ''}"
 
 
 def _usage(compiled) -> str:

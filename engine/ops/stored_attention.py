@@ -41,6 +41,15 @@ import triton.language as tl
 TOKENS_PER_SPLIT = 128  # keys a program reads; fixed, so that a row's sums keep their order
 BLOCK_TOKENS = 32  # keys a program loads at once
 MIN_DOT = 16  # tl.dot's smallest side: the query heads of a key head are padded to it
+
+
+def attention_warps(head_dim: int) -> int:
+    """Warps an attention program runs on. Compiled for sm_90 (scripts/compile_kernels.py),
+    heads of 128 with Triton's 4 spill 280-590 bytes a thread, with 8 at most 340 (bf16:
+    none); heads of 64 spill nothing with 4. Chosen by spills, not yet timed on a GPU."""
+    return 8 if head_dim >= 128 else 4
+
+
 QUANTIZED = 3  # type codes from here on (q8, q4) are stored rotated
 TABLE_COLUMNS = 6  # key address, value address, key head stride, value head stride, mask, length
 # write_stored's entries: key and value addresses and head strides, the slot's address, the
@@ -118,7 +127,6 @@ def _split_partials(
     part_out,  # fp32 [rows, HEADS, splits, D]: its values weighted alike
     out,  # [rows, HEADS, D]: the attended values
     counters,  # int32, zero: finished programs a (row, key head)
-    rotation,  # fp32 [D, D]: the rotation quantized rows are stored in (its own inverse)
     rope_cos,  # fp32 [rows or 1, D]: the queries' RoPE (with ROPE)
     rope_sin,  # fp32 signed sin alike
     rope_stride,  # rope_cos's row stride (0: one table for all)
@@ -158,10 +166,10 @@ def _split_partials(
         at = row * rope_stride + d[None, :]
         q = _roped(q, swapped, tl.load(rope_cos + at), tl.load(rope_sin + at))
     # Keys stored rotated meet queries rotated alike (a product keeps its value when both
-    # sides turn by one orthogonal matrix). Each program rotates its own copy: a [16, D] x
-    # [D, D] product costs less than a kernel of its own.
+    # sides turn by one orthogonal matrix). Each program rotates its own copy, in
+    # butterflies: cheaper than a kernel of its own.
     if KEY_KIND >= 3:  # q8, q4
-        q = tl.dot(q, _rotation(rotation, D), input_precision="ieee")
+        q = _hadamard(q, GROUP_PAD, D)
     best = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     total = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D], tl.float32)
@@ -202,7 +210,6 @@ def _split_partials(
             part_sum,
             part_out,
             out,
-            rotation,
             row * HEADS + heads,
             real,
             splits,
@@ -213,9 +220,24 @@ def _split_partials(
 
 
 @triton.jit
-def _rotation(rotation, D: tl.constexpr):
-    d = tl.arange(0, D)
-    return tl.load(rotation + d[:, None] * D + d[None, :])
+def _hadamard(x, ROWS: tl.constexpr, D: tl.constexpr):
+    """x [ROWS, D] fp32 times the normalised Hadamard matrix of size D (a power of two), as
+    the codecs rotate rows (kv/codec.py: `rotate`): log2(D) butterfly levels in registers.
+    A [D, D] product would hold the matrix in registers, which spills at heads of 128
+    (scripts/compile_kernels.py)."""
+    for level in tl.static_range(10):  # heads up to 1024
+        if (1 << level) < D:
+            x = _butterflies(x, ROWS, D, 1 << level)
+    return x * (1.0 / tl.sqrt(D * 1.0))
+
+
+@triton.jit
+def _butterflies(x, ROWS: tl.constexpr, D: tl.constexpr, H: tl.constexpr):
+    """One level: element i = block * 2H + side * H + j, and each pair (side 0, side 1)
+    becomes (a + b, a - b)."""
+    pairs = tl.permute(tl.reshape(x, [ROWS, D // (2 * H), 2, H]), [0, 1, 3, 2])
+    a, b = tl.split(pairs)
+    return tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 1, 3, 2]), [ROWS, D])
 
 
 @triton.jit
@@ -224,7 +246,6 @@ def _combine_splits(
     part_sum,
     part_out,
     out,
-    rotation,
     heads,
     real,
     splits,
@@ -251,7 +272,7 @@ def _combine_splits(
     total = tl.where(real, total, 1.0)
     result = acc / total[:, None]
     if ROTATE:
-        result = tl.dot(result, _rotation(rotation, D), input_precision="ieee")
+        result = _hadamard(result, result.shape[0], D)
     tl.store(out + heads[:, None] * D + d[None, :], result, mask=real[:, None])
 
 
@@ -353,18 +374,17 @@ def stored_attention(
     """queries [rows, heads, head_dim] (any float type); row r attends keys[r] and values[r] ([1,
     kv_heads, tokens, width] as stored, of type codes `kinds` = [key code, value code])
     where masks[r] (bool, None: everywhere) allows. q8 and q4 rows are stored rotated:
-    `rotation` (fp32 [head_dim, head_dim], x @ it) is that rotation, needed when either
-    kind is one of them; the kernel rotates queries and output itself. With rope_cos and
+    `rotation` (fp32 [head_dim, head_dim], x @ it), the codecs' matrix, says so, needed
+    when either kind is one of them; the kernel turns queries and output by the same
+    normalised Hadamard matrix itself, in butterflies (kv/codec.py's `rotate`). With rope_cos and
     rope_sin (fp32 [rows or 1, head_dim]: cos and signed sin; `interleaved` pairs and
     `rotary` rotated dimensions as the model's Rope), the queries are turned by that RoPE
     first, so that they come straight from the projection. Returns [rows, heads,
     head_dim] in out_dtype. A custom op: torch.compile calls it as it is, and a
     CUDA graph captures its one launch."""
     rows, heads, head_dim = queries.shape
-    if rotation is None:
-        if max(kinds) >= QUANTIZED:
-            raise ValueError("rows stored rotated need their rotation")
-        rotation = queries  # never read
+    if rotation is None and max(kinds) >= QUANTIZED:
+        raise ValueError("rows stored rotated need their rotation")
     kv_heads = keys[0].shape[1]
     group = heads // kv_heads
     entries = sum((_entry(k, v, m) for k, v, m in zip(keys, values, masks, strict=True)), ())
@@ -386,9 +406,8 @@ def stored_attention(
         part_out,
         out,
         _COUNTERS.at_least(rows * kv_heads, queries.device),
-        rotation,
-        rope_cos if rope else rotation,  # never read without
-        rope_sin if rope else rotation,
+        rope_cos if rope else queries,  # never read without
+        rope_sin if rope else queries,
         rope_cos.stride(0) if rope and rope_cos.shape[0] > 1 else 0,
         queries.stride(0),
         queries.stride(1),
@@ -407,6 +426,7 @@ def stored_attention(
         ROPE=rope,
         INTERLEAVED=interleaved,
         ROTARY=rotary,
+        num_warps=attention_warps(head_dim),
     )
     return out
 
