@@ -22,8 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
-# Shapes: SmolLM2-135M (9 heads over 3, head 64), Qwen2.5-1.5B (12 over 2, head 128).
-SHAPES = {"smollm2": (9, 3, 64), "qwen2.5-1.5b": (12, 2, 128)}
+# Shapes: SmolLM2-135M (9 heads over 3, head 64), Qwen2.5-1.5B (12 over 2, head 128),
+# Gemma 3 270M (4 over 1, head 256).
+SHAPES = {"smollm2": (9, 3, 64), "qwen2.5-1.5b": (12, 2, 128), "gemma3-270m": (4, 1, 256)}
 KINDS = {"bf16": 2, "q8": 3, "q4": 4}
 TARGETS = ("cuda:90", "hip:gfx942")
 
@@ -33,9 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", action="append", choices=TARGETS, help="default: both")
     parser.add_argument("--shape", action="append", choices=SHAPES, help="default: all")
     parser.add_argument("--kind", action="append", choices=KINDS, help="default: all")
-    parser.add_argument(
-        "--warps", type=int, help="warps an attention program (default: as launched)"
-    )
+    parser.add_argument("--warps", type=int, default=4, help="warps a program (Triton's 4)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("run without TRITON_INTERPRET: the interpreter compiles nothing")
@@ -67,10 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                     started = time.perf_counter()
                     try:
                         source = ASTSource(fn, full, constants)
-                        warps = 4  # the write kernel's, Triton's default
-                        if fn is kernels._split_partials:
-                            warps = args.warps or kernels.attention_warps(d)
-                        options = {"num_warps": warps}
+                        options = {"num_warps": args.warps}
                         compiled = triton.compile(source, target=target, options=options)
                     except Exception as error:  # noqa: BLE001 - report every kernel's failure
                         failed += 1
@@ -87,20 +83,20 @@ def _launches(kernels, heads, kv_heads, d, kind, row):
     group = heads // kv_heads
     attention = dict(
         queries="*bf16", table="*i64", part_max="*fp32", part_sum="*fp32", part_out="*fp32",
-        out="*bf16", counters="*i32", rotation="*fp32", rope_cos="*fp32", rope_sin="*fp32",
+        out="*bf16", counters="*i32", rope_cos="*fp32", rope_sin="*fp32",
         rope_stride="i64", query_row_stride="i64", query_head_stride="i64",
         scale_log2="fp32", splits="i32",
     )  # fmt: skip
     attention_constants = dict(
         HEADS=heads, GROUP=group, GROUP_PAD=max(kernels.MIN_DOT, 1 << (group - 1).bit_length()),
         D=d, KEY_KIND=kind, VALUE_KIND=kind, KEY_ROW=row, VALUE_ROW=row,
-        TOKENS=kernels.TOKENS_PER_SPLIT, BLOCK=kernels.BLOCK_TOKENS, ROPE=True,
+        TOKENS=kernels.TOKENS_PER_SPLIT, BLOCK=kernels.attention_block(d), ROPE=True,
         INTERLEAVED=False, ROTARY=d,
     )  # fmt: skip
     write = dict(
-        new_keys="*bf16", new_values="*bf16", table="*i64", rotation="*fp32",
-        rope_cos="*fp32", rope_sin="*fp32", rope_stride="i64", key_entry_stride="i64",
-        key_head_stride="i64", value_entry_stride="i64", value_head_stride="i64",
+        new_keys="*bf16", new_values="*bf16", table="*i64", rope_cos="*fp32",
+        rope_sin="*fp32", rope_stride="i64", key_entry_stride="i64", key_head_stride="i64",
+        value_entry_stride="i64", value_head_stride="i64",
     )  # fmt: skip
     write_constants = dict(
         D=d, KEY_KIND=kind, VALUE_KIND=kind, KEY_ROW=row, VALUE_ROW=row, SINKS=4,

@@ -39,15 +39,16 @@ import triton
 import triton.language as tl
 
 TOKENS_PER_SPLIT = 128  # keys a program reads; fixed, so that a row's sums keep their order
-BLOCK_TOKENS = 32  # keys a program loads at once
 MIN_DOT = 16  # tl.dot's smallest side: the query heads of a key head are padded to it
 
 
-def attention_warps(head_dim: int) -> int:
-    """Warps an attention program runs on. Compiled for sm_90 (scripts/compile_kernels.py),
-    heads of 128 with Triton's 4 spill 280-590 bytes a thread, with 8 at most 340 (bf16:
-    none); heads of 64 spill nothing with 4. Chosen by spills, not yet timed on a GPU."""
-    return 8 if head_dim >= 128 else 4
+def attention_block(head_dim: int) -> int:
+    """Keys a program loads at once (fixed for a head size, so that a row's sums keep their
+    order). Compiled for sm_90 (scripts/compile_kernels.py) on Triton's 4 warps, blocks of
+    32 spill 280-340 bytes a thread at heads of 128 and 2.3-6.3 KB at 256, blocks of 16
+    nothing; at 64 neither spills, and 32 holds bf16 in fewer registers. Chosen by spills,
+    not yet timed on a GPU."""
+    return 32 if head_dim <= 64 else MIN_DOT
 
 
 QUANTIZED = 3  # type codes from here on (q8, q4) are stored rotated
@@ -422,11 +423,10 @@ def stored_attention(
         KEY_ROW=keys[0].shape[3] * keys[0].element_size(),
         VALUE_ROW=values[0].shape[3] * values[0].element_size(),
         TOKENS=TOKENS_PER_SPLIT,
-        BLOCK=BLOCK_TOKENS,
+        BLOCK=attention_block(head_dim),
         ROPE=rope,
         INTERLEAVED=interleaved,
         ROTARY=rotary,
-        num_warps=attention_warps(head_dim),
     )
     return out
 
@@ -483,15 +483,7 @@ def _bf16(x):
 
 
 @triton.jit
-def _rotated_at(x, rotation, columns, D: tl.constexpr):
-    """(x @ rotation) at `columns` (any shape), for one row x [D] fp32."""
-    k = tl.arange(0, D)
-    turn = tl.load(rotation + k[:, None, None] * D + columns[None, :, :])
-    return tl.sum(x[:, None, None] * turn, axis=0)
-
-
-@triton.jit
-def _store_row(x, base, rotation, KIND: tl.constexpr, D: tl.constexpr):
+def _store_row(x, base, KIND: tl.constexpr, D: tl.constexpr):
     """One row x [D] fp32 stored as KIND at `base` (byte pointer to its slot), exactly as
     the codecs' encode lays it out (kv/types.py)."""
     d = tl.arange(0, D)
@@ -502,18 +494,18 @@ def _store_row(x, base, rotation, KIND: tl.constexpr, D: tl.constexpr):
     elif KIND == 2:
         tl.store(base.to(tl.pointer_type(tl.bfloat16), bitcast=True) + d, _bf16(x))
     else:
-        _store_quantized(x, base, rotation, KIND, D)
+        _store_quantized(x, base, KIND, D)
 
 
 @triton.jit
-def _store_quantized(x, base, rotation, KIND: tl.constexpr, D: tl.constexpr):
+def _store_quantized(x, base, KIND: tl.constexpr, D: tl.constexpr):
     """One row x [D] fp32 stored as q8 (KIND 3) or q4 (4) at `base`, rotated first."""
     halves = base.to(tl.pointer_type(tl.float16), bitcast=True)
     blocks = tl.arange(0, D // 32)
     if KIND == 3:
         # q8: codes round(x / scale) in [-127, 127], scale = a block's largest |x| / 127.
         columns = blocks[:, None] * 32 + tl.arange(0, 32)[None, :]
-        x = _rotated_at(x, rotation, columns, D)
+        x = tl.reshape(_hadamard(tl.reshape(x, [1, D]), 1, D), [D // 32, 32])
         scale16 = _f16(tl.max(tl.abs(x), axis=1) / 127.0)
         scale = scale16.to(tl.float32)[:, None]
         safe = tl.where(scale > 0, scale, 1.0)
@@ -525,8 +517,8 @@ def _store_quantized(x, base, rotation, KIND: tl.constexpr, D: tl.constexpr):
         # q4: codes round((x - low) / scale) in [0, 15] over a block's minimum and range;
         # byte i of a block holds value i (low nibble) and value i + 16 (high nibble).
         columns = blocks[:, None] * 32 + tl.arange(0, 16)[None, :]
-        first = _rotated_at(x, rotation, columns, D)
-        second = _rotated_at(x, rotation, columns + 16, D)
+        turned = tl.reshape(_hadamard(tl.reshape(x, [1, D]), 1, D), [D // 32, 2, 16])
+        first, second = tl.split(tl.permute(turned, [0, 2, 1]))
         low16 = _f16(tl.minimum(tl.min(first, axis=1), tl.min(second, axis=1)))
         high = tl.maximum(tl.max(first, axis=1), tl.max(second, axis=1))
         scale16 = _f16((high - low16.to(tl.float32)) / 15.0)
@@ -548,7 +540,6 @@ def _write_rows(
     new_keys,  # [entries, kv_heads, D], any float type, rows contiguous
     new_values,  # the same for the values
     table,  # int64 [entries, WRITE_COLUMNS]
-    rotation,  # fp32 [D, D]
     rope_cos,  # fp32 [entries or 1, D]: the new keys' RoPE (with KEY_ROPE)
     rope_sin,  # fp32 signed sin alike
     rope_stride,  # rope_cos's entry stride (0: one table for all)
@@ -582,7 +573,7 @@ def _write_rows(
             swapped = tl.load(key + _partner(d, INTERLEAVED, ROTARY)).to(tl.float32)
             at = entry_at * rope_stride + d
             x = _roped(x, swapped, tl.load(rope_cos + at), tl.load(rope_sin + at))
-        _store_row(x, base + slot * KEY_ROW, rotation, KEY_KIND, D)
+        _store_row(x, base + slot * KEY_ROW, KEY_KIND, D)
         cos_at = tl.load(entry + 5)
         if SINKS > 0 and cos_at != 0:  # a cache's first entry turns its sinks
             tl.debug_barrier()  # the sinks read what this program's threads just wrote
@@ -590,14 +581,14 @@ def _write_rows(
             sin = tl.load(entry + 6).to(tl.pointer_type(tl.float32))
             for sink in tl.static_range(SINKS):
                 _reframe_sink(
-                    base, cos, sin, sink, rotation, SINKS, KEY_KIND, D, KEY_ROW, INTERLEAVED, ROTARY
+                    base, cos, sin, sink, SINKS, KEY_KIND, D, KEY_ROW, INTERLEAVED, ROTARY
                 )
     else:
         base = _head_start(entry, 1, head)
         value = new_values + entry_at * value_entry_stride + head * value_head_stride
         # fp32 in both branches: a compiled kernel's branches must leave x one type
         x = tl.load(value + d).to(tl.float32)
-        _store_row(x, base + slot * VALUE_ROW, rotation, VALUE_KIND, D)
+        _store_row(x, base + slot * VALUE_ROW, VALUE_KIND, D)
 
 
 @triton.jit
@@ -606,7 +597,6 @@ def _reframe_sink(
     cos,
     sin,
     sink,
-    rotation,
     SINKS: tl.constexpr,
     KIND: tl.constexpr,
     D: tl.constexpr,
@@ -620,18 +610,13 @@ def _reframe_sink(
     apply_rope, encode)."""
     tokens = sink + tl.arange(0, 1)
     own = tl.sum(_stored_rows(base, tokens, tokens < SINKS, KIND, D, ROW), axis=0)
-    d = tl.arange(0, D)[None, :]
-    partner = _partner(d, INTERLEAVED, ROTARY)
-    if KIND >= 3:  # stored rotated: the rotation's columns undo it, partners picked alike
-        x = _rotated_at(own, rotation, d, D)
-        swapped = _rotated_at(own, rotation, partner, D)
-    else:
-        x = own[None, :]
-        swapped = tl.sum(tl.where(tl.arange(0, D)[:, None] == partner, own[:, None], 0.0), axis=0)[
-            None, :
-        ]
+    d = tl.arange(0, D)
+    x = own
+    if KIND >= 3:  # stored rotated: the rotation is its own inverse
+        x = tl.reshape(_hadamard(tl.reshape(own, [1, D]), 1, D), [D])
+    swapped = tl.gather(x, _partner(d, INTERLEAVED, ROTARY), 0)
     framed = _roped(x, swapped, tl.load(cos + d), tl.load(sin + d))
-    _store_row(tl.sum(framed, axis=0), base + (SINKS + sink) * ROW, rotation, KIND, D)
+    _store_row(framed, base + (SINKS + sink) * ROW, KIND, D)
 
 
 def _write_entries(
@@ -695,7 +680,8 @@ def write_stored(
     `kinds` ([key code, value code]) into key_stores[c] and value_stores[c] (whole storages
     [1, kv_heads, slots, width]) at the slots slots[c] (int64 [n_c], on the device: a graph
     replays them), entries taken in order, n_0 + n_1 + ... of them. q8 and q4 rows are
-    stored rotated by `rotation`.
+    stored rotated: `rotation`, the codecs' matrix, says so (the kernel turns rows by the
+    same normalised Hadamard matrix in butterflies, bit for bit the codecs' own).
 
     With `sinks` (else 0, and the tables' lists empty), each cache's sinks (slots
     0..sinks-1 of its keys) are then turned by RoPE from their own positions into the
@@ -712,10 +698,8 @@ def write_stored(
     kv_heads = key_stores[0].shape[1]
     if key_head + kv_heads > new_keys.shape[1] or value_head + kv_heads > new_values.shape[1]:
         raise ValueError("the new rows hold every head of the stores")
-    if rotation is None:
-        if max(kinds) >= QUANTIZED:
-            raise ValueError("rows stored rotated need their rotation")
-        rotation = new_keys  # never read
+    if rotation is None and max(kinds) >= QUANTIZED:
+        raise ValueError("rows stored rotated need their rotation")
     shifts = [None] * len(key_stores)
     if sinks:
         shifts = list(zip(sink_cos, sink_sin, strict=True))
@@ -732,9 +716,8 @@ def write_stored(
         new_keys[:, key_head:],
         new_values[:, value_head:],
         table,
-        rotation,
-        key_cos if key_rope else rotation,  # never read without
-        key_sin if key_rope else rotation,
+        key_cos if key_rope else table,  # never read without
+        key_sin if key_rope else table,
         key_cos.stride(0) if key_rope and key_cos.shape[0] > 1 else 0,
         new_keys.stride(0),
         new_keys.stride(1),
