@@ -196,7 +196,8 @@ class KVCodec:
         self.dtype = storage_dtype(kind)
         self._native_code = kind.code + (self.ROTATED if self.rotated else 0)
         self.native = None
-        # The rotation as a matrix, for kernels that rotate queries and outputs themselves.
+        # The rotation as a matrix: the torch path's product off the CPU. The Triton kernels
+        # take it as the sign that rows are stored rotated (they turn rows in butterflies).
         self.rotation = rotation_matrix(head_dim, device) if self.rotated else None
         self.matrix = None  # the rotation as one product in this codec's torch path: off the CPU
         if kind.blocked and device.type == "cpu":

@@ -271,24 +271,8 @@ class StoredAttention:
         not yet turned by RoPE), row r over stored[r], which reads_one_each takes: the
         kernel applies `rotation` (cos / signed sin [rows or 1, 1, head_dim]) to them as
         it loads them. Returns [rows, heads, head_dim]."""
-        from ..ops.stored_attention import stored_attention
-
-        cache = stored[0][3]
-        rope = rotation.rope
-        return stored_attention(
-            queries,
-            [keys for keys, _, _, _ in stored],
-            [values for _, values, _, _ in stored],
-            [_row_masks(mask, 1)[0] for _, _, mask, _ in stored],
-            list(kernel_types(cache)),
-            self.scale,
-            attention_dtype(queries.device, cache),
-            _stored_rotation(cache.key_codec, cache.value_codec),
-            rotation.cos,
-            rotation.signed_sin,
-            rope.interleaved,
-            rope.rotary_dim,
-        )
+        rows = [(k, v, _row_masks(mask, 1)[0]) for k, v, mask, _ in stored]
+        return self._launch(queries, rows, stored[0][3], rotation)
 
     def attend_prefixes(self, queries, keys, values, cache: Cache, before: int):
         if fuses_prefixes(queries) or not self._reads(cache, keys, values):
@@ -316,21 +300,32 @@ class StoredAttention:
 
     def _run(self, queries: torch.Tensor, rows: list, cache: Cache) -> torch.Tensor:
         """queries [heads, rows, head_dim]; rows: (keys, values, mask) a query row."""
+        out = self._launch(queries.transpose(0, 1).float().contiguous(), rows, cache)
+        return out.transpose(0, 1)[None]
+
+    def _launch(
+        self, queries: torch.Tensor, rows: list, cache: Cache, rotation: RopeTables | None = None
+    ) -> torch.Tensor:
+        """The kernel over queries [rows, heads, head_dim] (turned by `rotation`'s RoPE
+        first where given) -> [rows, heads, head_dim]. Quantized rows are stored rotated;
+        the kernel turns queries and output itself."""
         from ..ops.stored_attention import stored_attention
 
-        # Quantized rows are stored rotated; the kernel turns queries and output itself.
-        rotation = _stored_rotation(cache.key_codec, cache.value_codec)
-        out = stored_attention(
-            queries.transpose(0, 1).float().contiguous(),
+        rope = None if rotation is None else rotation.rope
+        return stored_attention(
+            queries,
             [k for k, _, _ in rows],
             [v for _, v, _ in rows],
             [m for _, _, m in rows],
             list(kernel_types(cache)),
             self.scale,
             attention_dtype(queries.device, cache),
-            rotation,
+            _stored_rotation(cache.key_codec, cache.value_codec),
+            None if rotation is None else rotation.cos,
+            None if rotation is None else rotation.signed_sin,
+            rope is not None and rope.interleaved,
+            0 if rope is None else rope.rotary_dim,
         )
-        return out.transpose(0, 1)[None]
 
 
 def kernel_takes_heads(head_dim: int) -> bool:
