@@ -281,6 +281,28 @@ def test_a_compiled_batched_step_gives_the_as_written_rows_in_fewer_kernels(mode
     torch._dynamo.reset()
 
 
+def test_a_batched_step_over_a_new_set_of_sequences_reuses_the_compiled_code(model):
+    # Clients come and go, and each new set of sequences in a bucket is a new step over
+    # other caches: compiling it again (seconds on a GPU's host, while every client waits,
+    # and torch stops compiling after COMPILED_VARIANTS) would undo the bucket's compile.
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    tokens = [PROMPT[-1], 40]
+    for _ in range(3):
+        sequences = [_prefilled(model), _prefilled(model)]
+        step = StaticDecodeStep(
+            model, batch=sequences + sequences[-1:], runner=lambda body: CompiledStep(body)
+        )
+        with torch.inference_mode():
+            step.step(tokens)
+        (run,) = step._runs.values()
+        assert run.ran
+    assert counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
+
+
 def test_a_step_that_cannot_compile_runs_as_written(caplog):
     torch._dynamo.reset()
     ran = []

@@ -167,13 +167,13 @@ class Attention:
         the rows do not qualify."""
         if not getattr(rows.caches[0], "kernel_writes", False):  # the usual case, quickly
             return None
-        stored = _kernel_rows(list(rows), heads)
-        if stored is None or not self.stored_backend.reads_one_each(stored):
+        taken = _kernel_rows(list(rows), heads)
+        if taken is None or not self.stored_backend.reads_one_each(taken[0]):
             return None
+        stored, caches = taken
         qk = heads  # queries, keys and values as projected (a compiled step makes it once)
         if self.qk_norm_weight is not None:
             qk = self._normed(heads[:, : self.n_rotated].float())
-        caches = list({id(cache): cache for *_, cache in stored}.values())
         heads_from = (self.n_heads, self.n_rotated)
         write_static_rows(caches, qk, heads, rotation, heads_from)
         return self.stored_backend.attend_with_rope(qk[:, : self.n_heads], stored, rotation)
@@ -250,12 +250,12 @@ class Attention:
         outs: list[torch.Tensor | None] = []
         decodes: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor | None, Cache]] = []
         written = self._write_decode_rows(qk, v, rows)
-        for span, cache, mask in rows:
+        for index, (span, cache, mask) in enumerate(rows):
             if mask is not None:  # built on the CPU, like a pass's masks
                 mask = mask.to(qk.device)
             if span.kind is RowKind.DECODE:
                 k_row, v_row = qk[self.n_heads :, span.rows][None], v[:, span.rows][None]
-                if id(cache) in written:
+                if index in written:
                     keys, values = cache.update_and_fetch(k_row, v_row, written=True)
                 else:
                     keys, values = cache.update_and_fetch(k_row, v_row)
@@ -276,20 +276,23 @@ class Attention:
         """The decode rows' new keys and values, written as stored in one launch for every
         row whose cache lets the Triton kernel write it (a static step's caches, all of one
         kind), their sinks turned into the frame by the same launch; the others write
-        their own. Returns the ids of the caches written."""
+        their own. Returns the indices in `rows` of those written: positions, not the
+        caches' ids, which a compiled step would guard on, compiling again for each new set
+        of sequences in a batch."""
         writable = [
-            (span, cache)
-            for span, cache, _ in rows
+            (index, span, cache)
+            for index, (span, cache, _) in enumerate(rows)
             if span.kind is RowKind.DECODE
             and span.count == 1
             and getattr(cache, "kernel_writes", False)
         ]
-        if len(writable) < 2 or len({(kernel_types(c), c.sinks) for _, c in writable}) > 1:
+        if len(writable) < 2 or len({(kernel_types(c), c.sinks) for *_, c in writable}) > 1:
             return set()
-        picked = [span.first for span, _ in writable]
+        picked = [span.first for _, span, _ in writable]
         new_keys = qk[self.n_heads :, picked].transpose(0, 1)
-        write_static_rows([cache for _, cache in writable], new_keys, v[:, picked].transpose(0, 1))
-        return {id(cache) for _, cache in writable}
+        caches = [cache for *_, cache in writable]
+        write_static_rows(caches, new_keys, v[:, picked].transpose(0, 1))
+        return {index for index, *_ in writable}
 
     def _attend_rows(self, qk, v, cache: Cache, masks: RowMasks) -> torch.Tensor:
         """One token at a time, exactly as decoding would: a batched attention call rounds
@@ -333,11 +336,13 @@ class Attention:
         return out
 
 
-def _kernel_rows(rows: list, heads: torch.Tensor) -> list[StoredRow] | None:
+def _kernel_rows(rows: list, heads: torch.Tensor) -> tuple[list[StoredRow], list[Cache]] | None:
     """Each query row's (keys, values, mask, cache) where a static step's rows all go to
     the Triton kernels (see Attention._attend_in_kernels), pass row r being row r:
-    sequences of one decode row each, or one sequence's rows under a mask row each. None
-    otherwise."""
+    sequences of one decode row each, or one sequence's rows under a mask row each; and
+    the caches that take the new keys, each once. None otherwise. (Told apart by the rows'
+    layout, not by the caches' ids, which a compiled step would guard on: it would compile
+    again for each new set of sequences in a batch.)"""
     if not all(getattr(cache, "kernel_writes", False) for _, cache, _ in rows):
         return None
     if len({(kernel_types(cache), cache.sinks) for _, cache, _ in rows}) > 1:
@@ -347,16 +352,17 @@ def _kernel_rows(rows: list, heads: torch.Tensor) -> list[StoredRow] | None:
         if span.first != 0 or not isinstance(masks, torch.Tensor):
             return None
         masks = masks.to(heads.device)
-        return [(*cache.stored(), masks[r : r + 1], cache) for r in range(span.count)]
+        return [(*cache.stored(), masks[r : r + 1], cache) for r in range(span.count)], [cache]
     if not all(
         span.kind is RowKind.DECODE and span.count == 1 and span.first == row
         for row, (span, _, _) in enumerate(rows)
     ):
         return None
-    return [
+    stored = [
         (*cache.stored(), None if mask is None else mask.to(heads.device), cache)
         for _, cache, mask in rows
     ]
+    return stored, [cache for _, cache, _ in rows]
 
 
 def _observe(cache: Cache, queries: torch.Tensor, scale: float) -> None:

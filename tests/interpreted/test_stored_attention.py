@@ -24,6 +24,7 @@ from miniapp.engine.models.attention_backends import (
 from miniapp.engine.models.static_step import StaticDecodeStep, StaticVerifyStep
 from miniapp.engine.ops import stored_attention as kernel
 from miniapp.engine.ops.layers import Rope, apply_rope
+from miniapp.engine.platform.graphs import CompiledStep
 
 CPU = torch.device("cpu")
 LENGTHS = [5, 300, 129]  # one split, three splits and a ragged one, one row each
@@ -513,3 +514,26 @@ def test_verification_over_q8_caches_with_sinks_is_its_decode_steps_bit_for_bit(
     assert torch.equal(got, want)
     for a, b in zip(stepped, verified, strict=True):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_a_compiled_q8_batch_step_over_new_sequences_reuses_its_compiled_code(model, monkeypatch):
+    # The kernels' path through a batched step: clients come and go, and each new set of
+    # sequences is a step over other caches. Told apart by their ids, the caches would
+    # make torch compile the bucket's step again for every set (seconds on a GPU's host
+    # while every client waits).
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    policy = CachePolicy(ctx=64, sinks=4, window=40, kv_type=Q8)
+    monkeypatch.setenv("MINIAPP_STORED_ATTENTION", "0")  # the prompts by torch: quicker here
+    sets = [[_prefilled(model, policy, n) for n in (10, 47)] for _ in range(2)]
+    monkeypatch.delenv("MINIAPP_STORED_ATTENTION")
+    for sequences in sets:
+        step = StaticDecodeStep(model, batch=sequences, runner=lambda body: CompiledStep(body))
+        with torch.inference_mode():
+            step.step([5, 9])
+        (run,) = step._runs.values()
+        assert run.ran and run.compiled is not None  # compiled, not fallen back
+    assert counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
