@@ -15,7 +15,7 @@ different kernel layouts make one product, as on a GPU (layers.one_product_acros
 draws the token on the device. `--verify ROWS`: also speculative verification's step over
 ROWS rows ([pending, *drafts]): its ops as a GPU captures them until that row count is in
 use, and its kernels once compiled. `--batch N`: the same for a batched decode step of N
-sequences, padded to its bucket of rows as the model runner pads it. `--host`: the host's
+sequences. `--host`: the host's
 own time a step (cache bookkeeping, staging the inputs), the step's body skipped: on a GPU
 it stands between two steps. Compiling a 30-layer model takes one to two minutes on two
 cores.
@@ -48,9 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-type", default="f32", help="the caches' type (a GPU's default: bf16)")
     parser.add_argument("--sampled", action="store_true", help="the step that draws tokens")
     parser.add_argument("--verify", type=int, default=0, help="rows of a verification step")
-    parser.add_argument(
-        "--batch", type=int, default=0, help="sequences of a batched step (padded to its bucket)"
-    )
+    parser.add_argument("--batch", type=int, default=0, help="sequences of a batched step")
     parser.add_argument("--names", action="store_true", help="list the generated kernels")
     parser.add_argument(
         "--host",
@@ -191,12 +189,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _batched_host(args, model, prefilled) -> None:
-    """The host's time a batched decode step of `args.batch` sequences (the body skipped),
-    padded as the model runner pads it."""
-    from miniapp.engine.models.static_step import StaticDecodeStep, batch_bucket
+    """The host's time a batched decode step of `args.batch` sequences (the body
+    skipped)."""
+    from miniapp.engine.models.static_step import StaticDecodeStep
 
     sequences = [prefilled(extra=row * args.apart).sequences[0] for row in range(args.batch)]
-    sequences += sequences[-1:] * (batch_bucket(args.batch) - args.batch)
     skipped = StaticDecodeStep(model, runner=lambda body: lambda: None, batch=sequences)
     tokens = [5] * args.batch
     where = f", {args.apart} tokens apart" if args.apart else ""
@@ -204,18 +201,17 @@ def _batched_host(args, model, prefilled) -> None:
 
 
 def _count_batched(args, model, prefilled, ops_counter) -> None:
-    """A batched decode step of `args.batch` sequences, padded as the model runner pads it:
-    its ops as written, and its kernels compiled (as a bucket in use is)."""
+    """A batched decode step of `args.batch` sequences: its ops as written, and its kernels
+    compiled (as a row count in use is)."""
     import torch
     import torch._inductor.config as inductor
     from torch.profiler import ProfilerActivity, profile
 
-    from miniapp.engine.models.static_step import StaticDecodeStep, batch_bucket
+    from miniapp.engine.models.static_step import StaticDecodeStep
     from miniapp.engine.platform.graphs import CompiledStep
 
     def batch(runner):
         sequences = [prefilled().sequences[0] for _ in range(args.batch)]
-        sequences += sequences[-1:] * (batch_bucket(args.batch) - args.batch)
         return StaticDecodeStep(model, runner=runner, batch=sequences)
 
     tokens, layers = [5] * args.batch, model.config.n_layers
@@ -224,10 +220,7 @@ def _count_batched(args, model, prefilled, ops_counter) -> None:
     counter = ops_counter()
     written = batch(lambda body: lambda: _watched(counter, body))
     ops = _ops_of_second(counter, lambda token: written.step([token] * args.batch))
-    rows = len(written.sequences)
-    print(
-        f"batch of {args.batch} ({rows} rows), as written: {ops} ops ({ops / layers:.1f} a layer)"
-    )
+    print(f"batch of {args.batch}, as written: {ops} ops ({ops / layers:.1f} a layer)")
     started = time.perf_counter()
     with inductor.patch({"cpp.enable_kernel_profile": True}):
         compiled = batch(lambda body: CompiledStep(body, "a batched step"))

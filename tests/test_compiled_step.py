@@ -217,11 +217,11 @@ def test_a_verification_step_compiles_once_its_row_count_is_in_use():
     torch._dynamo.reset()
 
 
-def test_a_batched_step_compiles_once_its_bucket_of_rows_is_in_use():
-    # Its attention is unrolled per row, so each bucket of rows is a compilation of its own
-    # (while every client waits): a bucket a client's arrival only passes through stays
-    # captured as written. The count is the bucket's, across the steps of it (the sets of
-    # sequences batched together change as clients come and go).
+def test_a_batched_step_compiles_once_its_row_count_is_in_use():
+    # Its attention is unrolled per row, so each row count is a compilation of its own
+    # (while every client waits): a count a client's arrival only passes through stays
+    # captured as written. The count of steps is the row count's, across the steps of it
+    # (the sets of sequences batched together change as clients come and go).
     torch._dynamo.reset()
     captured = []
 
@@ -238,7 +238,7 @@ def test_a_batched_step_compiles_once_its_bucket_of_rows_is_in_use():
     first = batched_runner(runner, 4)(body)
     for _ in range(BATCH_COMPILE_AFTER):
         first()
-    batched_runner(runner, 8)(body)()  # another bucket: counted apart
+    batched_runner(runner, 8)(body)()  # another row count: counted apart
     assert captured == [body, body]
     second = batched_runner(runner, 4)(body)  # another set of four sequences
     second()
@@ -251,22 +251,21 @@ def test_a_batched_step_compiles_once_its_bucket_of_rows_is_in_use():
 
 
 def test_a_compiled_batched_step_gives_the_as_written_rows_in_fewer_kernels(model):
-    # Two sequences and the second's row repeated (the bucket of three): compiled, the
-    # step gives the rows the step as written gives, and a row beyond the first costs a
-    # few kernels a layer (its own attention call and the kernels around it), not the
-    # seventeen ops a layer it dispatches as written.
+    # Three sequences: compiled, the step gives the rows the step as written gives, and a
+    # row beyond the first costs a few kernels a layer (its own attention call and the
+    # kernels around it), not the seventeen ops a layer it dispatches as written.
     torch._dynamo.reset()
-    sequences = [_prefilled(model), _prefilled(model)]
-    twins = [_prefilled(model), _prefilled(model)]
-    written = StaticDecodeStep(model, batch=sequences + sequences[-1:])
+    sequences = [_prefilled(model) for _ in range(3)]
+    twins = [_prefilled(model) for _ in range(3)]
+    written = StaticDecodeStep(model, batch=sequences)
     compiled = StaticDecodeStep(
-        model, batch=twins + twins[-1:], runner=lambda body: CompiledStep(body, "a batch")
+        model, batch=twins, runner=lambda body: CompiledStep(body, "a batch")
     )
-    tokens = [PROMPT[-1], 40]
+    tokens = [PROMPT[-1], 40, 41]
     with torch.inference_mode():
         for _ in range(STEPS):
             want, got = written.step(tokens), compiled.step(tokens)
-            assert got.shape == (2, model.config.vocab_size)
+            assert got.shape == (3, model.config.vocab_size)
             assert (got - want).abs().max() < 1e-4
             assert torch.equal(got.argmax(-1), want.argmax(-1))
             tokens = want.argmax(-1).tolist()
@@ -292,9 +291,7 @@ def test_a_batched_step_over_a_new_set_of_sequences_reuses_the_compiled_code(mod
     tokens = [PROMPT[-1], 40]
     for _ in range(3):
         sequences = [_prefilled(model), _prefilled(model)]
-        step = StaticDecodeStep(
-            model, batch=sequences + sequences[-1:], runner=lambda body: CompiledStep(body)
-        )
+        step = StaticDecodeStep(model, batch=sequences, runner=lambda body: CompiledStep(body))
         with torch.inference_mode():
             step.step(tokens)
         (run,) = step._runs.values()

@@ -10,9 +10,10 @@ is how rows reach the device:
 - several go through one batched pass, each over its own caches;
 - decode rows, on a device that replays graphs, go through a fixed-shape step
   (models/static_step.py): a sequence alone through the one built over its caches and kept
-  with them, several through one built over all their caches, padded to a power of two
-  rows (`_padded_to_bucket`). There the step can also draw the rows' tokens
-  (`sample_decode`), so that only their ids come back from the device.
+  with them, several through one built over all their caches, one row each (padding a
+  batch to a bucket of rows with repeated sequences would save no compilation: torch
+  compiles a padded batch apart from a full one). There the step can also draw the rows'
+  tokens (`sample_decode`), so that only their ids come back from the device.
 
 Every row comes out as a decode step of its sequence alone would compute it (prompt chunks
 take the exact-rows path), so a sequence's tokens do not depend on how its prompt was
@@ -37,7 +38,6 @@ from ..models.static_step import (
     DrawnTokens,
     StaticDecodeStep,
     StaticVerifyStep,
-    batch_bucket,
     static_step_unsupported,
 )
 from ..platform.graphs import Runner, batched_runner, verifying_runner
@@ -269,15 +269,16 @@ class ModelRunner:
             return None
         if any(caches.lora is not None for caches in sequences):
             return None  # adapters run eagerly (no captured graph holds them)
-        padded = _padded_to_bucket(sequences)
-        key = tuple(id(caches) for caches in padded)
+        key = tuple(id(caches) for caches in sequences)
         step = self._batch_steps.pop(key, None)
-        same = step is not None and all(a is b for a, b in zip(step.sequences, padded, strict=True))
+        same = step is not None and all(
+            a is b for a, b in zip(step.sequences, sequences, strict=True)
+        )
         if not same or step.model is not self.model:
             if any(self._static_step(caches) is None for caches in sequences):
                 return None  # the caches cannot take fixed-shape steps (the reason is noted)
-            runner = batched_runner(self.graphs, len(padded))
-            step = StaticDecodeStep(self.model, runner=runner, batch=padded)
+            runner = batched_runner(self.graphs, len(sequences))
+            step = StaticDecodeStep(self.model, runner=runner, batch=sequences)
         self._batch_steps[key] = step  # most recent last
         while len(self._batch_steps) > BATCH_STEPS_KEPT:
             del self._batch_steps[next(iter(self._batch_steps))]
@@ -346,15 +347,6 @@ def _grammar_mask(
     mask = torch.zeros(vocab, dtype=torch.bool)
     mask[: len(allowed)] = allowed
     return mask
-
-
-def _padded_to_bucket(sequences: list[list[Cache]]) -> list[list[Cache]]:
-    """A batch's sequences, the last repeated up to a power of two (`batch_bucket`): the
-    batched step's graph, and its compilation, then serve every batch of that bucket. Not
-    over q4 keys in tiles, which a repeated row cannot read."""
-    if sequences[0][0].key_codec.tiled:
-        return sequences
-    return sequences + sequences[-1:] * (batch_bucket(len(sequences)) - len(sequences))
 
 
 def _first_line(exc: BaseException) -> str:

@@ -60,12 +60,6 @@ def span_bucket(needed: int, full: int) -> int:
     return min(span, full)
 
 
-def batch_bucket(rows: int) -> int:
-    """The rows a batched step of `rows` sequences takes: a power of two, so that a server's
-    changing batches go through few graphs (runner.py pads them with a repeated row)."""
-    return 1 << max(rows - 1, 0).bit_length()
-
-
 class _TileRows:
     """For q4 keys in tiles (engine/kv/key_tiles.py), which fp32 rows a step uses, as one int64
     device buffer filled from the host: the row of `KeyTiles.recent` its key goes to, then
@@ -178,13 +172,9 @@ class _KindInputs:
 class _StaticCacheView:
     """A cache as the static step sees it: `update_and_fetch` writes at the slot held in a
     device tensor and returns the first `length` slots of its span (q4 keys in tiles: as
-    fp32, decoded the way a decode step reads them). `writes=False`: a batch's repeated row,
-    which reads what its sequence's own row wrote."""
+    fp32, decoded the way a decode step reads them)."""
 
-    def __init__(self, cache: StaticCache, inputs: _KindInputs, length: int, writes: bool = True):
-        if not writes and cache.key_codec.tiled:
-            raise ValueError("a repeated row cannot read q4 keys in tiles")
-        self.writes = writes
+    def __init__(self, cache: StaticCache, inputs: _KindInputs, length: int):
         self.keys, self.values = cache.keys, cache.values
         self.key_codec, self.value_codec = cache.key_codec, cache.value_codec
         self.inputs = inputs
@@ -199,8 +189,7 @@ class _StaticCacheView:
         # kernels a layer. 16-bit rows stay with torch, whose RoPE, cast and copy fuse into
         # one kernel: through the write kernel a SmolLM2 step counts the same 274 kernels.
         self.kernel_writes = (
-            writes
-            and self.key_tiles is None
+            self.key_tiles is None
             and (cache.key_codec.rotated or cache.value_codec.rotated)
             and stored_attention_runs(self.keys.device)
             and kernel_takes_heads(self.key_codec.head_dim)
@@ -216,8 +205,6 @@ class _StaticCacheView:
         rows', by the kernels."""
         inputs, codec = self.inputs, self.key_codec
         values = self.values[:, :, self.start : self.stop]
-        if not self.writes:
-            return self.stored()
         if self.kernel_writes:
             if not written:
                 write_static_rows([self], k[0].transpose(0, 1), v[0].transpose(0, 1))
@@ -276,11 +263,11 @@ class DrawnTokens:
         self.step, self._host_ids, self._ready = step, host_ids, ready
 
     def ids(self) -> list[int]:
-        """One id a fed sequence (the repeats that pad a batch left out)."""
+        """One id a sequence."""
         if self._ready is not None:
             self._ready.synchronize()
             self._ready = None
-        return self._host_ids[: self.step.fed].tolist()
+        return self._host_ids.tolist()
 
 
 def _row(tables: RopeTables, row: int) -> RopeTables:
@@ -305,11 +292,12 @@ class StaticDecodeStep:
     `batch`: the caches of several sequences instead, one token each a step (the
     scheduler's decode rows): their rows share every matmul and each attends its own caches,
     through the same layer loop continuous batching uses; a step then takes one token per
-    sequence, in order, and returns one row of logits each. The batch may end with repeats
-    of its last sequence, which pad it to a bucket of rows (one graph, and one compilation,
-    serves every batch of that bucket): a repeated row reads its sequence's caches but
-    writes nothing, and callers feed and get back only the sequences before the repeats
-    (`fed`)."""
+    sequence, in order, and returns one row of logits each. Each sequence once: a batch
+    padded to a bucket of rows by repeating a sequence would still compile apart from a
+    full one (torch guards on which rows share tensors), so batches are not padded."""
+
+    # Whether rows may share caches (a verification's rows are one sequence's tokens).
+    rows_share_caches = False
 
     def __init__(
         self,
@@ -323,13 +311,11 @@ class StaticDecodeStep:
             reason = static_step_unsupported(model, one)
             if reason is not None:
                 raise ValueError(reason)
+        if not self.rows_share_caches and len({id(one) for one in sequences}) < len(sequences):
+            raise ValueError("a sequence can take only one row of a batched step")
         self.model, self.runner = model, runner
         self.sequences = sequences
         self.batched = batch is not None
-        # Each row's first row over the same caches: itself, or for a repeat the row whose
-        # bookkeeping and writes it shares.
-        self._first_row = self._first_rows(sequences)
-        self.fed = sum(first == row for row, first in enumerate(self._first_row))
         self.device = model.head_device
         config = model.config
         self._local = [config.is_local(i) for i in range(config.n_layers)]
@@ -378,25 +364,13 @@ class StaticDecodeStep:
             for layers in self._layers_of_kind.values()
         ]
         self._kind_firsts = [
-            one[layers[0]]
-            for row, one in enumerate(sequences)
-            if self._first_row[row] == row
-            for layers in self._layers_of_kind.values()
+            one[layers[0]] for one in sequences for layers in self._layers_of_kind.values()
         ]
         # (span lengths, sampled) -> the step built for them (a graph, on a GPU)
         self._runs: dict[tuple[tuple[int, ...], bool], Callable[[], None]] = {}
         self._frames_written: dict[int, int] = {}  # sink rotation buffer -> its frame
         self.replays = 0  # steps taken (tests count them against captures)
         self.draws = 0  # of which drew their tokens on the device
-
-    @staticmethod
-    def _first_rows(sequences: list[list[Cache]]) -> list[int]:
-        firsts: dict[int, int] = {}
-        rows = [firsts.setdefault(id(one), row) for row, one in enumerate(sequences)]
-        fed = len(firsts)
-        if rows[fed:] != [fed - 1] * (len(rows) - fed):
-            raise ValueError("only the batch's last sequence may repeat, at its end")
-        return rows
 
     def _staged_bytes(self) -> int:
         """Room for every staged input (`_Staging`): the token ids, each kind's RoPE tables
@@ -468,14 +442,14 @@ class StaticDecodeStep:
     def step(self, tokens: list[int]) -> torch.Tensor:
         """Feed one token to each sequence; returns fp32 logits [sequences, vocab] on the
         CPU."""
-        self._run_step(self._padded(tokens), sampled=False)
-        return self.logits[: self.fed].to(CPU, copy=True)  # overwritten next step
+        self._run_step(self._one_each(tokens), sampled=False)
+        return self.logits.to(CPU, copy=True)  # overwritten next step
 
-    def _padded(self, values: list) -> list:
-        """One value a row, from one a fed sequence: the repeats take their sequence's."""
-        if len(values) != self.fed:
-            raise ValueError(f"{len(values)} values for {self.fed} sequences")
-        return values + values[-1:] * (len(self.sequences) - self.fed)
+    def _one_each(self, values: list) -> list:
+        """`values`, checked to hold one a sequence."""
+        if len(values) != len(self.sequences):
+            raise ValueError(f"{len(values)} values for {len(self.sequences)} sequences")
+        return values
 
     def sampled(
         self, tokens: list[int], settings: SamplingTensors, uniforms: list[float]
@@ -496,11 +470,10 @@ class StaticDecodeStep:
         if self._sampling is None:
             rows, vocab = self.logits.shape
             self._sampling = SamplingTensors.buffers(rows, vocab, self.device, self._scalars)
-        settings = settings.repeating_last(len(self.sequences))
         self._sampling.fill_(settings, scalars=False)  # the scalars go with the staged inputs
         self._host_scalars.copy_(settings.scalars)
-        self._host_uniforms.copy_(torch.tensor(self._padded(uniforms), dtype=torch.float32))
-        self._run_step(None if tokens is None else self._padded(tokens), sampled=True)
+        self._host_uniforms.copy_(torch.tensor(self._one_each(uniforms), dtype=torch.float32))
+        self._run_step(None if tokens is None else self._one_each(tokens), sampled=True)
         self.draws += 1
         host_ids = self._host_chosen[self.draws % 2]
         host_ids.copy_(self.chosen, non_blocking=True)
@@ -516,8 +489,8 @@ class StaticDecodeStep:
             if done is not None:
                 done.synchronize()
         finally:
-            for row, one in enumerate(self.sequences):
-                for cache in one if self._first_row[row] == row else ():
+            for one in self.sequences:
+                for cache in one:
                     cache.trim(1)
 
     def _run_step(self, tokens: list[int] | None, sampled: bool) -> None:
@@ -529,13 +502,9 @@ class StaticDecodeStep:
             self._host_tokens.copy_(torch.tensor(tokens))
         written: list[Callable[[], None]] = []
         lengths = []
-        advanced: dict[tuple[int, bool], tuple[StaticStep, int]] = {}
-        for row, (inputs, one) in enumerate(zip(self.inputs, self.sequences, strict=True)):
-            first = self._first_row[row]
+        for inputs, one in zip(self.inputs, self.sequences, strict=True):
             for kind, layers in self._layers_of_kind.items():
-                if first == row:
-                    advanced[row, kind] = self._advance_kind(one, layers, written)
-                step, span = advanced[first, kind]
+                step, span = self._advance_kind(one, layers, written)
                 self._write_inputs(inputs[kind], step, one[layers[0]])
                 lengths.append(span)
         spans = self._shared_spans(lengths) if self.batched else tuple(lengths)
@@ -549,8 +518,8 @@ class StaticDecodeStep:
             for encode_tile in written:  # q4 keys: the tiles this step's keys completed
                 encode_tile()
         except BaseException:
-            for row, one in enumerate(self.sequences):  # as if the tokens had never come
-                for cache in one if self._first_row[row] == row else ():
+            for one in self.sequences:  # as if the tokens had never come
+                for cache in one:
                     cache.trim(1)
             raise
 
@@ -607,12 +576,10 @@ class StaticDecodeStep:
         ]
         views = [
             [
-                _StaticCacheView(cache, inputs[kind], span[kind], writes=first == row)
+                _StaticCacheView(cache, inputs[kind], span[kind])
                 for cache, kind in zip(one, self._local, strict=True)
             ]
-            for row, (one, inputs, span, first) in enumerate(
-                zip(self.sequences, self.inputs, spans, self._first_row, strict=True)
-            )
+            for one, inputs, span in zip(self.sequences, self.inputs, spans, strict=True)
         ]
         # One decode row a sequence, as a batched pass of one token each would have them.
         metadata = PassMetadata(
@@ -678,9 +645,7 @@ class StaticVerifyStep(StaticDecodeStep):
     def rows(self) -> int:
         return len(self.sequences)
 
-    @staticmethod
-    def _first_rows(sequences: list[list[Cache]]) -> list[int]:
-        return list(range(len(sequences)))  # every row a token of its own
+    rows_share_caches = True  # every row a token of its own, over the same caches
 
     @property
     def caches(self) -> list[Cache]:

@@ -69,9 +69,10 @@ COMPILED_VARIANTS = 64
 # count's step is compiled: a drafter tries many counts once or twice, and each is a
 # compilation of its own (tens of seconds, once a machine: inductor keeps the kernels).
 VERIFY_COMPILE_AFTER = 16
-# The same for batched decode steps of one bucket of rows (models/static_step.py pads a
-# batch to a power of two): a bucket in use for this many steps - under a second of
-# serving - is compiled, one that a client's arrival or departure only passes through is not.
+# The same for batched decode steps of one row count: a count in use for this many steps -
+# under a second of serving - is compiled, one that a client's arrival or departure only
+# passes through is not. Each count compiles once: a new set of sequences of that count
+# reuses the code.
 BATCH_COMPILE_AFTER = 64
 
 
@@ -83,8 +84,8 @@ class compiled_runner:  # noqa: N801 - used as a function: runner = compiled_run
     symbolic, when the chat reaches its second span bucket (torch's automatic dynamic
     shapes; every later bucket reuses it). A new chat's step over other caches reuses the
     compiled code too. Batched steps (`batching`) unroll their attention per row, so each
-    bucket of rows is a compilation of its own (a minute or more, while every client
-    waits): a bucket is compiled once it is in use, and captured as written until then."""
+    row count is a compilation of its own (a minute or more, while every client waits):
+    a count is compiled once it is in use, and captured as written until then."""
 
     def __init__(self, capture: Runner = eager_runner):
         self.capture = capture
@@ -97,9 +98,9 @@ class compiled_runner:  # noqa: N801 - used as a function: runner = compiled_run
         return self.capture(CompiledStep(body))
 
     def batching(self, rows: int) -> Runner:
-        """The runner of batched decode steps of `rows` rows: compiled once that bucket has
-        run `BATCH_COMPILE_AFTER` steps, by any step of it (the sets of sequences batched
-        together change as clients come and go)."""
+        """The runner of batched decode steps of `rows` rows: compiled once that row count
+        has run `BATCH_COMPILE_AFTER` steps, by any step of it (the sets of sequences
+        batched together change as clients come and go)."""
         return lambda body: _CompiledOnceHot(
             body, self.capture, self.batches, rows, BATCH_COMPILE_AFTER, "a batched step"
         )

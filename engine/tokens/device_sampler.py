@@ -85,21 +85,6 @@ class SamplingTensors:
             allowed=None if allowed is None else allowed.to(device=device, dtype=torch.bool),
         )
 
-    def repeating_last(self, rows: int) -> SamplingTensors:
-        """These settings for `rows` rows, the last row repeated to fill them (a batch
-        padded to its bucket of rows)."""
-        extra = rows - self.scalars.shape[1]
-        if extra == 0:
-            return self
-
-        def padded(rows_first: torch.Tensor | None) -> torch.Tensor | None:
-            if rows_first is None:
-                return None
-            return torch.cat([rows_first, rows_first[-1:].expand(extra, -1)])
-
-        scalars = torch.cat([self.scalars, self.scalars[:, -1:].expand(-1, extra)], dim=1)
-        return SamplingTensors(scalars, padded(self.counts), padded(self.allowed))
-
     @classmethod
     def buffers(
         cls,
