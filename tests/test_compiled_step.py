@@ -280,23 +280,40 @@ def test_a_compiled_batched_step_gives_the_as_written_rows_in_fewer_kernels(mode
     torch._dynamo.reset()
 
 
-def test_a_batched_step_over_a_new_set_of_sequences_reuses_the_compiled_code(model):
-    # Clients come and go, and each new set of sequences in a bucket is a new step over
-    # other caches: compiling it again (seconds on a GPU's host, while every client waits,
-    # and torch stops compiling after COMPILED_VARIANTS) would undo the bucket's compile.
+def test_a_server_compiles_each_row_count_once_as_clients_come_and_go(model, monkeypatch):
+    # Waves of three clients through the scheduler, greedy and sampled answers mixed,
+    # ending one after another: every row count from three down to one. Each wave's
+    # clients end in another order, so that its batches are other sets of caches. After
+    # the first wave every step the later waves take is one already compiled (a
+    # compilation is a stall of seconds to minutes on a GPU's host, and torch stops
+    # compiling after COMPILED_VARIANTS).
     from torch._dynamo.utils import counters
 
+    from miniapp.engine.batching.runner import ModelRunner
+    from miniapp.engine.batching.scheduler import BatchConfig, BatchScheduler
+    from miniapp.engine.platform import graphs
+    from miniapp.engine.tokens.sampling import GREEDY
+
+    monkeypatch.setattr(graphs, "BATCH_COMPILE_AFTER", 2)
     torch._dynamo.reset()
     counters.clear()
-    tokens = [PROMPT[-1], 40]
-    for _ in range(3):
-        sequences = [_prefilled(model), _prefilled(model)]
-        step = StaticDecodeStep(model, batch=sequences, runner=lambda body: CompiledStep(body))
-        with torch.inference_mode():
-            step.step(tokens)
-        (run,) = step._runs.values()
-        assert run.ran
-    assert counters["stats"]["unique_graphs"] == 1
+    policy = CachePolicy(ctx=128)
+    runner = ModelRunner(model, policy, graphs=compiled_runner())
+    scheduler = BatchScheduler(model, policy, BatchConfig(slots=3), runner=runner)
+    params = [GREEDY, SamplingParams(temperature=0.8, top_p=0.9)]
+    params.append(SamplingParams(temperature=1.0, top_k=20, repeat_penalty=1.1))
+    graphs_after = []
+    for wave in range(3):
+        prompts = [[1, *range(3 + 7 * wave + i, 20 + 5 * i)] for i in range(3)]
+        streams = [
+            scheduler.submit(prompt, settings, 12 + 4 * ((i + wave) % 3))
+            for i, (prompt, settings) in enumerate(zip(prompts, params, strict=True))
+        ]
+        for stream in streams:
+            assert len(list(stream)) > 0
+        graphs_after.append(counters["stats"]["unique_graphs"])
+    assert graphs_after[0] >= 3  # the lone step and the batches of 2 and 3 rows
+    assert graphs_after[2] == graphs_after[0]
     torch._dynamo.reset()
 
 
