@@ -15,10 +15,10 @@ different kernel layouts make one product, as on a GPU (layers.one_product_acros
 draws the token on the device. `--verify ROWS`: also speculative verification's step over
 ROWS rows ([pending, *drafts]): its ops as a GPU captures them until that row count is in
 use, and its kernels once compiled. `--batch N`: the same for a batched decode step of N
-sequences. `--host`: the host's
-own time a step (cache bookkeeping, staging the inputs), the step's body skipped: on a GPU
-it stands between two steps. Compiling a 30-layer model takes one to two minutes on two
-cores.
+sequences, and the time a step of N other sequences then takes to start (clients come and
+go: it reuses the compiled code). `--host`: the host's own time a step (cache bookkeeping,
+staging the inputs), the step's body skipped: on a GPU it stands between two steps.
+Compiling a 30-layer model takes one to two minutes on two cores.
 
 Where Triton's interpreter runs (`TRITON_INTERPRET=1 PYTHONPATH=.venv/triton`), attention
 goes through our Triton kernel over the stored cache, as on a GPU whose torch brings Triton
@@ -229,6 +229,13 @@ def _count_batched(args, model, prefilled, ops_counter) -> None:
             print(f"compiled in {time.perf_counter() - started:.0f} s")
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 compiled.step(tokens)
+        # Clients come and go: the same count over other sequences' caches reuses the
+        # compiled code (the first step of it only checks torch's guards).
+        started = time.perf_counter()
+        other = batch(lambda body: CompiledStep(body, "a batched step"))
+        with torch.inference_mode():
+            other.step(tokens)
+        print(f"the same count over new sequences: {time.perf_counter() - started:.1f} s")
     kernels = sum(_launched(prof).values())
     print(f"batch of {args.batch}, compiled: {kernels} kernels ({kernels / layers:.1f} a layer)")
 
