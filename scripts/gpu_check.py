@@ -373,8 +373,8 @@ def _serving(model: Path, args, probe) -> dict:
     row: dict = {"engine": "miniapp (torch)", "decode_step": runtime.decode_step_note}
     for batch in BATCHES:
         prompts = [_random_prompt(vocab, 64, seed) for seed in range(batch)]
-        # Past the steps after which a bucket's step is compiled, which is not timed: a
-        # server compiles each bucket once.
+        # Past the steps after which a row count's step is compiled, which is not timed: a
+        # server compiles each row count once.
         _together(runtime, prompts, BATCH_COMPILE_AFTER + 8)
         speeds = [_together(runtime, prompts, args.tokens) for _ in range(args.runs)]
         row[f"tok_s_batch_{batch}"] = statistics.median(speeds)
