@@ -286,11 +286,11 @@ class Attention:
             and span.count == 1
             and getattr(cache, "kernel_writes", False)
         ]
-        if len(writable) < 2 or len({(kernel_types(c), c.sinks) for *_, c in writable}) > 1:
+        caches = [cache for *_, cache in writable]
+        if len(writable) < 2 or not _of_one_kind(caches):
             return set()
         picked = [span.first for _, span, _ in writable]
         new_keys = qk[self.n_heads :, picked].transpose(0, 1)
-        caches = [cache for *_, cache in writable]
         write_static_rows(caches, new_keys, v[:, picked].transpose(0, 1))
         return {index for index, *_ in writable}
 
@@ -343,9 +343,10 @@ def _kernel_rows(rows: list, heads: torch.Tensor) -> tuple[list[StoredRow], list
     the caches that take the new keys, each once. None otherwise. (Told apart by the rows'
     layout, not by the caches' ids, which a compiled step would guard on: it would compile
     again for each new set of sequences in a batch.)"""
-    if not all(getattr(cache, "kernel_writes", False) for _, cache, _ in rows):
+    caches = [cache for _, cache, _ in rows]
+    if not all(getattr(cache, "kernel_writes", False) for cache in caches):
         return None
-    if len({(kernel_types(cache), cache.sinks) for _, cache, _ in rows}) > 1:
+    if not _of_one_kind(caches):
         return None
     if len(rows) == 1 and rows[0][0].kind is RowKind.EXACT:
         span, cache, masks = rows[0]
@@ -362,7 +363,13 @@ def _kernel_rows(rows: list, heads: torch.Tensor) -> tuple[list[StoredRow], list
         (*cache.stored(), None if mask is None else mask.to(heads.device), cache)
         for _, cache, mask in rows
     ]
-    return stored, [cache for _, cache, _ in rows]
+    return stored, caches
+
+
+def _of_one_kind(caches: list[Cache]) -> bool:
+    """Whether one launch of the write kernel takes all these caches: one stored type
+    and one number of sinks."""
+    return len({(kernel_types(cache), cache.sinks) for cache in caches}) == 1
 
 
 def _observe(cache: Cache, queries: torch.Tensor, scale: float) -> None:

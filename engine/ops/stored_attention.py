@@ -53,6 +53,7 @@ def attention_block(head_dim: int) -> int:
 
 QUANTIZED = 3  # type codes from here on (q8, q4) are stored rotated
 TABLE_COLUMNS = 6  # key address, value address, key head stride, value head stride, mask, length
+_TABLE_COLUMNS = tl.constexpr(TABLE_COLUMNS)  # as a kernel reads it
 # write_stored's entries: key and value addresses and head strides, the slot's address, the
 # sinks' shift (cos and signed sin addresses, 0 without sinks), one unused.
 WRITE_COLUMNS = 8
@@ -150,7 +151,7 @@ def _split_partials(
     ROTARY: tl.constexpr,
 ):
     row, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    entry = table + row * 6
+    entry = table + row * _TABLE_COLUMNS
     keys, values = _head_start(entry, 0, kv_head), _head_start(entry, 1, kv_head)
     mask_at = tl.load(entry + 4)
     length = tl.load(entry + 5)
